@@ -1,0 +1,6 @@
+"""Pure tensor codecs: bits in, bits out. No torch.distributed here."""
+
+from .codecs import Codec, Encoded, MinMaxUInt8Codec, SignCodec
+from .kernels import BACKENDS, ENV_VAR
+
+__all__ = ["BACKENDS", "ENV_VAR", "Codec", "Encoded", "MinMaxUInt8Codec", "SignCodec"]

@@ -1,0 +1,56 @@
+"""Kernel backends behind one dispatch.
+
+``torch``  plain-torch reference (any device),
+``numba``  ``njit(parallel=True)`` kernels for CPU tensors,
+``cuda``   numba-cuda kernels for CUDA tensors (zero-copy, on torch's current stream).
+
+``auto`` (the default) picks ``cuda`` for CUDA tensors and ``numba`` for CPU tensors. A
+backend can be forced per codec (``backend=...``) or process-wide with the environment
+variable ``LIGHTNING_ONEBIT_BACKEND``; forcing ``cuda`` on CPU tensors is only meaningful
+under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which is how the CUDA kernels
+are tested on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import ModuleType
+
+import torch
+
+BACKENDS = ("torch", "numba", "cuda")
+ENV_VAR = "LIGHTNING_ONEBIT_BACKEND"
+
+_modules: dict[str, ModuleType] = {}
+_MODULE_NAMES = {"torch": "reference", "numba": "cpu", "cuda": "cuda"}
+
+
+def _load(name: str) -> ModuleType:
+    if name not in _modules:
+        _modules[name] = importlib.import_module(f"{__name__}.{_MODULE_NAMES[name]}")
+    return _modules[name]
+
+
+def cuda_simulated() -> bool:
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
+
+
+def resolve_backend_name(device: torch.device, forced: str | None = None) -> str:
+    name = forced or os.environ.get(ENV_VAR, "auto") or "auto"
+    if name == "auto":
+        return "cuda" if device.type == "cuda" else ("numba" if device.type == "cpu" else "torch")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown compression backend {name!r}; expected 'auto' or one of {BACKENDS}")
+    if name == "numba" and device.type != "cpu":
+        raise ValueError(f"the numba backend runs on CPU tensors, got a tensor on {device}")
+    if name == "cuda" and device.type != "cuda" and not cuda_simulated():
+        raise ValueError(
+            f"the cuda backend needs CUDA tensors (got {device}); set NUMBA_ENABLE_CUDASIM=1 "
+            "before importing numba to run it on CPU tensors under the simulator"
+        )
+    return name
+
+
+def get_backend(device: torch.device, forced: str | None = None) -> ModuleType:
+    return _load(resolve_backend_name(device, forced))
