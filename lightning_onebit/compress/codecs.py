@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import get_backend, resolve_backend_name
+from .kernels import BACKENDS, get_backend
 from .kernels.layout import (
     DIFF,
     ERROR_FEEDBACK,
@@ -113,10 +113,8 @@ class Codec:
                 raise ValueError(f"block_size must be a positive multiple of 8 or None, got {block_size!r}")
         self.block_size = block_size
         self.backend = backend
-        if backend is not None:
-            resolve_backend_name(torch.device("cpu"), None)  # validates the env var early
-            if backend not in ("auto", "torch", "numba", "cuda"):
-                raise ValueError(f"unknown backend {backend!r}")
+        if backend not in (None, "auto", *BACKENDS):
+            raise ValueError(f"unknown compression backend {backend!r}; expected 'auto' or one of {BACKENDS}")
 
     # -- geometry ------------------------------------------------------------------------
     def layout(self, numel: int, nseg: int = 1) -> Layout:

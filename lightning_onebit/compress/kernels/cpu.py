@@ -50,10 +50,10 @@ def _decode_one(kind, codes, scales, row, i, b):
 def _value(kind, mode, use_msg, x, st, mc, ms, r, i, b, seg_len):
     if use_msg:
         nw = mc.shape[0]
-        acc = _F32(0.0)
+        acc = 0.0  # fp64: n large decoded values must not overflow before the division
         for w in range(nw):
-            acc += _decode_one(kind, mc, ms, w, i, b)
-        s = acc / _F32(nw)
+            acc += np.float64(_decode_one(kind, mc, ms, w, i, b))
+        s = _F32(acc / nw)
     else:
         s = x[r * seg_len + i]
     if mode == ERROR_FEEDBACK:

@@ -42,10 +42,10 @@ def _source(layout: Layout, x, msg_codes, msg_scales, kind) -> torch.Tensor:
         return x.view(layout.nseg, layout.seg_len)
     nw = msg_codes.shape[0]
     rows = _decode_rows(kind, Layout(nw, layout.seg_len, layout.block), msg_codes, msg_scales)
-    acc = rows[0].clone()
-    for w in range(1, nw):  # fixed order: every backend sums workers 0..n-1
-        acc += rows[w]
-    return (acc / nw).view(1, layout.seg_len)
+    acc = rows[0].double()
+    for w in range(1, nw):  # fixed order, in fp64: every backend sums workers 0..n-1 like this
+        acc += rows[w].double()
+    return (acc / nw).float().view(1, layout.seg_len)
 
 
 def _value(mode: int, src: torch.Tensor, st: torch.Tensor | None, layout: Layout) -> torch.Tensor:
@@ -92,7 +92,9 @@ def encode(kind, mode, layout: Layout, x, st, msg_codes, msg_scales, scales, cod
         lo = _per_element(scales[..., 0].view(layout.nseg, -1), layout).double()
         hi = _per_element(scales[..., 1].view(layout.nseg, -1), layout).double()
         rng = hi - lo
-        inv = torch.where(rng > 0, 255.0 / rng, torch.zeros_like(rng))
+        # torch's scalar / tensor multiplies by a reciprocal; a tensor / tensor division
+        # rounds like the kernels' 255.0 / rng.
+        inv = torch.where(rng > 0, torch.full_like(rng, 255.0) / rng, torch.zeros_like(rng))
         q = torch.round((v.double() - lo) * inv).clamp_(0, 255)
         codes[:, : layout.seg_len] = q.to(torch.uint8)
         dec = (lo + q * (rng / 255.0)).float()

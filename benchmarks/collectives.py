@@ -1,0 +1,412 @@
+"""Benchmark fp32 ``all_reduce`` against the 1-bit and 8-bit compressed allreduce on emulated slow links.
+
+Why: compression only pays off when the link, not the CPU, is the bottleneck. On this project's
+machines there is no real network, so (DESIGN.md section 8) each node runs in its own network
+namespace behind a ``tc tbf``-shaped veth (``benchmarks/netns_cluster.py``), with one ``torchrun``
+per namespace. For every (nodes, rate, size, method) we report the median wall time per call after
+warm-up, the bytes that actually crossed each node's link per call (interface counters) next to the
+bytes the allreduce object says it sent, and fp32-time / compressed-time ratios. Absolute times on
+shared 2-core machines are noise; compare ratios inside one run.
+
+Usage (as root)::
+
+    python benchmarks/collectives.py --quick                    # ~2 minutes
+    python benchmarks/collectives.py --methods fp32 --nodes 2 --rates 1gbit --sizes 25M
+    python benchmarks/collectives.py --append                   # full grid, appended to RESULTS.md
+
+The same file is the worker: the driver runs it under torchrun with ``--worker``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # so that this file works as a script, as the torchrun worker and imported
+    sys.path.insert(0, str(HERE))
+
+from netns_cluster import EmulatedCluster, cleanup_stale, parse_rate, run_torchrun  # noqa: E402
+
+RESULT_TAG = "LOBRESULT "
+METHODS = ("fp32", "onebit", "int8", "wire1bit")
+COMPRESSED = ("onebit", "int8")
+METHOD_LABEL = {"fp32": "fp32 all_reduce", "onebit": "1-bit EF (SignCodec l2)", "int8": "8-bit (MinMaxUInt8)",
+                "wire1bit": "1-bit bytes only (no codec)"}
+FULL = {"nodes": [2, 4], "rates": ["1gbit", "10gbit"], "sizes": ["1M", "25M", "100M"], "iters": 5,
+        "warmup": 2}
+QUICK = {"nodes": [2], "rates": ["1gbit", "10gbit"], "sizes": ["1M", "25M"], "iters": 3, "warmup": 1}
+
+
+def parse_size(text: str) -> int:
+    """'1M' -> 1_000_000 elements (decimal suffixes k/M/G, so '25M' fp32 is 100 MB)."""
+    text = text.strip()
+    mult = {"k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9}.get(text[-1:], 1)
+    return int(float(text[:-1] if mult != 1 else text) * mult)
+
+
+def fmt_size(numel: int) -> str:
+    """Inverse of ``parse_size`` for table labels."""
+    for suffix, mult in (("G", 10**9), ("M", 10**6), ("k", 10**3)):
+        if numel >= mult and numel % mult == 0:
+            return f"{numel // mult}{suffix}"
+    return str(numel)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# worker side (runs inside a namespace under torchrun)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _read_counter(iface: str, name: str) -> int:
+    """This node's link counter; the worker runs inside its namespace, so sysfs shows its own veth."""
+    with open(f"/sys/class/net/{iface}/statistics/{name}") as f:
+        return int(f.read())
+
+
+def _make_op(method: str, world: int) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
+    """Return (op(x) -> mean, bytes_counter(), description) for ``method``.
+
+    The compressed allreduce is imported lazily so the fp32 path runs even before
+    ``lightning_onebit.comm`` exists.
+    """
+    import torch.distributed as dist
+
+    if method == "fp32":
+        buf: dict[str, Any] = {}
+
+        def fp32(x: Any) -> Any:
+            out = buf.get("out")
+            if out is None or out.numel() != x.numel():
+                out = buf["out"] = x.clone()
+            else:
+                out.copy_(x)
+            dist.all_reduce(out)
+            return out.div_(world)
+
+        # gloo has no byte counter; count what its ring allreduce must send: 2 (n-1)/n * 4 d.
+        sent = {"n": 0}
+
+        def fp32_counted(x: Any) -> Any:
+            sent["n"] += int(2 * (world - 1) / world * 4 * x.numel())
+            return fp32(x)
+
+        return fp32_counted, lambda: sent["n"], "torch.distributed.all_reduce (gloo); counted = ring formula"
+    if method == "wire1bit":
+        return _wire1bit_op(world)
+    from lightning_onebit.comm import CompressedAllreduce
+    from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
+
+    if method == "onebit":
+        car = CompressedAllreduce(SignCodec("l2"), mode="error_feedback", group=None)
+    elif method == "int8":
+        car = CompressedAllreduce(MinMaxUInt8Codec(), mode="plain")
+    else:
+        raise ValueError(f"unknown method {method!r}")
+    return car, lambda: int(car.bytes_sent), repr(car)
+
+
+def _wire1bit_op(world: int) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
+    """The two collectives of the 1-bit scheme on d/8 bytes of uint8, without encoding or decoding.
+
+    A lower bound for the 1-bit allreduce: what is left of its time is codec (CPU) cost. Same
+    pattern as DESIGN section 4: ``all_to_all_single`` of the chunks, then ``all_gather`` of the
+    server chunks (scales omitted: a few bytes).
+    """
+    import torch
+    import torch.distributed as dist
+
+    bufs: dict[str, Any] = {}
+    sent = {"n": 0}
+
+    def op(x: Any) -> Any:
+        chunk = -(-x.numel() // (8 * world))  # bytes per server chunk, rounded up
+        if bufs.get("chunk") != chunk:
+            bufs.update(chunk=chunk, send=torch.zeros(world * chunk, dtype=torch.uint8),
+                        recv=torch.empty(world * chunk, dtype=torch.uint8),
+                        out=torch.empty(world * chunk, dtype=torch.uint8))
+        dist.all_to_all_single(bufs["recv"], bufs["send"])
+        dist.all_gather_into_tensor(bufs["out"], bufs["recv"][:chunk])
+        sent["n"] += 2 * (world - 1) * chunk
+        return bufs["out"]
+
+    return op, lambda: sent["n"], "all_to_all_single + all_gather_into_tensor of d/8 uint8 bytes"
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Time every (size, method) on this cluster; rank 0 prints one JSON line per measurement."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    iface = os.environ["GLOO_SOCKET_IFNAME"]
+    methods = args.methods
+    for numel in [parse_size(s) for s in args.sizes]:
+        gen = torch.Generator().manual_seed(1000 + rank)
+        x = torch.randn(numel, generator=gen)
+        exact = None
+        if any(m in COMPRESSED for m in methods):  # reference mean for the sanity column (untimed)
+            exact = x.clone()
+            dist.all_reduce(exact)
+            exact.div_(world)
+        for method in methods:
+            op, counter, desc = _make_op(method, world)
+            rel_err = float("nan")
+            for i in range(args.warmup):
+                y = op(x)
+                if i == 0 and exact is not None and method in COMPRESSED:  # no error-feedback state yet
+                    rel_err = float((y - exact).norm() / exact.norm())
+            times = []
+            counted0 = counter()
+            # Counter window = whole loop up to a final barrier: a rank's op can return while its last
+            # bytes still sit in its socket buffer / tbf queue (veth counts them only on dequeue), so
+            # per-call windows would undercount. The barriers add a few hundred bytes per iteration.
+            dist.barrier()
+            tx0, rx0 = _read_counter(iface, "tx_bytes"), _read_counter(iface, "rx_bytes")
+            for _ in range(args.iters):
+                dist.barrier()  # start together
+                t0 = time.perf_counter()
+                op(x)
+                times.append(time.perf_counter() - t0)
+            dist.barrier()
+            tx, rx = _read_counter(iface, "tx_bytes") - tx0, _read_counter(iface, "rx_bytes") - rx0
+            counted = counter() - counted0
+            mine = {"times": times, "tx": tx, "rx": rx, "counted": counted, "rel_err": rel_err}
+            everyone: list[Any] = [None] * world
+            dist.all_gather_object(everyone, mine)
+            if rank == 0:
+                # a call is done when the slowest rank is done
+                per_iter = [max(r["times"][i] for r in everyone) for i in range(args.iters)]
+                row = {
+                    "nodes": world, "rate": args.rate, "numel": numel, "method": method, "desc": desc,
+                    "median_s": statistics.median(per_iter), "min_s": min(per_iter), "max_s": max(per_iter),
+                    "iters": args.iters,
+                    "link_tx_per_call": statistics.mean(r["tx"] for r in everyone) / args.iters,
+                    "link_rx_per_call": statistics.mean(r["rx"] for r in everyone) / args.iters,
+                    "counted_per_call": statistics.mean(r["counted"] for r in everyone) / args.iters,
+                    "rel_err": max(r["rel_err"] for r in everyone),
+                }
+                print(RESULT_TAG + json.dumps(row), flush=True)
+            del op
+        del x, exact
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# driver side (root namespace, as root)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def compressed_available() -> str | None:
+    """None if ``lightning_onebit.comm.CompressedAllreduce`` imports, else the reason it does not."""
+    try:
+        from lightning_onebit.comm import CompressedAllreduce  # noqa: F401
+    except Exception as e:  # ImportError, or a half-written module under construction
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def estimate_timeout(nodes: int, rate: str, sizes: Sequence[int], n_methods: int, calls: int) -> float:
+    """Generous wall-clock limit for one torchrun: 4x (wire time of fp32 + CPU time of codecs) + startup.
+
+    Only there so that a wedged run is killed instead of hanging the benchmark forever.
+    """
+    bps = parse_rate(rate)
+    per_call = sum(2 * (nodes - 1) / nodes * 4 * d * 8 / bps + n_methods * d * 100e-9 * nodes for d in sizes)
+    return 180.0 + 4.0 * calls * per_call * n_methods
+
+
+def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """One cluster per node count, re-shaped for each rate; one torchrun per (nodes, rate)."""
+    cleanup_stale()
+    rows: list[dict[str, Any]] = []
+    sizes = [parse_size(s) for s in args.sizes]
+    port = 29500
+    for nodes in args.nodes:
+        with EmulatedCluster(nodes, rate=args.rates[0]) as cluster:
+            for rate in args.rates:
+                cluster.set_rate(rate)
+                timeout = args.timeout or estimate_timeout(
+                    nodes, rate, sizes, len(args.methods), args.iters + args.warmup + 2)
+                wargs = ["--worker", "--rate", rate, "--iters", str(args.iters), "--warmup",
+                         str(args.warmup), "--pg-timeout", str(int(timeout)), "--sizes", *args.sizes,
+                         "--methods", *args.methods]
+                print(f"[{nodes} nodes, {rate}] running (timeout {timeout:.0f} s) ...", file=sys.stderr,
+                      flush=True)
+                t0 = time.monotonic()
+                tx0 = [cluster.tx_bytes(k) for k in range(nodes)]
+                results = run_torchrun(cluster, str(Path(__file__).resolve()), wargs, master_port=port,
+                                       timeout=timeout)
+                port += 1
+                total_tx = sum(cluster.tx_bytes(k) - tx0[k] for k in range(nodes))
+                got = [json.loads(line[len(RESULT_TAG):]) for line in results[0].stdout.splitlines()
+                       if line.startswith(RESULT_TAG)]
+                rows.extend(got)
+                print(f"[{nodes} nodes, {rate}] {len(got)} results in {time.monotonic() - t0:.0f} s, "
+                      f"{total_tx / 1e6:.0f} MB sent on all links", file=sys.stderr, flush=True)
+                bad = [r for r in results if r.returncode != 0 or r.timed_out]
+                for r in bad:
+                    print(f"--- node {r.node}: rc={r.returncode} timed_out={r.timed_out}\n"
+                          f"{r.stderr[-4000:]}", file=sys.stderr)
+                if bad and not args.keep_going:
+                    raise SystemExit(f"torchrun failed on {nodes} nodes at {rate}")
+    return rows
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.3f}" if nbytes < 1e6 else f"{nbytes / 1e6:.1f}"
+
+
+def _grid_key(r: dict[str, Any] | tuple[int, str, int]) -> tuple[int, float, int]:
+    """Sort key (nodes, rate in bit/s, numel): '10gbit' must come after '1gbit'."""
+    nodes, rate, numel = (r["nodes"], r["rate"], r["numel"]) if isinstance(r, dict) else r
+    return nodes, parse_rate(rate), numel
+
+
+def _err(value: float) -> str:
+    return "-" if value != value else f"{value:.3g}"  # NaN: fp32 has no compression error to report
+
+
+def _cell(times: dict[str, float], method: str) -> str:
+    return f"{times[method]:.4f}" if method in times else "-"
+
+
+def _ratio(times: dict[str, float], method: str) -> str:
+    return f"{times['fp32'] / times[method]:.1f}x" if method in times and "fp32" in times else "-"
+
+
+def tables(rows: list[dict[str, Any]]) -> str:
+    """Markdown: one detail table and one speedup table (fp32 time / compressed time)."""
+    order = {m: i for i, m in enumerate(("fp32", "wire1bit", "onebit", "int8"))}
+    rows = sorted(rows, key=lambda r: (*_grid_key(r), order.get(r["method"], 9)))
+    by_key: dict[tuple[int, str, int], dict[str, float]] = {}
+    for r in rows:
+        by_key.setdefault((r["nodes"], r["rate"], r["numel"]), {})[r["method"]] = r["median_s"]
+    lines = [
+        "| nodes | rate | numel | method | median s | min-max s | link tx MB/call/rank | "
+        "counted MB/call/rank | rel err (1st call) | fp32 / this |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        times = by_key[(r["nodes"], r["rate"], r["numel"])]
+        label = METHOD_LABEL.get(r["method"], r["method"])
+        lines.append(
+            f"| {r['nodes']} | {r['rate']} | {fmt_size(r['numel'])} | {label} | {r['median_s']:.4f} | "
+            f"{r['min_s']:.4f}-{r['max_s']:.4f} | {_mb(r['link_tx_per_call'])} | "
+            f"{_mb(r['counted_per_call'])} | {_err(r['rel_err'])} | {_ratio(times, r['method'])} |"
+        )
+    if any(len(t) > 1 and "fp32" in t for t in by_key.values()):
+        lines += ["", "| nodes | rate | numel | fp32 s | 1-bit s | 8-bit s | 1-bit bytes only s | "
+                  "fp32/1-bit | fp32/8-bit | fp32/1-bit bytes only |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for (nodes, rate, numel), t in sorted(by_key.items(), key=lambda kv: _grid_key(kv[0])):
+            lines.append(f"| {nodes} | {rate} | {fmt_size(numel)} | {_cell(t, 'fp32')} | "
+                         f"{_cell(t, 'onebit')} | {_cell(t, 'int8')} | {_cell(t, 'wire1bit')} | "
+                         f"{_ratio(t, 'onebit')} | {_ratio(t, 'int8')} | {_ratio(t, 'wire1bit')} |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    """One line that says where the numbers come from."""
+    cpu = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    return (f"{platform.node()}, {cpu}, {os.cpu_count()} cores, Linux {platform.release()}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+
+
+def append_results(path: Path, text: str, argv: Sequence[str]) -> None:
+    """Append a dated section with command line and machine, so runs stay comparable later."""
+    stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    cmd = "python benchmarks/collectives.py " + shlex.join(argv)
+    section = (f"\n## Collectives, emulated links ({stamp})\n\n`{cmd}`\n\nMachine: {machine()}\n\n"
+               "Each node is a network namespace behind a tc-tbf shaped veth (both directions); one torchrun "
+               "per node, gloo, 1 thread per process. Times: median over iterations of the slowest rank, "
+               "after warm-up. Link bytes: tx counter of each node's veth (frames incl. TCP/IP headers and "
+               "ACKs, and a barrier per call), per call, averaged over ranks. Counted bytes: "
+               "`CompressedAllreduce.bytes_sent` (fp32: ring formula 2(n-1)/n*4d). "
+               "Compare ratios, not absolute times.\n\n"
+               f"{text}\n")
+    new = not path.exists()
+    with path.open("a") as f:
+        if new:
+            f.write("# Benchmark results\n")
+        f.write(section)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse flags; run as worker under torchrun (``--worker``) or as the driver that builds clusters."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help=f"small grid, ~2 min: {QUICK} (explicit flags still override)")
+    ap.add_argument("--nodes", type=int, nargs="+", help=f"default {FULL['nodes']}")
+    ap.add_argument("--rates", nargs="+", help=f"tc rates, default {FULL['rates']}")
+    ap.add_argument("--sizes", nargs="+", help=f"fp32 elements (k/M/G decimal), default {FULL['sizes']}")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, help=f"default {list(METHODS)}")
+    ap.add_argument("--iters", type=int, help="timed iterations (median reported)")
+    ap.add_argument("--warmup", type=int, help="untimed iterations first (>= 1; numba compiles here)")
+    ap.add_argument("--timeout", type=float, help="seconds per torchrun (default: estimated)")
+    ap.add_argument("--append", nargs="?", const=str(HERE / "RESULTS.md"), metavar="PATH",
+                    help="append the tables to PATH (default benchmarks/RESULTS.md)")
+    ap.add_argument("--json", metavar="PATH", help="also write the raw rows as JSON")
+    ap.add_argument("--keep-going", action="store_true", help="continue after a failed torchrun")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rate", help=argparse.SUPPRESS)
+    ap.add_argument("--pg-timeout", type=int, default=600, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    for name in ("nodes", "rates", "sizes", "iters", "warmup"):
+        if getattr(args, name) is None:
+            setattr(args, name, preset[name])
+    args.warmup = max(1, args.warmup)
+    if args.worker:
+        args.methods = args.methods or list(METHODS)
+        worker(args)
+        return 0
+
+    if os.geteuid() != 0:
+        print("needs root (network namespaces, tc)", file=sys.stderr)
+        return 2
+    if args.methods is None:
+        args.methods = list(METHODS)
+        reason = compressed_available()
+        if reason:
+            print(f"compressed allreduce unavailable ({reason}); skipping {COMPRESSED}", file=sys.stderr)
+            args.methods = [m for m in METHODS if m not in COMPRESSED]
+    elif any(m in COMPRESSED for m in args.methods) and (reason := compressed_available()):
+        print(f"compressed allreduce unavailable: {reason}", file=sys.stderr)
+        return 2
+    rows = run_grid(args)
+    text = tables(rows)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if args.append:
+        append_results(Path(args.append), text, argv)
+        print(f"appended to {args.append}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""CUDA kernels under numba's CUDA simulator. Collected only in a process that has
+NUMBA_ENABLE_CUDASIM=1 set before numba is imported (see tests/test_cuda_simulator.py)."""
+
+import os
+
+import pytest
+import torch
+from codec_cases import assert_matches_reference, assert_rejects_nonfinite
+
+pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
+                                reason="needs NUMBA_ENABLE_CUDASIM=1 in this process")
+
+
+@pytest.mark.parametrize("kind", ["l2", "l1", "minmax"])
+@pytest.mark.parametrize("block_size,n,nseg", [(None, 0, 1), (None, 1, 1), (None, 77, 1), (16, 77, 1),
+                                                (8, 96, 3), (None, 90, 3), (256, 520, 2)])
+def test_cuda_matches_reference(kind, block_size, n, nseg):
+    g = torch.Generator().manual_seed(n + nseg)
+    x = torch.randn(n, generator=g)
+    if n > 20:
+        x[:9] = 0.0
+        x[9] = -0.0
+    assert_matches_reference(kind, block_size, "cuda", x, nseg=nseg)
+
+
+@pytest.mark.parametrize("kind", ["l2", "minmax"])
+def test_cuda_rejects_non_finite(kind):
+    assert_rejects_nonfinite(kind, None, "cuda", n=20)
+
+
+def test_cuda_half_inputs():
+    from lightning_onebit.compress import SignCodec
+
+    x = torch.randn(40).to(torch.bfloat16)
+    enc = SignCodec(backend="cuda").encode(x)
+    ref = SignCodec(backend="torch").encode(x)
+    assert torch.equal(enc.codes, ref.codes)
+    assert SignCodec(backend="cuda").decode(enc).dtype == torch.bfloat16

@@ -1,0 +1,158 @@
+import math
+
+import pytest
+import torch
+from codec_cases import assert_matches_reference, assert_rejects_nonfinite, make_codec
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lightning_onebit.compress import Encoded, MinMaxUInt8Codec, SignCodec
+
+KINDS = ["l2", "l1", "minmax"]
+BLOCKS = [None, 8, 16, 40, 4096]
+
+finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False, allow_subnormal=True)
+special = st.sampled_from([0.0, -0.0, 1e-45, -1e-45, 1e-38, 3.0e38, -3.0e38, 1.0, -1.0])
+values = st.one_of(finite32, special)
+
+
+@st.composite
+def vectors(draw, max_len=600):
+    n = draw(st.integers(0, max_len))
+    kind = draw(st.sampled_from(["random", "list", "zeros", "mixed_blocks"]))
+    if kind == "list":
+        vals = draw(st.lists(values, min_size=n, max_size=n))
+        return torch.tensor(vals, dtype=torch.float32)
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    if kind == "zeros":
+        return torch.zeros(n)
+    x = torch.randn(n, generator=g) * draw(st.sampled_from([1e-30, 1e-3, 1.0, 1e20]))
+    if kind == "mixed_blocks" and n > 16:
+        x[: n // 2] = 0.0  # all-zero blocks beside live ones
+    return x
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block_size", BLOCKS)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=vectors(), nseg=st.sampled_from([1, 2, 3]))
+def test_numba_matches_reference(kind, block_size, x, nseg):
+    n = x.numel() - x.numel() % nseg
+    assert_matches_reference(kind, block_size, "numba", x[:n].contiguous(), nseg=nseg)
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block_size", [None, 16])
+def test_rejects_non_finite_without_touching_state(backend, kind, block_size):
+    assert_rejects_nonfinite(kind, block_size, backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@settings(max_examples=40, deadline=None)
+@given(x=vectors(), block=st.sampled_from(BLOCKS), scale=st.sampled_from(["l2", "l1"]))
+def test_sign_codec_semantics(backend, x, block, scale):
+    codec = SignCodec(scale=scale, block_size=block, backend=backend)
+    enc = codec.encode(x)
+    y = codec.decode(enc)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert not torch.isnan(y).any()
+    assert enc.nbytes == math.ceil(x.numel() / 8) + 4 * enc.scales.numel()
+    if x.numel() == 0:
+        return
+    pos = x >= 0  # -0.0 codes as +1
+    nb = enc.scales.numel()
+    blk = enc.block
+    for b in range(nb):
+        sl = slice(b * blk, min((b + 1) * blk, x.numel()))
+        xb = x[sl].double()
+        expect = (xb.square().mean().sqrt() if scale == "l2" else xb.abs().mean()).float()
+        torch.testing.assert_close(enc.scales.view(-1)[b], expect, rtol=1e-6, atol=0)
+        s = enc.scales.view(-1)[b]
+        torch.testing.assert_close(y[sl], torch.where(pos[sl], s, -s))
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@settings(max_examples=40, deadline=None)
+@given(x=vectors(), block=st.sampled_from(BLOCKS))
+def test_minmax_error_bound(backend, x, block):
+    codec = MinMaxUInt8Codec(block_size=block, backend=backend)
+    x = x.clamp(-1e30, 1e30)
+    enc = codec.encode(x)
+    y = codec.decode(enc)
+    assert enc.codes.dtype == torch.uint8 and enc.nbytes == x.numel() + 8 * enc.scales.shape[1]
+    if x.numel() == 0:
+        return
+    blk = enc.block
+    for b in range(enc.scales.shape[1]):
+        sl = slice(b * blk, min((b + 1) * blk, x.numel()))
+        lo, hi = x[sl].min().double(), x[sl].max().double()
+        bound = (hi - lo) / 255 + 1e-6 * max(abs(lo), abs(hi))
+        assert (y[sl].double() - x[sl].double()).abs().max() <= bound
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+def test_half_precision_inputs(backend, dtype, kind):
+    x = torch.randn(1001).to(dtype)
+    codec = make_codec(kind, None, backend)
+    enc = codec.encode(x)
+    y = codec.decode(enc)
+    assert y.dtype == dtype and y.shape == x.shape
+    ref = make_codec(kind, None, "torch").encode(x.float())
+    assert torch.equal(enc.codes, ref.codes)
+    torch.testing.assert_close(enc.scales, ref.scales)  # scales computed in fp32/fp64 either way
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_edge_lengths_and_zero_blocks(backend):
+    codec = SignCodec(block_size=8, backend=backend)
+    for n in (0, 1, 7, 8, 9, 17):
+        x = torch.zeros(n)
+        enc = codec.encode(x)
+        assert enc.codes.numel() == math.ceil(n / 8)
+        y = codec.decode(enc)
+        assert torch.equal(y, torch.zeros(n))
+    x = torch.tensor([-0.0, 0.0, -1e-45, 1e-45])
+    enc = SignCodec(backend=backend).encode(x)
+    assert enc.codes.tolist() == [[0b1011]]  # -0.0 and +0.0 -> +1; -denormal -> -1
+    assert enc.scales.item() > 0
+
+
+def test_error_feedback_identity():
+    codec = SignCodec(backend="numba")
+    g = torch.Generator().manual_seed(1)
+    x, err = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+    v = x + err
+    enc = codec.encode_error_feedback(x, err)
+    torch.testing.assert_close(codec.decode(enc) + err, v)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="multiple of 8"):
+        SignCodec(block_size=12)
+    with pytest.raises(ValueError, match="scale"):
+        SignCodec(scale="linf")
+    with pytest.raises(ValueError, match="fp32"):
+        SignCodec().encode_error_feedback(torch.randn(10), torch.zeros(10, dtype=torch.float64))
+    with pytest.raises(ValueError, match="10 elements"):
+        SignCodec().encode_error_feedback(torch.randn(10), torch.zeros(11))
+    with pytest.raises(TypeError, match="floating-point"):
+        SignCodec().encode(torch.arange(10))
+    with pytest.raises(ValueError, match="unknown compression backend"):
+        SignCodec(backend="nope")
+    with pytest.raises(ValueError, match="another codec"):
+        SignCodec().decode(MinMaxUInt8Codec().encode(torch.randn(4)))
+    assert isinstance(SignCodec().encode(torch.randn(3)), Encoded)
+
+
+def test_backend_env_var(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", "torch")
+    from lightning_onebit.compress.kernels import resolve_backend_name
+
+    assert resolve_backend_name(torch.device("cpu")) == "torch"
+    monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="bogus"):
+        resolve_backend_name(torch.device("cpu"))
