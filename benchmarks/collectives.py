@@ -220,13 +220,15 @@ def compressed_available() -> str | None:
 
 
 def estimate_timeout(nodes: int, rate: str, sizes: Sequence[int], n_methods: int, calls: int) -> float:
-    """Generous wall-clock limit for one torchrun: 4x (wire time of fp32 + CPU time of codecs) + startup.
+    """Generous wall-clock limit for one torchrun: 3x (fp32 wire time + codec CPU time) + startup.
 
-    Only there so that a wedged run is killed instead of hanging the benchmark forever.
+    Only there so that a wedged run is killed instead of hanging the benchmark forever. CPU time is
+    budgeted at 200 ns per element per method per call, times nodes/2 (the nodes share 2 cores).
     """
     bps = parse_rate(rate)
-    per_call = sum(2 * (nodes - 1) / nodes * 4 * d * 8 / bps + n_methods * d * 100e-9 * nodes for d in sizes)
-    return 180.0 + 4.0 * calls * per_call * n_methods
+    wire = sum(2 * (nodes - 1) / nodes * 4 * d * 8 / bps for d in sizes)
+    cpu = sum(n_methods * d * 200e-9 * max(1.0, nodes / 2) for d in sizes)
+    return 120.0 + 3.0 * calls * (wire + cpu)
 
 
 def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:

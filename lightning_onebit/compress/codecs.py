@@ -228,7 +228,7 @@ class Codec:
         n_out = enc.seg_len if mean_rows else enc.numel
         cast_to = None
         if out is None:
-            buf = torch.zeros(n_out, dtype=torch.float32, device=enc.device)
+            buf = torch.empty(n_out, dtype=torch.float32, device=enc.device)
             cast_to = enc.dtype if enc.dtype != torch.float32 else None
         else:
             _check_state(out, n_out, enc.device, "out")

@@ -33,125 +33,367 @@ def _tile_bounds(t, tpb, tile_len, bps, block, seg_len):
     return g, r, b, lo, hi
 
 
+# --- per-tile bodies ---------------------------------------------------------------------
+# Every loop runs over slices from index 0: with a provably non-negative index numba drops
+# the negative-index wraparound and LLVM vectorises (8x faster than range(lo, hi)). The
+# value encoded is v = xs + a * ss with a in {0, 1, -1} (plain / error feedback / Markov),
+# exact for every mode. fp64 sums may be reassociated (vectorised): their order is fixed
+# per machine and tile, and each scale is computed by one rank and sent, so no two ranks
+# ever need to agree on a sum.
+
+LANES = 16  # independent min/max lanes: LLVM vectorises these, not a scalar min reduction
+
+
 @njit(inline="always", cache=True)
-def _decode_one(kind, codes, scales, row, i, b):
-    """Decoded fp32 value of element i of a message row (scales as [rows, bps*width])."""
+def _tile_reduce(kind, a, xs, ss, out, t):
     if kind == MINMAX_U8:
-        lo = np.float64(scales[row, 2 * b])
-        hi = np.float64(scales[row, 2 * b + 1])
-        return _F32(lo + np.float64(codes[row, i]) * ((hi - lo) / 255.0))
-    s = scales[row, b]
-    if (codes[row, i >> 3] >> (i & 7)) & 1:
-        return s
-    return -s
-
-
-@njit(inline="always", cache=True)
-def _value(kind, mode, use_msg, x, st, mc, ms, r, i, b, seg_len):
-    if use_msg:
-        nw = mc.shape[0]
-        acc = 0.0  # fp64: n large decoded values must not overflow before the division
-        for w in range(nw):
-            acc += np.float64(_decode_one(kind, mc, ms, w, i, b))
-        s = _F32(acc / nw)
+        mn = np.full(LANES, np.inf, np.float32)
+        mx = np.full(LANES, -np.inf, np.float32)
+        probe = np.zeros(LANES, np.float32)
+        m = xs.size - xs.size % LANES
+        for k in range(0, m, LANES):
+            for j in range(LANES):
+                v = xs[k + j] + a * ss[k + j]
+                mn[j] = v if v < mn[j] else mn[j]
+                mx[j] = v if v > mx[j] else mx[j]
+                probe[j] += v * np.float32(0.0)  # NaN iff some v is NaN or inf
+        for i in range(m, xs.size):
+            v = xs[i] + a * ss[i]
+            mn[0] = v if v < mn[0] else mn[0]
+            mx[0] = v if v > mx[0] else mx[0]
+            probe[0] += v * np.float32(0.0)
+        out[t, 0] = mn.min()
+        out[t, 1] = mx.max()
+        out[t, 2] = probe.sum()
+    elif kind == SIGN_L2:
+        acc = 0.0
+        for i in range(xs.size):
+            v = np.float64(xs[i] + a * ss[i])
+            acc += v * v
+        out[t, 0] = acc
     else:
-        s = x[r * seg_len + i]
-    if mode == ERROR_FEEDBACK:
-        return s + st[r * seg_len + i]
-    if mode == MARKOV or mode == DIFF:
-        return s - st[r * seg_len + i]
-    return s
-
-
-@njit(parallel=True, cache=True)
-def _reduce(kind, mode, use_msg, x, st, mc, ms, nseg, seg_len, block, tile_len, tpb, out):
-    bps = (seg_len + block - 1) // block
-    ntiles = nseg * bps * tpb
-    for t in prange(ntiles):
-        g, r, b, lo, hi = _tile_bounds(t, tpb, tile_len, bps, block, seg_len)
-        if kind == MINMAX_U8:
-            mn = np.inf
-            mx = -np.inf
-            probe = 0.0
-            for i in range(lo, hi):
-                v = np.float64(_value(kind, mode, use_msg, x, st, mc, ms, r, i, b, seg_len))
-                mn = min(mn, v)
-                mx = max(mx, v)
-                probe += v * 0.0  # NaN iff some v is NaN or inf
-            out[t, 0] = mn
-            out[t, 1] = mx
-            out[t, 2] = probe
-        else:
-            acc = 0.0
-            for i in range(lo, hi):
-                v = np.float64(_value(kind, mode, use_msg, x, st, mc, ms, r, i, b, seg_len))
-                acc += v * v if kind == SIGN_L2 else abs(v)
-            out[t, 0] = acc
+        acc = 0.0
+        for i in range(xs.size):
+            acc += abs(np.float64(xs[i] + a * ss[i]))
+        out[t, 0] = acc
 
 
 @njit(inline="always", cache=True)
-def _round_half_even(t):
-    f = np.floor(t)
-    d = t - f
-    if d > 0.5 or (d == 0.5 and f % 2.0 == 1.0):
-        f += 1.0
-    return f
+def _tile_encode(kind, mode, a, xs, ss, cs, sc0, sc1):
+    """Codes of v = xs + a*ss into cs; state update (EF: ss = v - dec, Markov: ss += dec)."""
+    n = xs.size
+    if kind == MINMAX_U8:
+        smin = np.float64(sc0)
+        rng = np.float64(sc1) - smin
+        inv = 255.0 / rng if rng > 0 else 0.0
+        step = rng / 255.0
+        for i in range(n):
+            v = xs[i] + a * ss[i]
+            q = min(max(np.rint((np.float64(v) - smin) * inv), 0.0), 255.0)
+            cs[i] = np.uint8(q)
+            dec = _F32(smin + q * step)
+            if mode == ERROR_FEEDBACK:
+                ss[i] = v - dec
+            elif mode == MARKOV:
+                ss[i] += dec
+        return
+    s = sc0
+    # codes first (reads only), then the state update: simple loops vectorise
+    for k in range(n >> 3):
+        byte = np.uint8(0)
+        for j in range(8):
+            byte |= np.uint8(xs[8 * k + j] + a * ss[8 * k + j] >= 0) << np.uint8(j)
+        cs[k] = byte
+    if n & 7:
+        byte = np.uint8(0)
+        for i in range(n & ~7, n):
+            byte |= np.uint8(xs[i] + a * ss[i] >= 0) << np.uint8(i & 7)
+        cs[n >> 3] = byte
+    if mode == ERROR_FEEDBACK:
+        for i in range(n):
+            v = xs[i] + ss[i]
+            ss[i] = v - s if v >= 0 else v + s
+    elif mode == MARKOV:
+        for i in range(n):
+            ss[i] += s if xs[i] - ss[i] >= 0 else -s
 
 
-@njit(parallel=True, cache=True)
-def _encode(kind, mode, use_msg, x, st, mc, ms, nseg, seg_len, block, tile_len, tpb, scales, codes):
-    bps = (seg_len + block - 1) // block
-    ntiles = nseg * bps * tpb
-    for t in prange(ntiles):
-        g, r, b, lo, hi = _tile_bounds(t, tpb, tile_len, bps, block, seg_len)
+@njit(inline="always", cache=True)
+def _tile_decode_row(kind, cw, sc0, sc1, lo, out):
+    """Decode elements [lo, lo + out.size) of one message row into fp32 ``out``."""
+    n = out.size
+    if kind == MINMAX_U8:
+        smin = np.float64(sc0)
+        step = (np.float64(sc1) - smin) / 255.0
+        cs = cw[lo : lo + n]
+        for i in range(n):
+            out[i] = _F32(smin + np.float64(cs[i]) * step)
+        return
+    cs = cw[lo >> 3 : (lo + n + 7) >> 3]
+    for k in range(n >> 3):  # byte-wise with a fixed inner trip count: vectorises
+        byte = cs[k]
+        for j in range(8):
+            out[8 * k + j] = sc0 if (byte >> j) & 1 else -sc0
+    for i in range(n & ~7, n):
+        out[i] = sc0 if (cs[i >> 3] >> (i & 7)) & 1 else -sc0
+
+
+@njit(inline="always", cache=True)
+def _tile_mean(kind, mc, ms, b, lo, buf, acc):
+    """buf = mean over message rows (workers 0..n-1 summed in order in fp64, then / n)."""
+    nw = mc.shape[0]
+    n = buf.size
+    acc[:n] = 0.0
+    for w in range(nw):
         if kind == MINMAX_U8:
-            smin = np.float64(scales[2 * g])
-            rng = np.float64(scales[2 * g + 1]) - smin
-            inv = 255.0 / rng if rng > 0 else 0.0
-            step = rng / 255.0
-            for i in range(lo, hi):
-                v = _value(kind, mode, use_msg, x, st, mc, ms, r, i, b, seg_len)
-                q = min(max(_round_half_even((np.float64(v) - smin) * inv), 0.0), 255.0)
-                codes[r, i] = np.uint8(q)
-                dec = _F32(smin + q * step)
-                if mode == ERROR_FEEDBACK:
-                    st[r * seg_len + i] = v - dec
-                elif mode == MARKOV:
-                    st[r * seg_len + i] += dec
+            _tile_decode_row(kind, mc[w], ms[w, 2 * b], ms[w, 2 * b + 1], lo, buf)
+            for i in range(n):
+                acc[i] += np.float64(buf[i])
+        else:  # sign: accumulate +-s straight from the bits, no decoded temporary
+            s = np.float64(ms[w, b])
+            cs = mc[w, lo >> 3 : (lo + n + 7) >> 3]
+            for k in range(n >> 3):
+                byte = cs[k]
+                for j in range(8):
+                    acc[8 * k + j] += s if (byte >> j) & 1 else -s
+            for i in range(n & ~7, n):
+                acc[i] += s if (cs[i >> 3] >> (i & 7)) & 1 else -s
+    for i in range(n):
+        buf[i] = _F32(acc[i] / nw)
+
+
+@njit(inline="always", cache=True)
+def _tile_bounds(t, tpb, tile_len, bps, block, seg_len):
+    g = t // tpb
+    r = g // bps
+    b = g - r * bps
+    lo = b * block + (t - g * tpb) * tile_len
+    hi = min(lo + tile_len, (b + 1) * block, seg_len)
+    return g, r, b, lo, hi
+
+
+# --- per-tile bodies ---------------------------------------------------------------------
+# Every loop runs over slices from index 0: with a provably non-negative index numba drops
+# the negative-index wraparound and LLVM vectorises (8x faster than range(lo, hi)). The
+# value encoded is v = xs + a * ss with a in {0, 1, -1} (plain / error feedback / Markov),
+# exact for every mode. fp64 sums may be reassociated (vectorised): their order is fixed
+# per machine and tile, and each scale is computed by one rank and sent, so no two ranks
+# ever need to agree on a sum.
+
+LANES = 16  # independent min/max lanes: LLVM vectorises these, not a scalar min reduction
+
+
+@njit(inline="always", cache=True)
+def _tile_reduce(kind, a, xs, ss, out, t):
+    if kind == MINMAX_U8:
+        mn = np.full(LANES, np.inf, np.float32)
+        mx = np.full(LANES, -np.inf, np.float32)
+        probe = np.zeros(LANES, np.float32)
+        m = xs.size - xs.size % LANES
+        for k in range(0, m, LANES):
+            for j in range(LANES):
+                v = xs[k + j] + a * ss[k + j]
+                mn[j] = v if v < mn[j] else mn[j]
+                mx[j] = v if v > mx[j] else mx[j]
+                probe[j] += v * np.float32(0.0)  # NaN iff some v is NaN or inf
+        for i in range(m, xs.size):
+            v = xs[i] + a * ss[i]
+            mn[0] = v if v < mn[0] else mn[0]
+            mx[0] = v if v > mx[0] else mx[0]
+            probe[0] += v * np.float32(0.0)
+        out[t, 0] = mn.min()
+        out[t, 1] = mx.max()
+        out[t, 2] = probe.sum()
+    elif kind == SIGN_L2:
+        acc = 0.0
+        for i in range(xs.size):
+            v = np.float64(xs[i] + a * ss[i])
+            acc += v * v
+        out[t, 0] = acc
+    else:
+        acc = 0.0
+        for i in range(xs.size):
+            acc += abs(np.float64(xs[i] + a * ss[i]))
+        out[t, 0] = acc
+
+
+@njit(inline="always", cache=True)
+def _tile_encode(kind, mode, a, xs, ss, cs, sc0, sc1):
+    """Codes of v = xs + a*ss into cs; state update (EF: ss = v - dec, Markov: ss += dec)."""
+    n = xs.size
+    if kind == MINMAX_U8:
+        smin = np.float64(sc0)
+        rng = np.float64(sc1) - smin
+        inv = 255.0 / rng if rng > 0 else 0.0
+        step = rng / 255.0
+        for i in range(n):
+            v = xs[i] + a * ss[i]
+            q = min(max(np.rint((np.float64(v) - smin) * inv), 0.0), 255.0)
+            cs[i] = np.uint8(q)
+            dec = _F32(smin + q * step)
+            if mode == ERROR_FEEDBACK:
+                ss[i] = v - dec
+            elif mode == MARKOV:
+                ss[i] += dec
+        return
+    s = sc0
+    # codes first (reads only), then the state update: simple loops vectorise
+    for k in range(n >> 3):
+        byte = np.uint8(0)
+        for j in range(8):
+            byte |= np.uint8(xs[8 * k + j] + a * ss[8 * k + j] >= 0) << np.uint8(j)
+        cs[k] = byte
+    if n & 7:
+        byte = np.uint8(0)
+        for i in range(n & ~7, n):
+            byte |= np.uint8(xs[i] + a * ss[i] >= 0) << np.uint8(i & 7)
+        cs[n >> 3] = byte
+    if mode == ERROR_FEEDBACK:
+        for i in range(n):
+            v = xs[i] + ss[i]
+            ss[i] = v - s if v >= 0 else v + s
+    elif mode == MARKOV:
+        for i in range(n):
+            ss[i] += s if xs[i] - ss[i] >= 0 else -s
+
+
+@njit(inline="always", cache=True)
+def _tile_decode_row(kind, cw, sc0, sc1, lo, out):
+    """Decode elements [lo, lo + out.size) of one message row into fp32 ``out``."""
+    n = out.size
+    if kind == MINMAX_U8:
+        smin = np.float64(sc0)
+        step = (np.float64(sc1) - smin) / 255.0
+        cs = cw[lo : lo + n]
+        for i in range(n):
+            out[i] = _F32(smin + np.float64(cs[i]) * step)
+        return
+    cs = cw[lo >> 3 : (lo + n + 7) >> 3]
+    for k in range(n >> 3):  # byte-wise with a fixed inner trip count: vectorises
+        byte = cs[k]
+        for j in range(8):
+            out[8 * k + j] = sc0 if (byte >> j) & 1 else -sc0
+    for i in range(n & ~7, n):
+        out[i] = sc0 if (cs[i >> 3] >> (i & 7)) & 1 else -sc0
+
+
+@njit(inline="always", cache=True)
+def _tile_mean(kind, mc, ms, b, lo, buf, acc):
+    """buf = mean over message rows (workers 0..n-1 summed in order in fp64, then / n)."""
+    nw = mc.shape[0]
+    n = buf.size
+    acc[:n] = 0.0
+    for w in range(nw):
+        if kind == MINMAX_U8:
+            _tile_decode_row(kind, mc[w], ms[w, 2 * b], ms[w, 2 * b + 1], lo, buf)
         else:
-            s = scales[g]
-            for i0 in range(lo, hi, 8):
-                byte = 0
-                for i in range(i0, min(i0 + 8, hi)):
-                    v = _value(kind, mode, use_msg, x, st, mc, ms, r, i, b, seg_len)
-                    pos = v >= 0
-                    if pos:
-                        byte |= 1 << (i - i0)
-                    dec = s if pos else -s
-                    if mode == ERROR_FEEDBACK:
-                        st[r * seg_len + i] = v - dec
-                    elif mode == MARKOV:
-                        st[r * seg_len + i] += dec
-                codes[r, i0 >> 3] = np.uint8(byte)
+            _tile_decode_row(kind, mc[w], ms[w, b], ms[w, b], lo, buf)
+        for i in range(n):
+            acc[i] += np.float64(buf[i])
+    for i in range(n):
+        buf[i] = _F32(acc[i] / nw)
+
+
+@njit(inline="always", cache=True)
+def _tile_bounds(t, tpb, tile_len, bps, block, seg_len):
+    g = t // tpb
+    r = g // bps
+    b = g - r * bps
+    lo = b * block + (t - g * tpb) * tile_len
+    hi = min(lo + tile_len, (b + 1) * block, seg_len)
+    return g, r, b, lo, hi
+
+
+# --- kernels -------------------------------------------------------------------------------
+
+
+# Tensor-source (worker side, the hot path) and message-source (server side) kernels are
+# separate functions: one kernel with both branches in its parallel loop ran ~2x slower.
+
+
+# reassoc must sit on the kernel: inline="always" inlines numba IR, compiled with the caller's flags
+@njit(parallel=True, cache=True, fastmath={"reassoc"})
+def _reduce_x(kind, a, x, st, nseg, seg_len, block, tile_len, tpb, out):
+    bps = (seg_len + block - 1) // block
+    for t in prange(nseg * bps * tpb):
+        g, r, b, lo, hi = _tile_bounds(t, tpb, tile_len, bps, block, seg_len)
+        xs = x[r * seg_len + lo : r * seg_len + hi]
+        ss = st[r * seg_len + lo : r * seg_len + hi]
+        _tile_reduce(kind, a, xs, ss, out, t)
+
+
+@njit(parallel=True, cache=True, fastmath={"reassoc"})
+def _reduce_msg(kind, a, st, mc, ms, seg_len, block, tile_len, tpb, out):
+    bps = (seg_len + block - 1) // block
+    for t in prange(bps * tpb):
+        g, r, b, lo, hi = _tile_bounds(t, tpb, tile_len, bps, block, seg_len)
+        if hi > lo:
+            xs = np.empty(hi - lo, np.float32)
+            _tile_mean(kind, mc, ms, b, lo, xs, np.empty(hi - lo, np.float64))
+            ss = xs if a == 0 else st[lo:hi]
+            _tile_reduce(kind, a, xs, ss, out, t)
+
+
+@njit(inline="always", cache=True)
+def _tile_encode_at(kind, mode, a, xs, ss, codes, scales, r, g, lo, hi):
+    if kind == MINMAX_U8:
+        _tile_encode(kind, mode, a, xs, ss, codes[r, lo:hi], scales[2 * g], scales[2 * g + 1])
+    else:
+        _tile_encode(kind, mode, a, xs, ss, codes[r, lo >> 3 : (hi + 7) >> 3], scales[g], scales[g])
 
 
 @njit(parallel=True, cache=True)
-def _decode(kind, codes, scales, nseg, seg_len, block, tile_len, tpb, out, accumulate, mean_rows):
+def _encode_x(kind, mode, a, x, st, nseg, seg_len, block, tile_len, tpb, scales, codes):
     bps = (seg_len + block - 1) // block
-    nrows_out = 1 if mean_rows else nseg
-    ntiles = nrows_out * bps * tpb
-    dummy = np.empty(0, np.float32)
-    for t in prange(ntiles):
+    for t in prange(nseg * bps * tpb):
         g, r, b, lo, hi = _tile_bounds(t, tpb, tile_len, bps, block, seg_len)
-        for i in range(lo, hi):
-            if mean_rows:
-                v = _value(kind, PLAIN, True, dummy, dummy, codes, scales, 0, i, b, seg_len)
-            else:
-                v = _decode_one(kind, codes, scales, r, i, b)
+        xs = x[r * seg_len + lo : r * seg_len + hi]
+        ss = st[r * seg_len + lo : r * seg_len + hi]
+        _tile_encode_at(kind, mode, a, xs, ss, codes, scales, r, g, lo, hi)
+
+
+@njit(parallel=True, cache=True)
+def _encode_msg(kind, mode, a, st, mc, ms, seg_len, block, tile_len, tpb, scales, codes):
+    bps = (seg_len + block - 1) // block
+    for t in prange(bps * tpb):
+        g, r, b, lo, hi = _tile_bounds(t, tpb, tile_len, bps, block, seg_len)
+        if hi > lo:
+            xs = np.empty(hi - lo, np.float32)
+            _tile_mean(kind, mc, ms, b, lo, xs, np.empty(hi - lo, np.float64))
+            ss = xs if a == 0 else st[lo:hi]
+            _tile_encode_at(kind, mode, a, xs, ss, codes, scales, r, g, lo, hi)
+
+
+@njit(parallel=True, cache=True)
+def _decode_rows(kind, codes, scales, nseg, seg_len, block, tile_len, tpb, out, accumulate):
+    bps = (seg_len + block - 1) // block
+    for t in prange(nseg * bps * tpb):
+        g, r, b, lo, hi = _tile_bounds(t, tpb, tile_len, bps, block, seg_len)
+        dst = out[r * seg_len + lo : r * seg_len + hi]
+        buf = np.empty(hi - lo, np.float32) if accumulate else dst
+        if kind == MINMAX_U8:
+            _tile_decode_row(kind, codes[r], scales[r, 2 * b], scales[r, 2 * b + 1], lo, buf)
+        else:
+            _tile_decode_row(kind, codes[r], scales[r, b], scales[r, b], lo, buf)
+        if accumulate:
+            for i in range(dst.size):
+                dst[i] += buf[i]
+
+
+@njit(parallel=True, cache=True)
+def _decode_mean(kind, codes, scales, seg_len, block, tile_len, tpb, out, accumulate):
+    bps = (seg_len + block - 1) // block
+    for t in prange(bps * tpb):
+        g, r, b, lo, hi = _tile_bounds(t, tpb, tile_len, bps, block, seg_len)
+        if hi > lo:
+            dst = out[lo:hi]
+            buf = np.empty(hi - lo, np.float32)
+            _tile_mean(kind, codes, scales, b, lo, buf, np.empty(hi - lo, np.float64))
             if accumulate:
-                out[r * seg_len + i] += v
+                for i in range(dst.size):
+                    dst[i] += buf[i]
             else:
-                out[r * seg_len + i] = v
+                dst[:] = buf
 
 
 # --- torch-facing wrappers ------------------------------------------------------------
@@ -176,6 +418,10 @@ def _msg(kind: int, codes, scales):
     return codes.numpy(), scales.reshape(codes.shape[0], -1).numpy()
 
 
+def _mode_factor(mode: int) -> np.float32:
+    return np.float32({PLAIN: 0.0, ERROR_FEEDBACK: 1.0, MARKOV: -1.0, DIFF: -1.0}[mode])
+
+
 def reduce(kind, mode, layout: Layout, x, st, msg_codes, msg_scales) -> torch.Tensor:
     tile_len, tpb = _tiling(layout)
     width = 1 if is_sign(kind) else 3
@@ -183,25 +429,39 @@ def reduce(kind, mode, layout: Layout, x, st, msg_codes, msg_scales) -> torch.Te
     if kind == MINMAX_U8:  # empty tiles (short last block) must not win min/max
         out[:, 0] = np.inf
         out[:, 1] = -np.inf
-    mc, ms = _msg(kind, msg_codes, msg_scales)
-    _reduce(kind, mode, msg_codes is not None, _np(x, _EMPTY_F), _np(st, _EMPTY_F), mc, ms,
-            layout.nseg, layout.seg_len, layout.block, tile_len, tpb, out)
+    a = _mode_factor(mode)
+    if msg_codes is None:
+        xa = x.numpy()
+        _reduce_x(kind, a, xa, xa if st is None else st.numpy(), layout.nseg, layout.seg_len,
+                  layout.block, tile_len, tpb, out)
+    else:
+        mc, ms = _msg(kind, msg_codes, msg_scales)
+        _reduce_msg(kind, a, _np(st, _EMPTY_F), mc, ms, layout.seg_len, layout.block, tile_len, tpb, out)
     return torch.from_numpy(out).view(layout.nblocks, tpb, width)
 
 
 def encode(kind, mode, layout: Layout, x, st, msg_codes, msg_scales, scales, codes) -> None:
     tile_len, tpb = _tiling(layout)
-    mc, ms = _msg(kind, msg_codes, msg_scales)
-    _encode(kind, mode, msg_codes is not None, _np(x, _EMPTY_F), _np(st, _EMPTY_F), mc, ms,
-            layout.nseg, layout.seg_len, layout.block, tile_len, tpb,
-            scales.reshape(-1).numpy(), codes.numpy())
+    a = _mode_factor(mode)
+    sc, cd = scales.reshape(-1).numpy(), codes.numpy()
+    if msg_codes is None:
+        xa = x.numpy()
+        _encode_x(kind, mode, a, xa, xa if st is None else st.numpy(), layout.nseg, layout.seg_len,
+                  layout.block, tile_len, tpb, sc, cd)
+    else:
+        mc, ms = _msg(kind, msg_codes, msg_scales)
+        _encode_msg(kind, mode, a, _np(st, _EMPTY_F), mc, ms, layout.seg_len, layout.block, tile_len,
+                    tpb, sc, cd)
 
 
 def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False) -> None:
     tile_len, tpb = _tiling(layout)
     mc, ms = _msg(kind, codes, scales)
-    _decode(kind, mc, ms, layout.nseg, layout.seg_len, layout.block, tile_len, tpb,
-            out.numpy(), accumulate, mean_rows)
+    if mean_rows:
+        _decode_mean(kind, mc, ms, layout.seg_len, layout.block, tile_len, tpb, out.numpy(), accumulate)
+    else:
+        _decode_rows(kind, mc, ms, layout.nseg, layout.seg_len, layout.block, tile_len, tpb, out.numpy(),
+                     accumulate)
 
 
-__all__ = ["reduce", "encode", "decode", "PLAIN"]
+__all__ = ["reduce", "encode", "decode"]
