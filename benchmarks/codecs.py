@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import platform
 import statistics
 import time
@@ -57,8 +58,8 @@ def main() -> None:
         # A fresh clone also pays first-touch page faults; copying into a warm buffer is the
         # stricter yardstick, so percentages are against the faster of the two.
         dst = torch.empty_like(x)
-        clone_s = _time(lambda: x.clone(), device, args.reps)  # noqa: B023
-        copy_s = _time(lambda: dst.copy_(x), device, args.reps)  # noqa: B023
+        clone_s = _time(x.clone, device, args.reps)
+        copy_s = _time(functools.partial(dst.copy_, x), device, args.reps)
         copy_bw = 2 * 4 * n / min(copy_s, clone_s) / 1e9
         for what, t in (("clone", clone_s), ("copy_ (warm dst)", copy_s)):
             print(f"| {n/2**20:.0f}M | - | {what} | - | {t*1e3:.1f} | {2*4*n/t/1e9:.2f} | "
@@ -71,13 +72,14 @@ def main() -> None:
                 codec = make(backend)
                 err = torch.zeros(n, device=device)
                 code_bytes = codec.encoded_nbytes(n)
-                t_ef = _time(lambda: codec.encode_error_feedback(x, err), device, args.reps)  # noqa: B023
+                t_ef = _time(functools.partial(codec.encode_error_feedback, x, err), device, args.reps)
                 seg = n // args.workers
                 msgs = codec.encode(x[: seg * args.workers], nseg=args.workers)
                 serr = torch.zeros(seg, device=device)
-                t_srv = _time(lambda: codec.server_step(msgs, serr), device, args.reps)  # noqa: B023
+                t_srv = _time(functools.partial(codec.server_step, msgs, serr), device, args.reps)
+                srv_bytes = msgs.nbytes + 4 * seg * 2 + code_bytes // args.workers
                 ops = (("encode+EF", t_ef, 4 * n * 3 + code_bytes),
-                       (f"server step x{args.workers}", t_srv, msgs.nbytes + 4 * seg * 2 + code_bytes // args.workers))
+                       (f"server step x{args.workers}", t_srv, srv_bytes))
                 for op, t, nbytes in ops:
                     bw = nbytes / t / 1e9
                     if backend == "torch":

@@ -45,7 +45,7 @@ METHOD_LABEL = {"fp32": "fp32 all_reduce", "onebit": "1-bit EF (SignCodec l2)", 
                 "wire1bit": "1-bit bytes only (no codec)"}
 FULL = {"nodes": [2, 4], "rates": ["1gbit", "10gbit"], "sizes": ["1M", "25M", "100M"], "iters": 5,
         "warmup": 2}
-QUICK = {"nodes": [2], "rates": ["1gbit", "10gbit"], "sizes": ["1M", "25M"], "iters": 3, "warmup": 1}
+QUICK = {"nodes": [2, 4], "rates": ["1gbit", "10gbit"], "sizes": ["1M", "25M"], "iters": 3, "warmup": 1}
 
 
 def parse_size(text: str) -> int:
@@ -80,6 +80,7 @@ def _make_op(method: str, world: int) -> tuple[Callable[[Any], Any], Callable[[]
     The compressed allreduce is imported lazily so the fp32 path runs even before
     ``lightning_onebit.comm`` exists.
     """
+    import torch
     import torch.distributed as dist
 
     if method == "fp32":
@@ -106,14 +107,18 @@ def _make_op(method: str, world: int) -> tuple[Callable[[Any], Any], Callable[[]
         return _wire1bit_op(world)
     from lightning_onebit.comm import CompressedAllreduce
     from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
+    from lightning_onebit.compress.kernels import resolve_backend_name
 
     if method == "onebit":
-        car = CompressedAllreduce(SignCodec("l2"), mode="error_feedback", group=None)
+        codec, mode = SignCodec("l2"), "error_feedback"
     elif method == "int8":
-        car = CompressedAllreduce(MinMaxUInt8Codec(), mode="plain")
+        codec, mode = MinMaxUInt8Codec(), "plain"
     else:
         raise ValueError(f"unknown method {method!r}")
-    return car, lambda: int(car.bytes_sent), repr(car)
+    car = CompressedAllreduce(codec, mode=mode, group=None)
+    backend = resolve_backend_name(torch.device("cpu"), codec.backend)
+    desc = f"CompressedAllreduce({codec!r}, mode={mode!r}), kernels: {backend}"
+    return car, lambda: int(car.bytes_sent), desc
 
 
 def _wire1bit_op(world: int) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
@@ -126,6 +131,8 @@ def _wire1bit_op(world: int) -> tuple[Callable[[Any], Any], Callable[[], int], s
     import torch
     import torch.distributed as dist
 
+    # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     bufs: dict[str, Any] = {}
     sent = {"n": 0}
 
@@ -136,11 +143,11 @@ def _wire1bit_op(world: int) -> tuple[Callable[[Any], Any], Callable[[], int], s
                         recv=torch.empty(world * chunk, dtype=torch.uint8),
                         out=torch.empty(world * chunk, dtype=torch.uint8))
         dist.all_to_all_single(bufs["recv"], bufs["send"])
-        dist.all_gather_into_tensor(bufs["out"], bufs["recv"][:chunk])
+        all_gather(bufs["out"], bufs["recv"][:chunk])
         sent["n"] += 2 * (world - 1) * chunk
         return bufs["out"]
 
-    return op, lambda: sent["n"], "all_to_all_single + all_gather_into_tensor of d/8 uint8 bytes"
+    return op, lambda: sent["n"], "all_to_all_single + all_gather of d/8 uint8 bytes"
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -219,16 +226,20 @@ def compressed_available() -> str | None:
     return None
 
 
-def estimate_timeout(nodes: int, rate: str, sizes: Sequence[int], n_methods: int, calls: int) -> float:
+def estimate_timeout(
+    nodes: int, rate: str, sizes: Sequence[int], methods: Sequence[str], calls: int
+) -> float:
     """Generous wall-clock limit for one torchrun: 3x (fp32 wire time + codec CPU time) + startup.
 
-    Only there so that a wedged run is killed instead of hanging the benchmark forever. CPU time is
-    budgeted at 200 ns per element per method per call, times nodes/2 (the nodes share 2 cores).
+    Only there so that a wedged run is killed instead of hanging the benchmark forever. Codec CPU time
+    is budgeted at 100 ns per element per compressed method per call, times nodes/2 (the nodes share
+    2 cores); the fp32 reference mean costs one more fp32 allreduce per size.
     """
     bps = parse_rate(rate)
+    n_codec = sum(m in COMPRESSED for m in methods)
     wire = sum(2 * (nodes - 1) / nodes * 4 * d * 8 / bps for d in sizes)
-    cpu = sum(n_methods * d * 200e-9 * max(1.0, nodes / 2) for d in sizes)
-    return 120.0 + 3.0 * calls * (wire + cpu)
+    cpu = sum(n_codec * d * 100e-9 * max(1.0, nodes / 2) for d in sizes)
+    return 120.0 + 3.0 * (calls * (wire + cpu) + wire)
 
 
 def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -242,7 +253,7 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
             for rate in args.rates:
                 cluster.set_rate(rate)
                 timeout = args.timeout or estimate_timeout(
-                    nodes, rate, sizes, len(args.methods), args.iters + args.warmup + 2)
+                    nodes, rate, sizes, args.methods, args.iters + args.warmup + 2)
                 wargs = ["--worker", "--rate", rate, "--iters", str(args.iters), "--warmup",
                          str(args.warmup), "--pg-timeout", str(int(timeout)), "--sizes", *args.sizes,
                          "--methods", *args.methods]
@@ -318,6 +329,8 @@ def tables(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {nodes} | {rate} | {fmt_size(numel)} | {_cell(t, 'fp32')} | "
                          f"{_cell(t, 'onebit')} | {_cell(t, 'int8')} | {_cell(t, 'wire1bit')} | "
                          f"{_ratio(t, 'onebit')} | {_ratio(t, 'int8')} | {_ratio(t, 'wire1bit')} |")
+    descs = {r["method"]: r["desc"] for r in rows}
+    lines += ["", *(f"- {METHOD_LABEL.get(m, m)}: `{d}`" for m, d in descs.items())]
     return "\n".join(lines)
 
 

@@ -36,7 +36,8 @@ def main() -> None:
         sent_naive += sign.decode(sign.encode(x))
         sent_u8 += u8.decode(u8.encode(x))
         if step in (1, 10, 50, 100, 200) or step == args.steps:
-            gaps = [(s - true_sum).norm().item() / true_sum.norm().item() for s in (sent_ef, sent_naive, sent_u8)]
+            ref = true_sum.norm().item()
+            gaps = [(s - true_sum).norm().item() / ref for s in (sent_ef, sent_naive, sent_u8)]
             print(f"{step:>5} {gaps[0]:>12.4f} {gaps[1]:>12.4f} {gaps[2]:>12.4f}")
     fp32 = 4 * args.numel
     print(f"bytes per vector: fp32 {fp32}, 1-bit {enc.nbytes} ({fp32 / enc.nbytes:.1f}x smaller), "

@@ -39,6 +39,8 @@ from .kernels.layout import (
 
 __all__ = ["Codec", "Encoded", "MinMaxUInt8Codec", "SignCodec"]
 
+MODES = {"plain": PLAIN, "error_feedback": ERROR_FEEDBACK, "markov": MARKOV, "diff": DIFF}
+
 
 @dataclass
 class Encoded:
@@ -128,13 +130,33 @@ class Codec:
         scale_width = 1 if is_sign(self.kind) else 2
         return nseg * code_bytes_per_row(self.kind, lay.seg_len) + lay.nblocks * scale_width * 4
 
+    def row_bytes(self, seg_len: int) -> int:
+        """Bytes of one packed row: codes padded to 4 bytes, then the fp32 scales."""
+        lay = make_layout(1, seg_len, self.block_size)
+        cb = -(-code_bytes_per_row(self.kind, seg_len) // 4) * 4
+        return cb + lay.blocks_per_seg * (1 if is_sign(self.kind) else 2) * 4
+
     def empty(self, nseg: int, seg_len: int, device: torch.device | str = "cpu",
-              dtype: torch.dtype = torch.float32) -> Encoded:
-        """Uninitialised message buffers, e.g. to receive a collective into."""
+              dtype: torch.dtype = torch.float32, packed: torch.Tensor | None = None) -> Encoded:
+        """Message buffers for ``nseg`` rows, e.g. to receive a collective into.
+
+        With ``packed`` (uint8 ``[nseg, row_bytes(seg_len)]``) the codes and scales are views
+        into it, so one collective moves both: each row is ``[codes | pad to 4 | scales]``.
+        """
         lay = make_layout(nseg, seg_len, self.block_size)
-        codes = torch.empty(nseg, code_bytes_per_row(self.kind, seg_len), dtype=torch.uint8, device=device)
+        cb = code_bytes_per_row(self.kind, seg_len)
         shape = (nseg, lay.blocks_per_seg) if is_sign(self.kind) else (nseg, lay.blocks_per_seg, 2)
-        scales = torch.empty(shape, dtype=torch.float32, device=device)
+        if packed is None:
+            codes = torch.empty(nseg, cb, dtype=torch.uint8, device=device)
+            scales = torch.empty(shape, dtype=torch.float32, device=device)
+        else:
+            rb = self.row_bytes(seg_len)
+            if packed.dtype != torch.uint8 or tuple(packed.shape) != (nseg, rb) or not packed.is_contiguous():
+                raise ValueError(f"packed buffer must be contiguous uint8 [{nseg}, {rb}], got "
+                                 f"{packed.dtype} {tuple(packed.shape)}")
+            cb4 = -(-cb // 4) * 4
+            codes = packed[:, :cb]
+            scales = packed[:, cb4:].view(torch.float32).view(shape)
         return Encoded(codes, scales, seg_len, lay.block, self.kind, dtype)
 
     def _backend(self, device: torch.device):
@@ -166,7 +188,8 @@ class Codec:
 
     # -- core ----------------------------------------------------------------------------
     def _run(self, x: torch.Tensor | None, state: torch.Tensor | None, mode: int, nseg: int,
-             msg: Encoded | None = None, dtype: torch.dtype = torch.float32) -> Encoded:
+             msg: Encoded | None = None, dtype: torch.dtype = torch.float32,
+             out: Encoded | None = None, scales: torch.Tensor | None = None) -> Encoded:
         if msg is not None:
             lay = Layout(1, msg.seg_len, msg.block)
             device = msg.device
@@ -177,41 +200,71 @@ class Codec:
             device = x.device
         if state is not None:
             _check_state(state, lay.numel, device, "state buffer")
-        out = self.empty(lay.nseg, lay.seg_len, device, dtype)
+        if out is None:
+            out = self.empty(lay.nseg, lay.seg_len, device, dtype)
+        elif (out.kind, out.nseg, out.seg_len, out.block) != (self.kind, lay.nseg, lay.seg_len, lay.block):
+            raise ValueError("out= message buffers do not match this codec and input geometry")
+        else:
+            out.dtype = dtype
         if lay.numel == 0:
             return out
         backend = self._backend(device)
         mc, ms = (msg.codes, msg.scales) if msg is not None else (None, None)
-        partials = backend.reduce(self.kind, mode, lay, x, state, mc, ms)
-        out.scales.copy_(self._scales(partials, lay))
+        if scales is None:
+            scales = self._scales(backend.reduce(self.kind, mode, lay, x, state, mc, ms), lay)
+        out.scales.copy_(scales)
         backend.encode(self.kind, mode, lay, x, state, mc, ms, out.scales, out.codes)
         return out
 
     # -- public ops ----------------------------------------------------------------------
-    def encode(self, x: torch.Tensor, nseg: int = 1) -> Encoded:
+    def compute_scales(self, x: torch.Tensor, state: torch.Tensor | None = None, mode: str = "plain",
+                       nseg: int = 1) -> torch.Tensor:
+        """The block scales the matching encode op would use; raises ``ValueError`` on NaN/inf.
+
+        Lets a caller check its input (and agree with other ranks) before any state is
+        written: pass the result as ``scales=`` to the encode op to skip its reduction.
+        """
+        x = _as_fp32_vector(x, "x")
+        m = MODES[mode]
+        lay = self.layout(x.numel(), nseg)
+        if m != PLAIN:
+            _check_state(state, lay.numel, x.device, "state buffer")
+        if lay.numel == 0:
+            return self.empty(lay.nseg, lay.seg_len, x.device).scales
+        partials = self._backend(x.device).reduce(self.kind, m, lay, x, state if m != PLAIN else None,
+                                                   None, None)
+        return self._scales(partials, lay)
+
+    # Every encode op takes ``out=``: message buffers to write into (e.g. views into a packed
+    # send buffer of a collective, see ``empty(..., packed=...)``); by default they are allocated.
+    def encode(self, x: torch.Tensor, nseg: int = 1, out: Encoded | None = None,
+               scales: torch.Tensor | None = None) -> Encoded:
         """Encode a 1-D tensor (optionally as ``nseg`` equal rows, each with its own scales)."""
-        dtype = x.dtype
-        return self._run(_as_fp32_vector(x, "x"), None, PLAIN, nseg, dtype=dtype)
+        return self._run(_as_fp32_vector(x, "x"), None, PLAIN, nseg, dtype=x.dtype, out=out, scales=scales)
 
-    def encode_error_feedback(self, x: torch.Tensor, error: torch.Tensor, nseg: int = 1) -> Encoded:
+    def encode_error_feedback(self, x: torch.Tensor, error: torch.Tensor, nseg: int = 1,
+                              out: Encoded | None = None, scales: torch.Tensor | None = None) -> Encoded:
         """v = x + error; encode v; error <- v - decode(encoded). ``error`` is fp32, updated in place."""
-        dtype = x.dtype
-        return self._run(_as_fp32_vector(x, "x"), error, ERROR_FEEDBACK, nseg, dtype=dtype)
+        return self._run(_as_fp32_vector(x, "x"), error, ERROR_FEEDBACK, nseg, dtype=x.dtype, out=out,
+                         scales=scales)
 
-    def encode_markov(self, target: torch.Tensor, estimate: torch.Tensor, nseg: int = 1) -> Encoded:
+    def encode_markov(self, target: torch.Tensor, estimate: torch.Tensor, nseg: int = 1,
+                      out: Encoded | None = None, scales: torch.Tensor | None = None) -> Encoded:
         """c = encode(target - estimate); estimate <- estimate + decode(c) (EF21 / CD-Adam)."""
-        dtype = target.dtype
-        return self._run(_as_fp32_vector(target, "target"), estimate, MARKOV, nseg, dtype=dtype)
+        return self._run(_as_fp32_vector(target, "target"), estimate, MARKOV, nseg, dtype=target.dtype,
+                         out=out, scales=scales)
 
-    def encode_diff(self, target: torch.Tensor, reference: torch.Tensor, nseg: int = 1) -> Encoded:
+    def encode_diff(self, target: torch.Tensor, reference: torch.Tensor, nseg: int = 1,
+                    out: Encoded | None = None) -> Encoded:
         """encode(target - reference) without touching ``reference``."""
-        dtype = target.dtype
-        return self._run(_as_fp32_vector(target, "target"), reference, DIFF, nseg, dtype=dtype)
+        return self._run(_as_fp32_vector(target, "target"), reference, DIFF, nseg, dtype=target.dtype,
+                         out=out)
 
-    def server_step(self, messages: Encoded, error: torch.Tensor | None = None) -> Encoded:
+    def server_step(self, messages: Encoded, error: torch.Tensor | None = None,
+                    out: Encoded | None = None) -> Encoded:
         """Average the decoded rows of ``messages`` (+ ``error`` feedback) and re-encode one row."""
         mode = PLAIN if error is None else ERROR_FEEDBACK
-        return self._run(None, error, mode, 1, msg=messages, dtype=messages.dtype)
+        return self._run(None, error, mode, 1, msg=messages, dtype=messages.dtype, out=out)
 
     def decode(self, enc: Encoded, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
         """Decoded 1-D tensor of ``enc.numel`` elements in ``enc.dtype`` (or into fp32 ``out``)."""
@@ -278,5 +331,3 @@ class MinMaxUInt8Codec(Codec):
         super().__init__(block_size, backend)
 
 
-# kept for modules that want the mode constants without reaching into kernels
-MODES = {"plain": PLAIN, "error_feedback": ERROR_FEEDBACK, "markov": MARKOV, "diff": DIFF}

@@ -28,11 +28,11 @@ def _per_element(values: torch.Tensor, layout: Layout) -> torch.Tensor:
 def _decode_rows(kind: int, layout: Layout, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Decoded values as fp32 [nseg, seg_len]."""
     if is_sign(kind):
-        s = _per_element(scales.view(layout.nseg, -1), layout)
+        s = _per_element(scales.reshape(layout.nseg, -1), layout)
         bits = _unpack_bits(codes, layout.seg_len)
         return torch.where(bits, s, -s)
-    lo = _per_element(scales[..., 0].view(layout.nseg, -1), layout).double()
-    hi = _per_element(scales[..., 1].view(layout.nseg, -1), layout).double()
+    lo = _per_element(scales[..., 0].reshape(layout.nseg, -1), layout).double()
+    hi = _per_element(scales[..., 1].reshape(layout.nseg, -1), layout).double()
     step = (hi - lo) / 255.0
     return (lo + codes[:, : layout.seg_len].double() * step).float()
 
@@ -86,11 +86,11 @@ def encode(kind, mode, layout: Layout, x, st, msg_codes, msg_scales, scales, cod
         padded[:, : layout.seg_len] = bits
         shifts = torch.arange(8, device=v.device, dtype=torch.uint8)
         codes.copy_((padded.view(layout.nseg, cb, 8) << shifts).sum(-1).to(torch.uint8))
-        s = _per_element(scales.view(layout.nseg, -1), layout)
+        s = _per_element(scales.reshape(layout.nseg, -1), layout)
         dec = torch.where(bits, s, -s)
     else:
-        lo = _per_element(scales[..., 0].view(layout.nseg, -1), layout).double()
-        hi = _per_element(scales[..., 1].view(layout.nseg, -1), layout).double()
+        lo = _per_element(scales[..., 0].reshape(layout.nseg, -1), layout).double()
+        hi = _per_element(scales[..., 1].reshape(layout.nseg, -1), layout).double()
         rng = hi - lo
         # torch's scalar / tensor multiplies by a reciprocal; a tensor / tensor division
         # rounds like the kernels' 255.0 / rng.

@@ -1,0 +1,76 @@
+"""Byte accounting for collectives: what a rank put on the wire, per step and in total.
+
+A :class:`ByteCounter` is cheap (plain Python ints) and can be shared: every collective of
+an optimizer or strategy adds to the same counter, and the Lightning layer reads
+``step_stats()`` once per optimizer step to log it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def ring_allreduce_bytes(numel: int, world_size: int, element_size: int = 4) -> int:
+    """Bytes one rank sends in a bandwidth-optimal (ring) allreduce: 2 (n-1)/n * size."""
+    if world_size <= 1:
+        return 0
+    return 2 * (world_size - 1) * numel * element_size // world_size
+
+
+@dataclass
+class StepStats:
+    bytes_sent: int = 0
+    numel: int = 0  # elements reduced (each bucket's real, unpadded size)
+    fp32_ring_bytes: int = 0  # what an fp32 ring allreduce of the same tensors would send
+
+    @property
+    def bits_per_param(self) -> float:
+        return 8.0 * self.bytes_sent / self.numel if self.numel else 0.0
+
+    @property
+    def ratio_vs_fp32(self) -> float:
+        """fp32 ring-allreduce bytes / bytes actually sent (32 ~ the 1-bit ideal)."""
+        return self.fp32_ring_bytes / self.bytes_sent if self.bytes_sent else 0.0
+
+    def as_dict(self, prefix: str = "") -> dict[str, float]:
+        return {
+            f"{prefix}bytes_sent": float(self.bytes_sent),
+            f"{prefix}bits_per_param": self.bits_per_param,
+            f"{prefix}ratio_vs_fp32": self.ratio_vs_fp32,
+        }
+
+
+@dataclass
+class ByteCounter:
+    """Cumulative and current-step byte figures of the collectives that report to it."""
+
+    total: StepStats = field(default_factory=StepStats)
+    current: StepStats = field(default_factory=StepStats)
+    steps: int = 0
+
+    def add(self, bytes_sent: int, numel: int, world_size: int) -> None:
+        fp32 = ring_allreduce_bytes(numel, world_size)
+        for s in (self.total, self.current):
+            s.bytes_sent += bytes_sent
+            s.numel += numel
+            s.fp32_ring_bytes += fp32
+
+    def end_step(self) -> StepStats:
+        """Close the current step and return its figures."""
+        done, self.current = self.current, StepStats()
+        self.steps += 1
+        return done
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.total.bytes_sent
+
+    def state_dict(self) -> dict:
+        t = self.total
+        return {"bytes_sent": t.bytes_sent, "numel": t.numel, "fp32_ring_bytes": t.fp32_ring_bytes,
+                "steps": self.steps}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.total = StepStats(sd["bytes_sent"], sd["numel"], sd["fp32_ring_bytes"])
+        self.current = StepStats()
+        self.steps = sd["steps"]

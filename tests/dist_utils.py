@@ -1,0 +1,73 @@
+"""Run a function on n gloo ranks (spawned processes) and collect what each returns."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args, timeout_s: float) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      NUMBA_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        result = ("ok", fn(rank, world_size, *args))
+    except BaseException as exc:  # reported to the parent, which decides
+        result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0) -> list:
+    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``.
+
+    Returns one ``("ok", value)`` or ``("error", text)`` per rank. ``fn`` must be a
+    module-level function (spawned processes import it).
+    """
+    with tempfile.TemporaryDirectory() as outdir:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, outdir, fn, args, timeout_s))
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s + 120)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                raise TimeoutError(f"rank process {p.pid} did not finish")
+        results = []
+        for r in range(world_size):
+            path = os.path.join(outdir, f"rank{r}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} died without a result (exit code {procs[r].exitcode})")
+            results.append(torch.load(path, weights_only=False))
+        return results
+
+
+def values(results: list) -> list:
+    """The ranks' return values; fails with the first rank's traceback if any rank raised."""
+    for r, (status, v) in enumerate(results):
+        if status != "ok":
+            raise AssertionError(f"rank {r} raised:\n{v}")
+    return [v for _, v in results]
+

@@ -1,0 +1,179 @@
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks, values
+
+from lightning_onebit.comm import ByteCounter, CompressedAllreduce, SimulatedCluster, ring_allreduce_bytes
+from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
+
+CODECS = {
+    "sign-l2": lambda: SignCodec("l2"),
+    "sign-l1-blocked": lambda: SignCodec("l1", block_size=16),
+    "minmax": lambda: MinMaxUInt8Codec(),
+}
+MODES = ["plain", "error_feedback", "markov"]
+SIZES = [1, 2, 37, 1000, 4099]
+STEPS = 3
+
+
+def _input(rank: int, step: int, numel: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + numel)
+    return (torch.randn(numel, generator=g) * (1 + step)).to(dtype)
+
+
+def _cases():
+    for cname in CODECS:
+        for mode in MODES:
+            for numel in SIZES:
+                yield cname, mode, numel, torch.float32
+    yield "sign-l2", "error_feedback", 333, torch.bfloat16
+    yield "minmax", "plain", 333, torch.bfloat16
+
+
+def _all_cases_on_rank(rank, world_size):
+    out = {}
+    for cname, mode, numel, dtype in _cases():
+        car = CompressedAllreduce(CODECS[cname](), mode)
+        res = [car(_input(rank, s, numel, dtype)) for s in range(STEPS)]
+        out[(cname, mode, numel, str(dtype))] = (res, car.bytes_sent, car.row_bytes)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_distributed_equals_simulation_bit_for_bit(world_size):
+    ranks = values(run_ranks(_all_cases_on_rank, world_size))
+    for cname, mode, numel, dtype in _cases():
+        key = (cname, mode, numel, str(dtype))
+        sim = SimulatedCluster(CODECS[cname](), mode, world_size)
+        for s in range(STEPS):
+            expected = sim.allreduce([_input(r, s, numel, dtype) for r in range(world_size)])
+            for r in range(world_size):
+                got = ranks[r][key][0][s]
+                assert got.dtype == dtype and got.shape == (numel,)
+                assert torch.equal(got, ranks[0][key][0][s]), f"rank {r} differs from rank 0 {key}"
+                assert torch.equal(got, expected[r]), f"rank {r} differs from the simulation {key} step {s}"
+        res, bytes_sent, row_bytes = ranks[0][key]
+        assert bytes_sent == STEPS * 2 * (world_size - 1) * row_bytes
+
+
+def _subgroup(rank, world_size):
+    group = dist.new_group([1, 2])
+    if rank == 0:
+        return None
+    car = CompressedAllreduce(SignCodec(), "error_feedback", group=group)
+    return [car(_input(rank, s, 100)) for s in range(2)]
+
+
+def test_non_world_group():
+    ranks = values(run_ranks(_subgroup, 3))
+    sim = SimulatedCluster(SignCodec(), "error_feedback", 2)
+    for s in range(2):
+        expected = sim.allreduce([_input(1, s, 100), _input(2, s, 100)])
+        assert torch.equal(ranks[1][s], expected[0]) and torch.equal(ranks[2][s], expected[1])
+
+
+def _mismatch(rank, world_size, what):
+    codec = SignCodec() if (what != "codec" or rank == 0) else MinMaxUInt8Codec()
+    car = CompressedAllreduce(codec, "error_feedback")
+    numel = 100 + (rank if what == "numel" else 0)
+    x = torch.randn(numel)
+    if what == "nan" and rank == 1:
+        x[3] = float("nan")
+    err_before = None
+    if what == "nan":
+        car(torch.randn(numel))  # a good call first, so there is error state to protect
+        err_before = car.worker.clone()
+    t0 = time.monotonic()
+    try:
+        car(x)
+    except ValueError as exc:
+        unchanged = err_before is None or torch.equal(car.worker, err_before)
+        return str(exc), time.monotonic() - t0, unchanged
+    return None, time.monotonic() - t0, True
+
+
+@pytest.mark.parametrize("what,needle", [("numel", "disagree on numel"), ("codec", "disagree on codec kind"),
+                                         ("nan", "not finite")])
+def test_mismatch_fails_fast_on_every_rank(what, needle):
+    ranks = values(run_ranks(_mismatch, 2, what, timeout_s=30))
+    for msg, elapsed, unchanged in ranks:
+        assert msg is not None and needle in msg, msg
+        assert elapsed < 5.0
+        assert unchanged
+
+
+def test_bytes_match_formula():
+    for n in (1, 2, 4, 8):
+        for numel in (1, 1000, 2**20 + 5):
+            counter = ByteCounter()
+            sim = SimulatedCluster(SignCodec(), "error_feedback", n, counter=counter)
+            sim.allreduce([torch.randn(numel) for _ in range(n)])
+            seg = ((numel + n - 1) // n + 7) // 8 * 8
+            row = -(-(seg // 8) // 4) * 4 + 4  # codes padded to 4 bytes + one fp32 scale
+            assert counter.bytes_sent == 2 * (n - 1) * row
+            if n > 1 and numel > 1000:
+                ratio = ring_allreduce_bytes(numel, n) / counter.bytes_sent
+                assert 31.5 < ratio <= 32.0, ratio
+                assert counter.total.ratio_vs_fp32 == pytest.approx(ratio)
+            q = SimulatedCluster(MinMaxUInt8Codec(), "plain", n)
+            q.allreduce([torch.randn(numel) for _ in range(n)])
+            assert q.counter.bytes_sent == 2 * (n - 1) * (-(-seg // 4) * 4 + 8)
+
+
+@pytest.mark.parametrize("mode", ["error_feedback", "markov"])
+def test_feedback_gap_stays_bounded(mode):
+    """Sum of outputs tracks the sum of true means; without feedback the gap grows."""
+    n, numel = 4, 2000
+    g = torch.Generator().manual_seed(0)
+    base = [torch.randn(numel, generator=g) * torch.logspace(-2, 0, numel) for _ in range(n)]
+    gaps = {}
+    for m in (mode, "plain"):
+        sim = SimulatedCluster(SignCodec(), m, n)
+        acc_true, acc_out = torch.zeros(numel), torch.zeros(numel)
+        g2 = torch.Generator().manual_seed(1)
+        hist = []
+        for _ in range(400):
+            xs = [b + 0.3 * torch.randn(numel, generator=g2) * b.abs() for b in base]
+            acc_true += torch.stack(xs).mean(0)
+            acc_out += sim.allreduce(xs)[0]
+            hist.append((acc_out - acc_true).norm().item())
+        gaps[m] = hist
+    fb, plain = gaps[mode], gaps["plain"]
+    assert max(fb[200:]) < 2.0 * max(fb[50:200]), "feedback gap keeps growing"
+    assert plain[-1] > 3 * plain[99], "without feedback the gap should grow ~linearly (4x here)"
+    assert fb[-1] < plain[-1] / 10
+
+
+def test_single_process_runs_both_stages():
+    x = torch.randn(1000)
+    car = CompressedAllreduce(SignCodec(), "error_feedback")
+    y = car(x)
+    assert car.world_size == 1 and car.bytes_sent == 0
+    assert not torch.equal(x, y)  # compression error exists in one process too
+    torch.testing.assert_close(car.worker, x - y)  # one-rank EF: worker error holds what was lost
+    assert torch.equal(SimulatedCluster(SignCodec(), "error_feedback", 1).allreduce([x])[0], y)
+
+
+def test_state_dict_round_trip_continues_exactly():
+    xs = [[torch.randn(300) for _ in range(3)] for _ in range(6)]
+    a = SimulatedCluster(SignCodec(), "markov", 3)
+    for s in range(3):
+        a.allreduce(xs[s])
+    b = SimulatedCluster(SignCodec(), "markov", 3)
+    b.load_state_dict(a.state_dict())
+    for s in range(3, 6):
+        ya, yb = a.allreduce(xs[s]), b.allreduce(xs[s])
+        assert all(torch.equal(u, v) for u, v in zip(ya, yb, strict=True))
+    with pytest.raises(ValueError, match="mode"):
+        SimulatedCluster(SignCodec(), "error_feedback", 3).load_state_dict(a.state_dict())
+
+
+def test_object_is_bound_to_one_size():
+    car = CompressedAllreduce(SignCodec(), "plain")
+    car(torch.randn(10))
+    with pytest.raises(ValueError, match="one object per tensor"):
+        car(torch.randn(11))
+    with pytest.raises(ValueError, match="mode"):
+        CompressedAllreduce(SignCodec(), "nope")
