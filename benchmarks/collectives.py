@@ -117,8 +117,17 @@ def _make_op(method: str, world: int) -> tuple[Callable[[Any], Any], Callable[[]
         raise ValueError(f"unknown method {method!r}")
     car = CompressedAllreduce(codec, mode=mode, group=None)
     backend = resolve_backend_name(torch.device("cpu"), codec.backend)
-    desc = f"CompressedAllreduce({codec!r}, mode={mode!r}), kernels: {backend}"
-    return car, lambda: int(car.bytes_sent), desc
+    desc = f"CompressedAllreduce({codec!r}, mode={mode!r}), kernels: {backend}, out= preallocated"
+    outs: dict[int, Any] = {}
+
+    def op(x: Any) -> Any:
+        # a persistent output buffer, as the optimizers use: a fresh 100 MB tensor per call
+        # would time first-touch page faults, not the collective
+        if x.numel() not in outs:
+            outs[x.numel()] = torch.empty(x.numel(), dtype=torch.float32)
+        return car(x, out=outs[x.numel()])
+
+    return op, lambda: int(car.bytes_sent), desc
 
 
 def _wire1bit_op(world: int) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
@@ -350,11 +359,15 @@ def machine() -> str:
             f"Python {platform.python_version()}, torch {torch.__version__}")
 
 
-def append_results(path: Path, text: str, argv: Sequence[str]) -> None:
-    """Append a dated section with command line and machine, so runs stay comparable later."""
+def append_results(path: Path, text: str, argv: Sequence[str], load: str = "") -> None:
+    """Append a dated section with command line, machine and load, so runs stay comparable later.
+
+    The load average matters: on a 2-core box another CPU-bound job inflates codec times
+    (CPU-bound) far more than fp32 times (link-bound), which skews the ratios.
+    """
     stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     cmd = "python benchmarks/collectives.py " + shlex.join(argv)
-    section = (f"\n## Collectives, emulated links ({stamp})\n\n`{cmd}`\n\nMachine: {machine()}\n\n"
+    section = (f"\n## Collectives, emulated links ({stamp})\n\n`{cmd}`\n\nMachine: {machine()}{load}\n\n"
                "Each node is a network namespace behind a tc-tbf shaped veth (both directions); one torchrun "
                "per node, gloo, 1 thread per process. Times: median over iterations of the slowest rank, "
                "after warm-up. Link bytes: tx counter of each node's veth (frames incl. TCP/IP headers and "
@@ -412,13 +425,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif any(m in COMPRESSED for m in args.methods) and (reason := compressed_available()):
         print(f"compressed allreduce unavailable: {reason}", file=sys.stderr)
         return 2
+    load0 = os.getloadavg()[0]
     rows = run_grid(args)
+    load = f"; load average (1 min) {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end"
+    print(load.lstrip("; "), file=sys.stderr)
     text = tables(rows)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     if args.append:
-        append_results(Path(args.append), text, argv)
+        append_results(Path(args.append), text, argv, load)
         print(f"appended to {args.append}", file=sys.stderr)
     return 0
 

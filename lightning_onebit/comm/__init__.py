@@ -2,7 +2,8 @@
 
 from .accounting import ByteCounter, StepStats, ring_allreduce_bytes
 from .allreduce import MODES, CompressedAllreduce
+from .ddp_hook import CompressionHookState, compression_hook, register_compression_hook
 from .simulated import SimulatedCluster
 
-__all__ = ["MODES", "ByteCounter", "CompressedAllreduce", "SimulatedCluster", "StepStats",
-           "ring_allreduce_bytes"]
+__all__ = ["MODES", "ByteCounter", "CompressedAllreduce", "CompressionHookState", "SimulatedCluster", "StepStats",
+           "compression_hook", "register_compression_hook", "ring_allreduce_bytes"]

@@ -242,26 +242,38 @@ class CompressedAllreduce:
 
     def finish_stage(self, gathered: torch.Tensor, out: torch.Tensor | None,
                      dtype: torch.dtype) -> torch.Tensor:
-        """Stage 4 (every rank): decode the gathered server rows into the result."""
-        d, n, seg = self.numel, self.world_size, self.seg_len
+        """Stage 4 (every rank): decode the gathered server rows into the result.
+
+        ``out`` may have ``numel`` elements or, to skip a copy, ``padded_numel(numel)``.
+        Without ``out`` a new tensor is returned (a fresh allocation costs page faults on
+        first touch: pass ``out`` on hot paths)."""
+        d, D, n, seg = self.numel, self.padded_numel(self.numel), self.world_size, self.seg_len
         msgs: Encoded = self.codec.empty(n, seg, gathered.device, packed=gathered)
         if self.mode == "markov":
             self.codec.decode(msgs, out=self.tilde, accumulate=True)
+            self._zero_padding()
             result = self.tilde[:d]
-        else:
-            direct = out is not None and self._outpad is None and out.dtype == torch.float32 \
-                and out.is_contiguous()
-            buf = out.view(-1) if direct else (self._outpad if self._outpad is not None else
-                                                torch.empty(d, dtype=torch.float32, device=gathered.device))
+            if out is None:
+                return result.to(dtype=dtype, copy=True)
+            out.view(-1)[:d].copy_(result)
+            return out
+        fp32_out = out is not None and out.dtype == torch.float32 and out.is_contiguous()
+        if fp32_out and out.numel() == D:
+            self.codec.decode(msgs, out=out.view(-1))
+            self._zero_padding()
+            return out
+        if out is None and D == d and dtype == torch.float32:
+            buf = torch.empty(d, dtype=torch.float32, device=gathered.device)
             self.codec.decode(msgs, out=buf)
-            if direct:
-                self._zero_padding()
-                return out
-            result = buf[:d]
+            self._zero_padding()
+            return buf
+        buf = self._outpad if self._outpad is not None else torch.empty(D, dtype=torch.float32,
+                                                                          device=gathered.device)
+        self.codec.decode(msgs, out=buf)
         self._zero_padding()
         if out is None:
-            return result.to(dtype=dtype, copy=True)
-        out.view(-1).copy_(result)
+            return buf[:d].to(dtype=dtype, copy=True)
+        out.view(-1)[:d].copy_(buf[:d])
         return out
 
     def _account(self) -> None:

@@ -312,7 +312,7 @@ def _tile_bounds(t, tpb, tile_len, bps, block, seg_len):
 
 
 # reassoc must sit on the kernel: inline="always" inlines numba IR, compiled with the caller's flags
-@njit(parallel=True, cache=True, fastmath={"reassoc"})
+@njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc"})
 def _reduce_x(kind, a, x, st, nseg, seg_len, block, tile_len, tpb, out):
     bps = (seg_len + block - 1) // block
     for t in prange(nseg * bps * tpb):
@@ -322,7 +322,7 @@ def _reduce_x(kind, a, x, st, nseg, seg_len, block, tile_len, tpb, out):
         _tile_reduce(kind, a, xs, ss, out, t)
 
 
-@njit(parallel=True, cache=True, fastmath={"reassoc"})
+@njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc"})
 def _reduce_msg(kind, a, st, mc, ms, seg_len, block, tile_len, tpb, out):
     bps = (seg_len + block - 1) // block
     for t in prange(bps * tpb):
@@ -342,7 +342,7 @@ def _tile_encode_at(kind, mode, a, xs, ss, codes, scales, r, g, lo, hi):
         _tile_encode(kind, mode, a, xs, ss, codes[r, lo >> 3 : (hi + 7) >> 3], scales[g], scales[g])
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True)
 def _encode_x(kind, mode, a, x, st, nseg, seg_len, block, tile_len, tpb, scales, codes):
     bps = (seg_len + block - 1) // block
     for t in prange(nseg * bps * tpb):
@@ -352,7 +352,7 @@ def _encode_x(kind, mode, a, x, st, nseg, seg_len, block, tile_len, tpb, scales,
         _tile_encode_at(kind, mode, a, xs, ss, codes, scales, r, g, lo, hi)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True)
 def _encode_msg(kind, mode, a, st, mc, ms, seg_len, block, tile_len, tpb, scales, codes):
     bps = (seg_len + block - 1) // block
     for t in prange(bps * tpb):
@@ -364,7 +364,7 @@ def _encode_msg(kind, mode, a, st, mc, ms, seg_len, block, tile_len, tpb, scales
             _tile_encode_at(kind, mode, a, xs, ss, codes, scales, r, g, lo, hi)
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True)
 def _decode_rows(kind, codes, scales, nseg, seg_len, block, tile_len, tpb, out, accumulate):
     bps = (seg_len + block - 1) // block
     for t in prange(nseg * bps * tpb):
@@ -380,7 +380,7 @@ def _decode_rows(kind, codes, scales, nseg, seg_len, block, tile_len, tpb, out, 
                 dst[i] += buf[i]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, nogil=True, cache=True)
 def _decode_mean(kind, codes, scales, seg_len, block, tile_len, tpb, out, accumulate):
     bps = (seg_len + block - 1) // block
     for t in prange(bps * tpb):
@@ -412,10 +412,20 @@ def _np(t: torch.Tensor | None, empty):
     return empty if t is None else t.detach().numpy()
 
 
+def _rows(codes: torch.Tensor) -> np.ndarray:
+    """Codes as a C-contiguous 2-D array. Codes that are row views into a packed buffer
+    (``[codes | scales]`` rows) are widened to the full row stride: numba types slices of
+    a C array as contiguous and vectorises them, slices of a strided view it does not."""
+    if codes.is_contiguous() or codes.dim() != 2 or codes.stride(1) != 1:
+        return codes.numpy() if codes.is_contiguous() else codes.contiguous().numpy()
+    n, stride = codes.shape[0], codes.stride(0)
+    return torch.as_strided(codes, (n, stride), (stride, 1)).numpy()
+
+
 def _msg(kind: int, codes, scales):
     if codes is None:
         return _EMPTY_C, _EMPTY_S
-    return codes.numpy(), scales.reshape(codes.shape[0], -1).numpy()
+    return _rows(codes), scales.reshape(codes.shape[0], -1).numpy()
 
 
 def _mode_factor(mode: int) -> np.float32:
@@ -443,7 +453,7 @@ def reduce(kind, mode, layout: Layout, x, st, msg_codes, msg_scales) -> torch.Te
 def encode(kind, mode, layout: Layout, x, st, msg_codes, msg_scales, scales, codes) -> None:
     tile_len, tpb = _tiling(layout)
     a = _mode_factor(mode)
-    sc, cd = scales.reshape(-1).numpy(), codes.numpy()
+    sc, cd = scales.reshape(-1).numpy(), _rows(codes)
     if msg_codes is None:
         xa = x.numpy()
         _encode_x(kind, mode, a, xa, xa if st is None else st.numpy(), layout.nseg, layout.seg_len,

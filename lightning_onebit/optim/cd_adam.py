@@ -1,0 +1,123 @@
+"""CD-Adam (Wang, Lin, Chen, AAAI 2023) and the baselines of its paper.
+
+All of them synchronise the *gradient* with the two-stage compressed allreduce and run
+their update on the result:
+
+==================  ==========================  ===============================
+optimizer           compression of gradients    update
+==================  ==========================  ===============================
+CDAdam              Markov both ways (EF21)     AMSGrad, x -= lr m / sqrt(v_hat + nu)
+EF21                Markov both ways            SGD, x -= lr g_tilde
+ErrorFeedbackAMSGrad  error feedback both ways  AMSGrad
+NaiveCompressedAMSGrad  no feedback             AMSGrad
+==================  ==========================  ===============================
+
+The compressor is the scaled sign C(x) = ||x||_1 / d * sign(x) (``SignCodec("l1")``).
+Markov compression: worker i keeps g_hat_i and sends C(g_i - g_hat_i); the server keeps
+the running mean g_hat and sends C(g_hat - g_tilde); every worker adds that to g_tilde
+(the official code's reading of the paper's Algorithm 1, DESIGN.md section 5).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from ..compress import Codec, SignCodec
+from .base import CompressedOptimizer, _Bucket
+
+__all__ = ["CDAdam", "EF21", "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad"]
+
+
+class _CompressedGradient(CompressedOptimizer):
+    syncs = "gradient"
+
+    def __init__(self, params: Iterable, defaults: dict, block_size: int | None, **kw) -> None:
+        self.block_size = block_size
+        SignCodec("l1", block_size=block_size)
+        super().__init__(params, defaults, warmup_steps=None, **kw)
+        self._compressing = True  # no warm-up: compressed from the first step
+
+    def _make_codec(self) -> Codec:
+        return SignCodec("l1", block_size=self.block_size)
+
+    def _payload(self, b: _Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(grad)
+
+
+class _AMSGradOnCompressed(_CompressedGradient):
+    r"""AMSGrad on the synchronised gradient :math:`\tilde g_t` (no bias correction, as in the paper):
+
+    .. math::
+       m_t = \beta_1 m_{t-1} + (1-\beta_1)\tilde g_t,\quad
+       v_t = \beta_2 v_{t-1} + (1-\beta_2)\tilde g_t^2,\quad
+       \hat v_t = \max(\hat v_{t-1}, v_t),\quad
+       x_{t+1} = x_t (1 - \gamma\lambda) - \gamma\, m_t / \sqrt{\hat v_t + \nu}
+
+    Weight decay is decoupled (AdamW style). Memory per parameter: m, v, v_hat (fp32) plus
+    the communication state of the mode (see the subclass).
+    """
+
+    flat_state = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 nu: float = 1e-8, weight_decay: float = 0.0, block_size: int | None = None, *,
+                 bucket_cap_mb: float = 25.0, group=None, simulate_workers: int | None = None) -> None:
+        if lr < 0 or nu < 0 or weight_decay < 0:
+            raise ValueError(f"lr, nu and weight_decay must be non-negative, got {lr}, {nu}, {weight_decay}")
+        defaults = dict(lr=lr, betas=tuple(betas), nu=nu, weight_decay=weight_decay)
+        super().__init__(params, defaults, block_size, bucket_cap_mb=bucket_cap_mb, group=group,
+                         simulate_workers=simulate_workers)
+
+    def _update_compressed(self, b: _Bucket, group: dict, has_grad: list[bool]) -> None:
+        beta1, beta2 = group["betas"]
+        g = b.synced
+        m, v, vmax = b.flat["exp_avg"], b.flat["exp_avg_sq"], b.flat["max_exp_avg_sq"]
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        torch.maximum(vmax, v, out=vmax)
+        self._apply(b, m, group, has_grad, decoupled_wd=group["weight_decay"],
+                    denom=(vmax + group["nu"]).sqrt_())
+
+
+class CDAdam(_AMSGradOnCompressed):
+    """CD-Adam: Markov-compressed gradients both ways (1-bit scaled sign) + AMSGrad. No warm-up.
+
+    Communication state per parameter: worker estimate g_hat_i and shared estimate g_tilde
+    (fp32, 8 bytes) + 1/n server mean: with m, v, v_hat, 20 + 4/n bytes per parameter.
+    """
+
+    comm_mode = "markov"
+
+
+class ErrorFeedbackAMSGrad(_AMSGradOnCompressed):
+    """Baseline: error-feedback compressed gradients (worker + server error) + AMSGrad."""
+
+    comm_mode = "error_feedback"
+
+
+class NaiveCompressedAMSGrad(_AMSGradOnCompressed):
+    """Baseline: compressed gradients without any feedback + AMSGrad (stalls, CD-Adam paper Fig. 2)."""
+
+    comm_mode = "plain"
+
+
+class EF21(_CompressedGradient):
+    """EF21 (Richtarik et al.): Markov-compressed gradients both ways + plain SGD, x -= lr g_tilde.
+
+    Memory per parameter: g_hat_i and g_tilde (fp32) + 1/n server mean.
+    """
+
+    comm_mode = "markov"
+
+    def __init__(self, params: Iterable, lr: float = 1e-2, weight_decay: float = 0.0,
+                 block_size: int | None = None, *, bucket_cap_mb: float = 25.0, group=None,
+                 simulate_workers: int | None = None) -> None:
+        if lr < 0 or weight_decay < 0:
+            raise ValueError(f"lr and weight_decay must be non-negative, got {lr}, {weight_decay}")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay), block_size,
+                         bucket_cap_mb=bucket_cap_mb, group=group, simulate_workers=simulate_workers)
+
+    def _update_compressed(self, b: _Bucket, group: dict, has_grad: list[bool]) -> None:
+        self._apply(b, b.synced, group, has_grad, decoupled_wd=group["weight_decay"])

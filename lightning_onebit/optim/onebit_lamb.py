@@ -1,0 +1,131 @@
+"""1-bit LAMB (Li et al. 2021; Tarasov & Ershov 2022, Algorithm 2)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .base import _Bucket
+from .onebit_adam import OnebitAdam
+
+__all__ = ["OnebitLamb"]
+
+
+class OnebitLamb(OnebitAdam):
+    r"""1-bit LAMB: LAMB warm-up, then frozen variance, 1-bit compressed momentum and a
+    layer-wise scaling factor from a fresh variance reconstructed from synced momenta.
+
+    Warm-up (per layer = parameter tensor), exactly LAMB with bias correction:
+
+    .. math::
+       u = \hat m / (\sqrt{\hat v} + \epsilon) + \lambda\theta,\quad
+       c = \mathrm{clip}(\|\theta\| / \|u\|,\ c_{min}, c_{max}),\quad
+       \theta \leftarrow \theta - \gamma c u,\quad
+       \bar c \leftarrow \beta_c \bar c + (1-\beta_c) c
+
+    Compression: :math:`m_t` = compressed allreduce (1-bit, error feedback) of the local
+    momentum; :math:`\tilde g = (m_t - \beta_1 m_{t-1}) / (1-\beta_1)` rebuilds the gradient,
+    :math:`v^{fresh} \leftarrow \beta_2 v^{fresh} + (1-\beta_2)\tilde g^2` (initialised to the
+    frozen :math:`\hat v`); with :math:`d = \sqrt{\hat v + \epsilon}` (or
+    :math:`\sqrt{\hat v} + \epsilon`) and :math:`d^{fresh}` likewise, the layer factor
+    :math:`f = \max(d / d^{fresh})` is blended with the weight-decay share of the update,
+    clipped to [factor_min, factor_max] and to +-factor_threshold relative change per step,
+    and :math:`\theta \leftarrow \theta - \gamma \bar c f (\hat m / d + \lambda\theta)`.
+
+    Memory per parameter: m, v, v_fresh, m_prev (fp32) + worker error + 1/n server error.
+    """
+
+    flat_state = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "exp_avg_prev")
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int | None = 1000,
+                 max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
+                 factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
+                 eps_inside_sqrt: bool = True, block_size: int | None = None, *,
+                 bucket_cap_mb: float = 25.0, group=None, simulate_workers: int | None = None) -> None:
+        if not 0 < min_coeff <= max_coeff or not 0 < factor_min <= factor_max or factor_threshold < 0:
+            raise ValueError("need 0 < min_coeff <= max_coeff, 0 < factor_min <= factor_max, factor_threshold >= 0")
+        super().__init__(params, lr, betas, eps, weight_decay, warmup_steps, eps_inside_sqrt, block_size,
+                         bucket_cap_mb=bucket_cap_mb, group=group, simulate_workers=simulate_workers)
+        for g in self.param_groups:
+            g.update(max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
+                     factor_min=factor_min, factor_threshold=factor_threshold)
+        self.defaults.update(max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
+                             factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold)
+
+    def _update_warmup(self, b: _Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
+        beta1, beta2 = group["betas"]
+        m, v = b.flat["exp_avg"], b.flat["exp_avg_sq"]
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        t = self._step
+        bc1, bc2 = 1 - beta1**t, 1 - beta2**t
+        update = (m / bc1) / (v / bc2).sqrt_().add_(group["eps"])
+        wd = group["weight_decay"]
+        for p, u, h in zip(b.params, b.views(update), has_grad, strict=True):
+            if not h:
+                continue
+            if wd:
+                u.add_(p.detach().float(), alpha=wd)
+            st = self.state[p]
+            coeff = self._trust_ratio(p, u, group)
+            st["lamb_coeff_freeze"] = group["coeff_beta"] * st.get("lamb_coeff_freeze", 0.0) + (
+                1 - group["coeff_beta"]) * coeff
+            p.add_(u.to(p.dtype), alpha=-group["lr"] * coeff)
+
+    @staticmethod
+    def _trust_ratio(p: torch.Tensor, u: torch.Tensor, group: dict) -> float:
+        w_norm, u_norm = p.detach().float().norm().item(), u.norm().item()
+        coeff = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
+        return min(max(coeff, group["min_coeff"]), group["max_coeff"])
+
+    def _on_switch(self) -> None:
+        super()._on_switch()
+        for b in self._buckets or []:
+            self._init_fresh(b)
+
+    def _init_fresh(self, b: _Bucket) -> None:
+        group = self.param_groups[b.group_index]
+        bc2 = 1 - group["betas"][1] ** self._frozen_step
+        b.flat["exp_avg_sq_fresh"].copy_(b.flat["exp_avg_sq"]).div_(bc2)
+        for p in b.params:
+            self.state[p]["last_factor"] = 1.0
+            self.state[p].setdefault("lamb_coeff_freeze", 1.0)
+
+    def _absorb(self, b: _Bucket, synced: torch.Tensor) -> None:
+        if "last_factor" not in self.state[b.params[0]]:
+            self._init_fresh(b)  # buckets built after the switch (e.g. start_compression before step 1)
+        b.flat["exp_avg_prev"].copy_(b.flat["exp_avg"])
+        super()._absorb(b, synced)
+
+    def _update_compressed(self, b: _Bucket, group: dict, has_grad: list[bool]) -> None:
+        beta1, beta2 = group["betas"]
+        m, v = b.flat["exp_avg"], b.flat["exp_avg_sq"]
+        fresh, prev = b.flat["exp_avg_sq_fresh"], b.flat["exp_avg_prev"]
+        grad_rec = (m - beta1 * prev) / (1 - beta1)
+        fresh.mul_(beta2).addcmul_(grad_rec, grad_rec, value=1 - beta2)
+        denom = self._denominator(v, group)
+        if group["eps_inside_sqrt"]:
+            denom_fresh = (fresh + group["eps"]).sqrt_()
+        else:
+            denom_fresh = fresh.sqrt().add_(group["eps"])
+        prelim = (m / (1 - beta1**self._step)) / denom
+        prelim.masked_fill_(v == 0, 0.0)
+        ratio = denom / denom_fresh
+        wd = group["weight_decay"]
+        for p, u, r, h in zip(b.params, b.views(prelim), b.views(ratio), has_grad, strict=True):
+            if not h:
+                continue
+            st = self.state[p]
+            factor = r.max().item()
+            update = u.add(p.detach().float(), alpha=wd) if wd else u
+            if wd:
+                un = update.norm().item()
+                share = min(1.0, u.norm().item() / un) if un > 0 else 1.0
+                factor = factor * share + (1.0 - share)
+            factor = min(max(factor, group["factor_min"]), group["factor_max"])
+            last = st["last_factor"]
+            factor = min(max(factor, last * (1 - group["factor_threshold"])), last * (1 + group["factor_threshold"]))
+            st["last_factor"] = factor
+            p.add_(update.to(p.dtype), alpha=-group["lr"] * st["lamb_coeff_freeze"] * factor)
