@@ -2,11 +2,12 @@ import math
 
 import pytest
 import torch
-from codec_cases import assert_matches_reference, assert_rejects_nonfinite, make_codec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_onebit.compress import Encoded, MinMaxUInt8Codec, SignCodec
+
+from codec_cases import assert_matches_reference, assert_rejects_nonfinite, make_codec
 
 KINDS = ["l2", "l1", "minmax"]
 BLOCKS = [None, 8, 16, 40, 4096]

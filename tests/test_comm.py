@@ -3,10 +3,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks, values
 
 from lightning_onebit.comm import ByteCounter, CompressedAllreduce, SimulatedCluster, ring_allreduce_bytes
 from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
+
+from dist_utils import run_ranks, values
 
 CODECS = {
     "sign-l2": lambda: SignCodec("l2"),

@@ -15,8 +15,7 @@ Trade-offs, documented because they are visible to users:
   overlap on); it still overlaps with the backward of the layers that come after it.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
 from dataclasses import dataclass
 from typing import Protocol
 

@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+
 from codec_cases import assert_matches_reference, assert_rejects_nonfinite
 
 pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
