@@ -46,6 +46,7 @@ class ByteCounter:
 
     total: StepStats = field(default_factory=StepStats)
     current: StepStats = field(default_factory=StepStats)
+    last: StepStats = field(default_factory=StepStats)  # the most recently closed step
     steps: int = 0
 
     def add(self, bytes_sent: int, numel: int, world_size: int) -> None:
@@ -57,9 +58,9 @@ class ByteCounter:
 
     def end_step(self) -> StepStats:
         """Close the current step and return its figures."""
-        done, self.current = self.current, StepStats()
+        self.last, self.current = self.current, StepStats()
         self.steps += 1
-        return done
+        return self.last
 
     @property
     def bytes_sent(self) -> int:

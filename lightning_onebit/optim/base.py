@@ -99,7 +99,9 @@ class CompressedOptimizer(Optimizer):
         self._buckets: list[_Bucket] | None = None
         self._param_bucket: dict[int, tuple[_Bucket, int]] = {}
         self._ddp_attached = False
-        self._pending_comm: list | None = None
+        #: with DDP, synchronise in step() instead of the backward hook (fp16 + GradScaler:
+        #: the hook would see scaled gradients; also lets clipping act before compression)
+        self.defer_sync_to_step = False
 
     # -- phases --------------------------------------------------------------------------
     @property
@@ -295,6 +297,10 @@ class CompressedOptimizer(Optimizer):
             self.comm_counter.add(2 * (n - 1) * buf.numel() * buf.element_size() // n, buf.numel(), n)
             fut = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
             return fut.then(lambda f: f.value()[0])
+        if self.defer_sync_to_step:
+            fut0: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            fut0.set_result(buf)  # local gradients; step() synchronises them
+            return fut0
         with torch.no_grad():
             for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
                 ob, i = self._param_bucket[id(p)]

@@ -1,0 +1,107 @@
+"""Phase switching: when the warm-up algorithms start compressing."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback
+
+from ..optim.base import CompressedOptimizer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PhaseSwitch"]
+
+
+def _compressed_optimizer(trainer) -> CompressedOptimizer:
+    for opt in trainer.optimizers:
+        opt = getattr(opt, "_optimizer", opt)
+        if isinstance(opt, CompressedOptimizer):
+            return opt
+    raise ValueError("PhaseSwitch needs a lightning_onebit optimizer (use a lightning_onebit strategy)")
+
+
+class PhaseSwitch(Callback):
+    """Start the compression phase of a warm-up algorithm (1-bit Adam, 1-bit LAMB, QAdam).
+
+    Args:
+        warmup: ``int`` - number of optimizer steps; ``float`` in (0, 1) - fraction of
+            ``trainer.estimated_stepping_batches`` (the 1-bit Adam paper recommends 15-25%);
+            ``"auto"`` - switch once the second moment has stabilised: every ``check_every``
+            steps the relative change ||v - v_prev|| / ||v_prev|| is compared with ``tol``, and
+            after ``patience`` consecutive checks below it the switch happens (the decision is
+            agreed across ranks). ``min_steps`` and ``max_fraction`` bound the auto switch.
+    """
+
+    def __init__(self, warmup: int | float | str = 0.15, tol: float = 0.05, check_every: int = 10,
+                 patience: int = 2, min_steps: int = 20, max_fraction: float = 0.5) -> None:
+        if isinstance(warmup, bool) or not (
+            (isinstance(warmup, int) and warmup >= 1) or (isinstance(warmup, float) and 0 < warmup < 1)
+            or warmup == "auto"
+        ):
+            raise ValueError(f"warmup must be an int >= 1, a float in (0, 1) or 'auto', got {warmup!r}")
+        self.warmup = warmup
+        self.tol, self.check_every, self.patience = tol, check_every, patience
+        self.min_steps, self.max_fraction = min_steps, max_fraction
+        self.switch_step: int | None = None  # the global step at which compression started
+        self._target: int | None = None
+        self._prev_v: list[torch.Tensor] | None = None
+        self._calm = 0
+        self.history: list[tuple[int, float]] = []  # (step, relative change of v) for auto
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        total = trainer.estimated_stepping_batches
+        if isinstance(self.warmup, int):
+            self._target = self.warmup
+        elif isinstance(self.warmup, float):
+            self._target = max(1, round(self.warmup * total))
+        else:
+            self._target = max(self.min_steps, round(self.max_fraction * total)) if total != float("inf") else None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        opt = _compressed_optimizer(trainer)
+        if opt.compressing or self._target is None or self.warmup == "auto" and self.switch_step is None \
+                and trainer.global_step < self._target:
+            return
+        if trainer.global_step >= self._target and not opt.compressing:
+            self._switch(trainer, pl_module, opt, reason=f"warm-up of {self._target} steps done")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.warmup != "auto":
+            return
+        opt = _compressed_optimizer(trainer)
+        step = trainer.global_step
+        if opt.compressing or step == 0 or step % self.check_every:
+            return
+        v = [b.flat["exp_avg_sq"] for b in (opt._buckets or [])]
+        if self._prev_v is not None:
+            num = sum(float((a - b).norm() ** 2) for a, b in zip(v, self._prev_v, strict=True)) ** 0.5
+            den = sum(float(b.norm() ** 2) for b in self._prev_v) ** 0.5
+            change = num / den if den > 0 else float("inf")
+            self.history.append((step, change))
+            self._calm = self._calm + 1 if change < self.tol else 0
+            decide = torch.tensor([1 if (self._calm >= self.patience and step >= self.min_steps) else 0])
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(decide, op=dist.ReduceOp.MIN)  # every rank must switch at the same step
+            if int(decide):
+                self._switch(trainer, pl_module, opt,
+                             reason=f"variance stabilised (relative change {change:.3g} < {self.tol})")
+        self._prev_v = [t.clone() for t in v]
+
+    def _switch(self, trainer, pl_module, opt: CompressedOptimizer, reason: str) -> None:
+        opt.start_compression()
+        self.switch_step = trainer.global_step
+        msg = f"lightning_onebit: compression starts at step {self.switch_step} ({reason})"
+        log.info(msg)
+        if trainer.is_global_zero:
+            print(msg)
+
+    def state_dict(self) -> dict:
+        return {"switch_step": self.switch_step, "calm": self._calm, "history": self.history}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.switch_step = state_dict["switch_step"]
+        self._calm = state_dict["calm"]
+        self.history = list(state_dict["history"])

@@ -1,0 +1,257 @@
+"""Lightning strategies: DDP whose gradient traffic is compressed by a lightning_onebit optimizer.
+
+``Trainer(strategy="onebit_adam")`` is ``DDPStrategy`` (same launchers, cluster environments,
+``num_nodes``, ``process_group_backend``, timeouts) plus three things:
+
+1. **Optimizer**: ``configure_optimizers`` may return ``torch.optim.Adam``/``AdamW`` (or a
+   LAMB for ``onebit_lamb``); it is converted to the strategy's algorithm with the same
+   hyperparameters and param groups, LR schedulers are re-pointed at the new optimizer,
+   and the conversion is logged once. The package's matching optimizer is used as is.
+   Anything else fails at setup with a message that says what to do.
+2. **Communication**: the optimizer is attached to the DDP model through a comm hook, on
+   CPU (gloo) as on GPU (Lightning registers hooks only on CUDA; we always do).
+3. **Checkpoints**: every rank's error-feedback state goes into the checkpoint (DeepSpeed
+   drops it); a resume on the same world size continues bit for bit, a resume on another
+   world size keeps the (replicated) moments and resets the per-rank error state with a
+   warning.
+
+Precision: ``32`` and ``bf16-mixed`` need nothing special (state and compression are fp32).
+With ``16-mixed`` the compressed sync moves from the backward hook to ``step()`` (after the
+GradScaler has unscaled the local gradients), and the scaler's overflow check is agreed
+across ranks so that every rank skips the same steps.
+
+Gradient clipping: during warm-up it clips the averaged gradient, as with plain DDP. In
+the compression phase the synchronisation happens inside backward, before Lightning clips,
+so clipping sees this rank's local gradient and does not affect the update (with
+``16-mixed`` it does clip the local gradient before compression).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch.optim import Optimizer
+
+from ..optim import EF21, CDAdam, ErrorFeedbackAMSGrad, NaiveCompressedAMSGrad, OnebitAdam, OnebitLamb, QAdam
+from ..optim.base import CompressedOptimizer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ALGORITHMS", "CompressedDDPStrategy"]
+
+#: strategy name -> (optimizer class, what configure_optimizers may return instead)
+ALGORITHMS: dict[str, type[CompressedOptimizer]] = {
+    "onebit_adam": OnebitAdam,
+    "onebit_lamb": OnebitLamb,
+    "qadam": QAdam,
+    "cd_adam": CDAdam,
+    "ef21": EF21,
+    "ef_amsgrad": ErrorFeedbackAMSGrad,
+    "naive_amsgrad": NaiveCompressedAMSGrad,
+}
+_ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _is_lamb(opt: Optimizer) -> bool:
+    return "lamb" in type(opt).__name__.lower()
+
+
+class _AgreeingGradScaler(torch.amp.GradScaler):
+    """A GradScaler whose overflow check is agreed across ranks (MAX of found_inf).
+
+    With compressed synchronisation the gradients a rank unscales are its own, so one rank
+    can overflow while another does not; skipping on one rank only would desynchronise them.
+    """
+
+    group = None
+
+    def unscale_(self, optimizer: Optimizer) -> None:
+        super().unscale_(optimizer)
+        if dist.is_available() and dist.is_initialized():
+            for t in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+
+
+class CompressedDDPStrategy(DDPStrategy):
+    """DDP with compressed communication by a lightning_onebit algorithm.
+
+    Args:
+        algorithm: one of :data:`ALGORITHMS` (``"onebit_adam"``, ``"qadam"``, ...).
+        warmup: for the warm-up algorithms, when compression starts if the optimizer does not
+            set ``warmup_steps`` itself: an int (steps), a float in (0, 1) (a fraction of
+            ``trainer.estimated_stepping_batches``; 0.15 is the 1-bit Adam paper's advice) or
+            ``"auto"`` (when the variance has stabilised). Implemented by adding a
+            :class:`~lightning_onebit.callbacks.PhaseSwitch` callback unless one is present.
+        optimizer_kwargs: extra arguments for the converted optimizer (e.g.
+            ``eps_inside_sqrt``, ``block_size``, ``bucket_cap_mb``).
+        **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes.
+    """
+
+    algorithm: str = "onebit_adam"
+
+    def __init__(self, algorithm: str | None = None, warmup: int | float | str | None = 0.15,
+                 optimizer_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        algorithm = algorithm or type(self).algorithm
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {sorted(ALGORITHMS)}")
+        if kwargs.get("ddp_comm_hook") is not None:
+            raise ValueError(f"{type(self).__name__} installs its own DDP comm hook; ddp_comm_hook cannot be set")
+        super().__init__(**kwargs)
+        self.algorithm = algorithm
+        self.optimizer_cls = ALGORITHMS[algorithm]
+        self.warmup = warmup
+        self.optimizer_kwargs = dict(optimizer_kwargs or {})
+        self._converted_from: str | None = None
+
+    # -- setup ---------------------------------------------------------------------------
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        self._convert_optimizers(trainer)
+        opt = self.optimizers[0]
+        fp16 = getattr(self.precision_plugin, "scaler", None) is not None
+        if fp16:
+            self._install_agreeing_scaler()
+        opt.defer_sync_to_step = fp16
+        opt.attach(self.model)
+        self._ensure_phase_switch(trainer, opt)
+
+    def _convert_optimizers(self, trainer) -> None:
+        opts = self.optimizers
+        name = self.algorithm
+        if len(opts) != 1:
+            raise ValueError(f"strategy {name!r} supports exactly one optimizer; configure_optimizers returned "
+                             f"{len(opts)}. Return a single optimizer (use param groups for different settings).")
+        opt = opts[0]
+        if isinstance(opt, CompressedOptimizer):
+            if not isinstance(opt, self.optimizer_cls) or type(opt) is not self.optimizer_cls:
+                raise ValueError(f"strategy {name!r} runs {self.optimizer_cls.__name__}, but configure_optimizers "
+                                 f"returned {type(opt).__name__}; return {self.optimizer_cls.__name__} (or "
+                                 f"torch.optim.AdamW, which is converted) or use strategy matching your optimizer")
+            return
+        new = self._convert(opt)
+        for cfg in self.lr_scheduler_configs:
+            if cfg.scheduler.optimizer is opt:
+                cfg.scheduler.optimizer = new
+        self.optimizers = [new]
+        self._converted_from = type(opt).__name__
+        log.info(f"lightning_onebit: converted {type(opt).__name__} to {type(new).__name__} for strategy {name!r}")
+        if trainer.is_global_zero:
+            print(f"lightning_onebit: converted {type(opt).__name__} to {type(new).__name__} "
+                  f"(same hyperparameters) for strategy {name!r}")
+
+    def _convert(self, opt: Optimizer) -> CompressedOptimizer:
+        name, cls = self.algorithm, self.optimizer_cls
+        ok = isinstance(opt, _ADAM_LIKE) or (cls is OnebitLamb and _is_lamb(opt))
+        if not ok:
+            raise ValueError(
+                f"strategy {name!r} needs an Adam-family optimizer: return torch.optim.AdamW (or Adam"
+                f"{', or a LAMB' if cls is OnebitLamb else ''}) or {cls.__name__} from configure_optimizers; "
+                f"got {type(opt).__name__}. For SGD-style training use strategy='ef21' or plain 'ddp'.")
+        d = opt.defaults
+        if d.get("amsgrad"):
+            raise ValueError(f"strategy {name!r}: Adam(amsgrad=True) cannot be converted; use cd_adam (AMSGrad) "
+                             "or amsgrad=False")
+        decoupled = isinstance(opt, torch.optim.AdamW) or d.get("decoupled_weight_decay", False) or _is_lamb(opt)
+        if any(g.get("weight_decay", 0) for g in opt.param_groups) and not decoupled:
+            raise ValueError(f"strategy {name!r}: torch.optim.Adam with weight_decay is L2-regularised Adam, which "
+                             "the compressed optimizers do not implement; use torch.optim.AdamW (decoupled)")
+        kw = dict(self.optimizer_kwargs)
+        if cls is EF21:
+            kw.update(lr=d["lr"])
+        elif cls in (CDAdam, ErrorFeedbackAMSGrad, NaiveCompressedAMSGrad):
+            kw.update(lr=d["lr"], betas=d.get("betas", (0.9, 0.99)), nu=d.get("eps", 1e-8),
+                      weight_decay=d.get("weight_decay", 0.0))
+        else:
+            kw.update(lr=d["lr"], betas=d.get("betas", (0.9, 0.999)), eps=d.get("eps", 1e-8),
+                      weight_decay=d.get("weight_decay", 0.0))
+            kw.setdefault("warmup_steps", None)  # the PhaseSwitch callback decides
+        groups = []
+        for g in opt.param_groups:
+            ng = {k: v for k, v in g.items() if k in ("params", "lr", "weight_decay", "initial_lr", "betas")}
+            if cls in (CDAdam, ErrorFeedbackAMSGrad, NaiveCompressedAMSGrad) and "eps" in g:
+                ng["nu"] = g["eps"]
+            elif "eps" in g and cls is not EF21:
+                ng["eps"] = g["eps"]
+            if cls is EF21:
+                ng.pop("betas", None)
+            groups.append(ng)
+        new = cls(groups, **kw)
+        for g_old, g_new in zip(opt.param_groups, new.param_groups, strict=True):
+            if "initial_lr" in g_old:
+                g_new["initial_lr"] = g_old["initial_lr"]
+        return new
+
+    def _install_agreeing_scaler(self) -> None:
+        old = self.precision_plugin.scaler
+        new = _AgreeingGradScaler(device=self.root_device.type)
+        new.load_state_dict(old.state_dict())
+        self.precision_plugin.scaler = new
+
+    def _ensure_phase_switch(self, trainer, opt: CompressedOptimizer) -> None:
+        from ..callbacks import PhaseSwitch
+
+        if opt.compressing or getattr(opt, "warmup_steps", None) is not None:
+            return
+        if not isinstance(opt, OnebitAdam):  # algorithms without warm-up
+            return
+        if any(isinstance(cb, PhaseSwitch) for cb in trainer.callbacks):
+            return
+        if self.warmup is None:
+            raise ValueError(f"strategy {self.algorithm!r}: the optimizer has warmup_steps=None and warmup=None; "
+                             "set one of them, or add a PhaseSwitch callback")
+        trainer.callbacks.append(PhaseSwitch(self.warmup))
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def optimizer_state(self, optimizer: Optimizer) -> dict:
+        sd = super().optimizer_state(optimizer)
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        if isinstance(opt, CompressedOptimizer) and "onebit" in sd:
+            comm = sd["onebit"]["comm"]
+            per_rank = [None] * self.world_size
+            dist.all_gather_object(per_rank, comm)  # every rank's error state, not only rank 0's
+            sd["onebit"] = dict(sd["onebit"], comm_per_rank=per_rank, world_size=self.world_size)
+        return sd
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = list(checkpoint["optimizer_states"])
+        for i, st in enumerate(states):
+            section = st.get("onebit") if isinstance(st, dict) else None
+            if section is None:
+                if isinstance(self.optimizers[i], CompressedOptimizer):
+                    raise ValueError("this checkpoint's optimizer state was not written by a lightning_onebit "
+                                     f"optimizer, it cannot be resumed with strategy {self.algorithm!r}")
+                continue
+            if section["algorithm"] != type(self.optimizers[i]).__name__:
+                raise ValueError(f"checkpoint was written with {section['algorithm']}; strategy {self.algorithm!r} "
+                                 f"runs {type(self.optimizers[i]).__name__}. Resume with the same algorithm.")
+            section = dict(section)
+            saved_ws = section.pop("world_size", None)
+            per_rank = section.pop("comm_per_rank", None)
+            if per_rank is not None:
+                if saved_ws == self.world_size:
+                    section["comm"] = per_rank[self.global_rank]
+                else:
+                    warnings.warn(f"checkpoint was written on {saved_ws} ranks, resuming on {self.world_size}: "
+                                  "moments and phase are kept, the per-rank error-feedback state is reset",
+                                  stacklevel=2)
+                    section["comm"] = [None for _ in section["comm"]]
+            states[i] = dict(st, onebit=section)
+        super().load_optimizer_state_dict(dict(checkpoint, optimizer_states=states))
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for name in ALGORITHMS:
+            for suffix, start in (("", "popen"), ("_spawn", "spawn")):
+                strategy_registry.register(
+                    name + suffix, cls, description=f"DDP with {ALGORITHMS[name].__name__} compressed communication",
+                    algorithm=name, start_method=start, override=True)

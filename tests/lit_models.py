@@ -1,0 +1,80 @@
+"""Small LightningModules for the strategy tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def digits_loaders(batch_size: int = 32, n: int = 512):
+    from sklearn.datasets import load_digits
+
+    X, y = load_digits(return_X_y=True)
+    X = torch.tensor(X[:n] / 16.0, dtype=torch.float32)
+    y = torch.tensor(y[:n])
+    return DataLoader(TensorDataset(X, y), batch_size=batch_size, shuffle=False)
+
+
+class DigitsMLP(L.LightningModule):
+    def __init__(self, optimizer: str = "adamw", lr: float = 3e-3, weight_decay: float = 0.01,
+                 scheduler: bool = False, opt_kwargs: dict | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+        self.automatic_optimization = optimizer != "two"  # Lightning needs manual mode for several
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self):
+        hp = self.hparams
+        params = self.parameters()
+        if hp.optimizer == "adamw":
+            opt = torch.optim.AdamW(params, lr=hp.lr, weight_decay=hp.weight_decay)
+        elif hp.optimizer == "adam":
+            opt = torch.optim.Adam(params, lr=hp.lr, weight_decay=hp.weight_decay)
+        elif hp.optimizer == "sgd":
+            opt = torch.optim.SGD(params, lr=hp.lr)
+        elif hp.optimizer == "two":
+            return [torch.optim.AdamW(self.net[0].parameters()), torch.optim.AdamW(self.net[2].parameters())]
+        else:
+            import lightning_onebit
+
+            opt = getattr(lightning_onebit, hp.optimizer)(params, lr=hp.lr, **(hp.opt_kwargs or {}))
+        if hp.scheduler:
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
+        return opt
+
+    def train_dataloader(self):
+        return digits_loaders()
+
+
+class SaveParams(L.Callback):
+    """Every rank writes its final parameters and comm figures (spawned ranks cannot return them)."""
+
+    def __init__(self, outdir: str) -> None:
+        self.outdir = outdir
+        self.steps: list[tuple[int, float, bool]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        opt = trainer.optimizers[0]
+        opt = getattr(opt, "_optimizer", opt)
+        if hasattr(opt, "comm_counter"):
+            self.steps.append((trainer.global_step, opt.comm_counter.last.bytes_sent, opt.compressing))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        import os
+
+        params = [p.detach().clone() for p in pl_module.parameters()]
+        opt = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0])
+        counter = getattr(opt, "comm_counter", None)
+        torch.save({"params": params, "steps": self.steps, "global_step": trainer.global_step,
+                    "comm_steps": counter.steps if counter else None,
+                    "bytes_total": counter.total.bytes_sent if counter else None},
+                   os.path.join(self.outdir, f"rank{trainer.global_rank}.pt"))

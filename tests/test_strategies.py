@@ -1,0 +1,181 @@
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lit_models import DigitsMLP, SaveParams
+
+import lightning_onebit  # noqa: F401  (registers the strategy names)
+from lightning_onebit import CommunicationMonitor, CompressedDDPStrategy, OnebitAdamStrategy, PhaseSwitch
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_group():
+    """In-process (devices=1) fits leave a process group and MASTER_PORT behind; spawned fits
+    that follow would then try to bind the same port."""
+    saved = dict(os.environ)
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _fit(tmp_path, strategy, model=None, devices=2, max_epochs=2, callbacks=(), ckpt_path=None, **trainer_kw):
+    out = tmp_path / "ranks"
+    out.mkdir(parents=True, exist_ok=True)
+    trainer_kw.setdefault("enable_checkpointing", False)
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=max_epochs,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[SaveParams(str(out)), *callbacks], default_root_dir=str(tmp_path), **trainer_kw)
+    trainer.fit(model or DigitsMLP(), ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)], trainer
+
+
+def _bytes_by_phase(steps):
+    warm = [b for _, b, c in steps if not c and b > 0]
+    comp = [b for _, b, c in steps if c and b > 0]
+    return warm, comp
+
+
+@pytest.mark.parametrize("name,ratio", [("onebit_adam", 32), ("onebit_lamb", 32), ("qadam", 4), ("cd_adam", None),
+                                        ("ef21", None), ("ef_amsgrad", None), ("naive_amsgrad", None)])
+def test_every_strategy_fits_and_replicas_agree(tmp_path, name, ratio):
+    model = DigitsMLP(optimizer="adamw" if name != "ef21" else "EF21", lr=3e-3 if name != "ef21" else 0.05)
+    strategy = CompressedDDPStrategy(name, warmup=4, start_method="spawn")
+    ranks, _ = _fit(tmp_path, strategy, model)
+    for p, q in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(p, q)
+    warm, comp = _bytes_by_phase(ranks[0]["steps"])
+    assert comp, "no compression-phase step"
+    if ratio:
+        assert warm, "no warm-up step"
+        measured = warm[0] / comp[-1]
+        assert 0.75 * ratio < measured <= ratio * 1.01, (warm[0], comp[-1])
+    else:  # no warm-up: compressed from step 1, ~1 bit per parameter + scales
+        assert all(c for _, b, c in ranks[0]["steps"])
+
+
+def test_exact_resume_across_the_switch(tmp_path):
+    """Checkpoint mid-compression (epoch 2 of 4), resume: the same parameters as the uninterrupted run."""
+    ck = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_epochs=1)
+
+    def strategy():
+        return OnebitAdamStrategy(warmup=5, start_method="spawn")
+
+    full, _ = _fit(tmp_path / "a", strategy(), max_epochs=4, callbacks=[ck], enable_checkpointing=True)
+    path = sorted((tmp_path / "ck").glob("epoch=1*.ckpt"))[0]
+    saved = torch.load(path, weights_only=False)["optimizer_states"][0]["onebit"]
+    assert saved["compressing"] and saved["world_size"] == 2 and len(saved["comm_per_rank"]) == 2
+    w0, w1 = (saved["comm_per_rank"][r][0]["worker"] for r in range(2))
+    assert not torch.equal(w0, w1), "each rank's own error state must be saved"
+    resumed, _ = _fit(tmp_path / "b", strategy(), max_epochs=4, ckpt_path=str(path))
+    for p, q in zip(full[0]["params"], resumed[0]["params"], strict=True):
+        assert torch.equal(p, q)
+
+
+def test_resume_with_other_algorithm_fails(tmp_path):
+    ck = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_epochs=1)
+    _fit(tmp_path / "a", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=1, callbacks=[ck],
+         enable_checkpointing=True)
+    path = next((tmp_path / "ck").glob("*.ckpt"))
+    with pytest.raises(ValueError, match="written with OnebitAdam"):
+        _fit(tmp_path / "b", CompressedDDPStrategy("cd_adam"), devices=1, max_epochs=2, ckpt_path=str(path))
+
+
+def test_gradient_accumulation_communicates_once_per_step(tmp_path):
+    ranks, trainer = _fit(tmp_path, OnebitAdamStrategy(warmup=2, start_method="spawn"), max_epochs=1,
+                          accumulate_grad_batches=2)
+    r0 = ranks[0]
+    assert r0["global_step"] == 4 and r0["comm_steps"] == 4  # 8 batches per rank / 2: one sync per step
+    warm, comp = _bytes_by_phase(r0["steps"])
+    assert r0["bytes_total"] == 2 * warm[0] + 2 * comp[-1]  # 2 warm-up + 2 compressed steps, nothing more
+    for p, q in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision(tmp_path, precision):
+    ranks, _ = _fit(tmp_path, OnebitAdamStrategy(warmup=4, start_method="spawn"), precision=precision)
+    for p, q in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(p, q)
+    _, comp = _bytes_by_phase(ranks[0]["steps"])
+    assert comp
+
+
+def test_lr_scheduler_follows_converted_optimizer(tmp_path):
+    ranks, trainer = _fit(tmp_path, OnebitAdamStrategy(warmup=4), model=DigitsMLP(scheduler=True), devices=1,
+                          max_epochs=2)
+    opt = trainer.optimizers[0]
+    assert type(opt).__name__ == "OnebitAdam"
+    assert trainer.lr_scheduler_configs[0].scheduler.optimizer is opt
+    assert opt.param_groups[0]["lr"] == pytest.approx(3e-3 * 0.5**2)  # StepLR(1, 0.5), stepped after each of 2 epochs
+
+
+@pytest.mark.parametrize("model,match", [
+    (DigitsMLP(optimizer="sgd"), "needs an Adam-family optimizer"),
+    (DigitsMLP(optimizer="two"), "exactly one optimizer"),
+    (DigitsMLP(optimizer="CDAdam"), "returned CDAdam"),
+    (DigitsMLP(optimizer="adam", weight_decay=0.1), "use torch.optim.AdamW"),
+])
+def test_setup_errors(tmp_path, model, match):
+    with pytest.raises(ValueError, match=match):
+        _fit(tmp_path, OnebitAdamStrategy(), model=model, devices=1, max_epochs=1)
+
+
+def test_package_optimizer_used_as_is(tmp_path):
+    model = DigitsMLP(optimizer="OnebitAdam", opt_kwargs={"warmup_steps": 3})
+    _, trainer = _fit(tmp_path, OnebitAdamStrategy(), model=model, devices=1, max_epochs=1,
+                      callbacks=[CommunicationMonitor()])
+    opt = trainer.optimizers[0]
+    assert opt.warmup_steps == 3 and opt.compressing
+    assert not any(isinstance(cb, PhaseSwitch) for cb in trainer.callbacks)
+    assert trainer.callback_metrics["comm/compressing"] == 1.0
+
+
+def test_auto_phase_switch_picks_a_sensible_point(tmp_path):
+    switch = PhaseSwitch("auto", tol=0.1, check_every=4, patience=2, min_steps=8)
+    _, trainer = _fit(tmp_path, OnebitAdamStrategy(), devices=1, max_epochs=8, callbacks=[switch])
+    total = trainer.global_step
+    assert switch.switch_step is not None and 8 <= switch.switch_step <= total // 2, (switch.switch_step, total)
+    changes = [c for _, c in switch.history]
+    assert changes[0] > switch.tol  # v was still moving early on
+    assert trainer.callback_metrics["train_loss"] < 0.5
+
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import lightning as L
+    import torch
+    sys.path.insert(0, {tests!r})
+    import lightning_onebit  # registers the names
+    from lit_models import DigitsMLP, SaveParams
+
+    if __name__ == "__main__":
+        trainer = L.Trainer(strategy="onebit_adam", accelerator="cpu", devices=2, max_epochs=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            callbacks=[SaveParams({out!r})])
+        trainer.fit(DigitsMLP())
+""")
+
+
+def test_strategy_string_with_the_default_launcher(tmp_path):
+    """strategy="onebit_adam" re-launches the script per rank (Lightning's popen launcher), like ddp."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT.format(tests=str(HERE), out=str(tmp_path)))
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "converted AdamW to OnebitAdam" in proc.stdout + proc.stderr
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
+    for p, q in zip(r0["params"], r1["params"], strict=True):
+        assert torch.equal(p, q)
+    assert any(c for _, _, c in r0["steps"])  # 15% of 16 steps of warm-up, then compression
