@@ -1,0 +1,26 @@
+"""Way 1: a strategy name. ``import lightning_onebit`` registers it with Lightning.
+
+    python examples/strategy_string.py --epochs 3
+"""
+
+import argparse
+
+import lightning as L
+from _digits import DigitsClassifier
+
+import lightning_onebit  # noqa: F401  (registers "onebit_adam", "qadam", "cd_adam", ...)
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--epochs", type=int, default=3)
+    args = ap.parse_args()
+    L.seed_everything(0)
+    # 15% of the steps are exact AdamW warm-up, then 1-bit compressed momentum.
+    trainer = L.Trainer(strategy="onebit_adam", accelerator="cpu", devices=2, max_epochs=args.epochs,
+                        callbacks=[lightning_onebit.CommunicationMonitor()], logger=False,
+                        enable_checkpointing=False)
+    trainer.fit(DigitsClassifier())
+    if trainer.is_global_zero:
+        m = trainer.callback_metrics
+        print(f"final loss {float(m['train_loss']):.3f}, bytes sent {int(m['comm/bytes_total'])}, "
+              f"last step {float(m['comm/ratio_vs_fp32']):.1f}x fewer than fp32 DDP")

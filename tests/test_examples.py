@@ -1,0 +1,28 @@
+"""The README's three ways to use the package, run as a user would."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dist_utils import free_port
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+
+
+@pytest.mark.parametrize("script,args,expect", [
+    ("strategy_string.py", ["--epochs", "2"], "fewer than fp32 DDP"),
+    ("strategy_object.py", ["--epochs", "2"], "compressing: True"),
+    ("plain_ddp.py", ["--steps", "40"], "compressing: True"),
+])
+def test_example_runs(tmp_path, script, args, expect):
+    if script == "plain_ddp.py":
+        args = [*args, "--port", str(free_port())]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "LOCAL_RANK", "WORLD_SIZE", "RANK"))}
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert expect in out, out[-3000:]
