@@ -79,6 +79,11 @@ def test_exact_resume_across_the_switch(tmp_path):
     resumed, _ = _fit(tmp_path / "b", strategy(), max_epochs=4, ckpt_path=str(path))
     for p, q in zip(full[0]["params"], resumed[0]["params"], strict=True):
         assert torch.equal(p, q)
+    # another world size: moments and phase kept, per-rank error state reset, with a warning
+    with pytest.warns(UserWarning, match="written on 2 ranks, resuming on 1"):
+        _, trainer = _fit(tmp_path / "c", OnebitAdamStrategy(warmup=5), devices=1, max_epochs=3,
+                          ckpt_path=str(path))
+    assert trainer.optimizers[0].compressing
 
 
 def test_resume_with_other_algorithm_fails(tmp_path):
