@@ -197,6 +197,25 @@ def test_non_finite_gradient_skips_step_without_touching_state(cls, kw):
     _train(m, opt, 1, x, y)  # a good step afterwards works
 
 
+@pytest.mark.parametrize("cls,kw", [(OnebitAdam, dict(warmup_steps=2)), (CDAdam, {})])
+def test_parameter_without_gradient_is_skipped(cls, kw):
+    """A parameter whose .grad is None is untouched, state included, in warm-up and compression."""
+    m = _mlp()
+    opt = cls(m.parameters(), lr=1e-2, **kw)
+    x, y = _data()
+    _train(m, opt, 3, x, y)
+    frozen = m[2].weight
+    before = frozen.detach().clone()
+    state = {k: v.clone() for k, v in opt.state[frozen].items() if torch.is_tensor(v)}
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        frozen.grad = None
+        opt.step()
+    assert torch.equal(frozen, before)
+    assert all(torch.equal(v, opt.state[frozen][k]) for k, v in state.items())
+
+
 def test_misuse_errors():
     m = _mlp()
     with pytest.raises(RuntimeError, match="at least one warm-up step"):

@@ -395,23 +395,25 @@ class CompressedOptimizer(Optimizer):
                 if not (self._ddp_attached and compress and b.ready):
                     self._gather_grads(b)
             if not any(has) and self.world_size == 1:
-                plan.append((b, has, None))
+                plan.append((b, has, None, []))
                 continue
+            # one process: a parameter without gradient is skipped, state included, as torch does
+            skipped = self._snapshot_skipped(b, has) if self.world_size == 1 else []
             if compress:
                 if not b.done:
                     if wflat is None and not self._ddp_attached:
                         self._check_finite(b.grad, "gradient")
                     self._sync_bucket(b, wflat)
-                plan.append((b, has, None))
+                plan.append((b, has, None, skipped))
             else:
                 grad = self._average_warmup(b, wflat)
                 self._check_finite(grad, "averaged gradient")
-                plan.append((b, has, grad))
+                plan.append((b, has, grad, skipped))
         if self.world_size > 1:
-            plan = [(b, [True] * len(h), g) for b, h, g in plan]  # replicas must update identically
+            plan = [(b, [True] * len(h), g, s) for b, h, g, s in plan]  # replicas must update identically
         # Pass 2: updates.
         self._step += 1
-        for b, has, grad in plan:
+        for b, has, grad, skipped in plan:
             if not any(has):
                 continue
             group = self.param_groups[b.group_index]
@@ -419,9 +421,31 @@ class CompressedOptimizer(Optimizer):
                 self._update_compressed(b, group, has)
             else:
                 self._update_warmup(b, grad, group, has)
+            self._restore_skipped(skipped)
             b.done = False
             b.ready = 0
         self.comm_counter.end_step()
+
+    def _snapshot_skipped(self, b: _Bucket, has: list[bool]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of the state slices of the bucket's parameters that have no gradient: the flat
+        sync and update would otherwise move their moments and error state."""
+        if all(has):
+            return []
+        bufs = list(b.flat.values())
+        comm = b.comm if isinstance(b.comm, CompressedAllreduce) else None
+        if comm is not None:
+            bufs += [t for t in (comm.worker, comm.server, comm.tilde) if t is not None]
+        out = []
+        for i, h in enumerate(has):
+            if not h:
+                lo, n = b.offsets[i], b.numels[i]
+                out += [(t[lo:lo + n], t[lo:lo + n].clone()) for t in bufs]
+        return out
+
+    @staticmethod
+    def _restore_skipped(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for view, value in saved:
+            view.copy_(value)
 
     # -- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> dict:
