@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_onebit.comm import ByteCounter, CompressedAllreduce, SimulatedCluster, ring_allreduce_bytes
-from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
+from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec, TopKCodec
 
 from dist_utils import run_ranks, values
 
@@ -13,6 +13,7 @@ CODECS = {
     "sign-l2": lambda: SignCodec("l2"),
     "sign-l1-blocked": lambda: SignCodec("l1", block_size=16),
     "minmax": lambda: MinMaxUInt8Codec(),
+    "topk": lambda: TopKCodec(0.1),
 }
 MODES = ["plain", "error_feedback", "markov"]
 SIZES = [1, 2, 37, 1000, 4099]

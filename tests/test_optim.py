@@ -121,6 +121,22 @@ def test_cdadam_nonconvex_logreg_matches_amsgrad():
     assert finals["ef"] > 1.2 * finals["cdadam"], finals
 
 
+@pytest.mark.parametrize("cls", [EF21, ErrorFeedbackAMSGrad, NaiveCompressedAMSGrad, CDAdam])
+def test_topk_compressor(cls):
+    """The paper's baselines with top-k sparsification instead of the scaled sign."""
+    W, d, worker_grads, grad_norm = _logreg_setup()
+    x = torch.zeros(d, requires_grad=True)
+    opt = cls([x], lr=0.5 if cls is EF21 else 1e-2, compressor="topk", topk_ratio=0.2, simulate_workers=W)
+    start = grad_norm(x.detach())
+    for _ in range(100):
+        with torch.no_grad():
+            g = worker_grads(x)
+        opt.step_workers([[gw] for gw in g])
+    assert grad_norm(x.detach()) < start / 3
+    with pytest.raises(ValueError, match="compressor"):
+        cls([x], compressor="randk")
+
+
 def _roundtrip(opt_factory, warmup_steps):
     x, y = _data()
     a = _mlp()

@@ -2,5 +2,6 @@
 
 from .codecs import Codec, Encoded, MinMaxUInt8Codec, SignCodec
 from .kernels import BACKENDS, ENV_VAR
+from .topk import TopKCodec
 
-__all__ = ["BACKENDS", "ENV_VAR", "Codec", "Encoded", "MinMaxUInt8Codec", "SignCodec"]
+__all__ = ["BACKENDS", "ENV_VAR", "Codec", "Encoded", "MinMaxUInt8Codec", "SignCodec", "TopKCodec"]

@@ -12,7 +12,8 @@ ErrorFeedbackAMSGrad  error feedback both ways  AMSGrad
 NaiveCompressedAMSGrad  no feedback             AMSGrad
 ==================  ==========================  ===============================
 
-The compressor is the scaled sign C(x) = ||x||_1 / d * sign(x) (``SignCodec("l1")``).
+The compressor is the scaled sign C(x) = ||x||_1 / d * sign(x) (``SignCodec("l1")``, the
+default) or top-k sparsification (``compressor="topk"``, ``topk_ratio``), as in the paper's baselines.
 Markov compression: worker i keeps g_hat_i and sends C(g_i - g_hat_i); the server keeps
 the running mean g_hat and sends C(g_hat - g_tilde); every worker adds that to g_tilde
 (the official code's reading of the paper's Algorithm 1, DESIGN.md section 5).
@@ -24,7 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..compress import Codec, SignCodec
+from ..compress import Codec, SignCodec, TopKCodec
 from .base import CompressedOptimizer, _Bucket
 
 __all__ = ["CDAdam", "EF21", "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad"]
@@ -33,13 +34,18 @@ __all__ = ["CDAdam", "EF21", "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad"]
 class _CompressedGradient(CompressedOptimizer):
     syncs = "gradient"
 
-    def __init__(self, params: Iterable, defaults: dict, block_size: int | None, **kw) -> None:
-        self.block_size = block_size
-        SignCodec("l1", block_size=block_size)
+    def __init__(self, params: Iterable, defaults: dict, block_size: int | None, compressor: str = "sign",
+                 topk_ratio: float = 0.01, **kw) -> None:
+        if compressor not in ("sign", "topk"):
+            raise ValueError(f"compressor must be 'sign' (scaled sign) or 'topk', got {compressor!r}")
+        self.block_size, self.compressor, self.topk_ratio = block_size, compressor, topk_ratio
+        self._make_codec()  # validate early
         super().__init__(params, defaults, warmup_steps=None, **kw)
         self._compressing = True  # no warm-up: compressed from the first step
 
     def _make_codec(self) -> Codec:
+        if self.compressor == "topk":
+            return TopKCodec(self.topk_ratio)
         return SignCodec("l1", block_size=self.block_size)
 
     def _payload(self, b: _Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
@@ -63,12 +69,13 @@ class _AMSGradOnCompressed(_CompressedGradient):
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  nu: float = 1e-8, weight_decay: float = 0.0, block_size: int | None = None, *,
-                 bucket_cap_mb: float = 25.0, group=None, simulate_workers: int | None = None) -> None:
+                 compressor: str = "sign", topk_ratio: float = 0.01, bucket_cap_mb: float = 25.0, group=None,
+                 simulate_workers: int | None = None) -> None:
         if lr < 0 or nu < 0 or weight_decay < 0:
             raise ValueError(f"lr, nu and weight_decay must be non-negative, got {lr}, {nu}, {weight_decay}")
         defaults = dict(lr=lr, betas=tuple(betas), nu=nu, weight_decay=weight_decay)
-        super().__init__(params, defaults, block_size, bucket_cap_mb=bucket_cap_mb, group=group,
-                         simulate_workers=simulate_workers)
+        super().__init__(params, defaults, block_size, compressor, topk_ratio, bucket_cap_mb=bucket_cap_mb,
+                         group=group, simulate_workers=simulate_workers)
 
     def _update_compressed(self, b: _Bucket, group: dict, has_grad: list[bool]) -> None:
         beta1, beta2 = group["betas"]
@@ -112,11 +119,11 @@ class EF21(_CompressedGradient):
     comm_mode = "markov"
 
     def __init__(self, params: Iterable, lr: float = 1e-2, weight_decay: float = 0.0,
-                 block_size: int | None = None, *, bucket_cap_mb: float = 25.0, group=None,
-                 simulate_workers: int | None = None) -> None:
+                 block_size: int | None = None, *, compressor: str = "sign", topk_ratio: float = 0.01,
+                 bucket_cap_mb: float = 25.0, group=None, simulate_workers: int | None = None) -> None:
         if lr < 0 or weight_decay < 0:
             raise ValueError(f"lr and weight_decay must be non-negative, got {lr}, {weight_decay}")
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay), block_size,
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay), block_size, compressor, topk_ratio,
                          bucket_cap_mb=bucket_cap_mb, group=group, simulate_workers=simulate_workers)
 
     def _update_compressed(self, b: _Bucket, group: dict, has_grad: list[bool]) -> None:
