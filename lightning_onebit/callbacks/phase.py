@@ -93,7 +93,8 @@ class PhaseSwitch(Callback):
     def _switch(self, trainer, pl_module, opt: CompressedOptimizer, reason: str) -> None:
         opt.start_compression()
         self.switch_step = trainer.global_step
-        msg = f"lightning_onebit: compression starts at step {self.switch_step} ({reason})"
+        msg = (f"lightning_onebit: compression starts with optimizer step {self.switch_step + 1} "
+               f"(after {self.switch_step} warm-up steps; {reason})")
         log.info(msg)
         if trainer.is_global_zero:
             print(msg)

@@ -1,0 +1,99 @@
+"""Turn an ``algorithm`` config entry into an optimizer and a Lightning strategy.
+
+An entry (``conf/algorithm/*.yaml``) holds a few keys for the recipe (:data:`META_KEYS`) and
+everything else is a keyword argument of the optimizer class it names. The recipe builds
+that optimizer itself rather than letting the strategy convert an AdamW, so every
+override (``algorithm.eps_inside_sqrt=false``, ``algorithm.block_size=4096``) reaches it and
+a misspelt key fails at construction instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from hydra.utils import get_class
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+
+from lightning_onebit import CompressedDDPStrategy, OnebitAdam
+from lightning_onebit.optim import CompressedOptimizer
+
+__all__ = ["META_KEYS", "build_optimizer", "build_strategy", "is_compressed", "optimizer_class",
+           "optimizer_kwargs", "resolve_warmup"]
+
+#: keys of an algorithm entry that are not optimizer arguments
+META_KEYS = ("name", "strategy", "optimizer", "warmup")
+
+
+def optimizer_class(alg: Mapping[str, Any]) -> type[torch.optim.Optimizer]:
+    return get_class(alg["optimizer"])
+
+
+def is_compressed(alg: Mapping[str, Any]) -> bool:
+    """True for the lightning_onebit algorithms, False for the uncompressed baseline."""
+    return issubclass(optimizer_class(alg), CompressedOptimizer)
+
+
+def has_warmup(alg: Mapping[str, Any]) -> bool:
+    """The warm-up algorithms (1-bit Adam, QAdam, 1-bit LAMB) share OnebitAdam's phases."""
+    return issubclass(optimizer_class(alg), OnebitAdam)
+
+
+def optimizer_kwargs(alg: Mapping[str, Any]) -> dict[str, Any]:
+    kw = {k: v for k, v in alg.items() if k not in META_KEYS}
+    if "betas" in kw:
+        kw["betas"] = tuple(kw["betas"])
+    return kw
+
+
+def resolve_warmup(warmup: int | float | str | None, total_steps: int) -> int:
+    """Warm-up steps for a plain loop: an int is steps, a float in (0, 1) a fraction of
+    ``total_steps``. ``"auto"`` needs the Lightning ``PhaseSwitch`` callback."""
+    if isinstance(warmup, bool) or warmup is None:
+        raise ValueError(f"a warm-up algorithm needs algorithm.warmup (int steps or a fraction), got {warmup!r}")
+    if isinstance(warmup, int) and warmup >= 1:
+        return warmup
+    if isinstance(warmup, float) and 0 < warmup < 1:
+        return max(1, round(warmup * total_steps))
+    if warmup == "auto":
+        raise ValueError("algorithm.warmup='auto' needs the Lightning trainer (PhaseSwitch); in the simulated "
+                         "experiments give a number of steps or a fraction")
+    raise ValueError(f"algorithm.warmup must be an int >= 1, a float in (0, 1) or 'auto', got {warmup!r}")
+
+
+def build_optimizer(alg: Mapping[str, Any], params: Iterable, *, total_steps: int | None = None,
+                    simulate_workers: int | None = None) -> torch.optim.Optimizer:
+    """The entry's optimizer over ``params``.
+
+    ``total_steps=None`` (Lightning): warm-up algorithms get ``warmup_steps=None`` and the
+    strategy's ``PhaseSwitch`` starts compression (``algorithm.warmup``: steps, a fraction
+    or ``"auto"``). Otherwise (plain loops) ``algorithm.warmup`` becomes ``warmup_steps``.
+    ``simulate_workers=n`` makes a compressed optimizer an n-worker simulated cluster; the
+    uncompressed baseline ignores it (the caller averages the gradients).
+    """
+    cls = optimizer_class(alg)
+    kw = optimizer_kwargs(alg)
+    if issubclass(cls, OnebitAdam):
+        kw["warmup_steps"] = None if total_steps is None else resolve_warmup(alg.get("warmup"), total_steps)
+    if simulate_workers is not None and issubclass(cls, CompressedOptimizer):
+        kw["simulate_workers"] = simulate_workers
+    try:
+        return cls(params, **kw)
+    except TypeError as exc:
+        raise TypeError(f"algorithm {alg.get('name')!r}: {cls.__name__} does not take these settings "
+                        f"({sorted(kw)}): {exc}") from exc
+
+
+def build_strategy(alg: Mapping[str, Any], start_method: str = "spawn",
+                   process_group_backend: str | None = None) -> Strategy:
+    """``ddp`` for the baseline, else the package's strategy for ``alg['strategy']``.
+
+    Built as objects rather than registry names so that the launcher and backend from the
+    trainer preset and the entry's warm-up reach them.
+    """
+    common: dict[str, Any] = {"start_method": start_method, "process_group_backend": process_group_backend}
+    if alg["strategy"] == "ddp":
+        return DDPStrategy(**common)
+    warmup = alg.get("warmup") if has_warmup(alg) else None
+    return CompressedDDPStrategy(algorithm=alg["strategy"], warmup=warmup, **common)

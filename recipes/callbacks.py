@@ -1,0 +1,103 @@
+"""Lightning callbacks of the recipes: byte accounting for the uncompressed baseline, and a
+per-rank record that reaches the summary whatever launched the ranks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+
+from lightning_onebit.comm import ring_allreduce_bytes
+from lightning_onebit.optim import CompressedOptimizer
+
+__all__ = ["DDPCommCounter", "RankRecord", "compressed_optimizer"]
+
+
+def compressed_optimizer(trainer: L.Trainer) -> CompressedOptimizer | None:
+    for opt in trainer.optimizers:
+        opt = getattr(opt, "_optimizer", opt)
+        if isinstance(opt, CompressedOptimizer):
+            return opt
+    return None
+
+
+class DDPCommCounter(L.Callback):
+    """What plain DDP sends per rank: one fp32 ring allreduce of every trainable gradient per
+    optimizer step. Logs the keys :class:`lightning_onebit.CommunicationMonitor` logs for the
+    compressed strategies, so plots and tables treat the baseline like any algorithm."""
+
+    def __init__(self) -> None:
+        self.bytes_total = 0
+        self.fp32_ring_total = 0
+        self._last_step = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        steps = trainer.global_step - self._last_step  # 0 while accumulating gradients
+        self._last_step = trainer.global_step
+        numel = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
+        per_step = ring_allreduce_bytes(numel, trainer.world_size)
+        self.bytes_total += steps * per_step
+        self.fp32_ring_total += steps * per_step
+        pl_module.log_dict({"comm/bytes_step": float(steps * per_step), "comm/bytes_total": float(self.bytes_total),
+                            "comm/bits_per_param": 8.0 * per_step / numel if numel else 0.0},
+                           on_step=True, on_epoch=False, rank_zero_only=True)
+
+
+def _param_digest(module: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in module.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class RankRecord(L.Callback):
+    """At the end of fitting, every rank's figures (steps, bytes sent, phase switch, a digest of
+    its parameters, final metrics) are gathered over the process group and global rank 0
+    writes them to ``path`` as JSON.
+
+    Spawned ranks return none of their state to the launching process, and with torchrun the
+    ranks of other nodes are not even on this machine; the collective reaches both. The
+    summary uses the file to check that every rank ran and that the replicas are identical.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        self.switch_step: int | None = None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        opt = compressed_optimizer(trainer)
+        if self.switch_step is None and opt is not None and opt.compressing:
+            self.switch_step = trainer.global_step  # 1-based index of the first compressed step
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        opt = compressed_optimizer(trainer)
+        if opt is not None:
+            sent, fp32 = opt.comm_counter.total.bytes_sent, opt.comm_counter.total.fp32_ring_bytes
+            last_ratio = opt.comm_counter.last.ratio_vs_fp32
+        else:
+            counter = next((c for c in trainer.callbacks if isinstance(c, DDPCommCounter)), None)
+            sent = counter.bytes_total if counter else 0
+            fp32 = counter.fp32_ring_total if counter else 0
+            last_ratio = 1.0
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
+                   if isinstance(v, torch.Tensor) and v.numel() == 1 and math.isfinite(float(v))}
+        record = {"global_rank": trainer.global_rank, "world_size": trainer.world_size,
+                  "global_step": trainer.global_step, "bytes_sent": sent, "fp32_ring_bytes": fp32,
+                  "last_step_ratio_vs_fp32": last_ratio, "switch_step": self.switch_step,
+                  "param_digest": _param_digest(pl_module), "metrics": metrics,
+                  "status": getattr(pl_module, "status", "ok")}
+        records = [record]
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            records = [None] * trainer.world_size
+            dist.all_gather_object(records, record)
+        if trainer.global_rank == 0:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            Path(self.path).write_text(json.dumps(records, indent=1))

@@ -1,0 +1,331 @@
+"""The experiment runners behind ``recipes/train.py``.
+
+``experiment.runner`` picks one:
+
+* ``lightning``: a LightningModule + datamodule fitted by ``L.Trainer`` with the algorithm's
+  strategy (quickstart; the CIFAR/BERT experiments go here too). The quickstart also fits
+  the uncompressed baseline (``algorithm=adam``) on the same data.
+* ``logreg``: CD-Adam's nonconvex logistic regression with n simulated workers in one process.
+* ``quadratic``: the Tarasov-Ershov quadratic, both eps placements.
+
+Each returns one record per fitted algorithm; :func:`run` writes them to ``summary.json``,
+draws ``curves.png`` and prints the closing summary. Only global rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from lightning_onebit import CommunicationMonitor
+from lightning_onebit.comm import ring_allreduce_bytes
+from lightning_onebit.optim import CompressedOptimizer, NonFiniteGradientError
+
+from .algorithms import build_optimizer, build_strategy, is_compressed
+from .callbacks import DDPCommCounter, RankRecord
+from .data import build_datamodule, libsvm_path, load_libsvm
+from .models import Classifier, NonconvexLogReg, Quadratic, build_network
+from .report import compare_bytes, format_bytes, runs_table, write_run_report
+
+__all__ = ["CONF_DIR", "RUNNERS", "run", "run_lightning", "run_logreg", "run_quadratic", "with_algorithm"]
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+Record = dict[str, Any]
+
+
+def _container(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def with_algorithm(cfg: DictConfig, name: str) -> DictConfig:
+    """A copy of ``cfg`` with another algorithm entry, resolved against the same experiment
+    (its ``optim`` values), as if ``algorithm=<name>`` had been given."""
+    out = copy.deepcopy(cfg)
+    with open_dict(out):
+        out.algorithm = OmegaConf.load(CONF_DIR / "algorithm" / f"{name}.yaml")
+    return out
+
+
+# -- lightning -------------------------------------------------------------------------------
+def _launched_externally() -> bool:
+    """torchrun/SLURM started the ranks (Lightning will not launch any)."""
+    return ("LOCAL_RANK" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ
+            or int(os.environ.get("SLURM_NTASKS", "1")) > 1)
+
+
+def _start_method(requested: str, n_fits: int, multirun: bool) -> str:
+    """Lightning's popen launcher re-runs the whole script per rank. Inside a Hydra multirun
+    the ranks would each start the whole sweep, and with several fits per job they would
+    run fits the launcher does not know about; spawn keeps the ranks inside this job."""
+    if requested == "popen" and (multirun or n_fits > 1) and not _launched_externally():
+        warnings.warn("trainer.start_method=popen cannot run " + ("inside a Hydra multirun" if multirun else
+                      f"{n_fits} fits in one job") + "; using spawn", stacklevel=2)
+        return "spawn"
+    return requested
+
+
+@contextlib.contextmanager
+def _scoped_environ() -> Iterator[None]:
+    """Undo the MASTER_PORT etc. that a spawning fit leaves in os.environ, so the next fit of
+    the job picks a fresh port instead of one still in TIME_WAIT."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if not _launched_externally():
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+def _fit(cfg: DictConfig, out_dir: Path, start_method: str) -> Record | None:
+    alg = _container(cfg.algorithm)
+    label = alg["name"]
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = build_datamodule(_container(cfg.data), seed=cfg.seed)
+    module = Classifier(build_network(_container(cfg.model)), cfg.model.num_classes, alg,
+                        milestones=_container(cfg.optim.milestones), gamma=cfg.optim.gamma)
+    tkw = _container(cfg.trainer)
+    backend = tkw.pop("process_group_backend", None)
+    tkw.pop("start_method", None)
+    ranks_file = out_dir / "ranks" / f"{label}.json"
+    if rank_zero_only.rank == 0:
+        ranks_file.unlink(missing_ok=True)
+    comm_cb = CommunicationMonitor(prog_bar=False) if is_compressed(alg) else DDPCommCounter()
+    trainer = L.Trainer(strategy=build_strategy(alg, start_method, backend),
+                        logger=CSVLogger(save_dir=str(out_dir), name="metrics", version=label),
+                        callbacks=[comm_cb, RankRecord(ranks_file)], default_root_dir=str(out_dir), **tkw)
+    t0 = time.perf_counter()
+    with _scoped_environ():
+        trainer.fit(module, datamodule=datamodule)
+    wall = time.perf_counter() - t0
+    if not trainer.is_global_zero:
+        return None
+    if not ranks_file.exists():
+        raise RuntimeError(f"{label}: no rank record at {ranks_file}; the ranks did not finish fitting")
+    records = json.loads(ranks_file.read_text())
+    if len(records) != trainer.world_size:
+        raise RuntimeError(f"{label}: {len(records)} of {trainer.world_size} ranks reported")
+    r0 = records[0]
+    # epoch-level metrics only: the last batch's train_loss is noise
+    keep = [k for k in (cfg.report.primary, *cfg.report.metrics, "val_loss") if k and k.startswith("val")]
+    return {"label": label, "algorithm": label, "strategy": alg["strategy"], "optimizer": alg["optimizer"],
+            "steps": r0["global_step"], "bytes_sent": r0["bytes_sent"], "fp32_ring_bytes": r0["fp32_ring_bytes"],
+            "final": {k: r0["metrics"][k] for k in dict.fromkeys(keep) if k in r0["metrics"]},
+            "metrics_csv": f"metrics/{label}/metrics.csv", "wall_s": round(wall, 1),
+            "world_size": trainer.world_size, "ranks_reported": len(records),
+            "replicas_identical": len({r["param_digest"] for r in records}) == 1,
+            "switch_step": r0["switch_step"], "last_step_ratio_vs_fp32": r0["last_step_ratio_vs_fp32"],
+            "status": r0["status"]}
+
+
+def run_lightning(cfg: DictConfig, out_dir: Path, *, multirun: bool = False) -> list[Record] | None:
+    cfgs = [cfg]
+    if cfg.experiment.get("compare_baseline") and cfg.algorithm.name != "adam" and not multirun:
+        cfgs.append(with_algorithm(cfg, "adam"))
+    start_method = _start_method(cfg.trainer.start_method, len(cfgs), multirun)
+    records = []
+    for c in cfgs:
+        rec = _fit(c, out_dir, start_method)
+        if rec is None:  # a rank > 0 that runs this script (popen, torchrun): rank 0 reports
+            return None
+        records.append(rec)
+    return records
+
+
+# -- simulated (one process) ---------------------------------------------------------------
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    """Run with ``n`` torch and numba threads. The simulated problems are tiny (d ~ 10-300):
+    every parallel kernel launch waits for all pool threads to be scheduled, which on a
+    few busy cores costs more than the work (measured up to 20x slower on 2 shared cores)."""
+    import numba
+
+    saved = torch.get_num_threads(), numba.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved[0])
+        numba.set_num_threads(saved[1])
+
+
+def _simulate(alg: dict[str, Any], label: str, x0: torch.Tensor, worker_grads: Callable[[torch.Tensor], torch.Tensor],
+              evaluate: Callable[[torch.Tensor], dict[str, float]], steps: int, workers: int, log_every: int,
+              out_dir: Path) -> tuple[Record, list[tuple[int, dict[str, float]]]]:
+    """Run ``alg`` for ``steps`` steps on n simulated workers (``worker_grads(x)`` -> (n, d)).
+
+    Compressed algorithms go through ``simulate_workers`` + ``step_workers`` (one worker: a
+    plain ``step()``); the uncompressed baseline steps on the mean gradient and is charged an
+    fp32 ring allreduce per step. Bytes are per worker, as the optimizers count them.
+    """
+    x = x0.clone().requires_grad_(True)
+    opt = build_optimizer(alg, [x], total_steps=steps, simulate_workers=workers if workers > 1 else None)
+    compressed = isinstance(opt, CompressedOptimizer)
+    fp32_step = ring_allreduce_bytes(x.numel(), workers)
+    logger = CSVLogger(save_dir=str(out_dir), name="metrics", version=label)
+    sent = fp32 = 0
+    switch_step = None
+    status = "ok"
+    history: list[tuple[int, dict[str, float]]] = []
+
+    def log(step: int) -> dict[str, float]:
+        m = evaluate(x)
+        history.append((step, m))
+        logger.log_metrics({**m, "comm/bytes_total": float(sent)}, step=step)
+        return m
+
+    log(0)
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        g = worker_grads(x)
+        try:
+            if not compressed:
+                x.grad = g.mean(0)
+                opt.step()
+                sent, fp32 = sent + fp32_step, fp32 + fp32_step
+            else:
+                if workers > 1:
+                    opt.step_workers([[g[w]] for w in range(workers)])
+                else:
+                    x.grad = g[0]
+                    opt.step()
+                sent, fp32 = opt.comm_counter.total.bytes_sent, opt.comm_counter.total.fp32_ring_bytes
+                if switch_step is None and opt.compressing:
+                    switch_step = step
+        except NonFiniteGradientError:
+            status = f"diverged at step {step} (non-finite gradient)"
+            log(step)
+            break
+        if step % log_every == 0 or step == steps:
+            m = log(step)
+            if not all(math.isfinite(v) for v in m.values()):
+                status = f"diverged at step {step} (non-finite loss)"
+                break
+    logger.save()
+    rec = {"label": label, "algorithm": alg["name"], "strategy": alg["strategy"], "optimizer": alg["optimizer"],
+           "steps": history[-1][0], "bytes_sent": sent, "fp32_ring_bytes": fp32, "final": dict(history[-1][1]),
+           "metrics_csv": f"metrics/{label}/metrics.csv", "wall_s": round(time.perf_counter() - t0, 2),
+           "world_size": workers, "simulated": True, "switch_step": switch_step, "status": status}
+    return rec, history
+
+
+def run_logreg(cfg: DictConfig, out_dir: Path, *, multirun: bool = False) -> list[Record]:
+    exp = cfg.experiment
+    path = libsvm_path(_container(cfg.data))
+    X, y = load_libsvm(path, shuffle=bool(cfg.data.get("shuffle")), seed=cfg.seed)
+    prob = NonconvexLogReg(X, y, exp.workers, lam=exp.lam, batch_size=exp.batch_size, seed=cfg.seed)
+    alg = _container(cfg.algorithm)
+    with _threads(exp.get("threads")):
+        rec, _ = _simulate(alg, alg["name"], torch.zeros(prob.dim), prob.worker_grads,
+                           lambda x: {"loss": prob.loss(x), "grad_norm": float(prob.grad(x).norm())},
+                           exp.steps, exp.workers, exp.log_every, out_dir)
+    rec["data"] = {"path": str(path), "samples": X.shape[0], "features": X.shape[1]}
+    return [rec]
+
+
+def run_quadratic(cfg: DictConfig, out_dir: Path, *, multirun: bool = False) -> list[Record]:
+    exp = cfg.experiment
+    prob = Quadratic(exp.dim, exp.log10_min_curvature)
+    base = _container(cfg.algorithm)
+    variants: list[tuple[str, dict[str, Any]]] = [(base["name"], {})]
+    if exp.compare_eps and "eps_inside_sqrt" in base:
+        variants = [(f"{base['name']}-eps_outside_sqrt", {"eps_inside_sqrt": False}),
+                    (f"{base['name']}-eps_inside_sqrt", {"eps_inside_sqrt": True})]
+    records = []
+    for label, change in variants:
+        def grads(x: torch.Tensor) -> torch.Tensor:
+            return prob.grad(x).expand(exp.workers, -1)
+
+        with _threads(exp.get("threads")):
+            rec, hist = _simulate({**base, **change}, label, prob.init(), grads, lambda x: {"loss": prob.loss(x)},
+                                  exp.steps, exp.workers, exp.log_every, out_dir)
+        rec["eps_inside_sqrt"] = {**base, **change}.get("eps_inside_sqrt")
+        switch = rec["switch_step"]
+        pre = [m["loss"] for s, m in hist if switch is not None and s == switch - 1]
+        after = [m["loss"] for s, m in hist if switch is not None and s >= switch]
+        if pre and after and pre[0] > 0:
+            rec["final"]["loss_before_switch"] = pre[0]
+            peak = max(after) if all(math.isfinite(v) for v in after) else math.inf
+            rec["final"]["peak_after_switch_ratio"] = peak / pre[0]
+        records.append(rec)
+    return records
+
+
+RUNNERS: dict[str, Callable[..., list[Record] | None]] = {
+    "lightning": run_lightning, "logreg": run_logreg, "quadratic": run_quadratic}
+
+
+# -- the job ---------------------------------------------------------------------------------
+def _closing_summary(summary: dict[str, Any], out_dir: Path) -> str:
+    runs = summary["runs"]
+    lines = [f"== {summary['experiment']} ({summary['wall_s']:.0f} s) ==",
+             runs_table(runs, summary["primary"], summary["goal"])]
+    for r in runs:
+        notes = []
+        if r.get("switch_step") and r["algorithm"] not in ("cd_adam", "ef21", "ef_amsgrad", "naive_amsgrad"):
+            notes.append(f"compressed from step {r['switch_step']}")
+        if "ranks_reported" in r:
+            notes.append(f"{r['ranks_reported']}/{r['world_size']} ranks reported, replicas "
+                         + ("identical" if r["replicas_identical"] else "DIFFER"))
+        if r.get("simulated"):
+            notes.append(f"{r['world_size']} simulated workers" if r["world_size"] > 1
+                         else "one worker (nothing communicated)")
+        if r.get("status", "ok") != "ok":
+            notes.append(r["status"])
+        if notes:
+            lines.append(f"{r['label']}: " + "; ".join(notes))
+    base = next((r for r in runs if r["algorithm"] == "adam"), None)
+    prim = summary["primary"]
+    for r in runs:
+        if base is None or r is base or not r.get("bytes_sent"):
+            continue
+        a, b = r["final"].get(prim), base["final"].get(prim)
+        cmp = f" for {prim} {a:.4g} vs {b:.4g}" if a is not None and b is not None else ""
+        lines.append(f"{r['label']} sent {format_bytes(r['bytes_sent'])} per worker, uncompressed DDP "
+                     f"{format_bytes(base['bytes_sent'])}: {compare_bytes(base['bytes_sent'], r['bytes_sent'])}{cmp}.")
+    lines.append(f"outputs: {out_dir}")
+    return "\n".join(lines)
+
+
+def run(cfg: DictConfig, out_dir: str | Path, *, multirun: bool = False, overrides: Sequence[str] = ()) -> (
+        dict[str, Any] | None):
+    """Run ``cfg.experiment`` and write its outputs under ``out_dir``; returns the summary on
+    global rank 0 and None on other ranks that run this function (popen, torchrun)."""
+    out_dir = Path(out_dir)
+    runner = RUNNERS.get(cfg.experiment.runner)
+    if runner is None:
+        raise ValueError(f"unknown experiment.runner {cfg.experiment.runner!r}; choose one of {sorted(RUNNERS)}")
+    if rank_zero_only.rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    t0 = time.perf_counter()
+    runs = runner(cfg, out_dir, multirun=multirun)
+    if runs is None or rank_zero_only.rank != 0:
+        return None
+    rep = cfg.report
+    summary = {"experiment": cfg.experiment.name, "overrides": list(overrides), "primary": rep.primary,
+               "goal": rep.goal, "metrics": list(rep.metrics), "logy": list(rep.logy), "tune": list(rep.tune),
+               "wall_s": round(time.perf_counter() - t0, 1), "runs": runs}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if rep.plot:
+        png = write_run_report(out_dir, summary)
+        summary["plot"] = None if png is None else str(png.relative_to(out_dir))
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(_closing_summary(summary, out_dir), flush=True)
+    return summary

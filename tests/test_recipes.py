@@ -1,0 +1,234 @@
+"""The Hydra recipes (conf/ + recipes/): composition, the offline quickstart end to end with
+2 processes, the simulated logreg and quadratic studies, outputs and data errors."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import urllib.request
+from itertools import product
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from lightning_onebit import CompressedDDPStrategy, OnebitAdam
+from lightning_onebit.comm import ring_allreduce_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # `recipes` is run from the repository, not installed
+
+from recipes.algorithms import build_optimizer, build_strategy, is_compressed  # noqa: E402
+from recipes.data import LIBSVM_URL, DatasetMissingError, libsvm_path, load_libsvm  # noqa: E402
+from recipes.report import main as report_main  # noqa: E402
+from recipes.runners import _start_method, run  # noqa: E402
+
+CONF = ROOT / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
+TRAIN = [sys.executable, str(ROOT / "recipes" / "train.py")]
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def _train(args, cwd, timeout=240):
+    proc = subprocess.run([*TRAIN, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_config_tree_has_the_groups_of_issue_6():
+    assert {"quickstart", "logreg_nonconvex", "quadratic_divergence"} <= set(EXPERIMENTS)
+    assert {"adam", "onebit_adam", "onebit_lamb", "qadam", "cd_adam", "ef21", "ef_amsgrad",
+            "naive_amsgrad"} <= set(ALGORITHMS)
+    assert {"cpu", "gpu", "multinode"} <= {p.stem for p in (CONF / "trainer").glob("*.yaml")}
+    cfg = _compose()  # no arguments: the quickstart with 1-bit Adam on 2 CPU processes
+    assert (cfg.experiment.name, cfg.algorithm.name, cfg.trainer.accelerator, cfg.trainer.devices) == (
+        "quickstart", "onebit_adam", "cpu", 2)
+
+
+@pytest.mark.parametrize("experiment,algorithm", list(product(EXPERIMENTS, ALGORITHMS)))
+def test_every_experiment_composes_with_every_algorithm(experiment, algorithm):
+    cfg = _compose(f"experiment={experiment}", f"algorithm={algorithm}")
+    resolved = OmegaConf.to_container(cfg, resolve=True)  # every interpolation resolves
+    alg = resolved["algorithm"]
+    assert alg["name"] == algorithm and resolved["experiment"]["name"] == experiment
+    # every hyperparameter of the entry is an argument of its optimizer (Lightning and plain loops)
+    p = torch.nn.Parameter(torch.zeros(8))
+    opt = build_optimizer(alg, [p])
+    assert opt.defaults["lr"] == alg["lr"]
+    build_optimizer(alg, [torch.nn.Parameter(torch.zeros(8))], total_steps=50, simulate_workers=4)
+    strategy = build_strategy(alg, "spawn", "gloo")
+    assert isinstance(strategy, CompressedDDPStrategy) == (algorithm != "adam") == is_compressed(alg)
+
+
+def test_overrides_reach_the_optimizer_and_command_line_wins():
+    cfg = _compose("experiment=quadratic_divergence", "algorithm=onebit_adam", "algorithm.eps_inside_sqrt=false",
+                   "algorithm.block_size=16", "optim.lr=0.05")
+    opt = build_optimizer(OmegaConf.to_container(cfg.algorithm, resolve=True), [torch.nn.Parameter(torch.ones(4))],
+                          total_steps=400)
+    assert isinstance(opt, OnebitAdam) and opt.defaults["eps_inside_sqrt"] is False
+    assert opt.defaults["lr"] == 0.05 and opt.block_size == 16 and opt.warmup_steps == 100
+    # an experiment picks its default algorithm; algorithm=... on the command line wins
+    assert _compose("experiment=logreg_nonconvex").algorithm.name == "cd_adam"
+    base = _compose("experiment=logreg_nonconvex", "algorithm=adam").algorithm
+    assert base.name == "adam" and base.amsgrad is True and list(base.betas) == [0.9, 0.99]
+    # the warm-up as a fraction of the run in the plain loops
+    cfg = _compose("experiment=logreg_nonconvex", "algorithm=qadam", "experiment.steps=200")
+    assert build_optimizer(OmegaConf.to_container(cfg.algorithm, resolve=True), [torch.nn.Parameter(torch.ones(4))],
+                           total_steps=200).warmup_steps == 30
+
+
+def test_trainer_presets_compose(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("NUM_NODES", "3")
+    gpu = OmegaConf.to_container(_compose("trainer=gpu").trainer, resolve=True)
+    assert gpu["accelerator"] == "gpu" and gpu["start_method"] == "popen"
+    multi = OmegaConf.to_container(_compose("trainer=multinode").trainer, resolve=True)
+    assert (multi["devices"], multi["num_nodes"], multi["process_group_backend"]) == (4, 3, "nccl")
+
+
+def test_popen_launcher_falls_back_to_spawn_where_it_cannot_work(monkeypatch):
+    for k in ("LOCAL_RANK", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    assert _start_method("popen", n_fits=1, multirun=False) == "popen"
+    with pytest.warns(UserWarning, match="spawn"):
+        assert _start_method("popen", n_fits=2, multirun=False) == "spawn"
+    with pytest.warns(UserWarning, match="multirun"):
+        assert _start_method("popen", n_fits=1, multirun=True) == "spawn"
+    monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun started the ranks: nothing is launched
+    assert _start_method("popen", n_fits=2, multirun=True) == "popen"
+
+
+def test_quickstart_end_to_end_two_processes(tmp_path):
+    """`python recipes/train.py` with no experiment arguments: both fits run on 2 gloo ranks."""
+    out = tmp_path / "run"
+    proc = _train([f"hydra.run.dir={out}", "trainer.max_epochs=4"], cwd=tmp_path)
+    summary = json.loads((out / "summary.json").read_text())
+    runs = {r["algorithm"]: r for r in summary["runs"]}
+    assert set(runs) == {"onebit_adam", "adam"}
+    for r in runs.values():  # both ranks ran, every step, and ended with identical replicas
+        assert (r["world_size"], r["ranks_reported"], r["replicas_identical"]) == (2, 2, True)
+        assert r["steps"] == 4 * 23 and r["final"]["val_acc"] > 0.8
+        rows = (out / r["metrics_csv"]).read_text().splitlines()
+        assert rows[0].startswith("comm/") and len(rows) > 10
+    numel = 64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10
+    assert runs["adam"]["bytes_sent"] == runs["adam"]["steps"] * ring_allreduce_bytes(numel, 2)
+    one = runs["onebit_adam"]
+    assert one["switch_step"] == 21 and one["last_step_ratio_vs_fp32"] > 25
+    assert one["bytes_sent"] * 3 < runs["adam"]["bytes_sent"]
+    assert (out / "curves.png").stat().st_size > 10_000
+    assert (out / "resolved_config.yaml").exists() and (out / ".hydra" / "config.yaml").exists()
+    assert "x less" in proc.stdout and "2/2 ranks reported, replicas identical" in proc.stdout
+
+
+def test_divergence_is_reported_not_raised(tmp_path):
+    """1-bit Adam with DeepSpeed's eps placement diverges on the quickstart MLP a few steps after
+    the switch; the run ends with its outputs and a status instead of killing a multirun."""
+    cfg = _compose("algorithm.eps_inside_sqrt=false", "experiment.compare_baseline=false", "trainer.max_epochs=2")
+    (r,) = run(cfg, tmp_path)["runs"]
+    assert r["status"].startswith("diverged at step") and r["switch_step"] == 21
+    assert r["steps"] < 46 and r["ranks_reported"] == 2
+    assert (tmp_path / r["metrics_csv"]).exists() and (tmp_path / "curves.png").exists()
+
+
+def _write_libsvm(path: Path, n: int = 240, d: int = 12, seed: int = 0) -> None:
+    from sklearn.datasets import dump_svmlight_file
+
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(n, d)) * (rng.random((n, d)) < 0.5)  # sparse rows, as LibSVM files are
+    y = (X @ rng.normal(size=d) + 0.3 * rng.normal(size=n) > 0).astype(int) + 1  # labels 1/2
+    dump_svmlight_file(X, y, str(path), zero_based=False)
+
+
+@pytest.mark.parametrize("algorithm,batch_size", [("cd_adam", None), ("adam", None), ("ef_amsgrad", 4)])
+def test_logreg_runs_on_a_libsvm_file(tmp_path, algorithm, batch_size):
+    f = tmp_path / "tiny.libsvm"
+    _write_libsvm(f)
+    X, y = load_libsvm(f)
+    assert X.shape == (240, 12) and set(y.tolist()) == {-1.0, 1.0}
+    cfg = _compose("experiment=logreg_nonconvex", f"algorithm={algorithm}", f"data.path={f}",
+                   "experiment.steps=40", "experiment.log_every=5", f"experiment.batch_size={batch_size or 'null'}")
+    summary = run(cfg, tmp_path / "out")
+    (r,) = summary["runs"]
+    assert r["steps"] == 40 and r["world_size"] == 20 and r["status"] == "ok"
+    assert r["data"] == {"path": str(f), "samples": 240, "features": 12}
+    rows = (tmp_path / "out" / r["metrics_csv"]).read_text().splitlines()
+    assert len(rows) == 1 + 9  # header, step 0 and every 5th step
+    first_norm = float(rows[1].split(",")[rows[0].split(",").index("grad_norm")])
+    assert math.isfinite(r["final"]["grad_norm"])
+    if batch_size is None:  # full local gradients: deterministic descent
+        assert r["final"]["grad_norm"] < first_norm
+    if algorithm == "adam":  # 20 workers, fp32 ring allreduce of d values per step
+        assert r["bytes_sent"] == 40 * ring_allreduce_bytes(12, 20)
+    else:
+        assert r["bytes_sent"] > 0 and r["switch_step"] == 1
+    assert (tmp_path / "out" / "curves.png").exists()
+
+
+def test_logreg_offline_default_writes_a_real_libsvm_file(tmp_path):
+    cfg = _compose("experiment=logreg_nonconvex", f"data.root={tmp_path}", "experiment.steps=3")
+    r = run(cfg, tmp_path / "out")["runs"][0]
+    f = tmp_path / "libsvm" / "breast_cancer.svm"
+    first = f.read_text().splitlines()[0].split()
+    assert first[0] in ("-1", "1") and first[1].startswith("1:")  # LibSVM text: label index:value ...
+    assert r["data"]["samples"] == 569 and r["data"]["features"] == 30
+
+
+def test_missing_libsvm_data_fails_at_once_with_path_and_remedy(tmp_path):
+    missing = tmp_path / "nope" / "a9a.txt"
+    cfg = _compose("experiment=logreg_nonconvex", f"data.path={missing}")
+    with pytest.raises(DatasetMissingError) as e:
+        run(cfg, tmp_path / "out")
+    assert str(missing) in str(e.value) and LIBSVM_URL in str(e.value)
+    assert not (tmp_path / "out" / "metrics").exists()  # nothing ran
+    with pytest.raises(DatasetMissingError, match=r"data\.download=true") as e:
+        libsvm_path({"root": str(tmp_path), "source": "w8a", "download": False})
+    assert str(tmp_path / "libsvm" / "w8a") in str(e.value) and f"{LIBSVM_URL}/w8a" in str(e.value)
+
+
+def test_libsvm_download_when_allowed(tmp_path, monkeypatch):
+    fetched = []
+
+    def fake_urlretrieve(url, dest):  # no network in the tests: write what the site would serve
+        fetched.append(url)
+        _write_libsvm(Path(dest), n=60, d=5)
+
+    monkeypatch.setattr(urllib.request, "urlretrieve", fake_urlretrieve)
+    path = libsvm_path({"root": str(tmp_path), "source": "mushrooms", "download": True})
+    assert fetched == [f"{LIBSVM_URL}/mushrooms"] and path == tmp_path / "libsvm" / "mushrooms"
+    assert load_libsvm(path)[0].shape == (60, 5)
+
+
+def test_quadratic_reproduces_the_tarasov_ershov_divergence(tmp_path):
+    summary = run(_compose("experiment=quadratic_divergence"), tmp_path)
+    runs = {r["eps_inside_sqrt"]: r for r in summary["runs"]}
+    assert set(runs) == {False, True} and all(r["switch_step"] == 101 for r in runs.values())
+    assert runs[False]["final"]["peak_after_switch_ratio"] > 20  # sqrt(v) + eps: the loss jumps
+    assert runs[True]["final"]["peak_after_switch_ratio"] < 1.5  # sqrt(v + eps): it does not
+    assert runs[True]["final"]["loss"] < runs[True]["final"]["loss_before_switch"]
+    # simulated workers make the traffic visible; algorithms without eps_inside_sqrt run once
+    r = run(_compose("experiment=quadratic_divergence", "algorithm=cd_adam", "experiment.workers=4",
+                     "experiment.steps=20"), tmp_path / "cd")["runs"]
+    assert len(r) == 1 and r[0]["bytes_sent"] > 0 and r[0]["steps"] == 20
+    report_main([str(tmp_path)])  # the report CLI redraws a finished run
+    assert (tmp_path / "curves.png").exists()
+
+
+def test_multirun_writes_one_table_and_one_overlay_plot(tmp_path):
+    sweep = tmp_path / "sweep"
+    _train(["-m", "experiment=quadratic_divergence", "algorithm=adam,onebit_adam,cd_adam", "experiment.steps=150",
+            f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    table = (sweep / "comparison.md").read_text()
+    for label in ("| adam |", "| onebit_adam-eps_outside_sqrt |", "| onebit_adam-eps_inside_sqrt |", "| cd_adam |"):
+        assert label in table, table
+    assert (sweep / "comparison.png").stat().st_size > 10_000
+    assert sorted(p.name for p in sweep.glob("*/summary.json")) == ["summary.json"] * 3
