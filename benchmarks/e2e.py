@@ -1,0 +1,847 @@
+"""End-to-end training speed on emulated slow links: DDP, PyTorch comm hooks and the compressed strategies.
+
+Issue 7. Every emulated node is a network namespace behind a ``tc tbf``-shaped veth
+(``benchmarks/netns_cluster.py``, DESIGN.md section 8); one ``torchrun`` per namespace runs a Lightning
+``Trainer(accelerator="cpu", devices=1, num_nodes=N)`` (torchrun's environment makes Lightning pick
+``TorchElasticEnvironment``). For each (nodes, rate, workload) *one* torchrun measures every method in turn,
+each with a fresh model (same seed, same data), so the methods share the machine's conditions.
+
+Methods: DDP + AdamW (fp32 allreduce), DDP + fp16 / bf16 compress hooks, DDP + PowerSGD (rank 1 and 4),
+and the strategies ``onebit_adam``, ``onebit_lamb``, ``qadam``, ``cd_adam`` (``CompressedDDPStrategy`` with
+``warmup=W``). The LightningModule's ``configure_optimizers`` returns ``torch.optim.AdamW`` in all cases (the
+compressed strategies convert it). PowerSGD gets ``start_powerSGD_iter=W`` so that it has the same warm-up.
+
+Measured per method: wall time of every training step (a callback; the interval between consecutive
+``on_train_batch_end`` calls, so data fetch and Lightning's loop are included), the slowest rank per step,
+median over phase 1 (steps ``skip .. switch-1``: the fp32 warm-up of the warm-up algorithms) and phase 2
+(steps ``switch+skip .. end``: the compression phase); ``switch`` is the step the optimizer actually started
+compressing (``W`` for the others; ``cd_adam`` compresses from step 0, and the hooks have one regime, so for
+them both phases measure the same thing). Bytes on the link: each node's veth tx counter (frames incl.
+TCP/IP headers, read from sysfs inside the node's namespace) diffed over the same windows, per step and rank.
+
+The ideal for a setting (issue 7): the compute time of one worker alone + the fp32 communication time / 32.
+Compute alone = the same model and batch under ``Trainer(devices=1)`` with AdamW and no DDP, measured with N
+such processes running at the same time (the emulated nodes share the box's 2 cores, so that is the compute a
+worker gets in the cluster run too). fp32 communication time = a measured gloo ``all_reduce`` of all the
+model's parameters as one fp32 tensor, on the same link.
+
+Usage (as root)::
+
+    python benchmarks/e2e.py --quick                          # 2 nodes, 1gbit, the MLP: a few minutes
+    python benchmarks/e2e.py --append                         # full grid, appended to RESULTS.md + PNG
+    python benchmarks/e2e.py --quick --methods ddp_adamw onebit_adam --profile onebit_adam
+
+The same file is the worker (``--worker`` under torchrun, ``--local`` for the compute-alone runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # works as a script, as the torchrun worker and imported
+    sys.path.insert(0, str(HERE))
+
+from netns_cluster import EmulatedCluster, cleanup_stale, node_env, parse_rate, run_torchrun  # noqa: E402
+
+RESULT_TAG = "LOBE2E "
+PROFILE_TAG = "LOBPROF "
+
+METHODS = ("ddp_adamw", "ddp_fp16", "ddp_bf16", "powersgd_r1", "powersgd_r4",
+           "onebit_adam", "onebit_lamb", "qadam", "cd_adam")
+COMPRESSED = ("onebit_adam", "onebit_lamb", "qadam", "cd_adam")
+HOOKS = ("ddp_fp16", "ddp_bf16", "powersgd_r1", "powersgd_r4")
+LABEL = {
+    "ddp_adamw": "DDP + AdamW (fp32)",
+    "ddp_fp16": "DDP + fp16 hook",
+    "ddp_bf16": "DDP + bf16 hook",
+    "powersgd_r1": "DDP + PowerSGD r1",
+    "powersgd_r4": "DDP + PowerSGD r4",
+    "onebit_adam": "onebit_adam",
+    "onebit_lamb": "onebit_lamb",
+    "qadam": "qadam",
+    "cd_adam": "cd_adam",
+}
+WORKLOADS = ("mlp", "transformer")
+WORKLOAD_DESC = {
+    "mlp": "wide MLP 1024-4096-4096-1024-10 (25.2M params), batch 16/worker, synthetic teacher labels "
+           "(communication-bound)",
+    "transformer": "transformer encoder, 4 layers, d=256, 4 heads, ff 1024, seq 128, vocab 1000 (3.7M params), "
+                   "batch 8/worker, shifted-token target (compute-heavier)",
+}
+FULL = {"nodes": [2, 4], "rates": ["1gbit", "10gbit"], "workloads": list(WORKLOADS), "warmup": 6,
+        "compress_steps": 10, "skip": 2}
+QUICK = {"nodes": [2], "rates": ["1gbit"], "workloads": ["mlp"], "warmup": 5, "compress_steps": 6, "skip": 2}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# models (worker side; torch and lightning are imported lazily so the driver starts fast)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def build_module(workload: str, lr: float = 1e-3) -> Any:
+    """A fresh LightningModule for ``workload`` (same initial weights on every rank and every method)."""
+    import lightning as L
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    torch.manual_seed(0)
+    if workload == "mlp":
+        net: nn.Module = nn.Sequential(
+            nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 4096), nn.GELU(),
+            nn.Linear(4096, 1024), nn.GELU(), nn.Linear(1024, 10))
+    elif workload == "transformer":
+        net = _Encoder()
+    else:
+        raise ValueError(f"unknown workload {workload!r}")
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            x, y = batch
+            out = self.net(x)
+            return F.cross_entropy(out.flatten(0, -2) if out.dim() > 2 else out, y.flatten())
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.01)
+
+    return Module()
+
+
+def _Encoder() -> Any:  # noqa: N802 - a factory, named like the class it builds
+    import torch
+    from torch import nn
+
+    class Encoder(nn.Module):
+        def __init__(self, vocab: int = 1000, d: int = 256, layers: int = 4, seq: int = 128) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(vocab, d)
+            self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+            layer = nn.TransformerEncoderLayer(d, 4, 4 * d, dropout=0.0, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+            self.head = nn.Linear(d, vocab)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.enc(self.emb(x) + self.pos[: x.shape[1]]))
+
+    return Encoder()
+
+
+def batch_size(workload: str) -> int:
+    return {"mlp": 16, "transformer": 8}[workload]
+
+
+POOL_BATCHES = 8
+"""Each rank cycles through this many distinct batches, so the loss visibly falls within a short run."""
+
+
+def make_loader(workload: str, steps: int, rank: int) -> Any:
+    """Exactly ``steps`` batches of synthetic data (a pool of POOL_BATCHES batches, repeated), different per
+    rank, identical across methods."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    b = batch_size(workload)
+    gen = torch.Generator().manual_seed(1234 + rank)
+    n = POOL_BATCHES * b
+    if workload == "mlp":
+        teacher = torch.randn(1024, 10, generator=torch.Generator().manual_seed(7))
+        x = torch.randn(n, 1024, generator=gen)
+        y = (x @ teacher).argmax(dim=1)
+    else:
+        x = torch.randint(0, 1000, (n, 128), generator=gen)
+        y = torch.roll(x, 1, dims=1)  # predict the previous token: learnable through attention
+    reps = -(-steps // POOL_BATCHES)
+    x, y = x.repeat(reps, *([1] * (x.dim() - 1)))[: steps * b], y.repeat(reps, *([1] * (y.dim() - 1)))[: steps * b]
+    return DataLoader(TensorDataset(x, y), batch_size=b, shuffle=False)
+
+
+def model_numel(workload: str) -> int:
+    return sum(p.numel() for p in build_module(workload).parameters())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _read_counter(iface: str | None, name: str) -> int:
+    if iface is None:
+        return 0
+    with open(f"/sys/class/net/{iface}/statistics/{name}") as f:
+        return int(f.read())
+
+
+def _step_timer(iface: str | None, profile_window: tuple[int, int] | None = None) -> Any:
+    """A callback that records, per training step: end time, link counters, loss, compression state."""
+    import lightning as L
+
+    class StepTimer(L.Callback):
+        def __init__(self) -> None:
+            self.t_start = 0.0
+            self.ends: list[float] = []
+            self.tx: list[int] = []
+            self.rx: list[int] = []
+            self.loss: list[float] = []
+            self.compressing: list[bool] = []
+            self.counted: list[int] = []
+            self.profiler: Any = None
+            self.profile_text = ""
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.t_start = time.perf_counter()
+            self.tx0, self.rx0 = _read_counter(iface, "tx_bytes"), _read_counter(iface, "rx_bytes")
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if profile_window is not None and batch_idx == profile_window[0]:
+                self.profiler = _Profiler()
+                self.profiler.start()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                               batch_idx: int) -> None:
+            if self.profiler is not None and batch_idx == profile_window[1] - 1:  # type: ignore[index]
+                self.profile_text = self.profiler.stop(profile_window[1] - profile_window[0])  # type: ignore
+                self.profiler = None
+            self.ends.append(time.perf_counter())
+            self.tx.append(_read_counter(iface, "tx_bytes"))
+            self.rx.append(_read_counter(iface, "rx_bytes"))
+            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+            self.loss.append(float(loss))
+            opt = trainer.strategy.optimizers[0]
+            opt = getattr(opt, "_optimizer", opt)
+            self.compressing.append(bool(getattr(opt, "compressing", False)))
+            counter = getattr(opt, "comm_counter", None)
+            self.counted.append(int(counter.total.bytes_sent) if counter is not None else 0)
+
+        def step_times(self) -> list[float]:
+            prev = [self.t_start, *self.ends[:-1]]
+            return [e - s for s, e in zip(prev, self.ends, strict=True)]
+
+    return StepTimer()
+
+
+class _Profiler:
+    """cProfile (Python-level attribution, numba kernels included in their callers) + torch.profiler (aten ops
+    and gloo collectives) over a window of steps of one rank."""
+
+    def __init__(self) -> None:
+        import cProfile
+
+        import torch
+
+        self.cprof = cProfile.Profile()
+        self.tprof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tprof.start()
+        self.cprof.enable()
+
+    def stop(self, steps: int) -> str:
+        import io
+        import pstats
+
+        self.cprof.disable()
+        self.tprof.stop()
+        wall = time.perf_counter() - self.t0
+        s = io.StringIO()
+        s.write(f"profiled {steps} steps, {wall:.3f} s wall, {wall / steps * 1e3:.1f} ms/step (with profiler "
+                "overhead)\n\n=== cProfile, sorted by cumulative time (ms per step = cumtime / steps) ===\n")
+        st = pstats.Stats(self.cprof, stream=s)
+        rows = []
+        for (file, line, func), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+            rows.append((ct, tt, nc, f"{Path(file).name}:{line}({func})" if line else func, file))
+        rows.sort(reverse=True)
+        s.write(f"{'cum ms/step':>11} {'self ms/step':>12} {'calls/step':>10}  function\n")
+        shown = 0
+        for ct, tt, nc, name, file in rows:
+            interesting = ("lightning_onebit" in file or "distributed" in file or "ddp_comm_hooks" in file
+                           or "optim" in file or name.startswith("<built-in method torch")
+                           or "{method" in name or "autograd" in file)
+            if not interesting or ct / steps < 0.5e-3:
+                continue
+            s.write(f"{ct / steps * 1e3:11.1f} {tt / steps * 1e3:12.1f} {nc / steps:10.1f}  {name}\n")
+            shown += 1
+            if shown >= 40:
+                break
+        s.write("\n=== cProfile, sorted by self time ===\n")
+        rows.sort(key=lambda r: -r[1])
+        for ct, tt, nc, name, _file in rows[:15]:
+            s.write(f"{ct / steps * 1e3:11.1f} {tt / steps * 1e3:12.1f} {nc / steps:10.1f}  {name}\n")
+        s.write("\n=== torch.profiler, sorted by self CPU time (totals over the window) ===\n")
+        s.write(self.tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+        return s.getvalue()
+
+
+def make_strategy(method: str, warmup: int) -> Any:
+    """The Lightning strategy of ``method`` (DDP with a hook registered on CPU too, or a compressed one)."""
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    class HookDDPStrategy(DDPStrategy):
+        """DDPStrategy that registers its comm hook on CPU as well (Lightning only does on CUDA)."""
+
+        def _register_ddp_hooks(self) -> None:
+            if self._ddp_comm_hook is not None:
+                self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
+
+    if method == "ddp_adamw":
+        return DDPStrategy()
+    if method == "ddp_fp16":
+        return HookDDPStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook)
+    if method == "ddp_bf16":
+        return HookDDPStrategy(ddp_comm_hook=_bf16_hook_cpu())
+    if method.startswith("powersgd_r"):
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(method[10:]),
+                                            start_powerSGD_iter=max(2, warmup))
+        return HookDDPStrategy(ddp_comm_state=state, ddp_comm_hook=_serialized(powerSGD_hook.powerSGD_hook))
+    if method in COMPRESSED:
+        from lightning_onebit import CompressedDDPStrategy
+
+        return CompressedDDPStrategy(method, warmup=warmup)
+    raise ValueError(f"unknown method {method!r}")
+
+
+def _bf16_hook_cpu() -> Any:
+    """``default_hooks.bf16_compress_hook`` under another name.
+
+    ``DistributedDataParallel._check_comm_hook`` rejects a hook *named* ``bf16_compress_hook`` unless CUDA with
+    NCCL >= 2.10 (or XPU) is present; gloo reduces bfloat16 on CPU fine, so the wrapper only renames it.
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def bf16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return default_hooks.bf16_compress_hook(state, bucket)
+
+    bf16_hook.__annotations__ = {}  # DDP inspects the return annotation; keep the check happy either way
+    return bf16_hook
+
+
+def _serialized(hook: Any) -> Any:
+    """``hook`` with at most one bucket in flight: each call first waits for the previous bucket's future.
+
+    Needed for PowerSGD on gloo: its future callbacks run on gloo's worker threads (2 per process group) and
+    block there in ``all_reduce(...).wait()``; with two buckets in flight both threads block and the
+    all_reduces they wait for never run (a deadlock, seen with the MLP at 1 Gbit/s). Waiting for the previous
+    bucket keeps the overlap of a bucket's communication with the backward of the layers before it, and also
+    keeps the order of collectives the same on every rank.
+    """
+    import torch
+    import torch.distributed as dist
+
+    prev: dict[str, Any] = {}
+
+    def serialized_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        fut = prev.pop("fut", None)
+        if fut is not None:
+            fut.wait()
+        fut = hook(state, bucket)
+        prev["fut"] = fut
+        return fut
+
+    serialized_hook.__annotations__ = {}
+    return serialized_hook
+
+
+def _trainer(strategy: Any, steps: int, callbacks: list[Any], num_nodes: int = 1) -> Any:
+    import lightning as L
+
+    return L.Trainer(accelerator="cpu", devices=1, num_nodes=num_nodes, strategy=strategy, max_steps=steps,
+                     max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
+                     use_distributed_sampler=False, callbacks=callbacks)
+
+
+def _quiet() -> None:
+    import logging
+    import warnings
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_onebit"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*Total length of .* across ranks.*")
+
+
+def _window(values: Sequence[float], lo: int, hi: int) -> list[float]:
+    return list(values[lo:hi]) if hi > lo else []
+
+
+def _med(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def measure_fp32_allreduce(numel: int, reps: int = 3) -> float:
+    """Median (slowest rank) wall time of one fp32 gloo all_reduce of ``numel`` elements."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.randn(numel)
+    dist.all_reduce(x)  # connect / warm up
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, times)
+    return statistics.median(max(r[i] for r in everyone) for i in range(reps))
+
+
+def run_method(method: str, args: argparse.Namespace, rank: int, world: int, iface: str,
+               profile: bool = False) -> dict[str, Any] | None:
+    """Train ``method`` for ``warmup + skip + compress_steps`` steps; rank 0 returns the summary row."""
+    import torch.distributed as dist
+
+    W, skip, S = args.warmup, args.skip, args.warmup + args.skip + args.compress_steps
+    start, stop = (W + skip, S) if args.profile_phase == "compress" else (skip, W)  # stay inside the phase
+    window = (start, min(stop, start + args.profile_steps)) if profile and rank == 0 else None
+    timer = _step_timer(iface, window)
+    module = build_module(args.workload, args.lr)
+    trainer = _trainer(make_strategy(method, W), S, [timer], num_nodes=world)
+    t0 = time.perf_counter()
+    trainer.fit(module, train_dataloaders=make_loader(args.workload, S, rank))
+    fit_s = time.perf_counter() - t0
+    if len(timer.ends) != S:
+        raise RuntimeError(f"{method}: expected {S} steps, timed {len(timer.ends)}")
+    mine = {"times": timer.step_times(), "tx": timer.tx, "rx": timer.rx, "loss": timer.loss,
+            "compressing": timer.compressing, "counted": timer.counted, "tx0": timer.tx0,
+            "profile": timer.profile_text}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    del trainer, module
+    if rank != 0:
+        return None
+    if profile:
+        return {"method": method, "profile": everyone[0]["profile"]}
+    comp = everyone[0]["compressing"]
+    switch = next((i for i, c in enumerate(comp) if c), None)  # first step that ended compressed
+    if method in COMPRESSED and switch is not None and switch > 0:
+        boundary = switch
+    else:
+        boundary = W
+    per_step = [max(r["times"][i] for r in everyone) for i in range(S)]
+    phases = {"warmup": (skip, boundary), "compress": (boundary + skip, S)}
+    row: dict[str, Any] = {
+        "nodes": world, "rate": args.rate, "workload": args.workload, "method": method,
+        "batch_per_worker": batch_size(args.workload), "steps": S, "switch_step": switch,
+        "boundary": boundary, "fit_s": fit_s, "step_times": per_step,
+        "loss_first": statistics.mean(r["loss"][0] for r in everyone),
+        "loss_last": statistics.mean(statistics.mean(r["loss"][-3:]) for r in everyone),
+    }
+    for name, (lo, hi) in phases.items():
+        row[f"{name}_median_s"] = _med(_window(per_step, lo, hi))
+        row[f"{name}_steps"] = max(0, hi - lo)
+        if hi > lo:  # counters at the end of step lo-1 and hi-1 (lo >= 1)
+            n = hi - lo
+            row[f"{name}_tx_per_step"] = statistics.mean(r["tx"][hi - 1] - r["tx"][lo - 1] for r in everyone) / n
+            row[f"{name}_rx_per_step"] = statistics.mean(r["rx"][hi - 1] - r["rx"][lo - 1] for r in everyone) / n
+            row[f"{name}_counted_per_step"] = statistics.mean(
+                r["counted"][hi - 1] - r["counted"][lo - 1] for r in everyone) / n
+    return row
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Under torchrun in a namespace: the fp32 allreduce reference, then every method in turn."""
+    import datetime as dt
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    _quiet()
+    import lightning_onebit  # noqa: F401 - registers the strategies
+
+    dist.init_process_group("gloo", timeout=dt.timedelta(seconds=args.pg_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    iface = os.environ["GLOO_SOCKET_IFNAME"]
+    numel = model_numel(args.workload)
+    t_fp32 = measure_fp32_allreduce(numel)
+    if rank == 0:
+        print(RESULT_TAG + json.dumps({"kind": "fp32_allreduce", "nodes": world, "rate": args.rate,
+                                       "workload": args.workload, "numel": numel, "seconds": t_fp32}), flush=True)
+    for method in args.methods:
+        row = run_method(method, args, rank, world, iface)
+        if row is not None:
+            print(RESULT_TAG + json.dumps(row), flush=True)
+    if args.profile:
+        for method in args.profile:
+            row = run_method(method, args, rank, world, iface, profile=True)
+            if row is not None:
+                print(PROFILE_TAG + json.dumps(row), flush=True)
+    dist.barrier()
+
+
+def local_worker(args: argparse.Namespace) -> None:
+    """Compute alone: the same model and batch, ``Trainer(devices=1)``, AdamW, no DDP, no communication."""
+    import torch
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    _quiet()
+    S, skip = args.warmup + args.skip + args.compress_steps, args.skip
+    timer = _step_timer(None)
+    trainer = _trainer("auto", S, [timer])
+    trainer.fit(build_module(args.workload, args.lr), train_dataloaders=make_loader(args.workload, S, 0))
+    times = timer.step_times()
+    print(RESULT_TAG + json.dumps({"kind": "compute_alone", "workload": args.workload,
+                                   "median_s": statistics.median(times[skip:]), "times": times}), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# driver side (root namespace, as root)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _tagged(text: str, tag: str = RESULT_TAG) -> list[dict[str, Any]]:
+    return [json.loads(line[len(tag):]) for line in text.splitlines() if line.startswith(tag)]
+
+
+def _worker_args(args: argparse.Namespace, workload: str) -> list[str]:
+    return ["--workload", workload, "--warmup", str(args.warmup), "--compress-steps", str(args.compress_steps),
+            "--skip", str(args.skip), "--lr", str(args.lr), "--profile-steps", str(args.profile_steps),
+            "--profile-phase", args.profile_phase]
+
+
+def run_compute_alone(cluster: EmulatedCluster, args: argparse.Namespace, workload: str) -> dict[str, Any]:
+    """``nodes`` concurrent single-device Trainers (one per namespace, no torchrun): compute per worker."""
+    procs, files = [], []
+    argv = [sys.executable, str(Path(__file__).resolve()), "--local", *_worker_args(args, workload)]
+    try:
+        for k in range(cluster.nodes):
+            out = tempfile.TemporaryFile()
+            files.append(out)
+            procs.append(cluster.popen(k, argv, node_env(cluster, k), stdout=out, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + args.timeout_local
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        if any(p.poll() is None for p in procs):
+            cluster.kill_processes()
+    rows = []
+    for k, (p, f) in enumerate(zip(procs, files, strict=True)):
+        f.seek(0)
+        text = f.read().decode(errors="replace")
+        f.close()
+        got = _tagged(text)
+        if p.returncode != 0 or not got:
+            raise SystemExit(f"compute-alone run failed on node {k} (rc={p.returncode}):\n{text[-4000:]}")
+        rows.extend(got)
+    meds = [r["median_s"] for r in rows]
+    return {"kind": "compute_alone", "workload": workload, "nodes": cluster.nodes,
+            "median_s": statistics.mean(meds), "per_process": meds}
+
+
+def estimate_timeout(nodes: int, rate: str, workload: str, args: argparse.Namespace) -> float:
+    """Generous limit for one torchrun (only so that a wedged run gets killed)."""
+    numel = 25.2e6 if workload == "mlp" else 3.7e6
+    wire = 2 * (nodes - 1) / nodes * 4 * numel * 8 / parse_rate(rate)
+    compute = {"mlp": 0.5, "transformer": 0.8}[workload] * max(1.0, nodes / 2)
+    steps = args.warmup + args.skip + args.compress_steps + 4  # + DDP's initial broadcast etc.
+    runs = len(args.methods) + len(args.profile or [])
+    return 180.0 + 3.0 * (runs * steps * (wire + 3 * compute) + 5 * wire)
+
+
+def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
+    """One cluster per node count; compute-alone per workload; one torchrun per (rate, workload)."""
+    cleanup_stale()
+    rows: list[dict[str, Any]] = []
+    refs: list[dict[str, Any]] = []
+    profiles: list[str] = []
+    port = 29600
+    for nodes in args.nodes:
+        with EmulatedCluster(nodes, rate=args.rates[0]) as cluster:
+            alone = {}
+            for workload in args.workloads:
+                print(f"[{nodes} nodes] compute alone, {workload} ...", file=sys.stderr, flush=True)
+                alone[workload] = run_compute_alone(cluster, args, workload)
+                refs.append(alone[workload])
+                print(f"[{nodes} nodes] compute alone, {workload}: {alone[workload]['median_s']:.4f} s/step",
+                      file=sys.stderr, flush=True)
+            for rate in args.rates:
+                cluster.set_rate(rate)
+                for workload in args.workloads:
+                    timeout = args.timeout or estimate_timeout(nodes, rate, workload, args)
+                    wargs = ["--worker", "--rate", rate, "--pg-timeout", str(int(timeout)),
+                             *_worker_args(args, workload), "--methods", *args.methods]
+                    if args.profile:
+                        wargs += ["--profile", *args.profile]
+                    print(f"[{nodes} nodes, {rate}, {workload}] {len(args.methods)} methods (timeout "
+                          f"{timeout:.0f} s) ...", file=sys.stderr, flush=True)
+                    t0 = time.monotonic()
+                    results = run_torchrun(cluster, str(Path(__file__).resolve()), wargs, master_port=port,
+                                           timeout=timeout)
+                    port += 1
+                    got = _tagged(results[0].stdout)
+                    for r in got:
+                        if r.get("kind") == "fp32_allreduce":
+                            r["compute_alone_s"] = alone[workload]["median_s"]
+                            refs.append(r)
+                        else:
+                            rows.append(r)
+                            print(f"  {r['method']:<12} phase1 {_fmt_s(r['warmup_median_s'])} s  "
+                                  f"phase2 {_fmt_s(r['compress_median_s'])} s", file=sys.stderr, flush=True)
+                    for p in _tagged(results[0].stdout, PROFILE_TAG):
+                        profiles.append(f"### profile: {p['method']}, {args.profile_phase} phase, {nodes} nodes, "
+                                        f"{rate}, {workload}, rank 0\n\n"
+                                        f"```\n{p['profile']}```\n")
+                    print(f"[{nodes} nodes, {rate}, {workload}] done in {time.monotonic() - t0:.0f} s",
+                          file=sys.stderr, flush=True)
+                    bad = [r for r in results if r.returncode != 0 or r.timed_out]
+                    for r in bad:
+                        print(f"--- node {r.node}: rc={r.returncode} timed_out={r.timed_out}\n"
+                              f"{r.stdout[-2000:]}\n{r.stderr[-6000:]}", file=sys.stderr)
+                    if bad and not args.keep_going:
+                        raise SystemExit(f"torchrun failed on {nodes} nodes at {rate} ({workload})")
+    return rows, refs, profiles
+
+
+# -- reporting ---------------------------------------------------------------------------------------------
+
+
+def _fmt_s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _mb(v: float | None) -> str:
+    if v is None:
+        return "-"
+    return f"{v / 1e6:.2f}" if v < 10e6 else f"{v / 1e6:.1f}"
+
+
+def _key(r: dict[str, Any]) -> tuple[int, int, float]:
+    return (WORKLOADS.index(r["workload"]), r["nodes"], parse_rate(r["rate"]))
+
+
+def ideal_of(refs: list[dict[str, Any]], nodes: int, rate: str, workload: str) -> dict[str, float] | None:
+    for r in refs:
+        if r.get("kind") == "fp32_allreduce" and (r["nodes"], r["rate"], r["workload"]) == (nodes, rate, workload):
+            return {"compute": r["compute_alone_s"], "fp32": r["seconds"],
+                    "ideal": r["compute_alone_s"] + r["seconds"] / 32}
+    return None
+
+
+def tables(rows: list[dict[str, Any]], refs: list[dict[str, Any]]) -> str:
+    """Markdown: one table per (workload, nodes, rate), then the target check."""
+    out = []
+    settings = sorted({(r["workload"], r["nodes"], r["rate"]) for r in rows},
+                      key=lambda k: (WORKLOADS.index(k[0]), k[1], parse_rate(k[2])))
+    for workload, nodes, rate in settings:
+        sub = [r for r in rows if (r["workload"], r["nodes"], r["rate"]) == (workload, nodes, rate)]
+        sub.sort(key=lambda r: METHODS.index(r["method"]))
+        ideal = ideal_of(refs, nodes, rate, workload)
+        base = next((r["compress_median_s"] for r in sub if r["method"] == "ddp_adamw"), None)
+        out.append(f"#### {workload}, {nodes} nodes, {rate}\n")
+        if ideal:
+            out.append(f"Ideal step: compute alone {ideal['compute']:.3f} s + fp32 all_reduce "
+                       f"{ideal['fp32']:.3f} s / 32 = **{ideal['ideal']:.3f} s**\n")
+        out.append("| method | phase 1 (warm-up) s | phase 2 (compression) s | samples/s (phase 2) | "
+                   "link MB/step/rank phase 1 | phase 2 | speedup vs DDP+AdamW (phase 2) | phase 2 / ideal | "
+                   "loss first -> last |")
+        out.append("|---|---|---|---|---|---|---|---|---|")
+        for r in sub:
+            c = r["compress_median_s"]
+            sps = r["batch_per_worker"] * nodes / c if c else None
+            speed = f"{base / c:.2f}x" if base and c else "-"
+            vs_ideal = f"{c / ideal['ideal']:.2f}" if ideal and c else "-"
+            out.append(f"| {LABEL[r['method']]} | {_fmt_s(r['warmup_median_s'])} | {_fmt_s(c)} | "
+                       f"{'-' if sps is None else f'{sps:.1f}'} | {_mb(r.get('warmup_tx_per_step'))} | "
+                       f"{_mb(r.get('compress_tx_per_step'))} | {speed} | {vs_ideal} | "
+                       f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
+        out.append("")
+    out.append(target_check(rows, refs))
+    return "\n".join(out)
+
+
+def target_check(rows: list[dict[str, Any]], refs: list[dict[str, Any]]) -> str:
+    """Issue 7's targets on the communication-bound model, 2 nodes, 1 Gbit/s."""
+    sub = {r["method"]: r for r in rows if (r["workload"], r["nodes"], r["rate"]) == ("mlp", 2, "1gbit")}
+    ob = sub.get("onebit_adam")
+    if not ob or not ob["compress_median_s"]:
+        return "Targets (mlp, 2 nodes, 1gbit): not measured in this run.\n"
+    t = ob["compress_median_s"]
+    lines = ["Targets (mlp, 2 nodes, 1gbit, onebit_adam compression phase):"]
+    if "ddp_adamw" in sub:
+        s = sub["ddp_adamw"]["compress_median_s"] / t
+        lines.append(f"- >= 5x faster than DDP + AdamW: {s:.2f}x -> {'met' if s >= 5 else 'MISSED'}")
+    ideal = ideal_of(refs, 2, "1gbit", "mlp")
+    if ideal:
+        q = t / ideal["ideal"]
+        lines.append(f"- within 1.3x of the ideal ({ideal['ideal']:.3f} s): {q:.2f}x -> "
+                     f"{'met' if q <= 1.3 else 'MISSED'}")
+    for h in HOOKS:
+        if h in sub and sub[h]["compress_median_s"]:
+            other = sub[h]["compress_median_s"]
+            lines.append(f"- faster than {LABEL[h]} ({other:.3f} s): {other / t:.2f}x -> "
+                         f"{'met' if t < other else 'MISSED'}")
+    return "\n".join(lines) + "\n"
+
+
+def chart(rows: list[dict[str, Any]], refs: list[dict[str, Any]], path: Path) -> None:
+    """Bar chart: per setting, each method's phase-1 and phase-2 step time, and the ideal as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = sorted({(r["workload"], r["nodes"], r["rate"]) for r in rows},
+                      key=lambda k: (WORKLOADS.index(k[0]), k[1], parse_rate(k[2])))
+    ncol = min(4, len(settings))
+    nrow = -(-len(settings) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(max(7.0, 4.6 * ncol), 4.2 * nrow + 0.6), squeeze=False)
+    for ax, (workload, nodes, rate) in zip(axes.flat, settings, strict=False):
+        sub = sorted((r for r in rows if (r["workload"], r["nodes"], r["rate"]) == (workload, nodes, rate)),
+                     key=lambda r: METHODS.index(r["method"]))
+        xs = range(len(sub))
+        p1 = [r["warmup_median_s"] or 0 for r in sub]
+        p2 = [r["compress_median_s"] or 0 for r in sub]
+        colors = ["tab:gray" if r["method"] == "ddp_adamw" else "tab:orange" if r["method"] in HOOKS
+                  else "tab:blue" for r in sub]
+        ax.bar([x - 0.2 for x in xs], p1, 0.4, color=colors, alpha=0.35)
+        ax.bar([x + 0.2 for x in xs], p2, 0.4, color=colors)
+        ideal = ideal_of(refs, nodes, rate, workload)
+        if ideal:
+            ax.axhline(ideal["ideal"], color="k", ls="--", lw=1, label=f"ideal {ideal['ideal']:.3f} s")
+            ax.legend(fontsize=7, loc="lower left", framealpha=0.9)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([LABEL[r["method"]].replace("DDP + ", "") for r in sub], rotation=60, ha="right",
+                           fontsize=8)
+        ax.set_ylabel("median step time (s)")
+        ax.set_title(f"{workload}, {nodes} nodes, {rate}", fontsize=10)
+    for ax in list(axes.flat)[len(settings):]:
+        ax.axis("off")
+    fig.suptitle("Training step time on emulated links (median, slowest rank; lower is better)\n"
+                 "pale: phase 1 (warm-up), dark: phase 2 (compression)\n"
+                 "gray: DDP, orange: PyTorch comm hooks, blue: lightning_onebit", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def append_results(path: Path, text: str, argv: Sequence[str], load: str, chart_path: Path | None,
+                   args: argparse.Namespace, profiles: list[str]) -> None:
+    from collectives import machine
+
+    stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    cmd = "python benchmarks/e2e.py " + shlex.join(argv)
+    S = args.warmup + args.skip + args.compress_steps
+    wl = "\n".join(f"- `{w}`: {WORKLOAD_DESC[w]}" for w in args.workloads)
+    img = ""
+    if chart_path:
+        try:
+            img = f"\n\nChart: `{chart_path.relative_to(HERE.parent)}`"
+        except ValueError:
+            img = f"\n\nChart: `{chart_path}`"
+    section = (
+        f"\n## End-to-end training, emulated links ({stamp})\n\n`{cmd}`\n\nMachine: {machine()}{load}\n\n"
+        f"Workloads:\n{wl}\n\n"
+        f"One torchrun per node (network namespace behind a tc-tbf shaped veth), Lightning Trainer(accelerator="
+        f"'cpu', devices=1, num_nodes=N), gloo, 1 thread per process, all methods in the same torchrun one "
+        f"after another. {S} steps per method: warm-up switch at step {args.warmup} "
+        f"(CompressedDDPStrategy(warmup={args.warmup}), PowerSGD start_powerSGD_iter={args.warmup}); "
+        f"medians skip the first {args.skip} steps of each phase. Step time = interval between consecutive "
+        "on_train_batch_end calls, slowest rank per step. Phase 1 = steps before the switch (for the fp16/bf16 "
+        "hooks and cd_adam, which have one regime, both phases measure the same thing). Link MB = veth tx "
+        "counter per step and rank (incl. TCP/IP headers). Ideal = compute alone (same model, Trainer(devices=1),"
+        " AdamW, N such processes at once since the nodes share 2 cores) + measured fp32 all_reduce of all "
+        "parameters / 32. Loss: mean over ranks, first step -> mean of the last 3 steps (a sanity check only: "
+        f"{S} steps say nothing about final quality).{img}\n\n{text}\n")
+    if profiles:
+        section += "\n" + "\n".join(profiles)
+    with path.open("a") as f:
+        f.write(section)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help=f"a few minutes: {QUICK} (explicit flags override)")
+    ap.add_argument("--nodes", type=int, nargs="+", help=f"default {FULL['nodes']}")
+    ap.add_argument("--rates", nargs="+", help=f"tc rates, default {FULL['rates']}")
+    ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, help=f"default {FULL['workloads']}")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, help=f"default {list(METHODS)}")
+    ap.add_argument("--warmup", type=int, help="warm-up steps before compression starts (default 6, quick 5)")
+    ap.add_argument("--compress-steps", type=int, help="timed compression-phase steps (default 10, quick 6)")
+    ap.add_argument("--skip", type=int, help="untimed steps at the start of each phase (default 2)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (converted by the strategies)")
+    ap.add_argument("--profile", nargs="+", choices=METHODS, metavar="METHOD",
+                    help="afterwards, run METHOD again with rank 0 under cProfile + torch.profiler for "
+                         "--profile-steps compression-phase steps; the breakdown is printed (and appended)")
+    ap.add_argument("--profile-steps", type=int, default=4, help="steps in the profiled window (default 4)")
+    ap.add_argument("--profile-phase", choices=("compress", "warmup"), default="compress",
+                    help="profile the first steps after the switch (+ skip) or after the start (+ skip)")
+    ap.add_argument("--append", nargs="?", const=str(HERE / "RESULTS.md"), metavar="PATH",
+                    help="append the tables to PATH (default benchmarks/RESULTS.md)")
+    ap.add_argument("--chart", metavar="PNG", help="bar chart path (default benchmarks/e2e[_quick].png)")
+    ap.add_argument("--json", metavar="PATH", help="also write the raw rows as JSON")
+    ap.add_argument("--timeout", type=float, help="seconds per torchrun (default: estimated)")
+    ap.add_argument("--timeout-local", type=float, default=600.0, help=argparse.SUPPRESS)
+    ap.add_argument("--keep-going", action="store_true", help="continue after a failed torchrun")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--local", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--workload", choices=WORKLOADS, help=argparse.SUPPRESS)
+    ap.add_argument("--rate", help=argparse.SUPPRESS)
+    ap.add_argument("--pg-timeout", type=int, default=1800, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    preset = QUICK if args.quick else FULL
+    for name in ("nodes", "rates", "workloads", "warmup", "compress_steps", "skip"):
+        if getattr(args, name) is None:
+            setattr(args, name, preset[name])
+    args.methods = args.methods or list(METHODS)
+    args.skip = max(1, args.skip)
+    args.warmup = max(2, args.warmup)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.local:
+        local_worker(args)
+        return 0
+
+    if os.geteuid() != 0:
+        print("needs root (network namespaces, tc)", file=sys.stderr)
+        return 2
+    load0 = os.getloadavg()
+    t0 = time.monotonic()
+    rows, refs, profiles = run_grid(args)
+    load1 = os.getloadavg()
+    load = (f"; load average (1/5/15 min) {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f} at start, "
+            f"{load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f} at end; {time.monotonic() - t0:.0f} s")
+    print(load.lstrip("; "), file=sys.stderr)
+    text = tables(rows, refs)
+    print(text)
+    for p in profiles:
+        print(p)
+    chart_path = Path(args.chart) if args.chart else HERE / ("e2e_quick.png" if args.quick else "e2e.png")
+    if rows:
+        chart(rows, refs, chart_path)
+        print(f"chart: {chart_path}", file=sys.stderr)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "refs": refs, "profiles": profiles}, indent=1))
+    if args.append:
+        append_results(Path(args.append), text, argv, load, chart_path.resolve() if rows else None, args,
+                       profiles)
+        print(f"appended to {args.append}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
