@@ -650,7 +650,7 @@ def tables(rows: list[dict[str, Any]], refs: list[dict[str, Any]]) -> str:
         sub.sort(key=lambda r: METHODS.index(r["method"]))
         ideal = ideal_of(refs, nodes, rate, workload)
         base = next((r["compress_median_s"] for r in sub if r["method"] == "ddp_adamw"), None)
-        out.append(f"#### {workload}, {nodes} nodes, {rate}\n")
+        out.append(f"### {workload}, {nodes} nodes, {rate}\n")
         if ideal:
             out.append(f"Ideal step: compute alone {ideal['compute']:.3f} s + fp32 all_reduce "
                        f"{ideal['fp32']:.3f} s / 32 = **{ideal['ideal']:.3f} s**\n")
