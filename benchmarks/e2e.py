@@ -10,6 +10,9 @@ Methods: DDP + AdamW (fp32 allreduce), DDP + fp16 / bf16 compress hooks, DDP + P
 and the strategies ``onebit_adam``, ``onebit_lamb``, ``qadam``, ``cd_adam`` (``CompressedDDPStrategy`` with
 ``warmup=W``). The LightningModule's ``configure_optimizers`` returns ``torch.optim.AdamW`` in all cases (the
 compressed strategies convert it). PowerSGD gets ``start_powerSGD_iter=W`` so that it has the same warm-up.
+Hooks are registered on CPU by a small ``DDPStrategy`` subclass (Lightning does so only on CUDA); the bf16 hook
+is registered under another name (DDP refuses the name without NCCL) and PowerSGD with one bucket in flight at
+a time (it deadlocks gloo's two worker threads otherwise); see ``_bf16_hook_cpu`` and ``_serialized``.
 
 Measured per method: wall time of every training step (a callback; the interval between consecutive
 ``on_train_batch_end`` calls, so data fetch and Lightning's loop are included), the slowest rank per step,
