@@ -60,6 +60,8 @@ class _Bucket:
         self.grad = torch.zeros(self.numel, dtype=torch.float32, device=dev)  # local gradient
         self.synced = torch.zeros(self.numel, dtype=torch.float32, device=dev)  # result of the collective
         self.comm: CompressedAllreduce | SimulatedCluster | None = None
+        self.payload: torch.Tensor | None = None  # reused every step: fresh buffers cost page faults
+        self.cache: dict = {}  # per-bucket values that only change at the switch (see subclasses)
         self.ready = 0  # params whose local gradient is in self.grad (hook path)
         self.done = False  # compressed sync of this step finished
 
@@ -254,7 +256,9 @@ class CompressedOptimizer(Optimizer):
                 raise NonFiniteGradientError(str(exc)) from exc
             b.synced.copy_(result)
         else:
-            payload = torch.empty(b.numel, dtype=torch.float32, device=b.device)
+            if b.payload is None:
+                b.payload = torch.empty(b.numel, dtype=torch.float32, device=b.device)
+            payload = b.payload
             self._payload(b, b.grad, payload)
             try:
                 comm(payload, out=b.synced)

@@ -98,27 +98,45 @@ class OnebitAdam(CompressedOptimizer):
                     step_size=group["lr"] / bc1, denom=denom)
 
     # -- compression ---------------------------------------------------------------------
+    # v is frozen during compression, so the zero mask and the denominator are computed once
+    # per bucket and switch (recomputing them cost ~50 ms per step at 25M parameters).
+    def _zero_mask(self, b: _Bucket) -> torch.Tensor | None:
+        if b.cache.get("mask_step") != self._frozen_step:
+            mask = b.flat["exp_avg_sq"] == 0
+            b.cache["mask"] = mask if bool(mask.any()) else None
+            b.cache["mask_step"] = self._frozen_step
+        return b.cache["mask"]
+
     def _payload(self, b: _Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
         beta1 = self.param_groups[b.group_index]["betas"][0]
         torch.lerp(b.flat["exp_avg"], grad, 1 - beta1, out=out)
-        out.masked_fill_(b.flat["exp_avg_sq"] == 0, 0.0)  # frozen-zero coordinates send nothing
+        mask = self._zero_mask(b)
+        if mask is not None:
+            out.masked_fill_(mask, 0.0)  # frozen-zero coordinates send nothing
 
     def _absorb(self, b: _Bucket, synced: torch.Tensor) -> None:
-        b.flat["exp_avg"].copy_(synced).masked_fill_(b.flat["exp_avg_sq"] == 0, 0.0)
+        b.flat["exp_avg"].copy_(synced)
+        mask = self._zero_mask(b)
+        if mask is not None:
+            b.flat["exp_avg"].masked_fill_(mask, 0.0)
 
-    def _denominator(self, v: torch.Tensor, group: dict) -> torch.Tensor:
+    def _denominator(self, v: torch.Tensor, group: dict, b: _Bucket | None = None) -> torch.Tensor:
+        key = (self._frozen_step, group["betas"][1], group["eps"], group["eps_inside_sqrt"])
+        if b is not None and b.cache.get("denom_key") == key:
+            return b.cache["denom"]
         bc2 = 1 - group["betas"][1] ** self._frozen_step
         vhat = v / bc2
-        if group["eps_inside_sqrt"]:
-            return vhat.add_(group["eps"]).sqrt_()
-        return vhat.sqrt_().add_(group["eps"])
+        denom = vhat.add_(group["eps"]).sqrt_() if group["eps_inside_sqrt"] else vhat.sqrt_().add_(group["eps"])
+        if b is not None:
+            b.cache["denom_key"], b.cache["denom"] = key, denom
+        return denom
 
     def _update_compressed(self, b: _Bucket, group: dict, has_grad: list[bool]) -> None:
         beta1 = group["betas"][0]
         m, v = b.flat["exp_avg"], b.flat["exp_avg_sq"]
         # m is zero where v is (see _absorb), so those coordinates do not move
         self._apply(b, m, group, has_grad, decoupled_wd=group["weight_decay"],
-                    step_size=group["lr"] / (1 - beta1**self._step), denom=self._denominator(v, group))
+                    step_size=group["lr"] / (1 - beta1**self._step), denom=self._denominator(v, group, b))
 
 
 class QAdam(OnebitAdam):
