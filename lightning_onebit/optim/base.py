@@ -58,12 +58,20 @@ class _Bucket:
         self.device = dev
         self.flat: dict[str, torch.Tensor] = {}
         self.grad = torch.zeros(self.numel, dtype=torch.float32, device=dev)  # local gradient
-        self.synced = torch.zeros(self.numel, dtype=torch.float32, device=dev)  # result of the collective
+        self._synced: torch.Tensor | None = None
         self.comm: CompressedAllreduce | SimulatedCluster | None = None
         self.payload: torch.Tensor | None = None  # reused every step: fresh buffers cost page faults
         self.cache: dict = {}  # per-bucket values that only change at the switch (see subclasses)
         self.ready = 0  # params whose local gradient is in self.grad (hook path)
         self.done = False  # compressed sync of this step finished
+
+    @property
+    def synced(self) -> torch.Tensor:
+        """Result buffer of the collective, allocated on first use (optimizers that receive the
+        result straight into their state never pay its memory)."""
+        if self._synced is None:
+            self._synced = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        return self._synced
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o : o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, self.params, strict=True)]
@@ -195,6 +203,10 @@ class CompressedOptimizer(Optimizer):
         return has
 
     def _check_finite(self, t: torch.Tensor, what: str) -> None:
+        # a sum is one cheap reduction and is non-finite whenever an element is (or it overflows:
+        # then the element-wise check decides); isfinite(t).all() writes a bool per element
+        if t.numel() == 0 or bool(torch.isfinite(t.sum())):
+            return
         if not bool(torch.isfinite(t).all()):
             raise NonFiniteGradientError(
                 f"{type(self).__name__}: the {what} contains NaN or inf; the step was skipped on every "
@@ -239,11 +251,18 @@ class CompressedOptimizer(Optimizer):
         """Local quantity to synchronise (fp32, written to ``out``) from the local gradient."""
         raise NotImplementedError
 
+    def _sync_target(self, b: _Bucket) -> torch.Tensor:
+        """Where the collective writes its result. The collective writes only after every rank
+        agreed the inputs are finite, so a state buffer may be the target directly (one full
+        copy per step less); a failed call leaves it untouched."""
+        return b.synced
+
     def _absorb(self, b: _Bucket, synced: torch.Tensor) -> None:
         """Fold the synchronised quantity into the bucket's state (e.g. momentum <- synced)."""
 
     def _sync_bucket(self, b: _Bucket, worker_grads: Sequence[torch.Tensor] | None = None) -> None:
         comm = self._comm_for(b)
+        target = self._sync_target(b)
         if worker_grads is not None:
             payloads = []
             for g in worker_grads:
@@ -254,20 +273,20 @@ class CompressedOptimizer(Optimizer):
                 result = comm.allreduce(payloads)[0]
             except ValueError as exc:
                 raise NonFiniteGradientError(str(exc)) from exc
-            b.synced.copy_(result)
+            target.copy_(result)
         else:
             if b.payload is None:
                 b.payload = torch.empty(b.numel, dtype=torch.float32, device=b.device)
             payload = b.payload
             self._payload(b, b.grad, payload)
             try:
-                comm(payload, out=b.synced)
+                comm(payload, out=target)
             except ValueError as exc:
                 if "not finite" in str(exc):
                     raise NonFiniteGradientError(
                         f"{type(self).__name__}: {exc}. Lower the learning rate or clip gradients.") from exc
                 raise
-        self._absorb(b, b.synced)
+        self._absorb(b, target)
         b.done = True
 
     # -- DDP ---------------------------------------------------------------------------

@@ -114,8 +114,12 @@ class OnebitAdam(CompressedOptimizer):
         if mask is not None:
             out.masked_fill_(mask, 0.0)  # frozen-zero coordinates send nothing
 
+    def _sync_target(self, b: _Bucket) -> torch.Tensor:
+        return b.flat["exp_avg"]  # m <- synced momentum, without a copy
+
     def _absorb(self, b: _Bucket, synced: torch.Tensor) -> None:
-        b.flat["exp_avg"].copy_(synced)
+        if synced is not b.flat["exp_avg"]:
+            b.flat["exp_avg"].copy_(synced)
         mask = self._zero_mask(b)
         if mask is not None:
             b.flat["exp_avg"].masked_fill_(mask, 0.0)

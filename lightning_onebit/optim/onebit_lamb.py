@@ -93,6 +93,9 @@ class OnebitLamb(OnebitAdam):
             self.state[p]["last_factor"] = 1.0
             self.state[p].setdefault("lamb_coeff_freeze", 1.0)
 
+    def _sync_target(self, b: _Bucket) -> torch.Tensor:
+        return b.synced  # exp_avg is still needed: _absorb keeps it as exp_avg_prev first
+
     def _absorb(self, b: _Bucket, synced: torch.Tensor) -> None:
         if "last_factor" not in self.state[b.params[0]]:
             self._init_fresh(b)  # buckets built after the switch (e.g. start_compression before step 1)
