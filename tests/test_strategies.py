@@ -139,9 +139,11 @@ def test_fp16_overflow_skip_is_agreed_across_ranks():
     assert s0 == s1 == 8.0  # both backed off the scale
 
 
-def test_lr_scheduler_follows_converted_optimizer(tmp_path):
+def test_lr_scheduler_follows_converted_optimizer(tmp_path, recwarn):
     ranks, trainer = _fit(tmp_path, OnebitAdamStrategy(warmup=4), model=DigitsMLP(scheduler=True), devices=1,
                           max_epochs=2)
+    # the re-pointed scheduler sees the new optimizer's step() calls, like the one it was built with
+    assert not [w for w in recwarn if "lr_scheduler" in str(w.message) or "optimizer.step()" in str(w.message)]
     opt = trainer.optimizers[0]
     assert type(opt).__name__ == "OnebitAdam"
     assert trainer.lr_scheduler_configs[0].scheduler.optimizer is opt

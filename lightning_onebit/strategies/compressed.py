@@ -28,8 +28,10 @@ so clipping sees this rank's local gradient and does not affect the update (with
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,6 +64,25 @@ def _is_lamb(opt: Optimizer) -> bool:
     return "lamb" in type(opt).__name__.lower()
 
 
+def _mark_step_for_schedulers(opt: Optimizer) -> None:
+    """Let LR schedulers see ``opt.step`` calls, as they do for the optimizer they were built
+    with (torch wraps its ``step`` at scheduler construction; without this, a re-pointed
+    scheduler warns that ``optimizer.step()`` was overridden, at every epoch)."""
+    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+        return
+    step, opt_ref = opt.step, weakref.ref(opt)
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        o = opt_ref()
+        if o is not None:
+            o._opt_called = True
+        return step(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = wrapper  # type: ignore[method-assign]
+
+
 class _AgreeingGradScaler(torch.amp.GradScaler):
     """A GradScaler whose overflow check is agreed across ranks (MAX of found_inf).
 
@@ -90,7 +111,8 @@ class CompressedDDPStrategy(DDPStrategy):
             :class:`~lightning_onebit.callbacks.PhaseSwitch` callback unless one is present.
         optimizer_kwargs: extra arguments for the converted optimizer (e.g.
             ``eps_inside_sqrt``, ``block_size``, ``bucket_cap_mb``).
-        **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes.
+        **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
+            ``gradient_as_bucket_view`` defaults to ``True`` here.
     """
 
     algorithm: str = "onebit_adam"
@@ -102,6 +124,10 @@ class CompressedDDPStrategy(DDPStrategy):
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {sorted(ALGORITHMS)}")
         if kwargs.get("ddp_comm_hook") is not None:
             raise ValueError(f"{type(self).__name__} installs its own DDP comm hook; ddp_comm_hook cannot be set")
+        # Gradients as views of DDP's buckets: DDP then skips copying every bucket back into
+        # fresh .grad tensors after the hook (a full copy plus first-touch page faults per step;
+        # in the compression phase .grad is not even read). Pass False to get DDP's default.
+        kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(**kwargs)
         self.algorithm = algorithm
         self.optimizer_cls = ALGORITHMS[algorithm]
@@ -142,6 +168,7 @@ class CompressedDDPStrategy(DDPStrategy):
         for cfg in self.lr_scheduler_configs:
             if cfg.scheduler.optimizer is opt:
                 cfg.scheduler.optimizer = new
+                _mark_step_for_schedulers(new)
         self.optimizers = [new]
         self._converted_from = type(opt).__name__
         log.info(f"lightning_onebit: converted {type(opt).__name__} to {type(new).__name__} for strategy {name!r}")
