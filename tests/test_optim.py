@@ -319,3 +319,58 @@ def _plain_loop_rank(rank, world_size):
 def test_plain_distributed_loop_keeps_replicas_identical():
     ranks = values(run_ranks(_plain_loop_rank, 2))
     assert all(torch.equal(p, q) for p, q in zip(ranks[0], ranks[1], strict=True))
+
+
+class _PlainLamb(OnebitLamb):
+    """1-bit LAMB's compression step written formula by formula (per layer, fresh tensors):
+    the reference for the fused, batched implementation."""
+
+    def _update_compressed(self, b, group, has_grad):
+        beta1, beta2 = group["betas"]
+        m, v = b.flat["exp_avg"], b.flat["exp_avg_sq"]
+        fresh, prev = b.flat["exp_avg_sq_fresh"], b.flat["exp_avg_prev"]
+        grad_rec = (m - beta1 * prev) / (1 - beta1)
+        fresh.mul_(beta2).addcmul_(grad_rec, grad_rec, value=1 - beta2)
+        vhat = v / (1 - beta2**self._frozen_step)
+        if group["eps_inside_sqrt"]:
+            denom, denom_fresh = (vhat + group["eps"]).sqrt(), (fresh + group["eps"]).sqrt()
+        else:
+            denom, denom_fresh = vhat.sqrt() + group["eps"], fresh.sqrt() + group["eps"]
+        prelim = torch.where(v == 0, 0.0, (m / (1 - beta1**self._step)) / denom)
+        ratio = denom / denom_fresh
+        wd = group["weight_decay"]
+        for p, u, r, h in zip(b.params, b.views(prelim), b.views(ratio), has_grad, strict=True):
+            if not h:
+                continue
+            st = self.state[p]
+            factor = r.max().item()
+            update = u + wd * p
+            if wd:
+                share = min(1.0, u.norm().item() / update.norm().item())
+                factor = factor * share + (1.0 - share)
+            factor = min(max(factor, group["factor_min"]), group["factor_max"])
+            last = st["last_factor"]
+            factor = min(max(factor, last * (1 - group["factor_threshold"])), last * (1 + group["factor_threshold"]))
+            st["last_factor"] = factor
+            p.sub_(update, alpha=group["lr"] * st["lamb_coeff_freeze"] * factor)
+
+
+@pytest.mark.parametrize("wd,inside", [(0.0, True), (2.0, True), (2.0, False)])
+def test_onebit_lamb_compression_step_matches_the_formulas(wd, inside):
+    """Same synced momenta (2 simulated workers, fixed gradients), so the parameters may differ
+    only by rounding; the layer factors must hit the clip bounds at the same steps."""
+    torch.manual_seed(0)
+    models = [_mlp(), _mlp()]
+    kw = dict(lr=1e-2, warmup_steps=3, weight_decay=wd, eps_inside_sqrt=inside, simulate_workers=2,
+              factor_threshold=3.0)
+    opts = [cls(m.parameters(), **kw) for cls, m in zip((OnebitLamb, _PlainLamb), models, strict=True)]
+    g = torch.Generator().manual_seed(3)
+    for _ in range(12):
+        grads = [[torch.randn(p.shape, generator=g) * (1 + k) for p in models[0].parameters()] for k in range(2)]
+        for opt in opts:
+            opt.step_workers(grads)
+    assert opts[0].compressing
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        assert opts[0].state[p]["last_factor"] == pytest.approx(opts[1].state[q]["last_factor"], rel=1e-5)

@@ -102,33 +102,58 @@ class OnebitLamb(OnebitAdam):
         b.flat["exp_avg_prev"].copy_(b.flat["exp_avg"])
         super()._absorb(b, synced)
 
+    def _scratch(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two bucket-sized work buffers, reused every step (fresh ones cost page faults)."""
+        if "scratch" not in b.cache:
+            b.cache["scratch"] = (torch.empty_like(b.flat["exp_avg"]), torch.empty_like(b.flat["exp_avg"]))
+            b.cache["lengths"] = torch.tensor(b.numels, device=b.device)
+        return b.cache["scratch"]
+
     def _update_compressed(self, b: _Bucket, group: dict, has_grad: list[bool]) -> None:
         beta1, beta2 = group["betas"]
+        eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
         m, v = b.flat["exp_avg"], b.flat["exp_avg_sq"]
         fresh, prev = b.flat["exp_avg_sq_fresh"], b.flat["exp_avg_prev"]
-        grad_rec = (m - beta1 * prev) / (1 - beta1)
-        fresh.mul_(beta2).addcmul_(grad_rec, grad_rec, value=1 - beta2)
-        denom = self._denominator(v, group)
+        work, prelim = self._scratch(b)
+        # fresh variance of the rebuilt gradient g = (m - beta1 m_prev) / (1 - beta1)
+        torch.sub(m, prev, alpha=beta1, out=work)
+        fresh.mul_(beta2).addcmul_(work, work, value=(1 - beta2) / (1 - beta1) ** 2)
+        denom = self._denominator(v, group, b)  # v is frozen: computed once per switch
         if group["eps_inside_sqrt"]:
-            denom_fresh = (fresh + group["eps"]).sqrt_()
+            torch.add(fresh, eps, out=work).sqrt_()
         else:
-            denom_fresh = fresh.sqrt().add_(group["eps"])
-        prelim = (m / (1 - beta1**self._step)) / denom
-        prelim.masked_fill_(v == 0, 0.0)
-        ratio = denom / denom_fresh
-        wd = group["weight_decay"]
-        for p, u, r, h in zip(b.params, b.views(prelim), b.views(ratio), has_grad, strict=True):
-            if not h:
-                continue
-            st = self.state[p]
-            factor = r.max().item()
-            update = u.add(p.detach().float(), alpha=wd) if wd else u
+            torch.sqrt(fresh, out=work).add_(eps)
+        ratio = torch.div(denom, work, out=work)
+        torch.div(m, denom, out=prelim).mul_(1 / (1 - beta1**self._step))
+        mask = self._zero_mask(b)
+        if mask is not None:
+            prelim.masked_fill_(mask, 0.0)
+        # every per-layer scalar in one device->host transfer: max ratio, ||u||^2, <u, p>, ||p||^2
+        keep = [i for i, h in enumerate(has_grad) if h]
+        if not keep:
+            return
+        ups, ps = b.views(prelim), [b.params[i].detach() for i in keep]
+        us = [ups[i].reshape(-1) for i in keep]
+        pf = [p.reshape(-1).float() for p in ps]
+        stats = [torch.segment_reduce(ratio, "max", lengths=b.cache["lengths"])[keep]]
+        if wd:
+            stats += [torch.stack([u.dot(u) for u in us]), torch.stack([u.dot(q) for u, q in zip(us, pf, strict=True)]),
+                      torch.stack([q.dot(q) for q in pf])]
+        rows = torch.stack(stats).tolist()
+        for j, i in enumerate(keep):
+            p, st = b.params[i], self.state[b.params[i]]
+            factor = rows[0][j]
             if wd:
-                un = update.norm().item()
-                share = min(1.0, u.norm().item() / un) if un > 0 else 1.0
+                uu, up, pp = rows[1][j], rows[2][j], rows[3][j]
+                un2 = max(uu + 2 * wd * up + wd * wd * pp, 0.0)  # ||u + wd p||^2
+                share = min(1.0, (uu / un2) ** 0.5) if un2 > 0 else 1.0
                 factor = factor * share + (1.0 - share)
             factor = min(max(factor, group["factor_min"]), group["factor_max"])
             last = st["last_factor"]
             factor = min(max(factor, last * (1 - group["factor_threshold"])), last * (1 + group["factor_threshold"]))
             st["last_factor"] = factor
-            p.add_(update.to(p.dtype), alpha=-group["lr"] * st["lamb_coeff_freeze"] * factor)
+            step = lr * st["lamb_coeff_freeze"] * factor
+            with torch.no_grad():  # p <- p - step (u + wd p)
+                if wd:
+                    p.mul_(1 - step * wd)
+                p.add_(ups[i].to(p.dtype), alpha=-step)
