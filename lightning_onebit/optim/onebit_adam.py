@@ -37,8 +37,9 @@ class OnebitAdam(CompressedOptimizer):
     embedding rows) are masked automatically, so sign coding cannot make them drift -
     DeepSpeed needs a hand-made ``exp_avg_mask`` for that.
 
-    Memory per parameter: m, v (fp32) + worker error (fp32) + 1/n server error, plus one
-    fp32 gradient and one result buffer per bucket: 12 + 4/n bytes of state per parameter.
+    Memory per parameter: m, v (fp32) + worker error (fp32) + 1/n server error = 12 + 4/n
+    bytes of state, plus working buffers: local gradient, payload and (compression phase)
+    the frozen denominator, 12 bytes; the synced momentum is written straight into m.
 
     Args:
         warmup_steps: steps of exact AdamW before compression starts (``None``: only when
