@@ -304,20 +304,24 @@ def make_strategy(method: str, warmup: int) -> Any:
             if self._ddp_comm_hook is not None:
                 self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
 
+    # every method gets DDP's gradient_as_bucket_view (the compressed strategies' default), so
+    # that no baseline pays the bucket -> .grad copy the others skip
+    views = {"gradient_as_bucket_view": True}
     if method == "ddp_adamw":
-        return DDPStrategy()
+        return DDPStrategy(**views)
     if method == "ddp_fp16":
-        return HookDDPStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook)
+        return HookDDPStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook, **views)
     if method == "ddp_bf16":
-        return HookDDPStrategy(ddp_comm_hook=_bf16_hook_cpu())
+        return HookDDPStrategy(ddp_comm_hook=_bf16_hook_cpu(), **views)
     if method.startswith("powersgd_r"):
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(method[10:]),
                                             start_powerSGD_iter=max(2, warmup))
-        return HookDDPStrategy(ddp_comm_state=state, ddp_comm_hook=_serialized(powerSGD_hook.powerSGD_hook))
+        return HookDDPStrategy(ddp_comm_state=state, ddp_comm_hook=_serialized(powerSGD_hook.powerSGD_hook),
+                               **views)
     if method in COMPRESSED:
         from lightning_onebit import CompressedDDPStrategy
 
-        return CompressedDDPStrategy(method, warmup=warmup)
+        return CompressedDDPStrategy(method, warmup=warmup, **views)
     raise ValueError(f"unknown method {method!r}")
 
 
