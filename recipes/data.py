@@ -69,8 +69,32 @@ class DigitsDataModule(L.LightningDataModule):
         return DataLoader(self.val_set, batch_size=256, shuffle=False, num_workers=self.num_workers)
 
 
+def cifar10(**kwargs: Any) -> L.LightningDataModule:
+    """:class:`recipes.vision.CIFAR10DataModule`, imported here so that torchvision is needed
+    only by the CIFAR-10 experiments."""
+    from .vision import CIFAR10DataModule
+
+    return CIFAR10DataModule(**kwargs)
+
+
+def glue(**kwargs: Any) -> L.LightningDataModule:
+    """:class:`recipes.nlp.GlueDataModule`, imported here so that transformers and datasets are
+    needed only by the BERT experiments."""
+    from .nlp import GlueDataModule
+
+    return GlueDataModule(**kwargs)
+
+
+def squad(**kwargs: Any) -> L.LightningDataModule:
+    """:class:`recipes.nlp.SquadDataModule` (imported on use, like :func:`glue`)."""
+    from .nlp import SquadDataModule
+
+    return SquadDataModule(**kwargs)
+
+
 #: data.name -> datamodule class; its constructor takes the rest of the ``data`` config + ``seed``
-DATAMODULES: dict[str, Callable[..., L.LightningDataModule]] = {"digits": DigitsDataModule}
+DATAMODULES: dict[str, Callable[..., L.LightningDataModule]] = {"digits": DigitsDataModule, "cifar10": cifar10,
+                                                                "glue": glue, "squad": squad}
 
 
 def build_datamodule(data_cfg: Mapping[str, Any], seed: int = 0) -> L.LightningDataModule:

@@ -18,7 +18,8 @@ from lightning_onebit.optim import NonFiniteGradientError
 
 from .algorithms import build_optimizer
 
-__all__ = ["NETWORKS", "Classifier", "NonconvexLogReg", "Quadratic", "build_network", "mlp"]
+__all__ = ["NETWORKS", "Classifier", "NonconvexLogReg", "Quadratic", "StopOnDivergence", "build_network",
+           "mlp"]
 
 
 def mlp(in_features: int, hidden: Sequence[int], num_classes: int) -> nn.Sequential:
@@ -31,8 +32,22 @@ def mlp(in_features: int, hidden: Sequence[int], num_classes: int) -> nn.Sequent
     return nn.Sequential(*layers)
 
 
+# The CIFAR networks live in recipes/vision.py with the CIFAR-10 data; imported on use.
+def resnet18_cifar(**kwargs: Any) -> nn.Module:
+    from . import vision
+
+    return vision.resnet18_cifar(**kwargs)
+
+
+def vgg16_cifar(**kwargs: Any) -> nn.Module:
+    from . import vision
+
+    return vision.vgg16_cifar(**kwargs)
+
+
 #: model.name -> factory taking the rest of the ``model`` config as keyword arguments
-NETWORKS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp}
+NETWORKS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "resnet18_cifar": resnet18_cifar,
+                                                 "vgg16_cifar": vgg16_cifar}
 
 
 def build_network(model_cfg: Mapping[str, Any]) -> nn.Module:
@@ -43,7 +58,39 @@ def build_network(model_cfg: Mapping[str, Any]) -> nn.Module:
     return NETWORKS[name](**cfg)
 
 
-class Classifier(L.LightningModule):
+class StopOnDivergence:
+    """LightningModule mixin (list it before ``L.LightningModule``): a divergence is a result,
+    not a crash. Sets ``status`` and stops the fit, keeping what was logged, so the report says
+    so and a multirun goes on to the other algorithms.
+
+    A compressed algorithm that diverges raises NonFiniteGradientError on every rank at the
+    same step (the library agrees on it), from the DDP backward hook (compression phase) or
+    from step() (warm-up).
+    """
+
+    status: str = "ok"
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        try:
+            super().backward(loss, *args, **kwargs)
+        except NonFiniteGradientError as exc:
+            self._diverged(exc)
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        # After a divergence caught in backward, step() finds the same non-finite bucket and
+        # raises again on every rank: no rank changes its parameters.
+        try:
+            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        except NonFiniteGradientError as exc:
+            self._diverged(exc)
+
+    def _diverged(self, exc: Exception) -> None:
+        if self.status == "ok":
+            self.status = f"diverged at step {self.trainer.global_step + 1} ({type(exc).__name__})"
+        self.trainer.should_stop = True
+
+
+class Classifier(StopOnDivergence, L.LightningModule):
     """Cross-entropy classification whose optimizer comes from the algorithm config entry.
 
     Logs ``train_loss`` per step and ``val_loss``/``val_acc`` per epoch (accuracy from
@@ -74,29 +121,6 @@ class Classifier(L.LightningModule):
         self.log("val_loss", nn.functional.cross_entropy(logits, y), on_epoch=True, sync_dist=True)
         self.val_acc.update(logits, y)
         self.log("val_acc", self.val_acc, on_epoch=True, prog_bar=True)
-
-    # A compressed algorithm that diverges raises NonFiniteGradientError on every rank at the
-    # same step (the library agrees on it), from the DDP backward hook (compression phase) or
-    # from step() (warm-up). Divergence is a result here, not a crash: stop, keep what was
-    # logged and let the report say so, so that a multirun goes on to the other algorithms.
-    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        try:
-            super().backward(loss, *args, **kwargs)
-        except NonFiniteGradientError as exc:
-            self._diverged(exc)
-
-    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        # After a divergence caught in backward, step() finds the same non-finite bucket and
-        # raises again on every rank: no rank changes its parameters.
-        try:
-            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        except NonFiniteGradientError as exc:
-            self._diverged(exc)
-
-    def _diverged(self, exc: Exception) -> None:
-        if self.status == "ok":
-            self.status = f"diverged at step {self.trainer.global_step + 1} ({type(exc).__name__})"
-        self.trainer.should_stop = True
 
     def configure_optimizers(self) -> Any:
         opt = build_optimizer(dict(self.hparams.algorithm), self.parameters())

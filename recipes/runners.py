@@ -41,7 +41,8 @@ from .data import build_datamodule, libsvm_path, load_libsvm
 from .models import Classifier, NonconvexLogReg, Quadratic, build_network
 from .report import compare_bytes, format_bytes, runs_table, write_run_report
 
-__all__ = ["CONF_DIR", "RUNNERS", "run", "run_lightning", "run_logreg", "run_quadratic", "with_algorithm"]
+__all__ = ["CONF_DIR", "MODULES", "RUNNERS", "build_classifier", "run", "run_lightning", "run_logreg",
+           "run_quadratic", "with_algorithm"]
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 Record = dict[str, Any]
@@ -91,13 +92,40 @@ def _scoped_environ() -> Iterator[None]:
             os.environ.update(saved)
 
 
+def build_classifier(cfg: DictConfig, alg: dict[str, Any]) -> L.LightningModule:
+    return Classifier(build_network(_container(cfg.model)), cfg.model.num_classes, alg,
+                      milestones=_container(cfg.optim.milestones), gamma=cfg.optim.gamma)
+
+
+def bert_glue(cfg: DictConfig, alg: dict[str, Any]) -> L.LightningModule:
+    """:func:`recipes.nlp.glue_module`; recipes.nlp (transformers) is imported only when used."""
+    from .nlp import glue_module
+
+    return glue_module(cfg, alg)
+
+
+def bert_squad(cfg: DictConfig, alg: dict[str, Any]) -> L.LightningModule:
+    """:func:`recipes.nlp.squad_module` (imported on use, like :func:`bert_glue`)."""
+    from .nlp import squad_module
+
+    return squad_module(cfg, alg)
+
+
+#: experiment.module -> factory (cfg, resolved algorithm entry) -> LightningModule; the
+#: lightning runner fits it with the datamodule named by ``data.name``
+MODULES: dict[str, Callable[[DictConfig, dict[str, Any]], L.LightningModule]] = {
+    "classifier": build_classifier, "bert_glue": bert_glue, "bert_squad": bert_squad}
+
+
 def _fit(cfg: DictConfig, out_dir: Path, start_method: str) -> Record | None:
     alg = _container(cfg.algorithm)
     label = alg["name"]
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = build_datamodule(_container(cfg.data), seed=cfg.seed)
-    module = Classifier(build_network(_container(cfg.model)), cfg.model.num_classes, alg,
-                        milestones=_container(cfg.optim.milestones), gamma=cfg.optim.gamma)
+    kind = cfg.experiment.get("module", "classifier")
+    if kind not in MODULES:
+        raise ValueError(f"unknown experiment.module {kind!r}; choose one of {sorted(MODULES)}")
+    module = MODULES[kind](cfg, alg)
     tkw = _container(cfg.trainer)
     backend = tkw.pop("process_group_backend", None)
     tkw.pop("start_method", None)
