@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ..comm import ByteCounter, CompressedAllreduce, SimulatedCluster
+from ..comm import ByteCounter, CompressedAllreduce, SimulatedCluster, ring_allreduce_bytes
 from ..compress import Codec
 
 __all__ = ["CompressedOptimizer", "NonFiniteGradientError"]
@@ -225,8 +225,7 @@ class CompressedOptimizer(Optimizer):
         elif not self._ddp_attached and self.world_size > 1:
             b.grad.div_(self.world_size)  # DDP divides before summing; so do we
             dist.all_reduce(b.grad, group=self.process_group)
-            self.comm_counter.add(
-                2 * (self.world_size - 1) * b.numel * 4 // self.world_size, b.numel, self.world_size)
+            self.comm_counter.add(ring_allreduce_bytes(b.numel, self.world_size), b.numel, self.world_size)
         return b.grad
 
     # -- the compressed synchronisation of one bucket ------------------------------------
@@ -317,7 +316,7 @@ class CompressedOptimizer(Optimizer):
         if not self._next_step_compresses():
             n = self.world_size
             buf.div_(n)
-            self.comm_counter.add(2 * (n - 1) * buf.numel() * buf.element_size() // n, buf.numel(), n)
+            self.comm_counter.add(ring_allreduce_bytes(buf.numel(), n, buf.element_size()), buf.numel(), n)
             fut = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
             return fut.then(lambda f: f.value()[0])
         if self.defer_sync_to_step:

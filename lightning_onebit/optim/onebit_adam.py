@@ -87,13 +87,17 @@ class OnebitAdam(CompressedOptimizer):
         self._frozen_step = extra["frozen_step"]
 
     # -- warm-up: AdamW, op for op as torch.optim.AdamW's single-tensor path --------------
-    def _update_warmup(self, b: _Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
+    def _warmup_moments(self, b: _Bucket, grad: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                       float, float]:
+        """Adam's moment updates of a warm-up step: (m, v, bias corrections 1 and 2)."""
         beta1, beta2 = group["betas"]
         m, v = b.flat["exp_avg"], b.flat["exp_avg_sq"]
         m.lerp_(grad, 1 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        t = self._step
-        bc1, bc2 = 1 - beta1**t, 1 - beta2**t
+        return m, v, 1 - beta1**self._step, 1 - beta2**self._step
+
+    def _update_warmup(self, b: _Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
+        m, v, bc1, bc2 = self._warmup_moments(b, grad, group)
         denom = (v.sqrt() / bc2**0.5).add_(group["eps"])
         self._apply(b, m, group, has_grad, decoupled_wd=group["weight_decay"],
                     step_size=group["lr"] / bc1, denom=denom)

@@ -55,12 +55,7 @@ class OnebitLamb(OnebitAdam):
                              factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold)
 
     def _update_warmup(self, b: _Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
-        beta1, beta2 = group["betas"]
-        m, v = b.flat["exp_avg"], b.flat["exp_avg_sq"]
-        m.lerp_(grad, 1 - beta1)
-        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        t = self._step
-        bc1, bc2 = 1 - beta1**t, 1 - beta2**t
+        m, v, bc1, bc2 = self._warmup_moments(b, grad, group)
         update = (m / bc1) / (v / bc2).sqrt_().add_(group["eps"])
         wd = group["weight_decay"]
         for p, u, h in zip(b.params, b.views(update), has_grad, strict=True):
