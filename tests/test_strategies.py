@@ -210,3 +210,12 @@ def test_strategy_string_with_the_default_launcher(tmp_path):
     for p, q in zip(r0["params"], r1["params"], strict=True):
         assert torch.equal(p, q)
     assert any(c for _, _, c in r0["steps"])  # 15% of 16 steps of warm-up, then compression
+
+
+def test_monitor_without_a_compressed_optimizer_fails_before_the_first_step(tmp_path):
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, callbacks=[CommunicationMonitor()],
+                        default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"CommunicationMonitor needs a lightning_onebit optimizer.*AdamW"):
+        trainer.fit(DigitsMLP(optimizer="adamw"))
+    assert trainer.global_step == 0

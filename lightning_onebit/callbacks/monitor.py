@@ -21,8 +21,11 @@ class CommunicationMonitor(Callback):
     def __init__(self, prog_bar: bool = True) -> None:
         self.prog_bar = prog_bar
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        _compressed_optimizer(trainer, type(self).__name__)  # fail before the first step, not after it
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        opt = _compressed_optimizer(trainer)
+        opt = _compressed_optimizer(trainer, type(self).__name__)
         last, total = opt.comm_counter.last, opt.comm_counter.total
         metrics = {
             "comm/bytes_step": float(last.bytes_sent),

@@ -15,12 +15,15 @@ log = logging.getLogger(__name__)
 __all__ = ["PhaseSwitch"]
 
 
-def _compressed_optimizer(trainer) -> CompressedOptimizer:
+def _compressed_optimizer(trainer, who: str = "PhaseSwitch") -> CompressedOptimizer:
     for opt in trainer.optimizers:
         opt = getattr(opt, "_optimizer", opt)
         if isinstance(opt, CompressedOptimizer):
             return opt
-    raise ValueError("PhaseSwitch needs a lightning_onebit optimizer (use a lightning_onebit strategy)")
+    names = [type(getattr(o, "_optimizer", o)).__name__ for o in trainer.optimizers]
+    raise ValueError(f"{who} needs a lightning_onebit optimizer (use a lightning_onebit strategy, e.g. "
+                     f"strategy='onebit_adam'); this trainer runs {names or 'no optimizer'} with "
+                     f"{type(trainer.strategy).__name__}")
 
 
 class PhaseSwitch(Callback):
