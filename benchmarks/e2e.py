@@ -12,7 +12,8 @@ and the strategies ``onebit_adam``, ``onebit_lamb``, ``qadam``, ``cd_adam`` (``C
 compressed strategies convert it). PowerSGD gets ``start_powerSGD_iter=W`` so that it has the same warm-up.
 Hooks are registered on CPU by a small ``DDPStrategy`` subclass (Lightning does so only on CUDA); the bf16 hook
 is registered under another name (DDP refuses the name without NCCL) and PowerSGD with one bucket in flight at
-a time (it deadlocks gloo's two worker threads otherwise); see ``_bf16_hook_cpu`` and ``_serialized``.
+a time (it deadlocks gloo's two worker threads otherwise); all three live in ``recipes/baselines.py``, which the
+recipes' ``ddp_fp16``/``ddp_bf16``/``powersgd_r*`` algorithms use too.
 
 Measured per method: wall time of every training step (a callback; the interval between consecutive
 ``on_train_batch_end`` calls, so data fetch and Lightning's loop are included), the slowest rank per step,
@@ -54,8 +55,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # works as a script, as the torchrun worker and imported
-    sys.path.insert(0, str(HERE))
+for _p in (HERE.parent, HERE):  # netns_cluster, and the repository's `recipes` (run from the repository, not
+    if str(_p) not in sys.path:  # installed); works as a script, as the torchrun worker and imported
+        sys.path.insert(0, str(_p))
 
 from netns_cluster import EmulatedCluster, cleanup_stale, node_env, parse_rate, run_torchrun  # noqa: E402
 
@@ -295,14 +297,8 @@ class _Profiler:
 def make_strategy(method: str, warmup: int) -> Any:
     """The Lightning strategy of ``method`` (DDP with a hook registered on CPU too, or a compressed one)."""
     from lightning.pytorch.strategies import DDPStrategy
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-    class HookDDPStrategy(DDPStrategy):
-        """DDPStrategy that registers its comm hook on CPU as well (Lightning only does on CUDA)."""
-
-        def _register_ddp_hooks(self) -> None:
-            if self._ddp_comm_hook is not None:
-                self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
+    from recipes.baselines import hook_strategy
 
     # every method gets DDP's gradient_as_bucket_view (the compressed strategies' default), so
     # that no baseline pays the bucket -> .grad copy the others skip
@@ -310,62 +306,16 @@ def make_strategy(method: str, warmup: int) -> Any:
     if method == "ddp_adamw":
         return DDPStrategy(**views)
     if method == "ddp_fp16":
-        return HookDDPStrategy(ddp_comm_hook=default_hooks.fp16_compress_hook, **views)
+        return hook_strategy("fp16", **views)
     if method == "ddp_bf16":
-        return HookDDPStrategy(ddp_comm_hook=_bf16_hook_cpu(), **views)
+        return hook_strategy("bf16", **views)
     if method.startswith("powersgd_r"):
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(method[10:]),
-                                            start_powerSGD_iter=max(2, warmup))
-        return HookDDPStrategy(ddp_comm_state=state, ddp_comm_hook=_serialized(powerSGD_hook.powerSGD_hook),
-                               **views)
+        return hook_strategy("powersgd", rank=int(method[10:]), start_iter=max(2, warmup), **views)
     if method in COMPRESSED:
         from lightning_onebit import CompressedDDPStrategy
 
         return CompressedDDPStrategy(method, warmup=warmup, **views)
     raise ValueError(f"unknown method {method!r}")
-
-
-def _bf16_hook_cpu() -> Any:
-    """``default_hooks.bf16_compress_hook`` under another name.
-
-    ``DistributedDataParallel._check_comm_hook`` rejects a hook *named* ``bf16_compress_hook`` unless CUDA with
-    NCCL >= 2.10 (or XPU) is present; gloo reduces bfloat16 on CPU fine, so the wrapper only renames it.
-    """
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
-    def bf16_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        return default_hooks.bf16_compress_hook(state, bucket)
-
-    bf16_hook.__annotations__ = {}  # DDP inspects the return annotation; keep the check happy either way
-    return bf16_hook
-
-
-def _serialized(hook: Any) -> Any:
-    """``hook`` with at most one bucket in flight: each call first waits for the previous bucket's future.
-
-    Needed for PowerSGD on gloo: its future callbacks run on gloo's worker threads (2 per process group) and
-    block there in ``all_reduce(...).wait()``; with two buckets in flight both threads block and the
-    all_reduces they wait for never run (a deadlock, seen with the MLP at 1 Gbit/s). Waiting for the previous
-    bucket keeps the overlap of a bucket's communication with the backward of the layers before it, and also
-    keeps the order of collectives the same on every rank.
-    """
-    import torch
-    import torch.distributed as dist
-
-    prev: dict[str, Any] = {}
-
-    def serialized_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        fut = prev.pop("fut", None)
-        if fut is not None:
-            fut.wait()
-        fut = hook(state, bucket)
-        prev["fut"] = fut
-        return fut
-
-    serialized_hook.__annotations__ = {}
-    return serialized_hook
 
 
 def _trainer(strategy: Any, steps: int, callbacks: list[Any], num_nodes: int = 1) -> Any:

@@ -5,6 +5,10 @@ everything else is a keyword argument of the optimizer class it names. The recip
 that optimizer itself rather than letting the strategy convert an AdamW, so every
 override (``algorithm.eps_inside_sqrt=false``, ``algorithm.block_size=4096``) reaches it and
 a misspelt key fails at construction instead of being ignored.
+
+The PyTorch comm-hook baselines (``ddp_fp16``, ``ddp_bf16``, ``powersgd_r1``, ``powersgd_r4``) are
+``strategy: ddp`` + AdamW like ``adam``, plus ``comm_hook`` (and PowerSGD's ``powersgd_rank``,
+``powersgd_start_iter``): :func:`build_strategy` gives them :func:`recipes.baselines.hook_strategy`.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning_onebit import CompressedDDPStrategy, OnebitAdam
 from lightning_onebit.optim import CompressedOptimizer
 
+from .baselines import hook_strategy
+
 __all__ = ["META_KEYS", "build_optimizer", "build_strategy", "is_compressed", "optimizer_class",
            "optimizer_kwargs", "resolve_warmup"]
 
 #: keys of an algorithm entry that are not optimizer arguments
-META_KEYS = ("name", "strategy", "optimizer", "warmup")
+META_KEYS = ("name", "strategy", "optimizer", "warmup", "comm_hook", "powersgd_rank", "powersgd_start_iter")
 
 
 def optimizer_class(alg: Mapping[str, Any]) -> type[torch.optim.Optimizer]:
@@ -31,7 +37,8 @@ def optimizer_class(alg: Mapping[str, Any]) -> type[torch.optim.Optimizer]:
 
 
 def is_compressed(alg: Mapping[str, Any]) -> bool:
-    """True for the lightning_onebit algorithms, False for the uncompressed baseline."""
+    """True for the lightning_onebit algorithms, False for the DDP baselines (with or without a comm hook:
+    their optimizer is a plain AdamW)."""
     return issubclass(optimizer_class(alg), CompressedOptimizer)
 
 
@@ -74,6 +81,9 @@ def build_optimizer(alg: Mapping[str, Any], params: Iterable, *, total_steps: in
     """
     cls = optimizer_class(alg)
     kw = optimizer_kwargs(alg)
+    if simulate_workers is not None and alg.get("comm_hook"):  # else it would be charged as fp32 DDP
+        raise ValueError(f"algorithm {alg.get('name')!r}: the comm hook {alg['comm_hook']!r} needs real DDP ranks "
+                         "(experiment.runner=lightning), not simulated workers")
     if issubclass(cls, OnebitAdam):
         kw["warmup_steps"] = None if total_steps is None else resolve_warmup(alg.get("warmup"), total_steps)
     if simulate_workers is not None and issubclass(cls, CompressedOptimizer):
@@ -87,13 +97,20 @@ def build_optimizer(alg: Mapping[str, Any], params: Iterable, *, total_steps: in
 
 def build_strategy(alg: Mapping[str, Any], start_method: str = "spawn",
                    process_group_backend: str | None = None) -> Strategy:
-    """``ddp`` for the baseline, else the package's strategy for ``alg['strategy']``.
+    """``ddp`` for the baselines (with ``alg['comm_hook']``: DDP with that PyTorch comm hook), else the
+    package's strategy for ``alg['strategy']``.
 
     Built as objects rather than registry names so that the launcher and backend from the
     trainer preset and the entry's warm-up reach them.
     """
     common: dict[str, Any] = {"start_method": start_method, "process_group_backend": process_group_backend}
+    hook = alg.get("comm_hook")
     if alg["strategy"] == "ddp":
+        if hook:
+            return hook_strategy(hook, rank=alg.get("powersgd_rank", 1),
+                                 start_iter=alg.get("powersgd_start_iter", 1000), **common)
         return DDPStrategy(**common)
+    if hook:
+        raise ValueError(f"algorithm {alg.get('name')!r}: comm_hook needs strategy: ddp, not {alg['strategy']!r}")
     warmup = alg.get("warmup") if has_warmup(alg) else None
     return CompressedDDPStrategy(algorithm=alg["strategy"], warmup=warmup, **common)

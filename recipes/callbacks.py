@@ -1,4 +1,4 @@
-"""Lightning callbacks of the recipes: byte accounting for the uncompressed baseline, and a
+"""Lightning callbacks of the recipes: byte accounting for the DDP baselines, and a
 per-rank record that reaches the summary whatever launched the ranks."""
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import torch.distributed as dist
 from lightning_onebit.comm import ring_allreduce_bytes
 from lightning_onebit.optim import CompressedOptimizer
 
+from .baselines import HookDDPStrategy
+
 __all__ = ["DDPCommCounter", "RankRecord", "compressed_optimizer"]
 
 
@@ -28,24 +30,36 @@ def compressed_optimizer(trainer: L.Trainer) -> CompressedOptimizer | None:
 
 
 class DDPCommCounter(L.Callback):
-    """What plain DDP sends per rank: one fp32 ring allreduce of every trainable gradient per
-    optimizer step. Logs the keys :class:`lightning_onebit.CommunicationMonitor` logs for the
-    compressed strategies, so plots and tables treat the baseline like any algorithm."""
+    """What DDP sends per rank: one fp32 ring allreduce of every trainable gradient per optimizer step, or,
+    with a comm hook of :mod:`recipes.baselines` (``HookDDPStrategy``), what that hook sends
+    (``hook_step_bytes``: fp16/bf16 half of it, PowerSGD its P and Q factors after its vanilla steps). Logs
+    the keys :class:`lightning_onebit.CommunicationMonitor` logs for the compressed strategies, so plots and
+    tables treat the baselines like any algorithm."""
 
     def __init__(self) -> None:
         self.bytes_total = 0
         self.fp32_ring_total = 0
+        self.last_ratio = 1.0  # fp32 ring bytes / bytes sent, of the last step
         self._last_step = 0
+        self._step_bytes: int | None = None  # of the last step
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        steps = trainer.global_step - self._last_step  # 0 while accumulating gradients
-        self._last_step = trainer.global_step
-        numel = sum(p.numel() for p in pl_module.parameters() if p.requires_grad)
-        per_step = ring_allreduce_bytes(numel, trainer.world_size)
-        self.bytes_total += steps * per_step
-        self.fp32_ring_total += steps * per_step
-        pl_module.log_dict({"comm/bytes_step": float(steps * per_step), "comm/bytes_total": float(self.bytes_total),
+        first, self._last_step = self._last_step, trainer.global_step  # no step while accumulating gradients
+        shapes = [p.shape for p in pl_module.parameters() if p.requires_grad]
+        numel = sum(s.numel() for s in shapes)
+        fp32 = ring_allreduce_bytes(numel, trainer.world_size)
+        hooked = trainer.strategy if isinstance(trainer.strategy, HookDDPStrategy) else None
+        sent_now = 0
+        for step in range(first, trainer.global_step):
+            sent = hooked.step_bytes(shapes, trainer.world_size, step) if hooked else None
+            self._step_bytes = fp32 if sent is None else sent
+            sent_now += self._step_bytes
+            self.fp32_ring_total += fp32
+            self.last_ratio = fp32 / self._step_bytes if self._step_bytes else 1.0
+        self.bytes_total += sent_now
+        per_step = fp32 if self._step_bytes is None else self._step_bytes
+        pl_module.log_dict({"comm/bytes_step": float(sent_now), "comm/bytes_total": float(self.bytes_total),
                             "comm/bits_per_param": 8.0 * per_step / numel if numel else 0.0},
                            on_step=True, on_epoch=False, rank_zero_only=True)
 
@@ -86,7 +100,7 @@ class RankRecord(L.Callback):
             counter = next((c for c in trainer.callbacks if isinstance(c, DDPCommCounter)), None)
             sent = counter.bytes_total if counter else 0
             fp32 = counter.fp32_ring_total if counter else 0
-            last_ratio = 1.0
+            last_ratio = counter.last_ratio if counter else 1.0
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
                    if isinstance(v, torch.Tensor) and v.numel() == 1 and math.isfinite(float(v))}
         record = {"global_rank": trainer.global_rank, "world_size": trainer.world_size,

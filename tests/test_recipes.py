@@ -19,10 +19,13 @@ from omegaconf import OmegaConf
 from lightning_onebit import CompressedDDPStrategy, OnebitAdam
 from lightning_onebit.comm import ring_allreduce_bytes
 
+from dist_utils import run_ranks, values
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `recipes` is run from the repository, not installed
 
 from recipes.algorithms import build_optimizer, build_strategy, is_compressed  # noqa: E402
+from recipes.baselines import HookDDPStrategy, hook_step_bytes  # noqa: E402
 from recipes.data import LIBSVM_URL, DatasetMissingError, libsvm_path, load_libsvm  # noqa: E402
 from recipes.report import main as report_main  # noqa: E402
 from recipes.runners import _start_method, run  # noqa: E402
@@ -30,6 +33,8 @@ from recipes.runners import _start_method, run  # noqa: E402
 CONF = ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
+#: algorithm entry -> the PyTorch DDP comm hook it runs (issue 7's baselines)
+HOOK_BASELINES = {"ddp_fp16": "fp16", "ddp_bf16": "bf16", "powersgd_r1": "powersgd", "powersgd_r4": "powersgd"}
 TRAIN = [sys.executable, str(ROOT / "recipes" / "train.py")]
 
 
@@ -48,7 +53,7 @@ def _train(args, cwd, timeout=240):
 def test_config_tree_has_the_groups_of_issue_6():
     assert {"quickstart", "logreg_nonconvex", "quadratic_divergence"} <= set(EXPERIMENTS)
     assert {"adam", "onebit_adam", "onebit_lamb", "qadam", "cd_adam", "ef21", "ef_amsgrad",
-            "naive_amsgrad"} <= set(ALGORITHMS)
+            "naive_amsgrad", *HOOK_BASELINES} <= set(ALGORITHMS)
     assert {"cpu", "gpu", "multinode"} <= {p.stem for p in (CONF / "trainer").glob("*.yaml")}
     cfg = _compose()  # no arguments: the quickstart with 1-bit Adam on 2 CPU processes
     assert (cfg.experiment.name, cfg.algorithm.name, cfg.trainer.accelerator, cfg.trainer.devices) == (
@@ -65,9 +70,20 @@ def test_every_experiment_composes_with_every_algorithm(experiment, algorithm):
     p = torch.nn.Parameter(torch.zeros(8))
     opt = build_optimizer(alg, [p])
     assert opt.defaults["lr"] == alg["lr"]
-    build_optimizer(alg, [torch.nn.Parameter(torch.zeros(8))], total_steps=50, simulate_workers=4)
+    if algorithm in HOOK_BASELINES:  # a comm hook needs real DDP ranks: no simulated workers
+        with pytest.raises(ValueError, match="simulated workers"):
+            build_optimizer(alg, [torch.nn.Parameter(torch.zeros(8))], total_steps=50, simulate_workers=4)
+    else:
+        build_optimizer(alg, [torch.nn.Parameter(torch.zeros(8))], total_steps=50, simulate_workers=4)
     strategy = build_strategy(alg, "spawn", "gloo")
-    assert isinstance(strategy, CompressedDDPStrategy) == (algorithm != "adam") == is_compressed(alg)
+    # the DDP baselines (plain, or with a PyTorch comm hook) run AdamW; everything else is compressed
+    uncompressed = algorithm == "adam" or algorithm in HOOK_BASELINES
+    assert isinstance(strategy, CompressedDDPStrategy) == (not uncompressed) == is_compressed(alg)
+    assert isinstance(strategy, HookDDPStrategy) == (algorithm in HOOK_BASELINES)
+    if algorithm in HOOK_BASELINES:
+        assert strategy.kind == HOOK_BASELINES[algorithm] and type(opt) is torch.optim.AdamW
+        if strategy.kind == "powersgd":  # the experiment's warm-up: steps, or a fraction resolved at fit time
+            assert (strategy.matrix_rank, strategy.start_iter) == (int(algorithm[-1]), resolved["optim"]["warmup"])
 
 
 def test_overrides_reach_the_optimizer_and_command_line_wins():
@@ -232,3 +248,101 @@ def test_multirun_writes_one_table_and_one_overlay_plot(tmp_path):
         assert label in table, table
     assert (sweep / "comparison.png").stat().st_size > 10_000
     assert sorted(p.name for p in sweep.glob("*/summary.json")) == ["summary.json"] * 3
+
+
+# -- the PyTorch comm-hook baselines of issue 7 (recipes/baselines.py) -----------------------
+
+
+class _CensusNet(torch.nn.Module):
+    """Every kind of gradient the PowerSGD hook sorts: 1-D biases (never compressed), matrices it compresses,
+    a conv kernel (8 x 27 once flattened) and a 3 x 40 matrix that pay off at rank 1 but not at rank 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.fc1 = torch.nn.Linear(24, 40)
+        self.fc2 = torch.nn.Linear(40, 3)
+
+    def forward(self, tok: torch.Tensor, img: torch.Tensor) -> torch.Tensor:
+        h = torch.cat([self.emb(tok).mean(1), self.conv(img).mean((2, 3))], 1)
+        return self.fc2(torch.relu(self.fc1(h)))
+
+
+def _hook_census(rank: int, world_size: int, cases: list) -> dict:
+    """On a gloo rank: DDP + each hook of ``cases`` for 4 steps (PowerSGD compressing from step 2), in
+    small buckets; per step, the ring-allreduce bytes of the tensors the hook really passed to
+    ``dist.all_reduce`` (patched here) next to :func:`hook_step_bytes`."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from recipes.baselines import hook_step_bytes, make_comm_hook
+
+    sent: list[int] = []
+    real = dist.all_reduce
+
+    def counting_all_reduce(tensor, *args, **kwargs):
+        sent.append(ring_allreduce_bytes(tensor.numel(), world_size, tensor.element_size()))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting_all_reduce  # the hooks look it up at call time (powerSGD_hook, default_hooks)
+    gen = torch.Generator().manual_seed(rank)
+    tok, img = torch.randint(0, 50, (4, 5), generator=gen), torch.randn(4, 3, 6, 6, generator=gen)
+    out = {}
+    for kind, r in cases:
+        torch.manual_seed(0)
+        net = _CensusNet()
+        ddp = DistributedDataParallel(net, bucket_cap_mb=0.002)  # 2 kB: several buckets once rebuilt
+        state, hook = make_comm_hook(kind, rank=r, start_iter=2)
+        buckets: set[int] = set()
+
+        def census_hook(state, bucket, hook=hook, buckets=buckets):
+            buckets.add(bucket.index())
+            return hook(state, bucket)
+
+        ddp.register_comm_hook(state, census_hook)
+        shapes = [p.shape for p in net.parameters()]
+        got, want = [], []
+        for step in range(4):
+            sent.clear()
+            ddp(tok, img).square().mean().backward()
+            got.append(sum(sent))
+            want.append(hook_step_bytes(kind, shapes, world_size, compressing=step >= 2, rank=r))
+        out[f"{kind}{r}"] = (got, want, len(buckets))
+    return out
+
+
+def test_hook_byte_count_matches_what_the_hooks_allreduce():
+    cases = [("fp16", 1), ("bf16", 1), ("powersgd", 1), ("powersgd", 4)]
+    numel = sum(p.numel() for p in _CensusNet().parameters())
+    for census in values(run_ranks(_hook_census, 2, cases, timeout_s=120)):
+        for key, (got, want, buckets) in census.items():
+            assert got == want, key
+            assert buckets > 1, key  # the hooks saw several buckets per step
+        assert census["fp161"][0] == census["bf161"][0] == [2 * numel] * 4  # 2 bytes each, 2 ranks
+        for key in ("powersgd1", "powersgd4"):  # fp32 allreduce first, then far less
+            got = census[key][0]
+            assert got[:2] == [4 * numel] * 2 and got[2] == got[3] < 2 * numel
+        # the conv kernel (8 x 27) and fc2 (3 x 40) compress at rank 1 only: rank 4 sends them whole
+        assert census["powersgd1"][0][2] < census["powersgd4"][0][2]
+
+
+def test_quickstart_with_a_powersgd_baseline_end_to_end(tmp_path):
+    """`algorithm=powersgd_r1` through recipes/train.py on 2 gloo ranks: PowerSGD's vanilla steps follow
+    optim.warmup (here a fraction: 0.2 of 23 steps = 5) and the summary charges what the hook sends."""
+    out = tmp_path / "run"
+    proc = _train([f"hydra.run.dir={out}", "algorithm=powersgd_r1", "experiment.compare_baseline=false",
+                   "trainer.max_epochs=1", "optim.warmup=0.2"], cwd=tmp_path)
+    (r,) = json.loads((out / "summary.json").read_text())["runs"]
+    assert (r["algorithm"], r["strategy"], r["optimizer"]) == ("powersgd_r1", "ddp", "torch.optim.AdamW")
+    assert (r["world_size"], r["ranks_reported"], r["replicas_identical"], r["steps"]) == (2, 2, True, 23)
+    assert "PowerSGD rank 1 after 5 steps of fp32 allreduce" in proc.stdout + proc.stderr
+    shapes = [(128, 64), (128,), (128, 128), (128,), (10, 128), (10,)]
+    fp32 = ring_allreduce_bytes(sum(math.prod(s) for s in shapes), 2)
+    compressed = hook_step_bytes("powersgd", shapes, 2, rank=1)
+    assert compressed == 4 * ((128 + 64) + (128 + 128) + (10 + 128) + 128 + 128 + 10)  # P + Q per matrix, biases whole
+    assert r["bytes_sent"] == 5 * fp32 + 18 * compressed and r["fp32_ring_bytes"] == 23 * fp32
+    assert r["last_step_ratio_vs_fp32"] == pytest.approx(fp32 / compressed)
+    assert r["final"]["val_acc"] > 0.5  # it learns (0.76 after this one epoch)
+    rows = (out / r["metrics_csv"]).read_text().splitlines()
+    assert "comm/bytes_total" in rows[0].split(",")
