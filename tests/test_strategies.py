@@ -219,3 +219,10 @@ def test_monitor_without_a_compressed_optimizer_fails_before_the_first_step(tmp_
     with pytest.raises(ValueError, match=r"CommunicationMonitor needs a lightning_onebit optimizer.*AdamW"):
         trainer.fit(DigitsMLP(optimizer="adamw"))
     assert trainer.global_step == 0
+
+
+def test_adam_converted_to_onebit_lamb_warns_about_the_learning_rate():
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    with pytest.warns(UserWarning, match=r"AdamW to OnebitLamb with the same lr \(0.001\).*lr \* \|\|w\|\|"):
+        new = CompressedDDPStrategy("onebit_lamb")._convert(torch.optim.AdamW(params, lr=1e-3))
+    assert type(new).__name__ == "OnebitLamb" and new.defaults["lr"] == 1e-3

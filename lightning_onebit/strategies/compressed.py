@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from ..optim import EF21, CDAdam, ErrorFeedbackAMSGrad, NaiveCompressedAMSGrad, OnebitAdam, OnebitLamb, QAdam
@@ -212,6 +213,13 @@ class CompressedDDPStrategy(DDPStrategy):
             if cls is EF21:
                 ng.pop("betas", None)
             groups.append(ng)
+        if cls is OnebitLamb and not _is_lamb(opt):
+            # LAMB moves each layer by lr * ||w|| per step, Adam by ~lr per coordinate: the same lr
+            # is a much smaller step for LAMB (measured: an Adam lr of 1e-3 barely moves the loss)
+            rank_zero_warn(f"strategy {name!r} converts {type(opt).__name__} to OnebitLamb with the same lr "
+                           f"({d['lr']}); LAMB scales each layer's step to lr * ||w||, so an Adam learning rate "
+                           "is usually too small for it. Return a LAMB (or OnebitLamb) with a LAMB learning rate "
+                           "to silence this.")
         new = cls(groups, **kw)
         for g_old, g_new in zip(opt.param_groups, new.param_groups, strict=True):
             if "initial_lr" in g_old:
