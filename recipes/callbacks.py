@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from lightning_onebit.comm import ring_allreduce_bytes
 from lightning_onebit.optim import CompressedOptimizer
+from lightning_onebit.strategies import destroy_process_group_at_exit
 
 from .baselines import HookDDPStrategy
 
@@ -84,6 +85,10 @@ class RankRecord(L.Callback):
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
         self.switch_step: int | None = None
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # every rank of every recipe fit, the DDP baselines included (gloo: see the function)
+        destroy_process_group_at_exit()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:

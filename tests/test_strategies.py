@@ -226,3 +226,28 @@ def test_adam_converted_to_onebit_lamb_warns_about_the_learning_rate():
     with pytest.warns(UserWarning, match=r"AdamW to OnebitLamb with the same lr \(0.001\).*lr \* \|\|w\|\|"):
         new = CompressedDDPStrategy("onebit_lamb")._convert(torch.optim.AdamW(params, lr=1e-3))
     assert type(new).__name__ == "OnebitLamb" and new.defaults["lr"] == 1e-3
+
+
+def test_gloo_process_group_is_destroyed_at_exit(tmp_path):
+    """Lightning destroys the process group at exit only for NCCL; a gloo one left to interpreter
+    finalisation can abort the process (SIGABRT) after a finished fit. Our hook destroys it first."""
+    script = textwrap.dedent("""
+        import atexit, os
+        import torch.distributed as dist
+        from lightning_onebit.strategies import destroy_process_group_at_exit
+        # atexit runs handlers last-in first-out: this one runs after ours
+        atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        destroy_process_group_at_exit()
+        destroy_process_group_at_exit()  # idempotent
+    """)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PORT": str(port)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "initialized at exit: False" in proc.stdout

@@ -2,7 +2,7 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from .compressed import ALGORITHMS, CompressedDDPStrategy
+from .compressed import ALGORITHMS, CompressedDDPStrategy, destroy_process_group_at_exit
 
 
 class OnebitAdamStrategy(CompressedDDPStrategy):
@@ -32,4 +32,4 @@ class CDAdamStrategy(CompressedDDPStrategy):
 CompressedDDPStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["ALGORITHMS", "CDAdamStrategy", "CompressedDDPStrategy", "OnebitAdamStrategy", "OnebitLambStrategy",
-           "QAdamStrategy"]
+           "QAdamStrategy", "destroy_process_group_at_exit"]

@@ -28,6 +28,7 @@ so clipping sees this rank's local gradient and does not affect the update (with
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import warnings
@@ -46,7 +47,7 @@ from ..optim.base import CompressedOptimizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ALGORITHMS", "CompressedDDPStrategy"]
+__all__ = ["ALGORITHMS", "CompressedDDPStrategy", "destroy_process_group_at_exit"]
 
 #: strategy name -> (optimizer class, what configure_optimizers may return instead)
 ALGORITHMS: dict[str, type[CompressedOptimizer]] = {
@@ -63,6 +64,28 @@ _ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW)
 
 def _is_lamb(opt: Optimizer) -> bool:
     return "lamb" in type(opt).__name__.lower()
+
+
+_CLEANUP_REGISTERED = False
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, whatever its backend.
+
+    Lightning does this only for NCCL. With gloo, the process group's worker threads can still
+    hold finished work objects (with tensors) when the interpreter finalises; freeing them then
+    needs the GIL and aborts the process (SIGABRT, reported by ``spawn`` as "process 1 terminated
+    with signal SIGABRT" after a fit that completed; see pytorch/pytorch#179291). Idempotent.
+    """
+    global _CLEANUP_REGISTERED
+    if not _CLEANUP_REGISTERED:
+        atexit.register(_destroy_process_group)
+        _CLEANUP_REGISTERED = True
 
 
 def _mark_step_for_schedulers(opt: Optimizer) -> None:
@@ -137,6 +160,10 @@ class CompressedDDPStrategy(DDPStrategy):
         self._converted_from: str | None = None
 
     # -- setup ---------------------------------------------------------------------------
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        destroy_process_group_at_exit()
+
     def setup(self, trainer) -> None:
         super().setup(trainer)
         from lightning.pytorch.trainer.states import TrainerFn
