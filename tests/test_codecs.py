@@ -157,3 +157,25 @@ def test_backend_env_var(monkeypatch):
     monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", "bogus")
     with pytest.raises(ValueError, match="bogus"):
         resolve_backend_name(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block_size", [None, 16])
+@pytest.mark.parametrize("with_error", [True, False])
+def test_server_step_equals_the_fused_message_kernels(backend, kind, block_size, with_error):
+    """server_step decodes the mean once and encodes it; the message-source kernels rebuild the mean
+    inside the reduction and the encode pass. Same codes, scales and server error, bit for bit."""
+    from lightning_onebit.compress.kernels.layout import ERROR_FEEDBACK, PLAIN
+
+    cod = make_codec(kind, block_size, backend)
+    g = torch.Generator().manual_seed(5)
+    n, seg = 3, 8 * 37
+    msgs = cod.encode(torch.randn(n * seg, generator=g) * 3, nseg=n)
+    err0 = torch.randn(seg, generator=g) if with_error else None
+    e_new, e_old = (err0.clone(), err0.clone()) if with_error else (None, None)
+    new = cod.server_step(msgs, e_new, mean=torch.full((seg,), float("nan")))  # mean buffer is overwritten
+    old = cod._run(None, e_old, ERROR_FEEDBACK if with_error else PLAIN, 1, msg=msgs, dtype=msgs.dtype)
+    assert torch.equal(new.codes, old.codes) and torch.equal(new.scales, old.scales)
+    if with_error:
+        assert torch.equal(e_new, e_old)

@@ -148,9 +148,8 @@ class CompressedAllreduce:
         self._srv = torch.zeros(1, rb, **u8)
         self._gathered = torch.zeros(n, rb, **u8)
         self._xpad = torch.zeros(D, **f32) if D != self.numel else None
-        # the server's mean of the workers' chunk (1/n of the tensor): decoding it once into a
-        # persistent buffer beats the fused server_step, whose reduction and encode passes
-        # both rebuild the mean from n code rows (24 ms -> ~10 ms at 25M, 2 ranks)
+        # the server's mean of the workers' chunk (1/n of the tensor), reused every call:
+        # a fresh buffer per call pays first-touch page faults (see Codec.server_step)
         self._mean = torch.empty(seg, **f32) if self.mode != "markov" else None
         self._outpad = torch.empty(D, **f32) if D != self.numel else None
 
@@ -234,11 +233,9 @@ class CompressedAllreduce:
         seg, n = self.seg_len, self.world_size
         msgs = self.codec.empty(n, seg, recv.device, packed=recv)
         out = self.codec.empty(1, seg, recv.device, packed=self._srv)
-        if self.mode == "error_feedback":
-            y = self.codec.decode_mean(msgs, out=self._mean)
-            self.codec.encode_error_feedback(y, self.server, out=out)
-        elif self.mode == "plain":
-            self.codec.encode(self.codec.decode_mean(msgs, out=self._mean), out=out)
+        if self.mode in ("error_feedback", "plain"):
+            self.codec.server_step(msgs, self.server if self.mode == "error_feedback" else None, out=out,
+                                   mean=self._mean)
         else:
             self.codec.decode_mean(msgs, out=self.server, accumulate=True)
             mine = self.tilde[self.rank * seg : (self.rank + 1) * seg]
