@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # so that this file works as a script, as the torchrun worker and imported
     sys.path.insert(0, str(HERE))
 
-from netns_cluster import EmulatedCluster, cleanup_stale, parse_rate, run_torchrun  # noqa: E402
+from netns_cluster import EmulatedCluster, cleanup_stale, parse_rate, report_failures, run_torchrun  # noqa: E402
 
 RESULT_TAG = "LOBRESULT "
 METHODS = ("fp32", "onebit", "int8", "wire1bit")
@@ -279,12 +279,7 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
                 rows.extend(got)
                 print(f"[{nodes} nodes, {rate}] {len(got)} results in {time.monotonic() - t0:.0f} s, "
                       f"{total_tx / 1e6:.0f} MB sent on all links", file=sys.stderr, flush=True)
-                bad = [r for r in results if r.returncode != 0 or r.timed_out]
-                for r in bad:
-                    print(f"--- node {r.node}: rc={r.returncode} timed_out={r.timed_out}\n"
-                          f"{r.stderr[-4000:]}", file=sys.stderr)
-                if bad and not args.keep_going:
-                    raise SystemExit(f"torchrun failed on {nodes} nodes at {rate}")
+                report_failures(results, f"{nodes} nodes at {rate}", keep_going=args.keep_going)
     return rows
 
 

@@ -59,7 +59,14 @@ for _p in (HERE.parent, HERE):  # netns_cluster, and the repository's `recipes` 
     if str(_p) not in sys.path:  # installed); works as a script, as the torchrun worker and imported
         sys.path.insert(0, str(_p))
 
-from netns_cluster import EmulatedCluster, cleanup_stale, node_env, parse_rate, run_torchrun  # noqa: E402
+from netns_cluster import (  # noqa: E402
+    EmulatedCluster,
+    cleanup_stale,
+    node_env,
+    parse_rate,
+    report_failures,
+    run_torchrun,
+)
 
 RESULT_TAG = "LOBE2E "
 PROFILE_TAG = "LOBPROF "
@@ -563,12 +570,8 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
                                         f"```\n{p['profile']}```\n")
                     print(f"[{nodes} nodes, {rate}, {workload}] done in {time.monotonic() - t0:.0f} s",
                           file=sys.stderr, flush=True)
-                    bad = [r for r in results if r.returncode != 0 or r.timed_out]
-                    for r in bad:
-                        print(f"--- node {r.node}: rc={r.returncode} timed_out={r.timed_out}\n"
-                              f"{r.stdout[-2000:]}\n{r.stderr[-6000:]}", file=sys.stderr)
-                    if bad and not args.keep_going:
-                        raise SystemExit(f"torchrun failed on {nodes} nodes at {rate} ({workload})")
+                    report_failures(results, f"{nodes} nodes at {rate} ({workload})", keep_going=args.keep_going,
+                                    stdout_tail=2000, stderr_tail=6000)
     return rows, refs, profiles
 
 

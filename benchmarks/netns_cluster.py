@@ -420,6 +420,19 @@ class NodeResult:
     """Still running when we gave up on it (timeout, or another node failed) and killed it."""
 
 
+def report_failures(results: Sequence[NodeResult], what: str, *, keep_going: bool, stdout_tail: int = 0,
+                    stderr_tail: int = 4000) -> None:
+    """Print the output tails of the nodes whose torchrun failed or timed out, then stop the benchmark
+    with ``what`` in the message unless ``keep_going``."""
+    bad = [r for r in results if r.returncode != 0 or r.timed_out]
+    for r in bad:
+        out = f"{r.stdout[-stdout_tail:]}\n" if stdout_tail else ""
+        print(f"--- node {r.node}: rc={r.returncode} timed_out={r.timed_out}\n{out}{r.stderr[-stderr_tail:]}",
+              file=sys.stderr)
+    if bad and not keep_going:
+        raise SystemExit(f"torchrun failed on {what}")
+
+
 def node_env(cluster: EmulatedCluster, k: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for a process on node ``k``: gloo bound to the node's veth, one thread per process.
 
