@@ -13,21 +13,13 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from lightning_onebit.callbacks import find_compressed_optimizer
 from lightning_onebit.comm import ring_allreduce_bytes
-from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategies import destroy_process_group_at_exit
 
 from .baselines import HookDDPStrategy
 
-__all__ = ["DDPCommCounter", "RankRecord", "compressed_optimizer"]
-
-
-def compressed_optimizer(trainer: L.Trainer) -> CompressedOptimizer | None:
-    for opt in trainer.optimizers:
-        opt = getattr(opt, "_optimizer", opt)
-        if isinstance(opt, CompressedOptimizer):
-            return opt
-    return None
+__all__ = ["DDPCommCounter", "RankRecord"]
 
 
 class DDPCommCounter(L.Callback):
@@ -92,12 +84,12 @@ class RankRecord(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        opt = compressed_optimizer(trainer)
+        opt = find_compressed_optimizer(trainer)
         if self.switch_step is None and opt is not None and opt.compressing:
             self.switch_step = trainer.global_step  # 1-based index of the first compressed step
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        opt = compressed_optimizer(trainer)
+        opt = find_compressed_optimizer(trainer)
         if opt is not None:
             sent, fp32 = opt.comm_counter.total.bytes_sent, opt.comm_counter.total.fp32_ring_bytes
             last_ratio = opt.comm_counter.last.ratio_vs_fp32

@@ -12,14 +12,22 @@ from ..optim.base import CompressedOptimizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PhaseSwitch"]
+__all__ = ["PhaseSwitch", "find_compressed_optimizer"]
 
 
-def _compressed_optimizer(trainer, who: str = "PhaseSwitch") -> CompressedOptimizer:
+def find_compressed_optimizer(trainer) -> CompressedOptimizer | None:
+    """The trainer's lightning_onebit optimizer (unwrapped from LightningOptimizer), or None."""
     for opt in trainer.optimizers:
         opt = getattr(opt, "_optimizer", opt)
         if isinstance(opt, CompressedOptimizer):
             return opt
+    return None
+
+
+def _compressed_optimizer(trainer, who: str = "PhaseSwitch") -> CompressedOptimizer:
+    opt = find_compressed_optimizer(trainer)
+    if opt is not None:
+        return opt
     names = [type(getattr(o, "_optimizer", o)).__name__ for o in trainer.optimizers]
     raise ValueError(f"{who} needs a lightning_onebit optimizer (use a lightning_onebit strategy, e.g. "
                      f"strategy='onebit_adam'); this trainer runs {names or 'no optimizer'} with "
