@@ -268,7 +268,7 @@ class Codec:
         when not given - pass a persistent buffer on hot paths) and then encoded as
         ``encode_error_feedback(mean, error)`` (or ``encode(mean)``). Decoding n rows is the
         costly part, and the reduction and encode passes would each need the mean: building
-        it once is ~2.5x faster than rebuilding it in both.
+        it once was 1.45x (sign) / 1.6x (min-max) faster at 16M than rebuilding it in both.
         """
         if mean is None:
             mean = torch.empty(messages.seg_len, dtype=torch.float32, device=messages.device)
