@@ -39,9 +39,10 @@ if str(HERE) not in sys.path:  # so that this file works as a script, as the tor
 from netns_cluster import EmulatedCluster, cleanup_stale, parse_rate, report_failures, run_torchrun  # noqa: E402
 
 RESULT_TAG = "LOBRESULT "
-METHODS = ("fp32", "onebit", "int8", "wire1bit")
-COMPRESSED = ("onebit", "int8")
-METHOD_LABEL = {"fp32": "fp32 all_reduce", "onebit": "1-bit EF (SignCodec l2)", "int8": "8-bit (MinMaxUInt8)",
+METHODS = ("fp32", "onebit", "onebit_serial", "int8", "wire1bit")
+COMPRESSED = ("onebit", "onebit_serial", "int8")
+METHOD_LABEL = {"fp32": "fp32 all_reduce", "onebit": "1-bit EF (SignCodec l2)",
+                "onebit_serial": "1-bit EF, not pipelined (pieces=1)", "int8": "8-bit (MinMaxUInt8)",
                 "wire1bit": "1-bit bytes only (no codec)"}
 FULL = {"nodes": [2, 4], "rates": ["1gbit", "10gbit"], "sizes": ["1M", "25M", "100M"], "iters": 5,
         "warmup": 2}
@@ -109,15 +110,19 @@ def _make_op(method: str, world: int) -> tuple[Callable[[Any], Any], Callable[[]
     from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
     from lightning_onebit.compress.kernels import resolve_backend_name
 
+    pieces = None  # automatic pipeline
     if method == "onebit":
         codec, mode = SignCodec("l2"), "error_feedback"
+    elif method == "onebit_serial":  # the same collective without the pipeline, for the ratio
+        codec, mode, pieces = SignCodec("l2"), "error_feedback", 1
     elif method == "int8":
         codec, mode = MinMaxUInt8Codec(), "plain"
     else:
         raise ValueError(f"unknown method {method!r}")
-    car = CompressedAllreduce(codec, mode=mode, group=None)
+    car = CompressedAllreduce(codec, mode=mode, group=None, pieces=pieces)
     backend = resolve_backend_name(torch.device("cpu"), codec.backend)
-    desc = f"CompressedAllreduce({codec!r}, mode={mode!r}), kernels: {backend}, out= preallocated"
+    desc = (f"CompressedAllreduce({codec!r}, mode={mode!r}, pieces={pieces}), kernels: {backend}, "
+            "out= preallocated")
     outs: dict[int, Any] = {}
 
     def op(x: Any) -> Any:
@@ -307,7 +312,7 @@ def _ratio(times: dict[str, float], method: str) -> str:
 
 def tables(rows: list[dict[str, Any]]) -> str:
     """Markdown: one detail table and one speedup table (fp32 time / compressed time)."""
-    order = {m: i for i, m in enumerate(("fp32", "wire1bit", "onebit", "int8"))}
+    order = {m: i for i, m in enumerate(("fp32", "wire1bit", "onebit", "onebit_serial", "int8"))}
     rows = sorted(rows, key=lambda r: (*_grid_key(r), order.get(r["method"], 9)))
     by_key: dict[tuple[int, str, int], dict[str, float]] = {}
     for r in rows:

@@ -179,3 +179,75 @@ def test_object_is_bound_to_one_size():
         car(torch.randn(11))
     with pytest.raises(ValueError, match="mode"):
         CompressedAllreduce(SignCodec(), "nope")
+
+
+# -- pipeline (column pieces) ---------------------------------------------------------------
+PIPE_CODECS = {
+    "sign-l2": lambda: SignCodec("l2"),
+    "sign-l1-blocked": lambda: SignCodec("l1", block_size=16),
+    "sign-l2-b4096": lambda: SignCodec("l2", block_size=4096),
+    "minmax-b64": lambda: MinMaxUInt8Codec(block_size=64),
+    "minmax-torch": lambda: MinMaxUInt8Codec(backend="torch"),
+}
+
+
+@pytest.mark.parametrize("cname", list(PIPE_CODECS))
+def test_pieces_do_not_change_the_result(cname):
+    """Everything a piece splits is elementwise: any piece count gives the same bits and state."""
+    for mode in MODES:
+        for n, numel in ((1, 9000), (2, 100_003), (3, 40_000)):
+            base = SimulatedCluster(PIPE_CODECS[cname](), mode, n, pieces=1)
+            piped = SimulatedCluster(PIPE_CODECS[cname](), mode, n, pieces=5)
+            for s in range(3):
+                xs = [_input(r, s, numel) for r in range(n)]
+                for a, b in zip(base.allreduce(xs), piped.allreduce(xs), strict=True):
+                    assert torch.equal(a, b), (cname, mode, n, numel, s)
+            assert base.workers[0].num_pieces == 1 and piped.workers[0].num_pieces > 1
+            for wa, wb in zip(base.state_dict()["workers"], piped.state_dict()["workers"], strict=True):
+                for key in ("worker", "server", "tilde"):
+                    assert (wa[key] is None and wb[key] is None) or torch.equal(wa[key], wb[key]), key
+            assert base.counter.bytes_sent == piped.counter.bytes_sent
+
+
+def test_pipeline_plan():
+    car = CompressedAllreduce(SignCodec(), "error_feedback", _virtual=(0, 2))
+    car._bind(torch.empty(25_000_000))
+    plan = car.plan
+    assert len(plan) == 4  # automatic: MAX_PIECES pieces of >= MIN_PIECE elements
+    assert plan[0].lo == 0 and plan[-1].hi == car.seg_len
+    assert all(p.hi == q.lo and p.lo % 32 == 0 for p, q in zip(plan, plan[1:], strict=False))
+    assert sum(p.rb for p in plan) == car.row_bytes
+    small = CompressedAllreduce(SignCodec(), "error_feedback", _virtual=(0, 2))
+    small._bind(torch.empty(100_000))
+    assert small.num_pieces == 1  # pieces shorter than MIN_PIECE would cost more latency than they hide
+    blocked = CompressedAllreduce(SignCodec(block_size=1000), "plain", pieces=8, _virtual=(0, 1))
+    blocked._bind(torch.empty(10_000))
+    assert blocked.num_pieces == 2 and all(p.lo % 4000 == 0 for p in blocked.plan)  # lcm(1000, 32)
+    topk = CompressedAllreduce(TopKCodec(0.1), "plain", pieces=4)
+    topk(torch.randn(10_000))
+    assert topk.num_pieces == 1  # top-k chooses entries per whole row
+    with pytest.raises(ValueError, match="pieces"):
+        CompressedAllreduce(SignCodec(), pieces=0)
+
+
+def _piped_on_rank(rank, world_size):
+    out = {}
+    for cname in ("sign-l2", "sign-l1-blocked", "minmax-b64"):
+        for mode in MODES:
+            car = CompressedAllreduce(PIPE_CODECS[cname](), mode, pieces=3)
+            res = [car(_input(rank, s, 20_011)) for s in range(2)]
+            out[(cname, mode)] = (res, car.num_pieces, car.bytes_sent)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_pipelined_distributed_equals_unpipelined_simulation(world_size):
+    ranks = values(run_ranks(_piped_on_rank, world_size))
+    for (cname, mode), (_, pieces, sent) in ranks[0].items():
+        assert pieces == 3
+        sim = SimulatedCluster(PIPE_CODECS[cname](), mode, world_size, pieces=1)
+        for s in range(2):
+            expected = sim.allreduce([_input(r, s, 20_011) for r in range(world_size)])
+            for r in range(world_size):
+                assert torch.equal(ranks[r][(cname, mode)][0][s], expected[r]), (cname, mode, r, s)
+        assert sent == sim.counter.bytes_sent

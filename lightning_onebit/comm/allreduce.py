@@ -19,6 +19,15 @@ before any state is written. A mismatch or a NaN on any rank raises ``ValueError
 per call; pass ``verify="first"`` where the caller guarantees agreement (DDP buckets are
 verified by DDP itself), trading it for a process-group timeout if a rank goes astray.
 
+Pipelining: a row is cut into column pieces (``pieces``; automatic: one per ``MIN_PIECE``
+elements of a row, at most ``MAX_PIECES``). Piece k is encoded and its ``all_to_all`` started
+before piece k+1 is encoded; the server decodes each piece as it arrives; the server row is
+encoded and gathered piece by piece while earlier pieces are decoded. Only the scale
+reductions need a whole row (the workers' before any piece, the server's after the last
+piece arrived); everything that is split is elementwise, so the result is bit-identical for
+every piece count, backend included. Piece 0 carries the row's scales; the other pieces are
+bare codes, so the bytes on the wire do not change.
+
 Bytes per rank and call: 2 (n-1) * row_bytes, with row_bytes ~ d / (8 n) for 1-bit codes:
 ~ 2 (n-1)/n * d/8, against 2 (n-1)/n * 4d for an fp32 ring allreduce (32x).
 
@@ -30,13 +39,21 @@ the compression error of the algorithm exists in one process exactly as in many.
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
 from ..compress import Codec, Encoded
+from ..compress.kernels.layout import code_bytes_per_row, is_sign
 from .accounting import ByteCounter
 
-__all__ = ["CompressedAllreduce", "MODES"]
+__all__ = ["CompressedAllreduce", "MODES", "MAX_PIECES", "MIN_PIECE"]
+
+# Pieces shorter than this gain less from the overlap than a collective's latency costs.
+MIN_PIECE = 1 << 20
+MAX_PIECES = 4
 
 MODES = ("plain", "error_feedback", "markov")
 _MODE_ID = {m: i for i, m in enumerate(MODES)}
@@ -50,6 +67,19 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 def all_gather_rows(out: torch.Tensor, row: torch.Tensor, group=None, async_op: bool = False):
     """Gather one 1-D ``row`` per rank into the rows of ``out`` ``[n, len]`` (rank order)."""
     return _all_gather_single(out.view(-1), row.reshape(-1), group=group, async_op=async_op)
+
+
+class _Piece(NamedTuple):
+    """Columns [lo, hi) of every row and where they sit in the piece's packed buffer."""
+
+    lo: int
+    hi: int
+    block: int  # the piece's block length (its own layout), for the Encoded views
+    b0: int  # first scale block of the row it covers
+    b1: int
+    cb: int  # code bytes
+    cb4: int  # code bytes padded to 4: piece 0 puts the row's scales there
+    rb: int  # packed bytes of one row of this piece
 
 
 def _group_rank_size(group) -> tuple[int, int]:
@@ -71,20 +101,25 @@ class CompressedAllreduce:
             torch.distributed is not initialized).
         counter: a :class:`ByteCounter` to report bytes to (e.g. shared by all buckets).
         verify: ``"always"`` (default) or ``"first"``: see the module docstring.
+        pieces: column pieces per row for the pipeline (``None``: automatic, see the module
+            docstring; codecs that are not elementwise, e.g. top-k, always use one).
 
     One object serves one tensor (one size): it owns that tensor's error / Markov state.
     """
 
     def __init__(self, codec: Codec, mode: str = "error_feedback", group=None,
                  counter: ByteCounter | None = None, verify: str = "always",
-                 _virtual: tuple[int, int] | None = None) -> None:
+                 pieces: int | None = None, _virtual: tuple[int, int] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if verify not in ("always", "first"):
             raise ValueError(f"verify must be 'always' or 'first', got {verify!r}")
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a lightning_onebit.compress.Codec, got {type(codec).__name__}")
+        if pieces is not None and (not isinstance(pieces, int) or pieces < 1):
+            raise ValueError(f"pieces must be a positive int or None, got {pieces!r}")
         self.codec = codec
+        self.pieces = pieces
         self.mode = mode
         self.group = group
         self.verify = verify
@@ -116,6 +151,49 @@ class CompressedAllreduce:
     def row_bytes(self) -> int:
         return self.codec.row_bytes(self.seg_len)
 
+    def _plan(self, seg: int) -> list[_Piece]:
+        """Cut a row of ``seg`` elements into pipeline pieces (see the module docstring)."""
+        codec, rb = self.codec, self.codec.row_bytes(seg)
+        whole = [_Piece(0, seg, max(seg, 1), 0, 0, 0, 0, rb)]  # one piece: the codec's own packing
+        row = codec.layout(seg, 1)
+        if not codec.elementwise or seg == 0:
+            return whole
+        # piece boundaries: on block boundaries (scales) and on 4-byte code boundaries (packing)
+        unit = 32 if row.blocks_per_seg == 1 else math.lcm(row.block, 32)
+        k = self.pieces if self.pieces is not None else min(MAX_PIECES, seg // MIN_PIECE)
+        k = max(1, min(k, seg // unit))
+        bounds = sorted({round(i * seg / k / unit) * unit for i in range(k)} | {seg})
+        if len(bounds) <= 2:
+            return whole
+        width = 1 if is_sign(codec.kind) else 2
+        plan = []
+        for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+            lay = codec.layout(hi - lo, 1)
+            b0 = lo // row.block if row.blocks_per_seg > 1 else 0
+            cb = code_bytes_per_row(codec.kind, hi - lo)
+            cb4 = -(-cb // 4) * 4
+            scale_bytes = row.blocks_per_seg * width * 4 if i == 0 else 0
+            plan.append(_Piece(lo, hi, lay.block, b0, b0 + lay.blocks_per_seg, cb, cb4, cb4 + scale_bytes))
+        assert sum(p.rb for p in plan) == rb
+        return plan
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.plan)
+
+    def _row_scales(self, bufs: list[torch.Tensor]) -> torch.Tensor:
+        """The scales of every row of a pieced buffer (they travel in piece 0)."""
+        b = bufs[0][:, self.plan[0].cb4 :].view(torch.float32)
+        return b.view(b.shape[0], -1) if is_sign(self.codec.kind) else b.view(b.shape[0], -1, 2)
+
+    def _piece(self, bufs: list[torch.Tensor], k: int, rows: slice, contiguous_scales: bool = False) -> Encoded:
+        """An Encoded view of piece ``k`` of ``rows`` of a pieced buffer."""
+        p = self.plan[k]
+        scales = self._row_scales(bufs)[rows, p.b0 : p.b1]
+        if contiguous_scales:
+            scales = scales.contiguous()  # a few bytes: kernels then see plain C arrays
+        return Encoded(bufs[k][rows, : p.cb], scales, p.hi - p.lo, p.block, self.codec.kind)
+
     def bytes_per_call(self, numel: int) -> int:
         """Bytes this rank sends per call for a tensor of ``numel`` elements."""
         seg = self.padded_numel(numel) // self.world_size
@@ -141,12 +219,13 @@ class CompressedAllreduce:
             self.server = torch.zeros(seg, **f32)
         if self.mode == "markov":
             self.tilde = torch.zeros(D, **f32)
-        n, rb = self.world_size, self.row_bytes
+        n = self.world_size
+        self.plan = self._plan(seg)
         u8 = dict(dtype=torch.uint8, device=dev)
-        self._send = torch.zeros(n, rb, **u8)
-        self._recv = torch.zeros(n, rb, **u8)
-        self._srv = torch.zeros(1, rb, **u8)
-        self._gathered = torch.zeros(n, rb, **u8)
+        self._send = [torch.zeros(n, p.rb, **u8) for p in self.plan]
+        self._recv = [torch.zeros(n, p.rb, **u8) for p in self.plan]
+        self._srv = [torch.zeros(1, p.rb, **u8) for p in self.plan]
+        self._gathered = [torch.zeros(n, p.rb, **u8) for p in self.plan]
         self._xpad = torch.zeros(D, **f32) if D != self.numel else None
         # the server's mean of the workers' chunk (1/n of the tensor), reused every call:
         # a fresh buffer per call pays first-touch page faults (see Codec.server_step)
@@ -216,67 +295,144 @@ class CompressedAllreduce:
             scales = None
         return xp, scales
 
-    def encode_stage(self, xp: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """Stage 1 (worker): encode the chunks into the packed send buffer ``[n, row_bytes]``."""
-        n, seg = self.world_size, self.seg_len
-        enc = self.codec.empty(n, seg, xp.device, packed=self._send)
-        if self.mode == "error_feedback":
-            self.codec.encode_error_feedback(xp, self.worker, nseg=n, out=enc, scales=scales)
-        elif self.mode == "markov":
-            self.codec.encode_markov(xp, self.worker, nseg=n, out=enc, scales=scales)
+    def encode_stage(self, xp: torch.Tensor, scales: torch.Tensor, k: int = 0) -> torch.Tensor:
+        """Stage 1 (worker): encode piece ``k`` of every chunk into its send buffer ``[n, rb_k]``."""
+        n, seg, send = self.world_size, self.seg_len, self._send
+        if self.num_pieces == 1:
+            outs = [(xp, self.worker, self.codec.empty(n, seg, xp.device, packed=send[0]), scales, n)]
         else:
-            self.codec.encode(xp, nseg=n, out=enc, scales=scales)
-        return self._send
+            if k == 0:  # piece 0 may go on the wire before the others are encoded: all scales now
+                self._row_scales(send).copy_(scales)
+            p = self.plan[k]
+            outs = []
+            for r in range(n):
+                cols = slice(r * seg + p.lo, r * seg + p.hi)
+                sc = scales[r : r + 1, p.b0 : p.b1]  # the encode ops copy their scales into out.scales:
+                enc = self._piece(send, k, slice(r, r + 1))  # point it at themselves, not at piece 0
+                enc.scales = sc
+                outs.append((xp[cols], None if self.worker is None else self.worker[cols], enc, sc, 1))
+        for x, state, enc, sc, nseg in outs:
+            if self.mode == "error_feedback":
+                self.codec.encode_error_feedback(x, state, nseg=nseg, out=enc, scales=sc)
+            elif self.mode == "markov":
+                self.codec.encode_markov(x, state, nseg=nseg, out=enc, scales=sc)
+            else:
+                self.codec.encode(x, nseg=nseg, out=enc, scales=sc)
+        return send[k]
+
+    def server_receive(self, recv: torch.Tensor, k: int = 0) -> None:
+        """Stage 3a (server r): take in piece ``k`` of the n workers' chunk r.
+
+        With one piece this is the whole server step; otherwise piece k of the workers'
+        mean (``markov``: of the server's running mean) is decoded now, and the encode waits
+        for the last piece, because the server scales need the whole chunk."""
+        seg, n = self.seg_len, self.world_size
+        if self.num_pieces == 1:
+            msgs = self.codec.empty(n, seg, recv.device, packed=recv)
+            out = self.codec.empty(1, seg, recv.device, packed=self._srv[0])
+            if self.mode in ("error_feedback", "plain"):
+                self.codec.server_step(msgs, self.server if self.mode == "error_feedback" else None,
+                                       out=out, mean=self._mean)
+            else:
+                self.codec.decode_mean(msgs, out=self.server, accumulate=True)
+                self.codec.encode_diff(self.server, self._my_tilde(), out=out)
+            return
+        p = self.plan[k]
+        if k == 0:  # the workers' scales travel in piece 0
+            self._recv_scales = self._row_scales([recv]).clone()
+        msgs = Encoded(recv[:, : p.cb], self._recv_scales[:, p.b0 : p.b1].contiguous(), p.hi - p.lo,
+                       p.block, self.codec.kind)
+        if self.mode == "markov":
+            self.codec.decode_mean(msgs, out=self.server[p.lo : p.hi], accumulate=True)
+        else:
+            self.codec.decode_mean(msgs, out=self._mean[p.lo : p.hi])
+
+    def _my_tilde(self) -> torch.Tensor:
+        seg = self.seg_len
+        return self.tilde[self.rank * seg : (self.rank + 1) * seg]
+
+    def server_send(self, k: int = 0) -> torch.Tensor:
+        """Stage 3b (server r): piece ``k`` of the re-encoded server row ``[1, rb_k]``."""
+        if self.num_pieces == 1:
+            return self._srv[0]
+        if k == 0:  # every piece has arrived: the server scales need the whole row
+            if self.mode == "markov":
+                self._srv_scales = self.codec.compute_scales(self.server, self._my_tilde(), "diff")
+            elif self.mode == "error_feedback":
+                self._srv_scales = self.codec.compute_scales(self._mean, self.server, "error_feedback")
+            else:
+                self._srv_scales = self.codec.compute_scales(self._mean)
+            self._row_scales(self._srv).copy_(self._srv_scales)
+        p = self.plan[k]
+        cols, sc = slice(p.lo, p.hi), self._srv_scales[:, p.b0 : p.b1]
+        enc = self._piece(self._srv, k, slice(0, 1))
+        enc.scales = sc  # as in encode_stage: piece 0 (maybe in flight) already holds every scale
+        if self.mode == "markov":
+            self.codec.encode_diff(self.server[cols], self._my_tilde()[cols], out=enc, scales=sc)
+        elif self.mode == "error_feedback":
+            self.codec.encode_error_feedback(self._mean[cols], self.server[cols], out=enc, scales=sc)
+        else:
+            self.codec.encode(self._mean[cols], out=enc, scales=sc)
+        return self._srv[k]
 
     def server_stage(self, recv: torch.Tensor) -> torch.Tensor:
-        """Stage 3 (server r): reduce the n workers' chunk r into one packed row ``[1, row_bytes]``."""
-        seg, n = self.seg_len, self.world_size
-        msgs = self.codec.empty(n, seg, recv.device, packed=recv)
-        out = self.codec.empty(1, seg, recv.device, packed=self._srv)
-        if self.mode in ("error_feedback", "plain"):
-            self.codec.server_step(msgs, self.server if self.mode == "error_feedback" else None, out=out,
-                                   mean=self._mean)
-        else:
-            self.codec.decode_mean(msgs, out=self.server, accumulate=True)
-            mine = self.tilde[self.rank * seg : (self.rank + 1) * seg]
-            self.codec.encode_diff(self.server, mine, out=out)
-        return self._srv
+        """Stage 3 without a pipeline: the whole server step, one packed row ``[1, row_bytes]``."""
+        if self.num_pieces != 1:
+            raise RuntimeError("server_stage is the one-piece path; use server_receive / server_send")
+        self.server_receive(recv)
+        return self.server_send()
+
+    # -- stage 4 ---------------------------------------------------------------------------
+    def result_buffer(self, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The fp32 buffer of ``padded_numel`` elements that stage 4 decodes into.
+
+        ``out`` itself when it is fp32, contiguous and padded already (no copy), the Markov
+        estimate g_tilde in ``markov`` mode, else a reused (or, for an unpadded fp32 result
+        without ``out``, a fresh) buffer."""
+        d, D, dev = self.numel, self.padded_numel(self.numel), self.worker_device
+        if self.mode == "markov":
+            return self.tilde
+        if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == D:
+            return out.view(-1)
+        if out is None and D == d and dtype == torch.float32:
+            return torch.empty(d, dtype=torch.float32, device=dev)
+        return self._outpad if self._outpad is not None else torch.empty(D, dtype=torch.float32, device=dev)
+
+    def finish_piece(self, gathered: torch.Tensor, dst: torch.Tensor, k: int = 0) -> None:
+        """Stage 4 (every rank): decode piece ``k`` of the gathered server rows into ``dst``."""
+        n, seg, acc = self.world_size, self.seg_len, self.mode == "markov"
+        if self.num_pieces == 1:
+            self.codec.decode(self.codec.empty(n, seg, gathered.device, packed=gathered), out=dst,
+                              accumulate=acc)
+            return
+        if k == 0:
+            self._gathered_scales = self._row_scales([gathered])
+        p = self.plan[k]
+        for r in range(n):
+            enc = Encoded(gathered[r : r + 1, : p.cb], self._gathered_scales[r : r + 1, p.b0 : p.b1],
+                          p.hi - p.lo, p.block, self.codec.kind)
+            self.codec.decode(enc, out=dst[r * seg + p.lo : r * seg + p.hi], accumulate=acc)
+
+    def finish(self, dst: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """The result from the decoded buffer: padding dropped, cast to ``dtype`` or into ``out``."""
+        d = self.numel
+        self._zero_padding()
+        if out is not None and dst.data_ptr() == out.data_ptr():
+            return out  # decoded in place
+        if (out is None and dtype == torch.float32 and dst.numel() == d
+                and dst is not self.tilde and dst is not self._outpad):
+            return dst  # a fresh buffer of exactly the result
+        if out is None:
+            return dst[:d].to(dtype=dtype, copy=True)
+        out.view(-1)[:d].copy_(dst[:d])
+        return out
 
     def finish_stage(self, gathered: torch.Tensor, out: torch.Tensor | None,
                      dtype: torch.dtype) -> torch.Tensor:
-        """Stage 4 (every rank): decode the gathered server rows into the result.
-
-        ``out`` may have ``numel`` elements or, to skip a copy, ``padded_numel(numel)``.
-        Without ``out`` a new tensor is returned (a fresh allocation costs page faults on
-        first touch: pass ``out`` on hot paths)."""
-        d, D, n, seg = self.numel, self.padded_numel(self.numel), self.world_size, self.seg_len
-        msgs: Encoded = self.codec.empty(n, seg, gathered.device, packed=gathered)
-        if self.mode == "markov":
-            self.codec.decode(msgs, out=self.tilde, accumulate=True)
-            self._zero_padding()
-            result = self.tilde[:d]
-            if out is None:
-                return result.to(dtype=dtype, copy=True)
-            out.view(-1)[:d].copy_(result)
-            return out
-        fp32_out = out is not None and out.dtype == torch.float32 and out.is_contiguous()
-        if fp32_out and out.numel() == D:
-            self.codec.decode(msgs, out=out.view(-1))
-            self._zero_padding()
-            return out
-        if out is None and D == d and dtype == torch.float32:
-            buf = torch.empty(d, dtype=torch.float32, device=gathered.device)
-            self.codec.decode(msgs, out=buf)
-            self._zero_padding()
-            return buf
-        buf = self._outpad if self._outpad is not None else torch.empty(D, dtype=torch.float32,
-                                                                          device=gathered.device)
-        self.codec.decode(msgs, out=buf)
-        self._zero_padding()
-        if out is None:
-            return buf[:d].to(dtype=dtype, copy=True)
-        out.view(-1)[:d].copy_(buf[:d])
-        return out
+        """Stage 4 without a pipeline: decode all gathered server rows into the result."""
+        dst = self.result_buffer(out, dtype)
+        self.finish_piece(gathered, dst)
+        return self.finish(dst, out, dtype)
 
     def _account(self) -> None:
         nbytes = 2 * (self.world_size - 1) * self.row_bytes
@@ -330,18 +486,30 @@ class CompressedAllreduce:
         self._agree(x, scales is not None)
         if self.numel == 0:
             return x.detach().clone() if out is None else out
-        send = self.encode_stage(xp, scales)
-        if self.world_size > 1:
-            dist.all_to_all_single(self._recv, send, group=self.group)
-            recv = self._recv
-        else:
-            recv = send
-        srv = self.server_stage(recv)
-        if self.world_size > 1:
-            all_gather_rows(self._gathered, srv, group=self.group)
-            gathered = self._gathered
-        else:
-            gathered = srv
-        result = self.finish_stage(gathered, out, x.dtype)
+        piecewise, remote = self.num_pieces > 1, self.world_size > 1
+        group = self.group
+        # stage 1 + 2: encode piece k+1 while piece k is on the wire
+        a2a = []
+        for k in range(self.num_pieces):
+            send = self.encode_stage(xp, scales, k)
+            if remote:
+                a2a.append(dist.all_to_all_single(self._recv[k], send, group=group, async_op=piecewise))
+        # stage 3: decode each piece as it arrives, then re-encode and gather piece by piece
+        for k in range(self.num_pieces):
+            if remote and piecewise:
+                a2a[k].wait()
+            self.server_receive(self._recv[k] if remote else self._send[k], k)
+        gather = []
+        for k in range(self.num_pieces):
+            srv = self.server_send(k)
+            if remote:
+                gather.append(all_gather_rows(self._gathered[k], srv, group=group, async_op=piecewise))
+        # stage 4: decode the gathered pieces as they arrive
+        dst = self.result_buffer(out, x.dtype)
+        for k in range(self.num_pieces):
+            if remote and piecewise:
+                gather[k].wait()
+            self.finish_piece(self._gathered[k] if remote else self._srv[k], dst, k)
+        result = self.finish(dst, out, x.dtype)
         self._account()
         return result

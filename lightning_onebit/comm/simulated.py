@@ -28,14 +28,15 @@ class SimulatedCluster:
     >>> outs = cluster.allreduce([x0, x1, x2, x3])   # one output per worker (all equal)
     """
 
-    def __init__(self, codec: Codec, mode: str, world_size: int, counter: ByteCounter | None = None) -> None:
+    def __init__(self, codec: Codec, mode: str, world_size: int, counter: ByteCounter | None = None,
+                 pieces: int | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.counter = counter if counter is not None else ByteCounter()
         # every worker reports to its own counter; the cluster's counter gets rank 0's view
         self.workers = [
-            CompressedAllreduce(codec, mode, counter=self.counter if r == 0 else None,
+            CompressedAllreduce(codec, mode, counter=self.counter if r == 0 else None, pieces=pieces,
                                 _virtual=(r, world_size))
             for r in range(world_size)
         ]
@@ -54,11 +55,17 @@ class SimulatedCluster:
                              "every worker skipped this call and no state was changed")
         if xs[0].numel() == 0:
             return [x.detach().clone() for x in xs]
-        sends = [w.encode_stage(xp, sc) for w, (xp, sc) in zip(self.workers, prepared, strict=True)]
-        # all_to_all_single: server r receives row r of every worker, in worker order
-        srv = [w.server_stage(torch.stack([s[w.rank] for s in sends])) for w in self.workers]
-        gathered = torch.cat(srv)  # all_gather_into_tensor: rows in rank order
-        outs = [w.finish_stage(gathered, None, x.dtype) for w, x in zip(self.workers, xs, strict=True)]
+        workers = self.workers
+        for k in range(workers[0].num_pieces):
+            sends = [w.encode_stage(xp, sc, k) for w, (xp, sc) in zip(workers, prepared, strict=True)]
+            for w in workers:  # all_to_all_single: server r receives row r of every worker, in worker order
+                w.server_receive(torch.stack([s[w.rank] for s in sends]), k)
+        dsts = [w.result_buffer(None, x.dtype) for w, x in zip(workers, xs, strict=True)]
+        for k in range(workers[0].num_pieces):
+            gathered = torch.cat([w.server_send(k) for w in workers])  # all_gather: rows in rank order
+            for w, dst in zip(workers, dsts, strict=True):
+                w.finish_piece(gathered, dst, k)
+        outs = [w.finish(dst, None, x.dtype) for w, dst, x in zip(workers, dsts, xs, strict=True)]
         for w in self.workers:
             w._account()
         return outs

@@ -108,6 +108,9 @@ class Codec:
     """Base class: geometry, dispatch and the scale computation shared by all kinds."""
 
     kind: int
+    # Encoding with given scales and decoding are elementwise, so a row can be cut into column
+    # pieces that are encoded, sent and decoded separately (the allreduce pipeline relies on it).
+    elementwise: bool = True
 
     def __init__(self, block_size: int | None = None, backend: str | None = None) -> None:
         if block_size is not None:
@@ -255,10 +258,10 @@ class Codec:
                          out=out, scales=scales)
 
     def encode_diff(self, target: torch.Tensor, reference: torch.Tensor, nseg: int = 1,
-                    out: Encoded | None = None) -> Encoded:
+                    out: Encoded | None = None, scales: torch.Tensor | None = None) -> Encoded:
         """encode(target - reference) without touching ``reference``."""
         return self._run(_as_fp32_vector(target, "target"), reference, DIFF, nseg, dtype=target.dtype,
-                         out=out)
+                         out=out, scales=scales)
 
     def server_step(self, messages: Encoded, error: torch.Tensor | None = None,
                     out: Encoded | None = None, mean: torch.Tensor | None = None) -> Encoded:

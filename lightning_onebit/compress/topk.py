@@ -24,6 +24,7 @@ class TopKCodec(Codec):
     """Keep the ``ratio`` fraction (at least one) largest-magnitude entries of each row."""
 
     kind = TOPK
+    elementwise = False  # the k kept entries are chosen per whole row
 
     def __init__(self, ratio: float = 0.01) -> None:
         if not 0 < ratio <= 1:

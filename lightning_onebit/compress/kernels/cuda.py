@@ -126,7 +126,7 @@ def _reduce_kernel(kind, mode, use_msg, x, st, mc, ms, nseg, seg_len, block, til
 @cuda.jit
 def _encode_sign_kernel(mode, use_msg, x, st, mc, ms, nseg, seg_len, block, scales, codes):
     kind = 0  # sign kinds share the encode pass; only their scales differ
-    cb = codes.shape[1]
+    cb = (seg_len + 7) // 8  # not codes.shape[1]: rows may be widened to a packed buffer's stride
     nbytes = nseg * cb
     k = cuda.grid(1)
     bps = (seg_len + block - 1) // block
@@ -205,6 +205,15 @@ def _arr(t: torch.Tensor):
     return t.detach().numpy()
 
 
+def _codes_arr(codes: torch.Tensor):
+    """Codes rows that are views into a packed ``[codes | scales]`` buffer, widened to the full
+    row stride: the simulator only takes contiguous arrays, and the kernels never index past
+    the code bytes of a row."""
+    if codes.dim() == 2 and not codes.is_contiguous() and codes.stride(1) == 1:
+        codes = torch.as_strided(codes, (codes.shape[0], codes.stride(0)), (codes.stride(0), 1))
+    return _arr(codes)
+
+
 def _stream(device: torch.device):
     if device.type == "cuda":
         return cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
@@ -231,7 +240,7 @@ def _inputs(kind, x, st, msg_codes, msg_scales, device):
         mc, ms = c, s
     else:
         mc, ms = msg_codes, msg_scales.reshape(msg_codes.shape[0], -1)
-    return _arr(x), _arr(st), _arr(mc), _arr(ms)
+    return _arr(x), _arr(st), _codes_arr(mc), _arr(ms.contiguous())
 
 
 def _tiling(layout: Layout) -> tuple[int, int]:
@@ -260,7 +269,7 @@ def encode(kind, mode, layout: Layout, x, st, msg_codes, msg_scales, scales, cod
     xa, sa, mc, ms = _inputs(kind, x, st, msg_codes, msg_scales, device)
     flat_scales = _arr(scales.reshape(-1))
     args = (mode, msg_codes is not None, xa, sa, mc, ms, layout.nseg, layout.seg_len, layout.block,
-            flat_scales, _arr(codes))
+            flat_scales, _codes_arr(codes))
     if is_sign(kind):
         _encode_sign_kernel[_grid(codes.numel(), THREADS), THREADS, _stream(device)](*args)
     else:
@@ -271,7 +280,8 @@ def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows
     device = codes.device
     n = layout.seg_len if mean_rows else layout.numel
     _decode_kernel[_grid(n, THREADS), THREADS, _stream(device)](
-        kind, _arr(codes), _arr(scales.reshape(codes.shape[0], -1)), layout.nseg, layout.seg_len,
+        kind, _codes_arr(codes), _arr(scales.reshape(codes.shape[0], -1).contiguous()), layout.nseg,
+        layout.seg_len,
         layout.block, _arr(out), accumulate, mean_rows)
 
 
