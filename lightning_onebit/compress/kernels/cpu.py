@@ -139,10 +139,68 @@ def _tile_decode_row(kind, cw, sc0, sc1, lo, out):
 
 
 @njit(inline="always", cache=True)
+def _sel(p, a, b):
+    return b if p else a
+
+
+@njit(inline="always", cache=True)
+def _tile_mean_sign_lut(mc, ms, b, lo, buf):
+    """The mean of 1-4 sign rows by table: with one scale per row and block, an element's mean
+    is one of 2^n values, fixed by its n sign bits. Each table entry is computed exactly as
+    the fp64 path computes it (same values, same order), so the result is bit-identical;
+    per element it is then a select tree instead of n fp64 additions (2-5x faster)."""
+    nw = mc.shape[0]
+    t = np.zeros(16, np.float32)
+    for p in range(1 << nw):
+        acc = 0.0
+        for w in range(nw):
+            s = ms[w, b]
+            acc += np.float64(s if (p >> w) & 1 else -s)
+        t[p] = _F32(acc / nw)
+    n = buf.size
+    k0, nb = lo >> 3, n >> 3
+    # scalars, not t[...] in the loop: LLVM vectorises the select tree only over locals
+    t0, t1, t2, t3 = t[0], t[1], t[2], t[3]
+    if nw <= 2:
+        c0, c1 = mc[0, k0 : k0 + nb], mc[nw - 1, k0 : k0 + nb]
+        m1 = np.uint8(1) if nw == 2 else np.uint8(0)  # one row: p1 = 0, t0/t1 are -s/+s
+        for k in range(nb):
+            x0 = c0[k]
+            x1 = c1[k]
+            for j in range(8):
+                p0 = (x0 >> j) & 1
+                p1 = (x1 >> j) & m1
+                buf[8 * k + j] = (t3 if p0 else t2) if p1 else (t1 if p0 else t0)
+    else:
+        t4, t5, t6, t7, t8, t9, t10, t11 = t[4], t[5], t[6], t[7], t[8], t[9], t[10], t[11]
+        t12, t13, t14, t15 = t[12], t[13], t[14], t[15]
+        c0, c1, c2 = mc[0, k0 : k0 + nb], mc[1, k0 : k0 + nb], mc[2, k0 : k0 + nb]
+        c3 = mc[nw - 1, k0 : k0 + nb]  # with 3 rows: any row, its bit is masked off below
+        m3 = np.uint8(1) if nw == 4 else np.uint8(0)
+        for k in range(nb):
+            x0, x1, x2, x3 = c0[k], c1[k], c2[k], c3[k]
+            for j in range(8):
+                p0, p1, p2, p3 = (x0 >> j) & 1, (x1 >> j) & 1, (x2 >> j) & 1, (x3 >> j) & m3
+                lo2 = _sel(p2, _sel(p1, _sel(p0, t0, t1), _sel(p0, t2, t3)),
+                           _sel(p1, _sel(p0, t4, t5), _sel(p0, t6, t7)))
+                hi2 = _sel(p2, _sel(p1, _sel(p0, t8, t9), _sel(p0, t10, t11)),
+                           _sel(p1, _sel(p0, t12, t13), _sel(p0, t14, t15)))
+                buf[8 * k + j] = _sel(p3, lo2, hi2)
+    for i in range(nb * 8, n):
+        p = 0
+        for w in range(nw):
+            p |= ((mc[w, (lo + i) >> 3] >> ((lo + i) & 7)) & 1) << w
+        buf[i] = t[p]
+
+
+@njit(inline="always", cache=True)
 def _tile_mean(kind, mc, ms, b, lo, buf, acc):
     """buf = mean over message rows (workers 0..n-1 summed in order in fp64, then / n)."""
     nw = mc.shape[0]
     n = buf.size
+    if kind != MINMAX_U8 and nw <= 4:
+        _tile_mean_sign_lut(mc, ms, b, lo, buf)
+        return
     acc[:n] = 0.0
     for w in range(nw):
         if kind == MINMAX_U8:
@@ -238,13 +296,12 @@ def _decode_mean(kind, codes, scales, seg_len, block, tile_len, tpb, out, accumu
         g, r, b, lo, hi = _tile_bounds(t, tpb, tile_len, bps, block, seg_len)
         if hi > lo:
             dst = out[lo:hi]
-            buf = np.empty(hi - lo, np.float32)
-            _tile_mean(kind, codes, scales, b, lo, buf, np.empty(hi - lo, np.float64))
+            buf = np.empty(hi - lo, np.float32) if accumulate else dst
+            lut = kind != MINMAX_U8 and codes.shape[0] <= 4  # no fp64 scratch needed
+            _tile_mean(kind, codes, scales, b, lo, buf, np.empty(0 if lut else hi - lo, np.float64))
             if accumulate:
                 for i in range(dst.size):
                     dst[i] += buf[i]
-            else:
-                dst[:] = buf
 
 
 # --- torch-facing wrappers ------------------------------------------------------------
