@@ -163,22 +163,29 @@ def test_backend_env_var(monkeypatch):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("block_size", [None, 16])
 @pytest.mark.parametrize("with_error", [True, False])
-def test_server_step_equals_the_fused_message_kernels(backend, kind, block_size, with_error):
-    """server_step decodes the mean once and encodes it; the message-source kernels rebuild the mean
-    inside the reduction and the encode pass. Same codes, scales and server error, bit for bit."""
-    from lightning_onebit.compress.kernels.layout import ERROR_FEEDBACK, PLAIN
-
+def test_server_step_is_the_mean_then_encode(backend, kind, block_size, with_error):
+    """server_step(messages, e) = encode_error_feedback(mean of the decoded rows, e), where the mean
+    sums workers 0..n-1 in fp64 in order (built here row by row, not with decode_mean)."""
     cod = make_codec(kind, block_size, backend)
     g = torch.Generator().manual_seed(5)
-    n, seg = 3, 8 * 37
+    n, seg = 3, 8 * 37 + 4
     msgs = cod.encode(torch.randn(n * seg, generator=g) * 3, nseg=n)
+    acc = torch.zeros(seg, dtype=torch.float64)
+    for w in range(n):
+        acc += cod.decode(msgs.row(w)).double()
+    mean = (acc / n).float()
     err0 = torch.randn(seg, generator=g) if with_error else None
-    e_new, e_old = (err0.clone(), err0.clone()) if with_error else (None, None)
-    new = cod.server_step(msgs, e_new, mean=torch.full((seg,), float("nan")))  # mean buffer is overwritten
-    old = cod._run(None, e_old, ERROR_FEEDBACK if with_error else PLAIN, 1, msg=msgs, dtype=msgs.dtype)
-    assert torch.equal(new.codes, old.codes) and torch.equal(new.scales, old.scales)
+    e_step, e_want = (err0.clone(), err0.clone()) if with_error else (None, None)
+    got = cod.server_step(msgs, e_step, mean=torch.full((seg,), float("nan")))  # mean= is overwritten
+    want = cod.encode_error_feedback(mean, e_want) if with_error else cod.encode(mean)
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.scales, want.scales)
     if with_error:
-        assert torch.equal(e_new, e_old)
+        assert torch.equal(e_step, e_want)
+    if kind == "l2":  # and the scale is the 1-bit Adam one: ||v||_2 / sqrt(len) per block
+        v = mean + (err0 if with_error else 0)
+        blocks = v.split(block_size or seg)
+        want_scales = torch.stack([b.double().norm() / len(b) ** 0.5 for b in blocks]).float()
+        torch.testing.assert_close(got.scales.view(-1), want_scales, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("block_size", [None, 16])

@@ -190,17 +190,11 @@ class Codec:
         return scales
 
     # -- core ----------------------------------------------------------------------------
-    def _run(self, x: torch.Tensor | None, state: torch.Tensor | None, mode: int, nseg: int,
-             msg: Encoded | None = None, dtype: torch.dtype = torch.float32,
-             out: Encoded | None = None, scales: torch.Tensor | None = None) -> Encoded:
-        if msg is not None:
-            lay = Layout(1, msg.seg_len, msg.block)
-            device = msg.device
-            if msg.kind != self.kind:
-                raise ValueError("message was encoded by a different codec kind")
-        else:
-            lay = self.layout(x.numel(), nseg)
-            device = x.device
+    def _run(self, x: torch.Tensor, state: torch.Tensor | None, mode: int, nseg: int,
+             dtype: torch.dtype = torch.float32, out: Encoded | None = None,
+             scales: torch.Tensor | None = None) -> Encoded:
+        lay = self.layout(x.numel(), nseg)
+        device = x.device
         if state is not None:
             _check_state(state, lay.numel, device, "state buffer")
         if out is None:
@@ -212,11 +206,10 @@ class Codec:
         if lay.numel == 0:
             return out
         backend = self._backend(device)
-        mc, ms = (msg.codes, msg.scales) if msg is not None else (None, None)
         if scales is None:
-            scales = self._scales(backend.reduce(self.kind, mode, lay, x, state, mc, ms), lay)
+            scales = self._scales(backend.reduce(self.kind, mode, lay, x, state), lay)
         out.scales.copy_(scales)
-        backend.encode(self.kind, mode, lay, x, state, mc, ms, out.scales, out.codes)
+        backend.encode(self.kind, mode, lay, x, state, out.scales, out.codes)
         return out
 
     # -- public ops ----------------------------------------------------------------------
@@ -234,8 +227,7 @@ class Codec:
             _check_state(state, lay.numel, x.device, "state buffer")
         if lay.numel == 0:
             return self.empty(lay.nseg, lay.seg_len, x.device).scales
-        partials = self._backend(x.device).reduce(self.kind, m, lay, x, state if m != PLAIN else None,
-                                                   None, None)
+        partials = self._backend(x.device).reduce(self.kind, m, lay, x, state if m != PLAIN else None)
         return self._scales(partials, lay)
 
     # Every encode op takes ``out=``: message buffers to write into (e.g. views into a packed

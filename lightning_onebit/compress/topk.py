@@ -77,20 +77,13 @@ class TopKCodec(Codec):
                              "nothing was encoded and no error/estimate state was changed")
         return torch.empty(0)  # nothing to precompute; the check is what callers need
 
-    def _run(self, x, state, mode, nseg, msg=None, dtype=torch.float32, out=None, scales=None) -> Encoded:
-        if msg is not None:
-            v = self.decode_mean(msg).view(1, -1)
-            nseg, device = 1, msg.device
-            if mode != PLAIN:
-                _check_state(state, v.numel(), device, "state buffer")
-                v = v + state.view(1, -1)
-        else:
-            if state is not None:
-                _check_state(state, x.numel(), x.device, "state buffer")
-            if scales is None:
-                self.compute_scales(x, state, {v: k for k, v in MODES.items()}[mode], nseg)
-            v = self._value(x, state, mode, nseg)
-            device = x.device
+    def _run(self, x, state, mode, nseg, dtype=torch.float32, out=None, scales=None) -> Encoded:
+        if state is not None:
+            _check_state(state, x.numel(), x.device, "state buffer")
+        if scales is None:
+            self.compute_scales(x, state, {v: k for k, v in MODES.items()}[mode], nseg)
+        v = self._value(x, state, mode, nseg)
+        device = x.device
         seg = v.shape[1]
         out = out if out is not None else self.empty(nseg, seg, device, dtype)
         out.dtype = dtype

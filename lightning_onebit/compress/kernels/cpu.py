@@ -216,10 +216,6 @@ def _tile_mean(kind, mc, ms, b, lo, buf, acc):
 # --- kernels -------------------------------------------------------------------------------
 
 
-# Tensor-source (worker side, the hot path) and message-source (server side) kernels are
-# separate functions: one kernel with both branches in its parallel loop ran ~2x slower.
-
-
 # reassoc must sit on the kernel: inline="always" inlines numba IR, compiled with the caller's flags
 @njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc"})
 def _reduce_x(kind, a, x, st, nseg, seg_len, block, tile_len, tpb, out):
@@ -229,18 +225,6 @@ def _reduce_x(kind, a, x, st, nseg, seg_len, block, tile_len, tpb, out):
         xs = x[r * seg_len + lo : r * seg_len + hi]
         ss = st[r * seg_len + lo : r * seg_len + hi]
         _tile_reduce(kind, a, xs, ss, out, t)
-
-
-@njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc"})
-def _reduce_msg(kind, a, st, mc, ms, seg_len, block, tile_len, tpb, out):
-    bps = (seg_len + block - 1) // block
-    for t in prange(bps * tpb):
-        g, r, b, lo, hi = _tile_bounds(t, tpb, tile_len, bps, block, seg_len)
-        if hi > lo:
-            xs = np.empty(hi - lo, np.float32)
-            _tile_mean(kind, mc, ms, b, lo, xs, np.empty(hi - lo, np.float64))
-            ss = xs if a == 0 else st[lo:hi]
-            _tile_reduce(kind, a, xs, ss, out, t)
 
 
 @njit(inline="always", cache=True)
@@ -259,18 +243,6 @@ def _encode_x(kind, mode, a, x, st, nseg, seg_len, block, tile_len, tpb, scales,
         xs = x[r * seg_len + lo : r * seg_len + hi]
         ss = st[r * seg_len + lo : r * seg_len + hi]
         _tile_encode_at(kind, mode, a, xs, ss, codes, scales, r, g, lo, hi)
-
-
-@njit(parallel=True, nogil=True, cache=True)
-def _encode_msg(kind, mode, a, st, mc, ms, seg_len, block, tile_len, tpb, scales, codes):
-    bps = (seg_len + block - 1) // block
-    for t in prange(bps * tpb):
-        g, r, b, lo, hi = _tile_bounds(t, tpb, tile_len, bps, block, seg_len)
-        if hi > lo:
-            xs = np.empty(hi - lo, np.float32)
-            _tile_mean(kind, mc, ms, b, lo, xs, np.empty(hi - lo, np.float64))
-            ss = xs if a == 0 else st[lo:hi]
-            _tile_encode_at(kind, mode, a, xs, ss, codes, scales, r, g, lo, hi)
 
 
 @njit(parallel=True, nogil=True, cache=True)
@@ -306,18 +278,9 @@ def _decode_mean(kind, codes, scales, seg_len, block, tile_len, tpb, out, accumu
 
 # --- torch-facing wrappers ------------------------------------------------------------
 
-_EMPTY_F = np.empty(0, np.float32)
-_EMPTY_C = np.empty((0, 0), np.uint8)
-_EMPTY_S = np.empty((0, 0), np.float32)
-
-
 def _tiling(layout: Layout) -> tuple[int, int]:
     tile_len = min(TILE, layout.block)
     return tile_len, layout.tiles_per_block(tile_len)
-
-
-def _np(t: torch.Tensor | None, empty):
-    return empty if t is None else t.detach().numpy()
 
 
 def _rows(codes: torch.Tensor) -> np.ndarray:
@@ -330,9 +293,7 @@ def _rows(codes: torch.Tensor) -> np.ndarray:
     return torch.as_strided(codes, (n, stride), (stride, 1)).numpy()
 
 
-def _msg(kind: int, codes, scales):
-    if codes is None:
-        return _EMPTY_C, _EMPTY_S
+def _msg(codes, scales):
     return _rows(codes), scales.reshape(codes.shape[0], -1).numpy()
 
 
@@ -340,41 +301,29 @@ def _mode_factor(mode: int) -> np.float32:
     return np.float32({PLAIN: 0.0, ERROR_FEEDBACK: 1.0, MARKOV: -1.0, DIFF: -1.0}[mode])
 
 
-def reduce(kind, mode, layout: Layout, x, st, msg_codes, msg_scales) -> torch.Tensor:
+def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
     tile_len, tpb = _tiling(layout)
     width = 1 if is_sign(kind) else 3
     out = np.zeros((layout.nblocks * tpb, width), np.float64)
     if kind == MINMAX_U8:  # empty tiles (short last block) must not win min/max
         out[:, 0] = np.inf
         out[:, 1] = -np.inf
-    a = _mode_factor(mode)
-    if msg_codes is None:
-        xa = x.numpy()
-        _reduce_x(kind, a, xa, xa if st is None else st.numpy(), layout.nseg, layout.seg_len,
-                  layout.block, tile_len, tpb, out)
-    else:
-        mc, ms = _msg(kind, msg_codes, msg_scales)
-        _reduce_msg(kind, a, _np(st, _EMPTY_F), mc, ms, layout.seg_len, layout.block, tile_len, tpb, out)
+    xa = x.numpy()
+    _reduce_x(kind, _mode_factor(mode), xa, xa if st is None else st.numpy(), layout.nseg, layout.seg_len,
+              layout.block, tile_len, tpb, out)
     return torch.from_numpy(out).view(layout.nblocks, tpb, width)
 
 
-def encode(kind, mode, layout: Layout, x, st, msg_codes, msg_scales, scales, codes) -> None:
+def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     tile_len, tpb = _tiling(layout)
-    a = _mode_factor(mode)
-    sc, cd = scales.reshape(-1).numpy(), _rows(codes)
-    if msg_codes is None:
-        xa = x.numpy()
-        _encode_x(kind, mode, a, xa, xa if st is None else st.numpy(), layout.nseg, layout.seg_len,
-                  layout.block, tile_len, tpb, sc, cd)
-    else:
-        mc, ms = _msg(kind, msg_codes, msg_scales)
-        _encode_msg(kind, mode, a, _np(st, _EMPTY_F), mc, ms, layout.seg_len, layout.block, tile_len,
-                    tpb, sc, cd)
+    xa = x.numpy()
+    _encode_x(kind, mode, _mode_factor(mode), xa, xa if st is None else st.numpy(), layout.nseg,
+              layout.seg_len, layout.block, tile_len, tpb, scales.reshape(-1).numpy(), _rows(codes))
 
 
 def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False) -> None:
     tile_len, tpb = _tiling(layout)
-    mc, ms = _msg(kind, codes, scales)
+    mc, ms = _msg(codes, scales)
     if mean_rows:
         _decode_mean(kind, mc, ms, layout.seg_len, layout.block, tile_len, tpb, out.numpy(), accumulate)
     else:

@@ -39,15 +39,18 @@ def _decode_one(kind, codes, scales, row, i, b):
 
 
 @cuda.jit(device=True, inline=True)
-def _value(kind, mode, use_msg, x, st, mc, ms, r, i, b, seg_len):
-    if use_msg:
-        nw = mc.shape[0]
-        acc = 0.0  # fp64: n large decoded values must not overflow before the division
-        for w in range(nw):
-            acc += float64(_decode_one(kind, mc, ms, w, i, b))
-        s = float32(acc / nw)
-    else:
-        s = x[r * seg_len + i]
+def _mean_of_rows(kind, mc, ms, i, b):
+    """Element i of the mean over the message rows (workers 0..n-1 summed in order)."""
+    nw = mc.shape[0]
+    acc = 0.0  # fp64: n large decoded values must not overflow before the division
+    for w in range(nw):
+        acc += float64(_decode_one(kind, mc, ms, w, i, b))
+    return float32(acc / nw)
+
+
+@cuda.jit(device=True, inline=True)
+def _value(mode, x, st, r, i, seg_len):
+    s = x[r * seg_len + i]
     if mode == ERROR_FEEDBACK:
         return s + st[r * seg_len + i]
     if mode == MARKOV or mode == DIFF:
@@ -75,7 +78,7 @@ def _round_half_even(t):
 
 
 @cuda.jit
-def _reduce_kernel(kind, mode, use_msg, x, st, mc, ms, nseg, seg_len, block, tile_len, tpb, out):
+def _reduce_kernel(kind, mode, x, st, nseg, seg_len, block, tile_len, tpb, out):
     s_a = cuda.shared.array(THREADS, float64)
     s_b = cuda.shared.array(THREADS, float64)
     s_c = cuda.shared.array(THREADS, float64)
@@ -90,7 +93,7 @@ def _reduce_kernel(kind, mode, use_msg, x, st, mc, ms, nseg, seg_len, block, til
         mx = -math.inf
         i = lo + tid
         while i < hi:
-            v = float64(_value(kind, mode, use_msg, x, st, mc, ms, r, i, b, seg_len))
+            v = float64(_value(mode, x, st, r, i, seg_len))
             if kind == MINMAX_U8:
                 mn = min(mn, v)
                 mx = max(mx, v)
@@ -124,8 +127,8 @@ def _reduce_kernel(kind, mode, use_msg, x, st, mc, ms, nseg, seg_len, block, til
 
 
 @cuda.jit
-def _encode_sign_kernel(mode, use_msg, x, st, mc, ms, nseg, seg_len, block, scales, codes):
-    kind = 0  # sign kinds share the encode pass; only their scales differ
+def _encode_sign_kernel(mode, x, st, nseg, seg_len, block, scales, codes):
+    # both sign kinds share the encode pass; only their scales differ
     cb = (seg_len + 7) // 8  # not codes.shape[1]: rows may be widened to a packed buffer's stride
     nbytes = nseg * cb
     k = cuda.grid(1)
@@ -137,7 +140,7 @@ def _encode_sign_kernel(mode, use_msg, x, st, mc, ms, nseg, seg_len, block, scal
         for i in range(i0, min(i0 + 8, seg_len)):
             b = i // block
             s = scales[r * bps + b]
-            v = _value(kind, mode, use_msg, x, st, mc, ms, r, i, b, seg_len)
+            v = _value(mode, x, st, r, i, seg_len)
             pos = v >= 0
             if pos:
                 byte |= 1 << (i - i0)
@@ -151,7 +154,7 @@ def _encode_sign_kernel(mode, use_msg, x, st, mc, ms, nseg, seg_len, block, scal
 
 
 @cuda.jit
-def _encode_minmax_kernel(mode, use_msg, x, st, mc, ms, nseg, seg_len, block, scales, codes):
+def _encode_minmax_kernel(mode, x, st, nseg, seg_len, block, scales, codes):
     n = nseg * seg_len
     j = cuda.grid(1)
     bps = (seg_len + block - 1) // block
@@ -163,7 +166,7 @@ def _encode_minmax_kernel(mode, use_msg, x, st, mc, ms, nseg, seg_len, block, sc
         smin = float64(scales[2 * g])
         rng = float64(scales[2 * g + 1]) - smin
         inv = 255.0 / rng if rng > 0 else 0.0
-        v = _value(MINMAX_U8, mode, use_msg, x, st, mc, ms, r, i, b, seg_len)
+        v = _value(mode, x, st, r, i, seg_len)
         q = min(max(_round_half_even((float64(v) - smin) * inv), 0.0), 255.0)
         codes[r, i] = q
         dec = float32(smin + q * (rng / 255.0))
@@ -184,7 +187,7 @@ def _decode_kernel(kind, codes, scales, nseg, seg_len, block, out, accumulate, m
         i = j - r * seg_len
         b = i // block
         if mean_rows:
-            v = _value(kind, PLAIN, True, out, out, codes, scales, 0, i, b, seg_len)
+            v = _mean_of_rows(kind, codes, scales, i, b)
         else:
             v = _decode_one(kind, codes, scales, r, i, b)
         if accumulate:
@@ -225,22 +228,9 @@ def _grid(work: int, threads: int) -> int:
     return max(1, min(-(-work // threads), 65535 if not SIMULATED else 8))
 
 
-def _dummies(device: torch.device):
+def _inputs(x, st, device):
     f = torch.empty(0, dtype=torch.float32, device=device)
-    c = torch.empty((0, 0), dtype=torch.uint8, device=device)
-    s = torch.empty((0, 0), dtype=torch.float32, device=device)
-    return f, c, s
-
-
-def _inputs(kind, x, st, msg_codes, msg_scales, device):
-    f, c, s = _dummies(device)
-    x = f if x is None else x
-    st = f if st is None else st
-    if msg_codes is None:
-        mc, ms = c, s
-    else:
-        mc, ms = msg_codes, msg_scales.reshape(msg_codes.shape[0], -1)
-    return _arr(x), _arr(st), _codes_arr(mc), _arr(ms.contiguous())
+    return _arr(x), _arr(f if st is None else st)
 
 
 def _tiling(layout: Layout) -> tuple[int, int]:
@@ -248,28 +238,26 @@ def _tiling(layout: Layout) -> tuple[int, int]:
     return tile_len, layout.tiles_per_block(tile_len)
 
 
-def reduce(kind, mode, layout: Layout, x, st, msg_codes, msg_scales) -> torch.Tensor:
-    device = (x if x is not None else msg_codes).device
+def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
+    device = x.device
     tile_len, tpb = _tiling(layout)
     width = 1 if is_sign(kind) else 3
     out = torch.zeros(layout.nblocks * tpb, width, dtype=torch.float64, device=device)
     if kind == MINMAX_U8:
         out[:, 0] = math.inf
         out[:, 1] = -math.inf
-    xa, sa, mc, ms = _inputs(kind, x, st, msg_codes, msg_scales, device)
+    xa, sa = _inputs(x, st, device)
     grid = _grid(layout.nblocks * tpb, 1)
     _reduce_kernel[grid, THREADS, _stream(device)](
-        kind, mode, msg_codes is not None, xa, sa, mc, ms,
-        layout.nseg, layout.seg_len, layout.block, tile_len, tpb, _arr(out))
+        kind, mode, xa, sa, layout.nseg, layout.seg_len, layout.block, tile_len, tpb, _arr(out))
     return out.view(layout.nblocks, tpb, width)
 
 
-def encode(kind, mode, layout: Layout, x, st, msg_codes, msg_scales, scales, codes) -> None:
+def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     device = codes.device
-    xa, sa, mc, ms = _inputs(kind, x, st, msg_codes, msg_scales, device)
+    xa, sa = _inputs(x, st, device)
     flat_scales = _arr(scales.reshape(-1))
-    args = (mode, msg_codes is not None, xa, sa, mc, ms, layout.nseg, layout.seg_len, layout.block,
-            flat_scales, _codes_arr(codes))
+    args = (mode, xa, sa, layout.nseg, layout.seg_len, layout.block, flat_scales, _codes_arr(codes))
     if is_sign(kind):
         _encode_sign_kernel[_grid(codes.numel(), THREADS), THREADS, _stream(device)](*args)
     else:
@@ -281,8 +269,7 @@ def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows
     n = layout.seg_len if mean_rows else layout.numel
     _decode_kernel[_grid(n, THREADS), THREADS, _stream(device)](
         kind, _codes_arr(codes), _arr(scales.reshape(codes.shape[0], -1).contiguous()), layout.nseg,
-        layout.seg_len,
-        layout.block, _arr(out), accumulate, mean_rows)
+        layout.seg_len, layout.block, _arr(out), accumulate, mean_rows)
 
 
 __all__ = ["reduce", "encode", "decode", "DIFF", "PLAIN"]

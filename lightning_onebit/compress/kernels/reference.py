@@ -37,11 +37,10 @@ def _decode_rows(kind: int, layout: Layout, codes: torch.Tensor, scales: torch.T
     return (lo + codes[:, : layout.seg_len].double() * step).float()
 
 
-def _source(layout: Layout, x, msg_codes, msg_scales, kind) -> torch.Tensor:
-    if msg_codes is None:
-        return x.view(layout.nseg, layout.seg_len)
-    nw = msg_codes.shape[0]
-    rows = _decode_rows(kind, Layout(nw, layout.seg_len, layout.block), msg_codes, msg_scales)
+def _mean_of_rows(kind: int, layout: Layout, codes, scales) -> torch.Tensor:
+    """The mean over message rows as fp32 [1, seg_len]."""
+    nw = codes.shape[0]
+    rows = _decode_rows(kind, Layout(nw, layout.seg_len, layout.block), codes, scales)
     acc = rows[0].double()
     for w in range(1, nw):  # fixed order, in fp64: every backend sums workers 0..n-1 like this
         acc += rows[w].double()
@@ -61,9 +60,9 @@ def _blocks(v: torch.Tensor, layout: Layout, fill: float) -> torch.Tensor:
     return padded.view(layout.nblocks, layout.block)
 
 
-def reduce(kind: int, mode: int, layout: Layout, x, st, msg_codes, msg_scales) -> torch.Tensor:
+def reduce(kind: int, mode: int, layout: Layout, x, st) -> torch.Tensor:
     """Per-block partial reductions, fp64 [nblocks, 1, width]."""
-    v = _value(mode, _source(layout, x, msg_codes, msg_scales, kind), st, layout).double()
+    v = _value(mode, x.view(layout.nseg, layout.seg_len), st, layout).double()
     if kind == SIGN_L2:
         out = _blocks(v * v, layout, 0.0).sum(1, keepdim=True)
     elif kind == SIGN_L1:
@@ -76,9 +75,9 @@ def reduce(kind: int, mode: int, layout: Layout, x, st, msg_codes, msg_scales) -
     return out.view(layout.nblocks, 1, -1)
 
 
-def encode(kind, mode, layout: Layout, x, st, msg_codes, msg_scales, scales, codes) -> None:
+def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     """Write codes for the given scales; update the state buffer for EF / Markov modes."""
-    v = _value(mode, _source(layout, x, msg_codes, msg_scales, kind), st, layout)
+    v = _value(mode, x.view(layout.nseg, layout.seg_len), st, layout)
     if is_sign(kind):
         bits = v >= 0  # -0.0 >= 0 holds: zero and negative zero both code as +1
         cb = codes.shape[1]
@@ -109,7 +108,7 @@ def encode(kind, mode, layout: Layout, x, st, msg_codes, msg_scales, scales, cod
 def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False) -> None:
     """out = decode(codes) (or +=). With mean_rows, out is one row: the mean over the rows."""
     if mean_rows:
-        dec = _source(layout, None, codes, scales, kind)
+        dec = _mean_of_rows(kind, layout, codes, scales)
         target = out.view(1, layout.seg_len)
     else:
         dec = _decode_rows(kind, layout, codes, scales)
