@@ -186,12 +186,10 @@ class CompressedAllreduce:
         b = bufs[0][:, self.plan[0].cb4 :].view(torch.float32)
         return b.view(b.shape[0], -1) if is_sign(self.codec.kind) else b.view(b.shape[0], -1, 2)
 
-    def _piece(self, bufs: list[torch.Tensor], k: int, rows: slice, contiguous_scales: bool = False) -> Encoded:
+    def _piece(self, bufs: list[torch.Tensor], k: int, rows: slice) -> Encoded:
         """An Encoded view of piece ``k`` of ``rows`` of a pieced buffer."""
         p = self.plan[k]
         scales = self._row_scales(bufs)[rows, p.b0 : p.b1]
-        if contiguous_scales:
-            scales = scales.contiguous()  # a few bytes: kernels then see plain C arrays
         return Encoded(bufs[k][rows, : p.cb], scales, p.hi - p.lo, p.block, self.codec.kind)
 
     def bytes_per_call(self, numel: int) -> int:
