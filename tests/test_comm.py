@@ -251,3 +251,26 @@ def test_pipelined_distributed_equals_unpipelined_simulation(world_size):
             for r in range(world_size):
                 assert torch.equal(ranks[r][(cname, mode)][0][s], expected[r]), (cname, mode, r, s)
         assert sent == sim.counter.bytes_sent
+
+
+def _straggler(rank, world_size):
+    # verify="first": after the first call no agreement round guards the data collectives
+    car = CompressedAllreduce(SignCodec(), "error_feedback", verify="first", pieces=3)
+    x = torch.randn(200_000)
+    car(x)
+    if rank == 1:
+        time.sleep(12)  # alive, but never joins the second call
+        return None
+    t0 = time.monotonic()
+    try:
+        car(x)
+    except RuntimeError as exc:
+        return str(exc), time.monotonic() - t0
+    return None, time.monotonic() - t0
+
+
+def test_pipelined_call_honours_the_group_timeout():
+    """The async piece collectives are waited on with the process group's timeout, not forever."""
+    msg, elapsed = values(run_ranks(_straggler, 2, timeout_s=4))[0]
+    assert msg is not None and "Timed out" in msg, msg
+    assert elapsed < 10
