@@ -1,9 +1,9 @@
 """An in-process n-worker cluster with exactly the arithmetic of the distributed path.
 
-Each simulated worker is a :class:`CompressedAllreduce` driven stage by stage; this module
-only moves the packed rows between them the way ``all_to_all_single`` and
-``all_gather_into_tensor`` would. Same kernels, same chunking, same packed bytes, same
-order of summation: the result for n simulated workers is bit-identical to a real
+Each simulated worker is a :class:`CompressedAllreduce` driven stage by stage (piece by
+piece, like the pipelined distributed call); this module only moves the packed rows between
+them the way ``all_to_all_single`` and ``all_gather_into_tensor`` would. Same kernels, same
+chunking, same packed bytes, same order of summation: the result for n simulated workers is bit-identical to a real
 n-process run on the same inputs, so algorithms can be studied with 20 workers on a laptop
 and tests can compare one process against many.
 """
