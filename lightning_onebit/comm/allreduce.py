@@ -131,6 +131,7 @@ class CompressedAllreduce:
         self.worker: torch.Tensor | None = None  # worker error, or worker Markov estimate g_hat_i
         self.server: torch.Tensor | None = None  # server error, or server running mean g_hat
         self.tilde: torch.Tensor | None = None  # markov: the shared estimate g_tilde
+        self.plan: list[_Piece] = []  # pipeline pieces of a row, set when a size is bound
         self._verified = False
         self.bytes_sent = 0
         self.calls = 0
@@ -179,6 +180,7 @@ class CompressedAllreduce:
 
     @property
     def num_pieces(self) -> int:
+        """Pipeline pieces per call (0 until the first call binds a tensor size)."""
         return len(self.plan)
 
     def _row_scales(self, bufs: list[torch.Tensor]) -> torch.Tensor:
