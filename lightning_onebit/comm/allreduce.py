@@ -183,16 +183,16 @@ class CompressedAllreduce:
         """Pipeline pieces per call (0 until the first call binds a tensor size)."""
         return len(self.plan)
 
-    def _row_scales(self, bufs: list[torch.Tensor]) -> torch.Tensor:
-        """The scales of every row of a pieced buffer (they travel in piece 0)."""
-        b = bufs[0][:, self.plan[0].cb4 :].view(torch.float32)
+    def _row_scales(self, piece0: torch.Tensor) -> torch.Tensor:
+        """The scales of every row of a pieced buffer: they travel in piece 0, after its codes."""
+        b = piece0[:, self.plan[0].cb4 :].view(torch.float32)
         return b.view(b.shape[0], -1) if is_sign(self.codec.kind) else b.view(b.shape[0], -1, 2)
 
-    def _piece(self, bufs: list[torch.Tensor], k: int, rows: slice) -> Encoded:
-        """An Encoded view of piece ``k`` of ``rows`` of a pieced buffer."""
+    def _piece(self, buf: torch.Tensor, k: int, rows: slice, row_scales: torch.Tensor) -> Encoded:
+        """Piece ``k`` of ``rows`` of a piece buffer as an Encoded: its codes, and the slice of
+        ``row_scales`` (the rows' whole-row scales) that covers its blocks."""
         p = self.plan[k]
-        scales = self._row_scales(bufs)[rows, p.b0 : p.b1]
-        return Encoded(bufs[k][rows, : p.cb], scales, p.hi - p.lo, p.block, self.codec.kind)
+        return Encoded(buf[rows, : p.cb], row_scales[rows, p.b0 : p.b1], p.hi - p.lo, p.block, self.codec.kind)
 
     def bytes_per_call(self, numel: int) -> int:
         """Bytes this rank sends per call for a tensor of ``numel`` elements."""
@@ -302,15 +302,15 @@ class CompressedAllreduce:
             outs = [(xp, self.worker, self.codec.empty(n, seg, xp.device, packed=send[0]), scales, n)]
         else:
             if k == 0:  # piece 0 may go on the wire before the others are encoded: all scales now
-                self._row_scales(send).copy_(scales)
+                self._row_scales(send[0]).copy_(scales)
             p = self.plan[k]
             outs = []
             for r in range(n):
                 cols = slice(r * seg + p.lo, r * seg + p.hi)
-                sc = scales[r : r + 1, p.b0 : p.b1]  # the encode ops copy their scales into out.scales:
-                enc = self._piece(send, k, slice(r, r + 1))  # point it at themselves, not at piece 0
-                enc.scales = sc
-                outs.append((xp[cols], None if self.worker is None else self.worker[cols], enc, sc, 1))
+                # out.scales views `scales` itself, not piece 0 (maybe in flight): the encode ops'
+                # copy of their scales into out.scales is then a no-op
+                enc = self._piece(send[k], k, slice(r, r + 1), scales)
+                outs.append((xp[cols], None if self.worker is None else self.worker[cols], enc, enc.scales, 1))
         for x, state, enc, sc, nseg in outs:
             if self.mode == "error_feedback":
                 self.codec.encode_error_feedback(x, state, nseg=nseg, out=enc, scales=sc)
@@ -339,9 +339,8 @@ class CompressedAllreduce:
             return
         p = self.plan[k]
         if k == 0:  # the workers' scales travel in piece 0
-            self._recv_scales = self._row_scales([recv]).clone()
-        msgs = Encoded(recv[:, : p.cb], self._recv_scales[:, p.b0 : p.b1].contiguous(), p.hi - p.lo,
-                       p.block, self.codec.kind)
+            self._recv_scales = self._row_scales(recv).clone()
+        msgs = self._piece(recv, k, slice(None), self._recv_scales)
         if self.mode == "markov":
             self.codec.decode_mean(msgs, out=self.server[p.lo : p.hi], accumulate=True)
         else:
@@ -362,11 +361,11 @@ class CompressedAllreduce:
                 self._srv_scales = self.codec.compute_scales(self._mean, self.server, "error_feedback")
             else:
                 self._srv_scales = self.codec.compute_scales(self._mean)
-            self._row_scales(self._srv).copy_(self._srv_scales)
+            self._row_scales(self._srv[0]).copy_(self._srv_scales)
         p = self.plan[k]
-        cols, sc = slice(p.lo, p.hi), self._srv_scales[:, p.b0 : p.b1]
-        enc = self._piece(self._srv, k, slice(0, 1))
-        enc.scales = sc  # as in encode_stage: piece 0 (maybe in flight) already holds every scale
+        cols = slice(p.lo, p.hi)
+        enc = self._piece(self._srv[k], k, slice(0, 1), self._srv_scales)  # as in encode_stage
+        sc = enc.scales
         if self.mode == "markov":
             self.codec.encode_diff(self.server[cols], self._my_tilde()[cols], out=enc, scales=sc)
         elif self.mode == "error_feedback":
@@ -374,13 +373,6 @@ class CompressedAllreduce:
         else:
             self.codec.encode(self._mean[cols], out=enc, scales=sc)
         return self._srv[k]
-
-    def server_stage(self, recv: torch.Tensor) -> torch.Tensor:
-        """Stage 3 without a pipeline: the whole server step, one packed row ``[1, row_bytes]``."""
-        if self.num_pieces != 1:
-            raise RuntimeError("server_stage is the one-piece path; use server_receive / server_send")
-        self.server_receive(recv)
-        return self.server_send()
 
     # -- stage 4 ---------------------------------------------------------------------------
     def result_buffer(self, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -406,11 +398,10 @@ class CompressedAllreduce:
                               accumulate=acc)
             return
         if k == 0:
-            self._gathered_scales = self._row_scales([gathered])
+            self._gathered_scales = self._row_scales(gathered)
         p = self.plan[k]
         for r in range(n):
-            enc = Encoded(gathered[r : r + 1, : p.cb], self._gathered_scales[r : r + 1, p.b0 : p.b1],
-                          p.hi - p.lo, p.block, self.codec.kind)
+            enc = self._piece(gathered, k, slice(r, r + 1), self._gathered_scales)
             self.codec.decode(enc, out=dst[r * seg + p.lo : r * seg + p.hi], accumulate=acc)
 
     def finish(self, dst: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -426,13 +417,6 @@ class CompressedAllreduce:
             return dst[:d].to(dtype=dtype, copy=True)
         out.view(-1)[:d].copy_(dst[:d])
         return out
-
-    def finish_stage(self, gathered: torch.Tensor, out: torch.Tensor | None,
-                     dtype: torch.dtype) -> torch.Tensor:
-        """Stage 4 without a pipeline: decode all gathered server rows into the result."""
-        dst = self.result_buffer(out, dtype)
-        self.finish_piece(gathered, dst)
-        return self.finish(dst, out, dtype)
 
     def _account(self) -> None:
         nbytes = 2 * (self.world_size - 1) * self.row_bytes

@@ -3,9 +3,9 @@
 Each simulated worker is a :class:`CompressedAllreduce` driven stage by stage (piece by
 piece, like the pipelined distributed call); this module only moves the packed rows between
 them the way ``all_to_all_single`` and ``all_gather_into_tensor`` would. Same kernels, same
-chunking, same packed bytes, same order of summation: the result for n simulated workers is bit-identical to a real
-n-process run on the same inputs, so algorithms can be studied with 20 workers on a laptop
-and tests can compare one process against many.
+chunking, same packed bytes, same order of summation: the result for n simulated workers is
+bit-identical to a real n-process run on the same inputs, so algorithms can be studied with
+20 workers on a laptop and tests can compare one process against many.
 """
 
 from __future__ import annotations

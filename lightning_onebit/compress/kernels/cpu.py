@@ -194,14 +194,14 @@ def _tile_mean_sign_lut(mc, ms, b, lo, buf):
 
 
 @njit(inline="always", cache=True)
-def _tile_mean(kind, mc, ms, b, lo, buf, acc):
+def _tile_mean(kind, mc, ms, b, lo, buf):
     """buf = mean over message rows (workers 0..n-1 summed in order in fp64, then / n)."""
     nw = mc.shape[0]
     n = buf.size
     if kind != MINMAX_U8 and nw <= 4:
         _tile_mean_sign_lut(mc, ms, b, lo, buf)
         return
-    acc[:n] = 0.0
+    acc = np.zeros(n, np.float64)
     for w in range(nw):
         if kind == MINMAX_U8:
             _tile_decode_row(kind, mc[w], ms[w, 2 * b], ms[w, 2 * b + 1], lo, buf)
@@ -269,8 +269,7 @@ def _decode_mean(kind, codes, scales, seg_len, block, tile_len, tpb, out, accumu
         if hi > lo:
             dst = out[lo:hi]
             buf = np.empty(hi - lo, np.float32) if accumulate else dst
-            lut = kind != MINMAX_U8 and codes.shape[0] <= 4  # no fp64 scratch needed
-            _tile_mean(kind, codes, scales, b, lo, buf, np.empty(0 if lut else hi - lo, np.float64))
+            _tile_mean(kind, codes, scales, b, lo, buf)
             if accumulate:
                 for i in range(dst.size):
                     dst[i] += buf[i]
@@ -294,7 +293,8 @@ def _rows(codes: torch.Tensor) -> np.ndarray:
 
 
 def _msg(codes, scales):
-    return _rows(codes), scales.reshape(codes.shape[0], -1).numpy()
+    # scales of a pipeline piece are a column slice: a few bytes, copied so numba sees a C array
+    return _rows(codes), scales.reshape(codes.shape[0], -1).contiguous().numpy()
 
 
 def _mode_factor(mode: int) -> np.float32:
