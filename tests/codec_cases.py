@@ -20,31 +20,44 @@ def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 
 
 def assert_matches_reference(kind: str, block_size, backend: str, x: torch.Tensor, nseg: int = 1,
-                             seed: int = 0) -> None:
-    """Every op of ``backend`` equals the torch reference: codes bit for bit, floats to tolerance."""
+                             seed: int = 0, groups=None) -> None:
+    """Every op of ``backend`` equals the torch reference: codes bit for bit, floats to tolerance.
+    With ``groups`` (scale blocks that start anywhere, also inside a code byte) the rows differ in
+    their cuts; the server step is then checked on rows cut alike (a server's view)."""
     ref = make_codec(kind, block_size, "torch")
     cod = make_codec(kind, block_size, backend)
     g = torch.Generator().manual_seed(seed)
     n = x.numel()
+    kw = {"groups": groups}
 
-    e_ref, e_bk = ref.encode(x, nseg=nseg), cod.encode(x, nseg=nseg)
+    e_ref, e_bk = ref.encode(x, nseg=nseg, **kw), cod.encode(x, nseg=nseg, **kw)
     assert torch.equal(e_ref.codes, e_bk.codes), "codes differ"
     _close(e_bk.scales, e_ref.scales, "scales")
     _close(cod.decode(e_bk), ref.decode(e_ref), "decode")
-    assert e_bk.nbytes == ref.encoded_nbytes(n, nseg)
+    assert e_bk.nbytes == ref.encoded_nbytes(n, nseg, **kw)
 
     err0 = torch.randn(n, generator=g)
     err_ref, err_bk = err0.clone(), err0.clone()
-    a, b = ref.encode_error_feedback(x, err_ref, nseg=nseg), cod.encode_error_feedback(x, err_bk, nseg=nseg)
+    a, b = ref.encode_error_feedback(x, err_ref, nseg=nseg, **kw), cod.encode_error_feedback(x, err_bk, nseg=nseg, **kw)
     assert torch.equal(a.codes, b.codes), "error-feedback codes differ"
     _close(err_bk, err_ref, "error after feedback")
 
     est_ref, est_bk = err0.clone(), err0.clone()
-    a, b = ref.encode_markov(x, est_ref, nseg=nseg), cod.encode_markov(x, est_bk, nseg=nseg)
+    a, b = ref.encode_markov(x, est_ref, nseg=nseg, **kw), cod.encode_markov(x, est_bk, nseg=nseg, **kw)
     assert torch.equal(a.codes, b.codes), "markov codes differ"
     _close(est_bk, est_ref, "markov estimate")
 
-    if nseg > 1 and n:
+    if groups is not None and nseg > 1 and n:  # a server's message: every worker's copy of row 1
+        lay = ref.layout(n, nseg, groups).repeat_row(1, nseg)
+        m_ref, m_bk = ref.encode(x, layout=lay), cod.encode(x, layout=lay)
+        assert torch.equal(m_ref.codes, m_bk.codes), "codes of a server message differ"
+        serr0 = torch.randn(lay.seg_len, generator=g)
+        s_ref_err, s_bk_err = serr0.clone(), serr0.clone()
+        s_ref, s_bk = ref.server_step(m_ref, s_ref_err), cod.server_step(m_bk, s_bk_err)
+        assert torch.equal(s_ref.codes, s_bk.codes), "server codes differ"
+        _close(s_bk_err, s_ref_err, "server error")
+        _close(cod.decode_mean(m_bk), ref.decode_mean(m_ref), "decode_mean")
+    elif nseg > 1 and n:
         msgs_ref, msgs_bk = ref.encode(x, nseg=nseg), cod.encode(x, nseg=nseg)
         seg = n // nseg
         serr0 = torch.randn(seg, generator=g)

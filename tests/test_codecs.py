@@ -43,6 +43,79 @@ def test_numba_matches_reference(kind, block_size, x, nseg):
     assert_matches_reference(kind, block_size, "numba", x[:n].contiguous(), nseg=nseg)
 
 
+@st.composite
+def grouped(draw, max_len=700):
+    """A vector, a row count and group offsets that land anywhere (inside code bytes too)."""
+    nseg = draw(st.sampled_from([1, 2, 3, 5]))
+    seg = draw(st.integers(1, max_len // nseg))
+    n = nseg * seg
+    groups = draw(st.lists(st.integers(0, n), max_size=12))
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.logspace(-4, 4, n)[torch.randperm(n, generator=g)]
+    if draw(st.booleans()):
+        x[: n // 3] = 0.0
+    return x, nseg, groups
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("block_size", [None, 8, 24])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=grouped())
+def test_numba_matches_reference_with_groups(kind, block_size, case):
+    x, nseg, groups = case
+    assert_matches_reference(kind, block_size, "numba", x, nseg=nseg, groups=groups)
+
+
+def _expected_blocks(n: int, nseg: int, groups: list[int], block: int | None) -> list[list[tuple[int, int]]]:
+    """Scale blocks by definition: cut at row starts, group starts and every `block` from each group start."""
+    seg = n // nseg
+    gs = sorted({0, *[g for g in groups if g < n]})
+    cuts = set(range(0, n, seg)) | set(gs)
+    if block:
+        for a, b in zip(gs, [*gs[1:], n], strict=True):
+            cuts |= set(range(a, b, block))
+    cuts = sorted(cuts) + [n]
+    rows = [[] for _ in range(nseg)]
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        rows[a // seg].append((a - a // seg * seg, b - a // seg * seg))
+    return rows
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+@settings(max_examples=40, deadline=None)
+@given(case=grouped(max_len=300), block=st.sampled_from([None, 8, 16]))
+def test_scales_follow_group_boundaries(backend, case, block):
+    """One l2 scale per piece of a group inside a row (cut further by block_size from the group's
+    start), computed from that piece alone; unused scale slots of shorter rows are 0."""
+    x, nseg, groups = case
+    enc = SignCodec(block_size=block, backend=backend).encode(x, nseg=nseg, groups=groups)
+    y = SignCodec(block_size=block, backend=backend).decode(enc)
+    seg = x.numel() // nseg
+    for r, blocks in enumerate(_expected_blocks(x.numel(), nseg, groups, block)):
+        got = enc.layout.starts[r].tolist()
+        assert got[: len(blocks)] == [a for a, _ in blocks] and set(got[len(blocks):]) == {seg}
+        for j, (a, b) in enumerate(blocks):
+            xb = x[r * seg + a : r * seg + b]
+            s = xb.double().square().mean().sqrt().float()
+            torch.testing.assert_close(enc.scales[r, j], s, rtol=1e-6, atol=0)
+            torch.testing.assert_close(y[r * seg + a : r * seg + b], torch.where(xb >= 0, s, -s))
+        assert (enc.scales[r, len(blocks):] == 0).all()
+
+
+def test_a_small_tensor_keeps_its_own_scale():
+    """Two tensors with gradients 1e-4 and 1 in one vector: with their boundary as a group, the small
+    one decodes at its own magnitude; without, it takes the large one's scale (what a shared
+    bucket scale did)."""
+    x = torch.cat([torch.full((1000,), 1e-4), torch.ones(3000)]) * torch.tensor([1.0, -1.0]).repeat(2000)
+    for backend in ("torch", "numba"):
+        codec = SignCodec(backend=backend)
+        per_tensor = codec.decode(codec.encode(x, nseg=2, groups=[0, 1000]))
+        shared = codec.decode(codec.encode(x, nseg=2))
+        torch.testing.assert_close(per_tensor[:1000].abs(), torch.full((1000,), 1e-4))
+        assert shared[:1000].abs().min() > 0.5
+
+
 @pytest.mark.parametrize("backend", ["torch", "numba"])
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("block_size", [None, 16])
@@ -64,9 +137,9 @@ def test_sign_codec_semantics(backend, x, block, scale):
         return
     pos = x >= 0  # -0.0 codes as +1
     nb = enc.scales.numel()
-    blk = enc.block
+    starts = enc.layout.starts[0].tolist()
     for b in range(nb):
-        sl = slice(b * blk, min((b + 1) * blk, x.numel()))
+        sl = slice(starts[b], starts[b + 1])
         xb = x[sl].double()
         expect = (xb.square().mean().sqrt() if scale == "l2" else xb.abs().mean()).float()
         torch.testing.assert_close(enc.scales.view(-1)[b], expect, rtol=1e-6, atol=0)
@@ -85,9 +158,9 @@ def test_minmax_error_bound(backend, x, block):
     assert enc.codes.dtype == torch.uint8 and enc.nbytes == x.numel() + 8 * enc.scales.shape[1]
     if x.numel() == 0:
         return
-    blk = enc.block
+    starts = enc.layout.starts[0].tolist()
     for b in range(enc.scales.shape[1]):
-        sl = slice(b * blk, min((b + 1) * blk, x.numel()))
+        sl = slice(starts[b], starts[b + 1])
         lo, hi = x[sl].min().double(), x[sl].max().double()
         bound = (hi - lo) / 255 + 1e-6 * max(abs(lo), abs(hi))
         assert (y[sl].double() - x[sl].double()).abs().max() <= bound

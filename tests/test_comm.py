@@ -25,30 +25,35 @@ def _input(rank: int, step: int, numel: int, dtype=torch.float32) -> torch.Tenso
     return (torch.randn(numel, generator=g) * (1 + step)).to(dtype)
 
 
+# tensors of a bucket: boundaries inside code bytes, a 1-element tensor, one spanning chunks
+GROUPS = (0, 3, 17, 18, 400, 777)
+
+
 def _cases():
     for cname in CODECS:
         for mode in MODES:
             for numel in SIZES:
-                yield cname, mode, numel, torch.float32
-    yield "sign-l2", "error_feedback", 333, torch.bfloat16
-    yield "minmax", "plain", 333, torch.bfloat16
+                yield cname, mode, numel, torch.float32, None
+            yield cname, mode, 1000, torch.float32, GROUPS
+    yield "sign-l2", "error_feedback", 333, torch.bfloat16, None
+    yield "minmax", "plain", 333, torch.bfloat16, GROUPS[:4]
 
 
 def _all_cases_on_rank(rank, world_size):
     out = {}
-    for cname, mode, numel, dtype in _cases():
-        car = CompressedAllreduce(CODECS[cname](), mode)
+    for cname, mode, numel, dtype, groups in _cases():
+        car = CompressedAllreduce(CODECS[cname](), mode, groups=groups)
         res = [car(_input(rank, s, numel, dtype)) for s in range(STEPS)]
-        out[(cname, mode, numel, str(dtype))] = (res, car.bytes_sent, car.row_bytes)
+        out[(cname, mode, numel, str(dtype), groups)] = (res, car.bytes_sent, car.row_bytes)
     return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_distributed_equals_simulation_bit_for_bit(world_size):
     ranks = values(run_ranks(_all_cases_on_rank, world_size))
-    for cname, mode, numel, dtype in _cases():
-        key = (cname, mode, numel, str(dtype))
-        sim = SimulatedCluster(CODECS[cname](), mode, world_size)
+    for cname, mode, numel, dtype, groups in _cases():
+        key = (cname, mode, numel, str(dtype), groups)
+        sim = SimulatedCluster(CODECS[cname](), mode, world_size, groups=groups)
         for s in range(STEPS):
             expected = sim.allreduce([_input(r, s, numel, dtype) for r in range(world_size)])
             for r in range(world_size):
@@ -78,7 +83,8 @@ def test_non_world_group():
 
 def _mismatch(rank, world_size, what):
     codec = SignCodec() if (what != "codec" or rank == 0) else MinMaxUInt8Codec()
-    car = CompressedAllreduce(codec, "error_feedback")
+    groups = [0, 10 + rank] if what == "groups" else None
+    car = CompressedAllreduce(codec, "error_feedback", groups=groups)
     numel = 100 + (rank if what == "numel" else 0)
     x = torch.randn(numel)
     if what == "nan" and rank == 1:
@@ -97,7 +103,7 @@ def _mismatch(rank, world_size, what):
 
 
 @pytest.mark.parametrize("what,needle", [("numel", "disagree on numel"), ("codec", "disagree on codec kind"),
-                                         ("nan", "not finite")])
+                                         ("groups", "disagree on groups"), ("nan", "not finite")])
 def test_mismatch_fails_fast_on_every_rank(what, needle):
     ranks = values(run_ranks(_mismatch, 2, what, timeout_s=30))
     for msg, elapsed, unchanged in ranks:
@@ -113,7 +119,9 @@ def test_bytes_match_formula():
             sim = SimulatedCluster(SignCodec(), "error_feedback", n, counter=counter)
             sim.allreduce([torch.randn(numel) for _ in range(n)])
             seg = ((numel + n - 1) // n + 7) // 8 * 8
-            row = -(-(seg // 8) // 4) * 4 + 4  # codes padded to 4 bytes + one fp32 scale
+            # the padding is a scale block of its own: the chunk it starts inside carries two scales
+            nb = 2 if numel % seg else 1
+            row = -(-(seg // 8) // 4) * 4 + 4 * nb  # codes padded to 4 bytes + fp32 scales
             assert counter.bytes_sent == 2 * (n - 1) * row
             if n > 1 and numel > 1000:
                 ratio = ring_allreduce_bytes(numel, n) / counter.bytes_sent
@@ -121,7 +129,7 @@ def test_bytes_match_formula():
                 assert counter.total.ratio_vs_fp32 == pytest.approx(ratio)
             q = SimulatedCluster(MinMaxUInt8Codec(), "plain", n)
             q.allreduce([torch.randn(numel) for _ in range(n)])
-            assert q.counter.bytes_sent == 2 * (n - 1) * (-(-seg // 4) * 4 + 8)
+            assert q.counter.bytes_sent == 2 * (n - 1) * (-(-seg // 4) * 4 + 8 * nb)
 
 
 @pytest.mark.parametrize("mode", ["error_feedback", "markov"])
@@ -195,9 +203,10 @@ PIPE_CODECS = {
 def test_pieces_do_not_change_the_result(cname):
     """Everything a piece splits is elementwise: any piece count gives the same bits and state."""
     for mode in MODES:
-        for n, numel in ((1, 9000), (2, 100_003), (3, 40_000)):
-            base = SimulatedCluster(PIPE_CODECS[cname](), mode, n, pieces=1)
-            piped = SimulatedCluster(PIPE_CODECS[cname](), mode, n, pieces=5)
+        for n, numel, groups in ((1, 9000, None), (2, 100_003, None), (3, 40_000, None),
+                                 (2, 100_003, (5, 33, 16_000, 49_999, 50_001, 70_000))):
+            base = SimulatedCluster(PIPE_CODECS[cname](), mode, n, pieces=1, groups=groups)
+            piped = SimulatedCluster(PIPE_CODECS[cname](), mode, n, pieces=5, groups=groups)
             for s in range(3):
                 xs = [_input(r, s, numel) for r in range(n)]
                 for a, b in zip(base.allreduce(xs), piped.allreduce(xs), strict=True):
@@ -222,7 +231,9 @@ def test_pipeline_plan():
     assert small.num_pieces == 1  # pieces shorter than MIN_PIECE would cost more latency than they hide
     blocked = CompressedAllreduce(SignCodec(block_size=1000), "plain", pieces=8, _virtual=(0, 1))
     blocked._bind(torch.empty(10_000))
-    assert blocked.num_pieces == 2 and all(p.lo % 4000 == 0 for p in blocked.plan)  # lcm(1000, 32)
+    # pieces may cut scale blocks (every piece uses the whole row's scales): only 4-byte packing counts
+    assert blocked.num_pieces == 8 and all(p.lo % 32 == 0 for p in blocked.plan)
+    assert any(p.lo % 1000 for p in blocked.plan)
     topk = CompressedAllreduce(TopKCodec(0.1), "plain", pieces=4)
     topk(torch.randn(10_000))
     assert topk.num_pieces == 1  # top-k chooses entries per whole row
@@ -230,11 +241,14 @@ def test_pipeline_plan():
         CompressedAllreduce(SignCodec(), pieces=0)
 
 
+PIPE_GROUPS = {"sign-l2": (7, 5000, 5001, 13_333), "sign-l1-blocked": None, "minmax-b64": (100, 9_999)}
+
+
 def _piped_on_rank(rank, world_size):
     out = {}
-    for cname in ("sign-l2", "sign-l1-blocked", "minmax-b64"):
+    for cname, groups in PIPE_GROUPS.items():
         for mode in MODES:
-            car = CompressedAllreduce(PIPE_CODECS[cname](), mode, pieces=3)
+            car = CompressedAllreduce(PIPE_CODECS[cname](), mode, pieces=3, groups=groups)
             res = [car(_input(rank, s, 20_011)) for s in range(2)]
             out[(cname, mode)] = (res, car.num_pieces, car.bytes_sent)
     return out
@@ -245,7 +259,7 @@ def test_pipelined_distributed_equals_unpipelined_simulation(world_size):
     ranks = values(run_ranks(_piped_on_rank, world_size))
     for (cname, mode), (_, pieces, sent) in ranks[0].items():
         assert pieces == 3
-        sim = SimulatedCluster(PIPE_CODECS[cname](), mode, world_size, pieces=1)
+        sim = SimulatedCluster(PIPE_CODECS[cname](), mode, world_size, pieces=1, groups=PIPE_GROUPS[cname])
         for s in range(2):
             expected = sim.allreduce([_input(r, s, 20_011) for r in range(world_size)])
             for r in range(world_size):

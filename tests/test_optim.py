@@ -299,10 +299,12 @@ def test_ddp_hook_equals_simulation_bit_for_bit(algo):
     for p, q in zip(model.parameters(), ranks[0][0], strict=True):
         assert torch.equal(p, q)
     per_step = [b - a for a, b in zip([0] + ranks[0][2][:-1], ranks[0][2], strict=True)]
+    # a compressed step sends each bucket's codes + one scale per piece of a tensor in a chunk
+    assert per_step[-1] == sum(b.comm.workers[0].bytes_per_call(b.numel) for b in opt._buckets)
     if algo != "cd_adam":
         warm, comp = per_step[WARMUP - 1], per_step[-1]
-        ratio = warm / comp
-        assert (25 < ratio < 33) if algo == "onebit_adam" else (3 < ratio < 4.1), (warm, comp)
+        ratio = warm / comp  # this toy's tensors are tiny (32-1024 values): the scales cost ~20%
+        assert (20 < ratio < 33) if algo == "onebit_adam" else (3 < ratio < 4.1), (warm, comp)
 
 
 def _plain_loop_rank(rank, world_size):

@@ -11,6 +11,14 @@ World size n; rank r is the "server" for chunk r of the (padded) flat input:
 4. ``all_gather_into_tensor`` of the server rows; every rank decodes the same bytes, so
    replicas stay bit-identical.
 
+Scales follow tensor boundaries: ``groups`` (the offsets of the parameter tensors in a flat
+bucket) start a new scale block, so every row (rank r's chunk) carries one scale per piece of a
+tensor inside it in both stages (``block_size`` cuts each piece further), and a tensor with
+small gradients never shares a scale with a large one. DeepSpeed's 1-bit Adam scales each
+tensor on its own too (one worker scale per tensor, a server scale per chunk of it). Every row
+carries the same number of scales (the most any chunk needs; the others pad with empty
+blocks), so rows keep one size on the wire; the bucket padding is a block of its own.
+
 Codes and scales travel in one packed uint8 row (``Codec.empty(..., packed=...)``), so a
 call is exactly two data collectives, plus one tiny ``all_gather`` that checks that the
 ranks agree on the tensor size, codec and mode and that every rank's input is finite,
@@ -28,8 +36,8 @@ piece arrived); everything that is split is elementwise, so the result is bit-id
 every piece count, backend included. Piece 0 carries the row's scales; the other pieces are
 bare codes, so the bytes on the wire do not change.
 
-Bytes per rank and call: 2 (n-1) * row_bytes, with row_bytes ~ d / (8 n) for 1-bit codes:
-~ 2 (n-1)/n * d/8, against 2 (n-1)/n * 4d for an fp32 ring allreduce (32x).
+Bytes per rank and call: 2 (n-1) * row_bytes, with row_bytes ~ d / (8 n) + 4 * (scales per row)
+for 1-bit codes: ~ 2 (n-1)/n * d/8, against 2 (n-1)/n * 4d for an fp32 ring allreduce (32x).
 
 Trade-offs worth knowing: inputs are padded to n * seg elements (seg a multiple of 8) and
 copied once unless the caller hands in a tensor of ``padded_numel`` elements; state is
@@ -39,14 +47,16 @@ the compression error of the algorithm exists in one process exactly as in many.
 
 from __future__ import annotations
 
-import math
+import zlib
+from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ..compress import Codec, Encoded
-from ..compress.kernels.layout import code_bytes_per_row, is_sign
+from ..compress.kernels.layout import Layout, code_bytes_per_row, is_sign, scale_width
 from .accounting import ByteCounter
 
 __all__ = ["CompressedAllreduce", "MODES", "MAX_PIECES", "MIN_PIECE"]
@@ -74,9 +84,6 @@ class _Piece(NamedTuple):
 
     lo: int
     hi: int
-    block: int  # the piece's block length (its own layout), for the Encoded views
-    b0: int  # first scale block of the row it covers
-    b1: int
     cb: int  # code bytes
     cb4: int  # code bytes padded to 4: piece 0 puts the row's scales there
     rb: int  # packed bytes of one row of this piece
@@ -103,13 +110,16 @@ class CompressedAllreduce:
         verify: ``"always"`` (default) or ``"first"``: see the module docstring.
         pieces: column pieces per row for the pipeline (``None``: automatic, see the module
             docstring; codecs that are not elementwise, e.g. top-k, always use one).
+        groups: offsets where the tensors of a flat multi-tensor input start (e.g. a bucket's
+            parameters): no scale spans two of them. ``None``: one tensor.
 
     One object serves one tensor (one size): it owns that tensor's error / Markov state.
     """
 
     def __init__(self, codec: Codec, mode: str = "error_feedback", group=None,
                  counter: ByteCounter | None = None, verify: str = "always",
-                 pieces: int | None = None, _virtual: tuple[int, int] | None = None) -> None:
+                 pieces: int | None = None, groups: Sequence[int] | None = None,
+                 _virtual: tuple[int, int] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if verify not in ("always", "first"):
@@ -120,6 +130,7 @@ class CompressedAllreduce:
             raise ValueError(f"pieces must be a positive int or None, got {pieces!r}")
         self.codec = codec
         self.pieces = pieces
+        self.groups = tuple(sorted({int(g) for g in groups})) if groups is not None else ()
         self.mode = mode
         self.group = group
         self.verify = verify
@@ -132,6 +143,7 @@ class CompressedAllreduce:
         self.server: torch.Tensor | None = None  # server error, or server running mean g_hat
         self.tilde: torch.Tensor | None = None  # markov: the shared estimate g_tilde
         self.plan: list[_Piece] = []  # pipeline pieces of a row, set when a size is bound
+        self.layout: Layout | None = None  # rows (chunks) and scale blocks of the padded input
         self._verified = False
         self.bytes_sent = 0
         self.calls = 0
@@ -150,31 +162,37 @@ class CompressedAllreduce:
 
     @property
     def row_bytes(self) -> int:
-        return self.codec.row_bytes(self.seg_len)
+        return self.codec.row_bytes(self.layout)
+
+    def make_layout(self, numel: int) -> Layout:
+        """Chunks of the padded input, cut at the groups and at the start of the padding."""
+        if self.groups and (self.groups[0] < 0 or self.groups[-1] > numel):
+            raise ValueError(f"groups must lie in [0, {numel}] for a tensor of {numel} elements, "
+                             f"got {self.groups[0]}..{self.groups[-1]}")
+        D = self.padded_numel(numel)
+        return self.codec.layout(D, self.world_size, (0, *self.groups, numel) if D > numel else (0, *self.groups))
 
     def _plan(self, seg: int) -> list[_Piece]:
         """Cut a row of ``seg`` elements into pipeline pieces (see the module docstring)."""
-        codec, rb = self.codec, self.codec.row_bytes(seg)
-        whole = [_Piece(0, seg, max(seg, 1), 0, 0, 0, 0, rb)]  # one piece: the codec's own packing
-        row = codec.layout(seg, 1)
+        codec, rb = self.codec, self.codec.row_bytes(self.layout)
+        cb = code_bytes_per_row(codec.kind, seg)
+        whole = [_Piece(0, seg, cb, -(-cb // 4) * 4, rb)]  # one piece: the codec's own packing
         if not codec.elementwise or seg == 0:
             return whole
-        # piece boundaries: on block boundaries (scales) and on 4-byte code boundaries (packing)
-        unit = 32 if row.blocks_per_seg == 1 else math.lcm(row.block, 32)
+        # boundaries on 4-byte code boundaries (packing); scale blocks may be cut anywhere, since
+        # every piece carries (piece 0) or uses the whole row's scales
+        unit = 32
         k = self.pieces if self.pieces is not None else min(MAX_PIECES, seg // MIN_PIECE)
         k = max(1, min(k, seg // unit))
         bounds = sorted({round(i * seg / k / unit) * unit for i in range(k)} | {seg})
         if len(bounds) <= 2:
             return whole
-        width = 1 if is_sign(codec.kind) else 2
+        scale_bytes = self.layout.blocks_per_seg * scale_width(codec.kind) * 4
         plan = []
         for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-            lay = codec.layout(hi - lo, 1)
-            b0 = lo // row.block if row.blocks_per_seg > 1 else 0
             cb = code_bytes_per_row(codec.kind, hi - lo)
             cb4 = -(-cb // 4) * 4
-            scale_bytes = row.blocks_per_seg * width * 4 if i == 0 else 0
-            plan.append(_Piece(lo, hi, lay.block, b0, b0 + lay.blocks_per_seg, cb, cb4, cb4 + scale_bytes))
+            plan.append(_Piece(lo, hi, cb, cb4, cb4 + (scale_bytes if i == 0 else 0)))
         assert sum(p.rb for p in plan) == rb
         return plan
 
@@ -188,16 +206,14 @@ class CompressedAllreduce:
         b = piece0[:, self.plan[0].cb4 :].view(torch.float32)
         return b.view(b.shape[0], -1) if is_sign(self.codec.kind) else b.view(b.shape[0], -1, 2)
 
-    def _piece(self, buf: torch.Tensor, k: int, rows: slice, row_scales: torch.Tensor) -> Encoded:
-        """Piece ``k`` of ``rows`` of a piece buffer as an Encoded: its codes, and the slice of
-        ``row_scales`` (the rows' whole-row scales) that covers its blocks."""
-        p = self.plan[k]
-        return Encoded(buf[rows, : p.cb], row_scales[rows, p.b0 : p.b1], p.hi - p.lo, p.block, self.codec.kind)
+    def _piece(self, buf: torch.Tensor, k: int, rows: slice, row_scales: torch.Tensor, layout: Layout) -> Encoded:
+        """Piece ``k`` of ``rows`` of a piece buffer as an Encoded: its codes, the rows' whole-row
+        scales, and ``layout``: those rows' blocks clipped to the piece."""
+        return Encoded(buf[rows, : self.plan[k].cb], row_scales[rows], layout, self.codec.kind)
 
     def bytes_per_call(self, numel: int) -> int:
         """Bytes this rank sends per call for a tensor of ``numel`` elements."""
-        seg = self.padded_numel(numel) // self.world_size
-        return 2 * (self.world_size - 1) * self.codec.row_bytes(seg)
+        return 2 * (self.world_size - 1) * self.codec.row_bytes(self.make_layout(numel))
 
     # -- state ---------------------------------------------------------------------------
     def _bind(self, x: torch.Tensor) -> None:
@@ -210,6 +226,7 @@ class CompressedAllreduce:
             if x.device != self.worker_device:
                 raise ValueError(f"state lives on {self.worker_device}, input is on {x.device}")
             return
+        self.layout = self.make_layout(x.numel())
         self.numel = x.numel()
         self.worker_device = x.device
         D, seg, dev = self.padded_numel(self.numel), self.seg_len, x.device
@@ -219,8 +236,14 @@ class CompressedAllreduce:
             self.server = torch.zeros(seg, **f32)
         if self.mode == "markov":
             self.tilde = torch.zeros(D, **f32)
-        n = self.world_size
+        n, r = self.world_size, self.rank
         self.plan = self._plan(seg)
+        # the layouts of the three messages: the chunks (sent, and gathered back), every worker's
+        # chunk r (received by server r), server r's own row; and each clipped to each piece
+        self._srv_layout = self.layout.row(r)
+        self._recv_layout = self.layout.repeat_row(r, n)
+        self._win_rows = [[self.layout.row(q).window(p.lo, p.hi) for q in range(n)] for p in self.plan]
+        self._win_recv = [self._recv_layout.window(p.lo, p.hi) for p in self.plan]
         u8 = dict(dtype=torch.uint8, device=dev)
         self._send = [torch.zeros(n, p.rb, **u8) for p in self.plan]
         self._recv = [torch.zeros(n, p.rb, **u8) for p in self.plan]
@@ -237,18 +260,6 @@ class CompressedAllreduce:
         for t in (self.worker, self.server, self.tilde):
             if t is not None:
                 t.zero_()
-
-    def _zero_padding(self) -> None:
-        # Padding elements are zeros of the input; keep their state at zero so they never
-        # feed back into a chunk's scale.
-        d, D, seg, r = self.numel, self.padded_numel(self.numel), self.seg_len, self.rank
-        if d == D:
-            return
-        for t in (self.worker, self.tilde):
-            if t is not None:
-                t[d:].zero_()
-        if self.server is not None and (r + 1) * seg > d:
-            self.server[max(d - r * seg, 0):].zero_()
 
     def state_dict(self) -> dict:
         return {
@@ -290,7 +301,7 @@ class CompressedAllreduce:
         xp = self._padded_input(x)
         mode = {"plain": "plain", "error_feedback": "error_feedback", "markov": "markov"}[self.mode]
         try:
-            scales = self.codec.compute_scales(xp, self.worker, mode, nseg=self.world_size)
+            scales = self.codec.compute_scales(xp, self.worker, mode, layout=self.layout)
         except ValueError:
             scales = None
         return xp, scales
@@ -299,7 +310,7 @@ class CompressedAllreduce:
         """Stage 1 (worker): encode piece ``k`` of every chunk into its send buffer ``[n, rb_k]``."""
         n, seg, send = self.world_size, self.seg_len, self._send
         if self.num_pieces == 1:
-            outs = [(xp, self.worker, self.codec.empty(n, seg, xp.device, packed=send[0]), scales, n)]
+            outs = [(xp, self.worker, self.codec.empty(self.layout, xp.device, packed=send[0]), scales)]
         else:
             if k == 0:  # piece 0 may go on the wire before the others are encoded: all scales now
                 self._row_scales(send[0]).copy_(scales)
@@ -309,15 +320,15 @@ class CompressedAllreduce:
                 cols = slice(r * seg + p.lo, r * seg + p.hi)
                 # out.scales views `scales` itself, not piece 0 (maybe in flight): the encode ops'
                 # copy of their scales into out.scales is then a no-op
-                enc = self._piece(send[k], k, slice(r, r + 1), scales)
-                outs.append((xp[cols], None if self.worker is None else self.worker[cols], enc, enc.scales, 1))
-        for x, state, enc, sc, nseg in outs:
+                enc = self._piece(send[k], k, slice(r, r + 1), scales, self._win_rows[k][r])
+                outs.append((xp[cols], None if self.worker is None else self.worker[cols], enc, enc.scales))
+        for x, state, enc, sc in outs:
             if self.mode == "error_feedback":
-                self.codec.encode_error_feedback(x, state, nseg=nseg, out=enc, scales=sc)
+                self.codec.encode_error_feedback(x, state, out=enc, scales=sc, layout=enc.layout)
             elif self.mode == "markov":
-                self.codec.encode_markov(x, state, nseg=nseg, out=enc, scales=sc)
+                self.codec.encode_markov(x, state, out=enc, scales=sc, layout=enc.layout)
             else:
-                self.codec.encode(x, nseg=nseg, out=enc, scales=sc)
+                self.codec.encode(x, out=enc, scales=sc, layout=enc.layout)
         return send[k]
 
     def server_receive(self, recv: torch.Tensor, k: int = 0) -> None:
@@ -326,21 +337,20 @@ class CompressedAllreduce:
         With one piece this is the whole server step; otherwise piece k of the workers'
         mean (``markov``: of the server's running mean) is decoded now, and the encode waits
         for the last piece, because the server scales need the whole chunk."""
-        seg, n = self.seg_len, self.world_size
         if self.num_pieces == 1:
-            msgs = self.codec.empty(n, seg, recv.device, packed=recv)
-            out = self.codec.empty(1, seg, recv.device, packed=self._srv[0])
+            msgs = self.codec.empty(self._recv_layout, recv.device, packed=recv)
+            out = self.codec.empty(self._srv_layout, recv.device, packed=self._srv[0])
             if self.mode in ("error_feedback", "plain"):
                 self.codec.server_step(msgs, self.server if self.mode == "error_feedback" else None,
                                        out=out, mean=self._mean)
             else:
                 self.codec.decode_mean(msgs, out=self.server, accumulate=True)
-                self.codec.encode_diff(self.server, self._my_tilde(), out=out)
+                self.codec.encode_diff(self.server, self._my_tilde(), out=out, layout=self._srv_layout)
             return
         p = self.plan[k]
         if k == 0:  # the workers' scales travel in piece 0
             self._recv_scales = self._row_scales(recv).clone()
-        msgs = self._piece(recv, k, slice(None), self._recv_scales)
+        msgs = self._piece(recv, k, slice(None), self._recv_scales, self._win_recv[k])
         if self.mode == "markov":
             self.codec.decode_mean(msgs, out=self.server[p.lo : p.hi], accumulate=True)
         else:
@@ -355,23 +365,25 @@ class CompressedAllreduce:
         if self.num_pieces == 1:
             return self._srv[0]
         if k == 0:  # every piece has arrived: the server scales need the whole row
+            lay = self._srv_layout
             if self.mode == "markov":
-                self._srv_scales = self.codec.compute_scales(self.server, self._my_tilde(), "diff")
+                self._srv_scales = self.codec.compute_scales(self.server, self._my_tilde(), "diff", layout=lay)
             elif self.mode == "error_feedback":
-                self._srv_scales = self.codec.compute_scales(self._mean, self.server, "error_feedback")
+                self._srv_scales = self.codec.compute_scales(self._mean, self.server, "error_feedback", layout=lay)
             else:
-                self._srv_scales = self.codec.compute_scales(self._mean)
+                self._srv_scales = self.codec.compute_scales(self._mean, layout=lay)
             self._row_scales(self._srv[0]).copy_(self._srv_scales)
         p = self.plan[k]
         cols = slice(p.lo, p.hi)
-        enc = self._piece(self._srv[k], k, slice(0, 1), self._srv_scales)  # as in encode_stage
-        sc = enc.scales
+        # as in encode_stage
+        enc = self._piece(self._srv[k], k, slice(0, 1), self._srv_scales, self._win_rows[k][self.rank])
+        sc, lay = enc.scales, enc.layout
         if self.mode == "markov":
-            self.codec.encode_diff(self.server[cols], self._my_tilde()[cols], out=enc, scales=sc)
+            self.codec.encode_diff(self.server[cols], self._my_tilde()[cols], out=enc, scales=sc, layout=lay)
         elif self.mode == "error_feedback":
-            self.codec.encode_error_feedback(self._mean[cols], self.server[cols], out=enc, scales=sc)
+            self.codec.encode_error_feedback(self._mean[cols], self.server[cols], out=enc, scales=sc, layout=lay)
         else:
-            self.codec.encode(self._mean[cols], out=enc, scales=sc)
+            self.codec.encode(self._mean[cols], out=enc, scales=sc, layout=lay)
         return self._srv[k]
 
     # -- stage 4 ---------------------------------------------------------------------------
@@ -394,20 +406,19 @@ class CompressedAllreduce:
         """Stage 4 (every rank): decode piece ``k`` of the gathered server rows into ``dst``."""
         n, seg, acc = self.world_size, self.seg_len, self.mode == "markov"
         if self.num_pieces == 1:
-            self.codec.decode(self.codec.empty(n, seg, gathered.device, packed=gathered), out=dst,
+            self.codec.decode(self.codec.empty(self.layout, gathered.device, packed=gathered), out=dst,
                               accumulate=acc)
             return
         if k == 0:
             self._gathered_scales = self._row_scales(gathered)
         p = self.plan[k]
         for r in range(n):
-            enc = self._piece(gathered, k, slice(r, r + 1), self._gathered_scales)
+            enc = self._piece(gathered, k, slice(r, r + 1), self._gathered_scales, self._win_rows[k][r])
             self.codec.decode(enc, out=dst[r * seg + p.lo : r * seg + p.hi], accumulate=acc)
 
     def finish(self, dst: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """The result from the decoded buffer: padding dropped, cast to ``dtype`` or into ``out``."""
         d = self.numel
-        self._zero_padding()
         if out is not None and dst.data_ptr() == out.data_ptr():
             return out  # decoded in place
         if (out is None and dtype == torch.float32 and dst.numel() == d
@@ -427,9 +438,10 @@ class CompressedAllreduce:
     # -- the collective ------------------------------------------------------------------
     def _signature(self, x: torch.Tensor, ok: bool) -> torch.Tensor:
         bs = self.codec.block_size or 0
+        groups = zlib.crc32(np.asarray(self.groups, np.int64).tobytes())
         return torch.tensor([x.numel(), _DTYPE_ID.get(x.dtype, 9), self.codec.kind, bs,
-                             _MODE_ID[self.mode], int(getattr(self.codec, "scale", "l2") == "l1"), int(ok)],
-                            dtype=torch.int64)
+                             _MODE_ID[self.mode], int(getattr(self.codec, "scale", "l2") == "l1"), groups,
+                             int(ok)], dtype=torch.int64)
 
     def _agree(self, x: torch.Tensor, ok: bool) -> None:
         """All ranks exchange (size, dtype, codec, mode, finite) and raise together on disagreement."""
@@ -445,7 +457,7 @@ class CompressedAllreduce:
         allsig = torch.empty(self.world_size, sig.numel(), dtype=torch.int64, device=dev)
         all_gather_rows(allsig, mine, group=self.group)
         allsig = allsig.cpu()
-        fields = ["numel", "dtype", "codec kind", "block_size", "mode", "l1 scale"]
+        fields = ["numel", "dtype", "codec kind", "block_size", "mode", "l1 scale", "groups (crc32)"]
         bad = [f for i, f in enumerate(fields) if not bool((allsig[:, i] == allsig[0, i]).all())]
         if bad:
             rows = "; ".join(

@@ -29,7 +29,7 @@ class SimulatedCluster:
     """
 
     def __init__(self, codec: Codec, mode: str, world_size: int, counter: ByteCounter | None = None,
-                 pieces: int | None = None) -> None:
+                 pieces: int | None = None, groups: Sequence[int] | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
@@ -37,7 +37,7 @@ class SimulatedCluster:
         # every worker reports to its own counter; the cluster's counter gets rank 0's view
         self.workers = [
             CompressedAllreduce(codec, mode, counter=self.counter if r == 0 else None, pieces=pieces,
-                                _virtual=(r, world_size))
+                                groups=groups, _virtual=(r, world_size))
             for r in range(world_size)
         ]
 

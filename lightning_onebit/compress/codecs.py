@@ -18,6 +18,7 @@ giving up that guarantee, because the scale of a block is known only after readi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ from .kernels.layout import (
     code_bytes_per_row,
     is_sign,
     make_layout,
+    scale_width,
 )
 
 __all__ = ["Codec", "Encoded", "MinMaxUInt8Codec", "SignCodec"]
@@ -44,30 +46,30 @@ MODES = {"plain": PLAIN, "error_feedback": ERROR_FEEDBACK, "markov": MARKOV, "di
 
 @dataclass
 class Encoded:
-    """A compressed message: ``nseg`` rows of ``seg_len`` elements.
+    """A compressed message: ``layout.nseg`` rows of ``layout.seg_len`` elements.
 
-    ``codes`` is uint8 ``[nseg, bytes_per_row]``; ``scales`` is fp32 ``[nseg, blocks]`` (sign)
-    or ``[nseg, blocks, 2]`` (min, max). ``dtype`` is what ``decode`` returns.
+    ``codes`` is uint8 ``[nseg, bytes_per_row]``; ``scales`` is fp32 ``[nseg, nb]`` (sign) or
+    ``[nseg, nb, 2]`` (min, max), one entry per scale block of the layout. ``dtype`` is what
+    ``decode`` returns.
     """
 
     codes: torch.Tensor
     scales: torch.Tensor
-    seg_len: int
-    block: int
+    layout: Layout
     kind: int
     dtype: torch.dtype = torch.float32
 
     @property
     def nseg(self) -> int:
-        return self.codes.shape[0]
+        return self.layout.nseg
+
+    @property
+    def seg_len(self) -> int:
+        return self.layout.seg_len
 
     @property
     def numel(self) -> int:
-        return self.nseg * self.seg_len
-
-    @property
-    def layout(self) -> Layout:
-        return Layout(self.nseg, self.seg_len, self.block)
+        return self.layout.numel
 
     @property
     def device(self) -> torch.device:
@@ -76,11 +78,10 @@ class Encoded:
     @property
     def nbytes(self) -> int:
         """Bytes this message puts on the wire: packed codes + fp32 scales."""
-        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * 4
+        return self.nseg * code_bytes_per_row(self.kind, self.seg_len) + self.scales.numel() * 4
 
     def row(self, i: int) -> Encoded:
-        return Encoded(self.codes[i : i + 1], self.scales[i : i + 1], self.seg_len, self.block,
-                       self.kind, self.dtype)
+        return Encoded(self.codes[i : i + 1], self.scales[i : i + 1], self.layout.row(i), self.kind, self.dtype)
 
 
 def _as_fp32_vector(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -105,7 +106,15 @@ def _check_state(buf: torch.Tensor, numel: int, device: torch.device, what: str)
 
 
 class Codec:
-    """Base class: geometry, dispatch and the scale computation shared by all kinds."""
+    """Base class: geometry, dispatch and the scale computation shared by all kinds.
+
+    Geometry: a vector of ``numel`` elements is encoded as ``nseg`` equal rows (the chunks of
+    the two-stage allreduce), each cut into scale blocks. ``groups`` (offsets into the vector)
+    start a new scale block: the allreduce passes the offsets of the parameter tensors in a
+    bucket, so no scale ever spans two tensors. ``block_size`` cuts each group further, every
+    ``block_size`` elements from the group's first element. Every op takes ``nseg``/``groups``,
+    or an explicit ``layout`` (:meth:`layout`).
+    """
 
     kind: int
     # Encoding with given scales and decoding are elementwise, so a row can be cut into column
@@ -122,66 +131,78 @@ class Codec:
             raise ValueError(f"unknown compression backend {backend!r}; expected 'auto' or one of {BACKENDS}")
 
     # -- geometry ------------------------------------------------------------------------
-    def layout(self, numel: int, nseg: int = 1) -> Layout:
-        if numel % nseg:
+    def layout(self, numel: int, nseg: int = 1, groups: Sequence[int] | None = None) -> Layout:
+        """The rows and scale blocks of a vector of ``numel`` elements (see the class docstring)."""
+        if nseg < 1 or numel % nseg:
             raise ValueError(f"cannot split {numel} elements into {nseg} equal segments")
-        return make_layout(nseg, numel // nseg, self.block_size)
+        key = (numel, nseg, None if groups is None else tuple(groups))
+        cache = self.__dict__.setdefault("_layouts", {})
+        lay = cache.get(key)
+        if lay is None:  # made once per geometry: a layout also caches the kernels' tile tables
+            lay = make_layout(nseg, numel // nseg, self.block_size, groups)
+            if len(cache) >= 64:
+                cache.pop(next(iter(cache)))
+            cache[key] = lay
+        return lay
 
-    def encoded_nbytes(self, numel: int, nseg: int = 1) -> int:
+    def _resolve(self, numel: int, nseg: int, groups: Sequence[int] | None, layout: Layout | None) -> Layout:
+        if layout is None:
+            return self.layout(numel, nseg, groups)
+        if layout.numel != numel:
+            raise ValueError(f"layout covers {layout.numel} elements, the input has {numel}")
+        return layout
+
+    def encoded_nbytes(self, numel: int, nseg: int = 1, groups: Sequence[int] | None = None) -> int:
         """Analytic size of ``encode(x)`` for ``x.numel() == numel`` (without encoding)."""
-        lay = self.layout(numel, nseg)
-        scale_width = 1 if is_sign(self.kind) else 2
-        return nseg * code_bytes_per_row(self.kind, lay.seg_len) + lay.nblocks * scale_width * 4
+        lay = self.layout(numel, nseg, groups)
+        return nseg * code_bytes_per_row(self.kind, lay.seg_len) + lay.nblocks * scale_width(self.kind) * 4
 
-    def row_bytes(self, seg_len: int) -> int:
-        """Bytes of one packed row: codes padded to 4 bytes, then the fp32 scales."""
-        lay = make_layout(1, seg_len, self.block_size)
-        cb = -(-code_bytes_per_row(self.kind, seg_len) // 4) * 4
-        return cb + lay.blocks_per_seg * (1 if is_sign(self.kind) else 2) * 4
+    def row_bytes(self, layout: Layout) -> int:
+        """Bytes of one packed row of ``layout``: codes padded to 4 bytes, then the fp32 scales."""
+        cb = -(-code_bytes_per_row(self.kind, layout.seg_len) // 4) * 4
+        return cb + layout.blocks_per_seg * scale_width(self.kind) * 4
 
-    def empty(self, nseg: int, seg_len: int, device: torch.device | str = "cpu",
-              dtype: torch.dtype = torch.float32, packed: torch.Tensor | None = None) -> Encoded:
-        """Message buffers for ``nseg`` rows, e.g. to receive a collective into.
+    def empty(self, layout: Layout, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+              packed: torch.Tensor | None = None) -> Encoded:
+        """Message buffers for ``layout``, e.g. to receive a collective into.
 
-        With ``packed`` (uint8 ``[nseg, row_bytes(seg_len)]``) the codes and scales are views
+        With ``packed`` (uint8 ``[nseg, row_bytes(layout)]``) the codes and scales are views
         into it, so one collective moves both: each row is ``[codes | pad to 4 | scales]``.
         """
-        lay = make_layout(nseg, seg_len, self.block_size)
-        cb = code_bytes_per_row(self.kind, seg_len)
-        shape = (nseg, lay.blocks_per_seg) if is_sign(self.kind) else (nseg, lay.blocks_per_seg, 2)
+        nseg, nb = layout.nseg, layout.blocks_per_seg
+        cb = code_bytes_per_row(self.kind, layout.seg_len)
+        shape = (nseg, nb) if is_sign(self.kind) else (nseg, nb, 2)
         if packed is None:
             codes = torch.empty(nseg, cb, dtype=torch.uint8, device=device)
             scales = torch.empty(shape, dtype=torch.float32, device=device)
         else:
-            rb = self.row_bytes(seg_len)
+            rb = self.row_bytes(layout)
             if packed.dtype != torch.uint8 or tuple(packed.shape) != (nseg, rb) or not packed.is_contiguous():
                 raise ValueError(f"packed buffer must be contiguous uint8 [{nseg}, {rb}], got "
                                  f"{packed.dtype} {tuple(packed.shape)}")
             cb4 = -(-cb // 4) * 4
             codes = packed[:, :cb]
             scales = packed[:, cb4:].view(torch.float32).view(shape)
-        return Encoded(codes, scales, seg_len, lay.block, self.kind, dtype)
+        return Encoded(codes, scales, layout, self.kind, dtype)
 
     def _backend(self, device: torch.device):
         return get_backend(device, None if self.backend in (None, "auto") else self.backend)
 
     # -- scales --------------------------------------------------------------------------
-    def _scales(self, partials: torch.Tensor, lay: Layout) -> torch.Tensor:
-        """Combine per-tile partials [nblocks, tiles, width] (fp64) into fp32 block scales."""
-        device = partials.device
+    def _scales(self, totals: torch.Tensor, lay: Layout) -> torch.Tensor:
+        """fp32 block scales from the per-block fp64 totals ``[nblocks, width]`` of a reduction.
+        An empty block (padding) gets scale 0, which decodes to zeros."""
+        lens = torch.from_numpy(lay.lengths.reshape(-1)).to(totals.device)
+        live = lens > 0
         if is_sign(self.kind):
-            total = partials[..., 0].sum(1)
+            total = totals[:, 0]
             ok = torch.isfinite(total).all()
-            lens = torch.full((lay.nseg, lay.blocks_per_seg), float(lay.block), dtype=torch.float64,
-                              device=device)
-            lens[:, -1] = lay.seg_len - (lay.blocks_per_seg - 1) * lay.block
-            mean = total / lens.view(-1)
+            mean = torch.where(live, total / lens.clamp(min=1).double(), 0.0)
             scales = (mean.sqrt() if self.kind == SIGN_L2 else mean).float().view(lay.nseg, -1)
         else:
-            ok = torch.isfinite(partials[..., 2].sum(1)).all()
-            mn = partials[..., 0].amin(1)
-            mx = partials[..., 1].amax(1)
-            scales = torch.stack([mn, mx], dim=-1).float().view(lay.nseg, -1, 2)
+            ok = torch.isfinite(totals[:, 2]).all()
+            mm = torch.where(live[:, None], totals[:, :2], 0.0)
+            scales = mm.float().view(lay.nseg, -1, 2)
         if not bool(ok):
             raise ValueError(
                 f"{type(self).__name__}: the input is not finite (it contains NaN or inf); "
@@ -190,16 +211,15 @@ class Codec:
         return scales
 
     # -- core ----------------------------------------------------------------------------
-    def _run(self, x: torch.Tensor, state: torch.Tensor | None, mode: int, nseg: int,
+    def _run(self, x: torch.Tensor, state: torch.Tensor | None, mode: int, lay: Layout,
              dtype: torch.dtype = torch.float32, out: Encoded | None = None,
              scales: torch.Tensor | None = None) -> Encoded:
-        lay = self.layout(x.numel(), nseg)
         device = x.device
         if state is not None:
             _check_state(state, lay.numel, device, "state buffer")
         if out is None:
-            out = self.empty(lay.nseg, lay.seg_len, device, dtype)
-        elif (out.kind, out.nseg, out.seg_len, out.block) != (self.kind, lay.nseg, lay.seg_len, lay.block):
+            out = self.empty(lay, device, dtype)
+        elif out.kind != self.kind or not out.layout.same_as(lay):
             raise ValueError("out= message buffers do not match this codec and input geometry")
         else:
             out.dtype = dtype
@@ -214,7 +234,8 @@ class Codec:
 
     # -- public ops ----------------------------------------------------------------------
     def compute_scales(self, x: torch.Tensor, state: torch.Tensor | None = None, mode: str = "plain",
-                       nseg: int = 1) -> torch.Tensor:
+                       nseg: int = 1, *, groups: Sequence[int] | None = None,
+                       layout: Layout | None = None) -> torch.Tensor:
         """The block scales the matching encode op would use; raises ``ValueError`` on NaN/inf.
 
         Lets a caller check its input (and agree with other ranks) before any state is
@@ -222,54 +243,63 @@ class Codec:
         """
         x = _as_fp32_vector(x, "x")
         m = MODES[mode]
-        lay = self.layout(x.numel(), nseg)
+        lay = self._resolve(x.numel(), nseg, groups, layout)
         if m != PLAIN:
             _check_state(state, lay.numel, x.device, "state buffer")
         if lay.numel == 0:
-            return self.empty(lay.nseg, lay.seg_len, x.device).scales
-        partials = self._backend(x.device).reduce(self.kind, m, lay, x, state if m != PLAIN else None)
-        return self._scales(partials, lay)
+            return self.empty(lay, x.device).scales
+        totals = self._backend(x.device).reduce(self.kind, m, lay, x, state if m != PLAIN else None)
+        return self._scales(totals, lay)
 
     # Every encode op takes ``out=``: message buffers to write into (e.g. views into a packed
     # send buffer of a collective, see ``empty(..., packed=...)``); by default they are allocated.
     def encode(self, x: torch.Tensor, nseg: int = 1, out: Encoded | None = None,
-               scales: torch.Tensor | None = None) -> Encoded:
+               scales: torch.Tensor | None = None, *, groups: Sequence[int] | None = None,
+               layout: Layout | None = None) -> Encoded:
         """Encode a 1-D tensor (optionally as ``nseg`` equal rows, each with its own scales)."""
-        return self._run(_as_fp32_vector(x, "x"), None, PLAIN, nseg, dtype=x.dtype, out=out, scales=scales)
+        xf = _as_fp32_vector(x, "x")
+        return self._run(xf, None, PLAIN, self._resolve(xf.numel(), nseg, groups, layout), dtype=x.dtype,
+                         out=out, scales=scales)
 
     def encode_error_feedback(self, x: torch.Tensor, error: torch.Tensor, nseg: int = 1,
-                              out: Encoded | None = None, scales: torch.Tensor | None = None) -> Encoded:
+                              out: Encoded | None = None, scales: torch.Tensor | None = None, *,
+                              groups: Sequence[int] | None = None, layout: Layout | None = None) -> Encoded:
         """v = x + error; encode v; error <- v - decode(encoded). ``error`` is fp32, updated in place."""
-        return self._run(_as_fp32_vector(x, "x"), error, ERROR_FEEDBACK, nseg, dtype=x.dtype, out=out,
-                         scales=scales)
+        xf = _as_fp32_vector(x, "x")
+        return self._run(xf, error, ERROR_FEEDBACK, self._resolve(xf.numel(), nseg, groups, layout),
+                         dtype=x.dtype, out=out, scales=scales)
 
     def encode_markov(self, target: torch.Tensor, estimate: torch.Tensor, nseg: int = 1,
-                      out: Encoded | None = None, scales: torch.Tensor | None = None) -> Encoded:
+                      out: Encoded | None = None, scales: torch.Tensor | None = None, *,
+                      groups: Sequence[int] | None = None, layout: Layout | None = None) -> Encoded:
         """c = encode(target - estimate); estimate <- estimate + decode(c) (EF21 / CD-Adam)."""
-        return self._run(_as_fp32_vector(target, "target"), estimate, MARKOV, nseg, dtype=target.dtype,
-                         out=out, scales=scales)
+        xf = _as_fp32_vector(target, "target")
+        return self._run(xf, estimate, MARKOV, self._resolve(xf.numel(), nseg, groups, layout),
+                         dtype=target.dtype, out=out, scales=scales)
 
     def encode_diff(self, target: torch.Tensor, reference: torch.Tensor, nseg: int = 1,
-                    out: Encoded | None = None, scales: torch.Tensor | None = None) -> Encoded:
+                    out: Encoded | None = None, scales: torch.Tensor | None = None, *,
+                    groups: Sequence[int] | None = None, layout: Layout | None = None) -> Encoded:
         """encode(target - reference) without touching ``reference``."""
-        return self._run(_as_fp32_vector(target, "target"), reference, DIFF, nseg, dtype=target.dtype,
-                         out=out, scales=scales)
+        xf = _as_fp32_vector(target, "target")
+        return self._run(xf, reference, DIFF, self._resolve(xf.numel(), nseg, groups, layout),
+                         dtype=target.dtype, out=out, scales=scales)
 
     def server_step(self, messages: Encoded, error: torch.Tensor | None = None,
                     out: Encoded | None = None, mean: torch.Tensor | None = None) -> Encoded:
         """Average the decoded rows of ``messages`` (+ ``error`` feedback) and re-encode one row.
 
-        The mean is decoded once into ``mean`` (fp32, ``messages.seg_len`` elements; allocated
-        when not given - pass a persistent buffer on hot paths) and then encoded as
-        ``encode_error_feedback(mean, error)`` (or ``encode(mean)``). Decoding n rows is the
-        costly part, and the reduction and encode passes would each need the mean: building
-        it once was 1.45x (sign) / 1.6x (min-max) faster at 16M than rebuilding it in both.
+        The rows must be cut alike (every worker's copy of one chunk); the result is cut like
+        them. The mean is decoded once into ``mean`` (fp32, ``messages.seg_len`` elements;
+        allocated when not given - pass a persistent buffer on hot paths) and then encoded as
+        ``encode_error_feedback(mean, error)`` (or ``encode(mean)``): the reduction and the
+        encode pass both need the mean, and decoding n rows is the costly part.
         """
         if mean is None:
             mean = torch.empty(messages.seg_len, dtype=torch.float32, device=messages.device)
         self.decode_mean(messages, out=mean)
         mode = PLAIN if error is None else ERROR_FEEDBACK
-        return self._run(mean, error, mode, 1, dtype=messages.dtype, out=out)
+        return self._run(mean, error, mode, messages.layout.row(0), dtype=messages.dtype, out=out)
 
     def decode(self, enc: Encoded, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
         """Decoded 1-D tensor of ``enc.numel`` elements in ``enc.dtype`` (or into fp32 ``out``)."""
@@ -277,7 +307,11 @@ class Codec:
 
     def decode_mean(self, enc: Encoded, out: torch.Tensor | None = None,
                     accumulate: bool = False) -> torch.Tensor:
-        """Mean over the rows of ``enc`` (workers 0..n-1 summed in order, then divided by n)."""
+        """Mean over the rows of ``enc`` (workers 0..n-1 summed in order, then divided by n); the
+        rows must be cut alike."""
+        starts = enc.layout.starts
+        if enc.nseg > 1 and not (starts == starts[:1]).all():
+            raise ValueError("decode_mean needs rows cut into the same scale blocks")
         return self._decode(enc, out, accumulate, mean_rows=True)
 
     def _decode(self, enc: Encoded, out, accumulate: bool, mean_rows: bool) -> torch.Tensor:

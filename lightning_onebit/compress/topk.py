@@ -3,17 +3,19 @@
 Each row keeps its k largest-magnitude entries: fp32 values + int32 indices, k = ceil(ratio *
 row length). It offers the same operations as the other codecs, so the two-stage allreduce,
 error feedback and Markov sequences work unchanged; it is plain torch (a baseline, not a hot
-path), so it has no numba kernels.
+path), so it has no numba kernels. Every kept entry carries its own value, so there are no
+scales to align with tensor boundaries: ``groups`` do not change its layout.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from .codecs import MODES, Codec, Encoded, _as_fp32_vector, _check_state
-from .kernels.layout import DIFF, ERROR_FEEDBACK, MARKOV, PLAIN
+from .kernels.layout import DIFF, ERROR_FEEDBACK, MARKOV, PLAIN, Layout, make_layout
 
 __all__ = ["TopKCodec"]
 
@@ -38,22 +40,26 @@ class TopKCodec(Codec):
     def k(self, seg_len: int) -> int:
         return min(seg_len, max(1, math.ceil(self.ratio * seg_len)))
 
-    def row_bytes(self, seg_len: int) -> int:
-        return 8 * self.k(seg_len)
+    def layout(self, numel: int, nseg: int = 1, groups: Sequence[int] | None = None) -> Layout:
+        if nseg < 1 or numel % nseg:
+            raise ValueError(f"cannot split {numel} elements into {nseg} equal segments")
+        return make_layout(nseg, numel // nseg, None)  # no scales: groups do not matter
 
-    def encoded_nbytes(self, numel: int, nseg: int = 1) -> int:
-        return nseg * self.row_bytes(numel // nseg)
+    def row_bytes(self, layout: Layout) -> int:
+        return 8 * self.k(layout.seg_len)
 
-    def empty(self, nseg: int, seg_len: int, device: torch.device | str = "cpu",
-              dtype: torch.dtype = torch.float32, packed: torch.Tensor | None = None) -> Encoded:
+    def encoded_nbytes(self, numel: int, nseg: int = 1, groups: Sequence[int] | None = None) -> int:
+        return nseg * 8 * self.k(numel // nseg)
+
+    def empty(self, layout: Layout, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+              packed: torch.Tensor | None = None) -> Encoded:
         """``codes``: int32 indices as bytes ``[nseg, 4k]``; ``scales``: fp32 values ``[nseg, k]``."""
-        k = self.k(seg_len)
+        nseg, k = layout.nseg, self.k(layout.seg_len)
         if packed is None:
             packed = torch.empty(nseg, 8 * k, dtype=torch.uint8, device=device)
         elif packed.dtype != torch.uint8 or tuple(packed.shape) != (nseg, 8 * k):
             raise ValueError(f"packed buffer must be uint8 [{nseg}, {8 * k}], got {packed.dtype} {tuple(packed.shape)}")
-        return Encoded(packed[:, : 4 * k], packed[:, 4 * k :].view(torch.float32), seg_len, max(seg_len, 1),
-                       self.kind, dtype)
+        return Encoded(packed[:, : 4 * k], packed[:, 4 * k :].view(torch.float32), layout, self.kind, dtype)
 
     @staticmethod
     def _indices(enc: Encoded) -> torch.Tensor:
@@ -67,9 +73,11 @@ class TopKCodec(Codec):
         return rows + b if mode == ERROR_FEEDBACK else rows - b
 
     def compute_scales(self, x: torch.Tensor, state: torch.Tensor | None = None, mode: str = "plain",
-                       nseg: int = 1) -> torch.Tensor:
+                       nseg: int = 1, *, groups: Sequence[int] | None = None,
+                       layout: Layout | None = None) -> torch.Tensor:
         x = _as_fp32_vector(x, "x")
         m = MODES[mode]
+        nseg = layout.nseg if layout is not None else nseg
         if m != PLAIN:
             _check_state(state, x.numel(), x.device, "state buffer")
         if x.numel() and not bool(torch.isfinite(self._value(x, state, m, nseg)).all()):
@@ -77,7 +85,8 @@ class TopKCodec(Codec):
                              "nothing was encoded and no error/estimate state was changed")
         return torch.empty(0)  # nothing to precompute; the check is what callers need
 
-    def _run(self, x, state, mode, nseg, dtype=torch.float32, out=None, scales=None) -> Encoded:
+    def _run(self, x, state, mode, lay, dtype=torch.float32, out=None, scales=None) -> Encoded:
+        nseg = lay.nseg
         if state is not None:
             _check_state(state, x.numel(), x.device, "state buffer")
         if scales is None:
@@ -85,7 +94,7 @@ class TopKCodec(Codec):
         v = self._value(x, state, mode, nseg)
         device = x.device
         seg = v.shape[1]
-        out = out if out is not None else self.empty(nseg, seg, device, dtype)
+        out = out if out is not None else self.empty(lay, device, dtype)
         out.dtype = dtype
         if v.numel() == 0:
             return out

@@ -237,13 +237,15 @@ class CompressedOptimizer(Optimizer):
     def _comm_for(self, b: _Bucket):
         if b.comm is None:
             codec = self._make_codec()
+            # groups: one scale never spans two parameter tensors of the bucket
             if self.simulate_workers is not None:
-                b.comm = SimulatedCluster(codec, self.comm_mode, self.simulate_workers, counter=self.comm_counter)
+                b.comm = SimulatedCluster(codec, self.comm_mode, self.simulate_workers, counter=self.comm_counter,
+                                          groups=b.offsets)
             else:
                 # verify="always": the per-call agreement is also how every rank learns that
                 # some rank's gradient was not finite, so they all skip the step together
                 b.comm = CompressedAllreduce(codec, self.comm_mode, group=self.process_group,
-                                             counter=self.comm_counter, verify="always")
+                                             counter=self.comm_counter, verify="always", groups=b.offsets)
         return b.comm
 
     def _payload(self, b: _Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:

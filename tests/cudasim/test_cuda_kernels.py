@@ -24,6 +24,15 @@ def test_cuda_matches_reference(kind, block_size, n, nseg):
     assert_matches_reference(kind, block_size, "cuda", x, nseg=nseg)
 
 
+@pytest.mark.parametrize("kind", ["l2", "l1", "minmax"])
+@pytest.mark.parametrize("block_size,nseg", [(None, 1), (None, 3), (8, 2)])
+def test_cuda_matches_reference_with_groups(kind, block_size, nseg):
+    """Scale blocks that start inside code bytes (tensor boundaries in a bucket)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(96, generator=g) * torch.logspace(-3, 3, 96)
+    assert_matches_reference(kind, block_size, "cuda", x, nseg=nseg, groups=[3, 17, 18, 50, 95])
+
+
 @pytest.mark.parametrize("kind", ["l2", "minmax"])
 def test_cuda_rejects_non_finite(kind):
     assert_rejects_nonfinite(kind, None, "cuda", n=20)
@@ -51,8 +60,9 @@ def test_cuda_pipelined_allreduce_matches_reference(mode, make):
             return MinMaxUInt8Codec(backend=backend)
         return SignCodec(block_size=32 if make == "sign-blocked" else None, backend=backend)
 
-    cuda = SimulatedCluster(codec("cuda"), mode, 2, pieces=3)
-    ref = SimulatedCluster(codec("torch"), mode, 2, pieces=1)
+    groups = (5, 77, 301)
+    cuda = SimulatedCluster(codec("cuda"), mode, 2, pieces=3, groups=groups)
+    ref = SimulatedCluster(codec("torch"), mode, 2, pieces=1, groups=groups)
     g = torch.Generator().manual_seed(7)
     for _ in range(2):
         xs = [torch.randn(600, generator=g) for _ in range(2)]

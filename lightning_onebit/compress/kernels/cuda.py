@@ -1,10 +1,12 @@
 """Numba-CUDA backend: kernels on CUDA tensors, zero-copy, on torch's current stream.
 
-Same tiling and arithmetic as the CPU backend (``cpu.py``): the reduction kernel gives one
-thread block per tile and writes one fp64 partial per tile (combined by the caller in a
-fixed order); the encode kernel gives each thread whole code bytes (8 elements) so packed
-bits need no atomics or warp votes, which also keeps the kernels runnable under numba's
-CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), where CPU tensors stand in for device memory.
+The reduction follows the summation order of :mod:`.layout` (one thread block per tile, the
+``REDUCE_LANES`` lanes spread over the block's threads, the same halving tree, tiles combined in
+order by a second small kernel), so its scales are the numba CPU backend's bit for bit. Encode
+gives each thread whole code bytes (8 elements), so packed bits need no atomics or warp votes;
+every element finds its scale block by a binary search of its row's block starts. This keeps
+the kernels runnable under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), where CPU
+tensors stand in for device memory.
 """
 
 from __future__ import annotations
@@ -16,14 +18,27 @@ import torch
 from numba import config as numba_config
 from numba import cuda, float32, float64
 
-from .layout import DIFF, ERROR_FEEDBACK, MARKOV, MINMAX_U8, PLAIN, SIGN_L2, Layout, is_sign
-
-name = "cuda"
+from .layout import DIFF, ERROR_FEEDBACK, MARKOV, MINMAX_U8, REDUCE_LANES, REDUCE_TILE, SIGN_L2, Layout, is_sign
 
 SIMULATED = bool(numba_config.ENABLE_CUDASIM)
 # Under the simulator every CUDA thread is a Python thread: keep blocks tiny there.
 THREADS = 8 if SIMULATED else 256
-TILE = 256 if SIMULATED else 8192  # elements per tile (multiple of 8)
+RTHREADS = 2 if SIMULATED else REDUCE_LANES  # threads of a reduction block
+LANES = REDUCE_LANES
+
+
+@cuda.jit(device=True, inline=True)
+def _block_at(starts, r, pos):
+    """The block of row r that holds element ``pos`` (the last j with starts[r, j] <= pos)."""
+    lo = 0
+    hi = starts.shape[1] - 1
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if starts[r, mid] <= pos:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 @cuda.jit(device=True, inline=True)
@@ -49,23 +64,13 @@ def _mean_of_rows(kind, mc, ms, i, b):
 
 
 @cuda.jit(device=True, inline=True)
-def _value(mode, x, st, r, i, seg_len):
-    s = x[r * seg_len + i]
+def _value(mode, x, st, j):
+    s = x[j]
     if mode == ERROR_FEEDBACK:
-        return s + st[r * seg_len + i]
+        return s + st[j]
     if mode == MARKOV or mode == DIFF:
-        return s - st[r * seg_len + i]
+        return s - st[j]
     return s
-
-
-@cuda.jit(device=True, inline=True)
-def _tile_bounds(t, tpb, tile_len, bps, block, seg_len):
-    g = t // tpb
-    r = g // bps
-    b = g - r * bps
-    lo = b * block + (t - g * tpb) * tile_len
-    hi = min(lo + tile_len, (b + 1) * block, seg_len)
-    return g, r, b, lo, hi
 
 
 @cuda.jit(device=True, inline=True)
@@ -78,43 +83,49 @@ def _round_half_even(t):
 
 
 @cuda.jit
-def _reduce_kernel(kind, mode, x, st, nseg, seg_len, block, tile_len, tpb, out):
-    s_a = cuda.shared.array(THREADS, float64)
-    s_b = cuda.shared.array(THREADS, float64)
-    s_c = cuda.shared.array(THREADS, float64)
+def _reduce_kernel(kind, mode, x, st, seg_len, t_row, t_lo, t_hi, out):
+    s_a = cuda.shared.array(LANES, float64)
+    s_b = cuda.shared.array(LANES, float64)
+    s_c = cuda.shared.array(LANES, float64)
     tid = cuda.threadIdx.x
-    bps = (seg_len + block - 1) // block
-    ntiles = nseg * bps * tpb
     t = cuda.blockIdx.x
-    while t < ntiles:  # grid-stride over tiles; the loop bound is uniform per block
-        g, r, b, lo, hi = _tile_bounds(t, tpb, tile_len, bps, block, seg_len)
-        a = 0.0
-        mn = math.inf
-        mx = -math.inf
-        i = lo + tid
-        while i < hi:
-            v = float64(_value(mode, x, st, r, i, seg_len))
+    while t < t_row.size:  # grid-stride over tiles; the loop bound is uniform per block
+        base = t_row[t] * seg_len
+        hi = t_hi[t]
+        lane = tid
+        while lane < LANES:  # lane j sums elements j, j + LANES, ... of the tile, in order
+            a = 0.0
+            mn = math.inf
+            mx = -math.inf
+            i = t_lo[t] + lane
+            while i < hi:
+                v = float64(_value(mode, x, st, base + i))
+                if kind == MINMAX_U8:
+                    mn = min(mn, v)
+                    mx = max(mx, v)
+                    a += v * 0.0
+                elif kind == SIGN_L2:
+                    a += v * v  # exact in fp64 (v is fp32), so a fused multiply-add rounds alike
+                else:
+                    a += abs(v)
+                i += LANES
+            s_a[lane] = a
             if kind == MINMAX_U8:
-                mn = min(mn, v)
-                mx = max(mx, v)
-                a += v * 0.0
-            elif kind == SIGN_L2:
-                a += v * v
-            else:
-                a += abs(v)
-            i += THREADS
-        s_a[tid] = a
-        s_b[tid] = mn
-        s_c[tid] = mx
+                s_b[lane] = mn
+                s_c[lane] = mx
+            lane += RTHREADS
         cuda.syncthreads()
-        step = THREADS // 2
-        while step > 0:
-            if tid < step:
-                s_a[tid] += s_a[tid + step]
-                s_b[tid] = min(s_b[tid], s_b[tid + step])
-                s_c[tid] = max(s_c[tid], s_c[tid + step])
+        h = LANES // 2
+        while h > 0:  # the halving tree of the CPU backend
+            lane = tid
+            while lane < h:
+                s_a[lane] += s_a[lane + h]
+                if kind == MINMAX_U8:
+                    s_b[lane] = min(s_b[lane], s_b[lane + h])
+                    s_c[lane] = max(s_c[lane], s_c[lane + h])
+                lane += RTHREADS
             cuda.syncthreads()
-            step //= 2
+            h //= 2
         if tid == 0:
             if kind == MINMAX_U8:
                 out[t, 0] = s_b[0]
@@ -127,20 +138,45 @@ def _reduce_kernel(kind, mode, x, st, nseg, seg_len, block, tile_len, tpb, out):
 
 
 @cuda.jit
-def _encode_sign_kernel(mode, x, st, nseg, seg_len, block, scales, codes):
+def _combine_kernel(kind, ptr, partials, totals):
+    b = cuda.grid(1)
+    while b < ptr.size - 1:  # one thread per block: its tiles in order, like the CPU backend
+        if kind == MINMAX_U8:
+            mn = math.inf
+            mx = -math.inf
+            probe = 0.0
+            for t in range(ptr[b], ptr[b + 1]):
+                mn = min(mn, partials[t, 0])
+                mx = max(mx, partials[t, 1])
+                probe += partials[t, 2]
+            totals[b, 0] = mn
+            totals[b, 1] = mx
+            totals[b, 2] = probe
+        else:
+            acc = 0.0
+            for t in range(ptr[b], ptr[b + 1]):
+                acc += partials[t, 0]
+            totals[b, 0] = acc
+        b += cuda.gridsize(1)
+
+
+@cuda.jit
+def _encode_sign_kernel(mode, x, st, seg_len, starts, scales, codes):
     # both sign kinds share the encode pass; only their scales differ
+    nseg = starts.shape[0]
+    nb = starts.shape[1] - 1
     cb = (seg_len + 7) // 8  # not codes.shape[1]: rows may be widened to a packed buffer's stride
-    nbytes = nseg * cb
     k = cuda.grid(1)
-    bps = (seg_len + block - 1) // block
-    while k < nbytes:
+    while k < nseg * cb:
         r = k // cb
         i0 = (k - r * cb) * 8
+        j = _block_at(starts, r, i0)
         byte = 0
         for i in range(i0, min(i0 + 8, seg_len)):
-            b = i // block
-            s = scales[r * bps + b]
-            v = _value(mode, x, st, r, i, seg_len)
+            while starts[r, j + 1] <= i:
+                j += 1
+            s = scales[r * nb + j]
+            v = _value(mode, x, st, r * seg_len + i)
             pos = v >= 0
             if pos:
                 byte |= 1 << (i - i0)
@@ -154,47 +190,47 @@ def _encode_sign_kernel(mode, x, st, nseg, seg_len, block, scales, codes):
 
 
 @cuda.jit
-def _encode_minmax_kernel(mode, x, st, nseg, seg_len, block, scales, codes):
+def _encode_minmax_kernel(mode, x, st, seg_len, starts, scales, codes):
+    nseg = starts.shape[0]
+    nb = starts.shape[1] - 1
     n = nseg * seg_len
-    j = cuda.grid(1)
-    bps = (seg_len + block - 1) // block
-    while j < n:
-        r = j // seg_len
-        i = j - r * seg_len
-        b = i // block
-        g = r * bps + b
+    e = cuda.grid(1)
+    while e < n:
+        r = e // seg_len
+        i = e - r * seg_len
+        g = r * nb + _block_at(starts, r, i)
         smin = float64(scales[2 * g])
         rng = float64(scales[2 * g + 1]) - smin
         inv = 255.0 / rng if rng > 0 else 0.0
-        v = _value(mode, x, st, r, i, seg_len)
+        v = _value(mode, x, st, e)
         q = min(max(_round_half_even((float64(v) - smin) * inv), 0.0), 255.0)
         codes[r, i] = q
         dec = float32(smin + q * (rng / 255.0))
         if mode == ERROR_FEEDBACK:
-            st[j] = v - dec
+            st[e] = v - dec
         elif mode == MARKOV:
-            st[j] += dec
-        j += cuda.gridsize(1)
+            st[e] += dec
+        e += cuda.gridsize(1)
 
 
 @cuda.jit
-def _decode_kernel(kind, codes, scales, nseg, seg_len, block, out, accumulate, mean_rows):
-    nrows = 1 if mean_rows else nseg
+def _decode_kernel(kind, codes, scales, seg_len, starts, out, accumulate, mean_rows):
+    nrows = 1 if mean_rows else starts.shape[0]
     n = nrows * seg_len
-    j = cuda.grid(1)
-    while j < n:
-        r = j // seg_len
-        i = j - r * seg_len
-        b = i // block
+    e = cuda.grid(1)
+    while e < n:
+        r = e // seg_len
+        i = e - r * seg_len
+        b = _block_at(starts, r, i)
         if mean_rows:
             v = _mean_of_rows(kind, codes, scales, i, b)
         else:
             v = _decode_one(kind, codes, scales, r, i, b)
         if accumulate:
-            out[j] += v
+            out[e] += v
         else:
-            out[j] = v
-        j += cuda.gridsize(1)
+            out[e] = v
+        e += cuda.gridsize(1)
 
 
 # --- torch-facing wrappers ------------------------------------------------------------
@@ -225,7 +261,7 @@ def _stream(device: torch.device):
 
 def _grid(work: int, threads: int) -> int:
     # Enough blocks to fill the GPU, grid-stride loops do the rest.
-    return max(1, min(-(-work // threads), 65535 if not SIMULATED else 8))
+    return max(1, min(-(-work // threads), 65535 if not SIMULATED else 2))
 
 
 def _inputs(x, st, device):
@@ -233,33 +269,44 @@ def _inputs(x, st, device):
     return _arr(x), _arr(f if st is None else st)
 
 
-def _tiling(layout: Layout) -> tuple[int, int]:
-    tile_len = min(TILE, layout.block)
-    return tile_len, layout.tiles_per_block(tile_len)
+def _geometry(layout: Layout, device: torch.device, what: str, make) -> tuple:
+    """Layout arrays as device tensors, made once per layout and device."""
+    cache = layout.__dict__.setdefault("_device_arrays", {})
+    key = (what, str(device))
+    if key not in cache:
+        cache[key] = tuple(torch.from_numpy(np.array(a, copy=True)).to(device) for a in make())
+    return cache[key]
 
 
 def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
     device = x.device
-    tile_len, tpb = _tiling(layout)
+    t_row, t_lo, t_hi, ptr = _geometry(layout, device, "tiles", lambda: layout.reduce_tiles(REDUCE_TILE))
     width = 1 if is_sign(kind) else 3
-    out = torch.zeros(layout.nblocks * tpb, width, dtype=torch.float64, device=device)
-    if kind == MINMAX_U8:
-        out[:, 0] = math.inf
-        out[:, 1] = -math.inf
+    partials = torch.empty(t_row.numel(), width, dtype=torch.float64, device=device)
+    totals = torch.empty(layout.nblocks, width, dtype=torch.float64, device=device)
     xa, sa = _inputs(x, st, device)
-    grid = _grid(layout.nblocks * tpb, 1)
-    _reduce_kernel[grid, THREADS, _stream(device)](
-        kind, mode, xa, sa, layout.nseg, layout.seg_len, layout.block, tile_len, tpb, _arr(out))
-    return out.view(layout.nblocks, tpb, width)
+    stream = _stream(device)
+    if t_row.numel():
+        _reduce_kernel[_grid(t_row.numel(), 1), RTHREADS, stream](
+            kind, mode, xa, sa, layout.seg_len, _arr(t_row), _arr(t_lo), _arr(t_hi), _arr(partials))
+    if layout.nblocks:
+        _combine_kernel[_grid(layout.nblocks, THREADS), THREADS, stream](kind, _arr(ptr), _arr(partials),
+                                                                         _arr(totals))
+    return totals
+
+
+def _starts(layout: Layout, device: torch.device):
+    return _arr(_geometry(layout, device, "starts", lambda: (layout.starts,))[0])
 
 
 def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     device = codes.device
     xa, sa = _inputs(x, st, device)
-    flat_scales = _arr(scales.reshape(-1))
-    args = (mode, xa, sa, layout.nseg, layout.seg_len, layout.block, flat_scales, _codes_arr(codes))
+    args = (mode, xa, sa, layout.seg_len, _starts(layout, device), _arr(scales.reshape(-1).contiguous()),
+            _codes_arr(codes))
     if is_sign(kind):
-        _encode_sign_kernel[_grid(codes.numel(), THREADS), THREADS, _stream(device)](*args)
+        work = layout.nseg * ((layout.seg_len + 7) // 8)
+        _encode_sign_kernel[_grid(work, THREADS), THREADS, _stream(device)](*args)
     else:
         _encode_minmax_kernel[_grid(layout.numel, THREADS), THREADS, _stream(device)](*args)
 
@@ -268,9 +315,8 @@ def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows
     device = codes.device
     n = layout.seg_len if mean_rows else layout.numel
     _decode_kernel[_grid(n, THREADS), THREADS, _stream(device)](
-        kind, _codes_arr(codes), _arr(scales.reshape(codes.shape[0], -1).contiguous()), layout.nseg,
-        layout.seg_len, layout.block, _arr(out), accumulate, mean_rows)
+        kind, _codes_arr(codes), _arr(scales.reshape(codes.shape[0], -1).contiguous()), layout.seg_len,
+        _starts(layout, device), _arr(out), accumulate, mean_rows)
 
 
-__all__ = ["reduce", "encode", "decode", "DIFF", "PLAIN"]
-_ = np  # numpy arrays stand in for device arrays under the simulator
+__all__ = ["reduce", "encode", "decode"]

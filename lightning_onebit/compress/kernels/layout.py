@@ -2,8 +2,17 @@
 
 A message is a 2-D array of ``nseg`` rows ("segments": the chunks of the two-stage
 allreduce, or one row for a plain vector) of ``seg_len`` elements. Each row is cut into
-blocks of ``block`` elements that share one scale; the last block of a row may be short.
-Codes are packed per row, so rows never share a byte and a row can be sent on its own.
+**scale blocks**, each with its own scale, at explicit boundaries: ``starts[r]`` holds the
+first element of every block of row r, then ``seg_len``. Rows may be cut differently (the
+chunks of a multi-tensor bucket cross different tensors), but every row has the same number
+of blocks ``nb`` (short rows are padded with empty blocks), so every row carries ``nb``
+scales and rows of a message have one size on the wire.
+
+Where the cuts come from (:func:`make_layout`): the start of every row, the start of every
+*group* (a parameter tensor inside a bucket: a scale never spans two tensors), and, with
+``block_size``, every ``block_size`` elements from the start of each group. Codes are packed
+per row, so rows never share a byte; blocks may start anywhere, and the kernels handle a
+block that starts in the middle of a code byte.
 
 Kinds and modes are small integers so that the numba kernels compile once per op, not
 once per combination.
@@ -11,7 +20,11 @@ once per combination.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
 
 # Codec kinds.
 SIGN_L2 = 0  # 1-bit sign, scale = ||v||_2 / sqrt(len)        (1-bit Adam)
@@ -26,29 +39,46 @@ DIFF = 3  # v = s - b;  b untouched (server side of a Markov sequence)
 
 MODE_NAMES = {"plain": PLAIN, "error_feedback": ERROR_FEEDBACK, "markov": MARKOV, "diff": DIFF}
 
+# The summation order of a block's scale, shared by the numba and CUDA backends so that they give
+# the same bits on any machine and any thread or GPU-block count: the block is cut into tiles of
+# REDUCE_TILE elements from its first element; in a tile, lane j (of REDUCE_LANES) sums elements
+# j, j + LANES, j + 2 LANES, ... in order (fp64), the lanes are combined by a halving tree
+# (lane j += lane j + h for h = LANES/2, ..., 1), and the tiles' sums are added in tile order.
+REDUCE_TILE = 8192
+REDUCE_LANES = 32  # one warp on a GPU; on a CPU the 32 fp64 accumulators vectorise
+
 
 def is_sign(kind: int) -> bool:
     return kind in (SIGN_L2, SIGN_L1)
 
 
-def partial_width(kind: int) -> int:
-    """Columns of the per-tile partial reductions: sum, or (min, max, finiteness probe)."""
-    return 1 if is_sign(kind) else 3
+def scale_width(kind: int) -> int:
+    """fp32 values per scale block: one scale (sign), or (min, max)."""
+    return 1 if is_sign(kind) else 2
 
 
 def code_bytes_per_row(kind: int, seg_len: int) -> int:
     return (seg_len + 7) // 8 if is_sign(kind) else seg_len
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Layout:
+    """``nseg`` rows of ``seg_len`` elements; block j of row r is ``[starts[r, j], starts[r, j + 1])``.
+
+    ``starts`` is int64 ``[nseg, nb + 1]``, non-decreasing per row, ``starts[r, 0] == 0`` and
+    ``starts[r, nb] == seg_len``; a block may be empty (padding, or cut away by :meth:`window`).
+    """
+
     nseg: int
     seg_len: int
-    block: int
+    starts: np.ndarray = field(repr=False)
+
+    def __post_init__(self) -> None:
+        self.starts.setflags(write=False)
 
     @property
     def blocks_per_seg(self) -> int:
-        return max(1, -(-self.seg_len // self.block)) if self.seg_len else 0
+        return self.starts.shape[1] - 1
 
     @property
     def nblocks(self) -> int:
@@ -58,13 +88,85 @@ class Layout:
     def numel(self) -> int:
         return self.nseg * self.seg_len
 
-    def tiles_per_block(self, tile: int) -> int:
-        return max(1, -(-self.block // tile))
+    @cached_property
+    def lengths(self) -> np.ndarray:
+        """Elements per block, int64 ``[nseg, nb]``."""
+        return np.diff(self.starts, axis=1)
+
+    @cached_property
+    def key(self) -> tuple:
+        """Hashable identity: two layouts with equal keys cut rows identically."""
+        return self.nseg, self.seg_len, self.starts.tobytes()
+
+    def same_as(self, other: Layout) -> bool:
+        return self.key == other.key
+
+    def row(self, r: int) -> Layout:
+        return Layout(1, self.seg_len, self.starts[r : r + 1])
+
+    def repeat_row(self, r: int, n: int) -> Layout:
+        """``n`` rows cut like row ``r`` (what a server receives: every worker's chunk r)."""
+        return Layout(n, self.seg_len, np.repeat(self.starts[r : r + 1], n, axis=0))
+
+    def window(self, lo: int, hi: int) -> Layout:
+        """Columns ``[lo, hi)`` of every row as a layout of its own: blocks clipped to the window
+        (blocks outside it become empty), so block j keeps its index and its scale."""
+        if not 0 <= lo <= hi <= self.seg_len:
+            raise ValueError(f"window [{lo}, {hi}) outside a row of {self.seg_len}")
+        return Layout(self.nseg, hi - lo, np.clip(self.starts - lo, 0, hi - lo))
+
+    def reduce_tiles(self, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Work items of a reduction: every non-empty block cut into tiles of ``tile`` elements from
+        its first element. Returns (row, lo, hi) per tile and ``ptr`` ([nblocks + 1]): the tiles of
+        block b (flat index r * nb + j) are ``ptr[b]:ptr[b + 1]``, in element order."""
+        cache = self.__dict__.setdefault("_tiles", {})
+        if tile not in cache:
+            lens = self.lengths.reshape(-1)
+            ntile = -(-lens // tile)
+            ptr = np.zeros(lens.size + 1, np.int64)
+            np.cumsum(ntile, out=ptr[1:])
+            block = np.repeat(np.arange(lens.size, dtype=np.int64), ntile)
+            k = np.arange(ptr[-1], dtype=np.int64) - ptr[block]
+            nb = max(self.blocks_per_seg, 1)
+            row = block // nb
+            first = self.starts[:, :-1].reshape(-1)[block]
+            lo = first + k * tile
+            hi = np.minimum(lo + tile, self.starts[:, 1:].reshape(-1)[block])
+            cache[tile] = (row, lo, hi, ptr)
+        return cache[tile]
 
 
-def make_layout(nseg: int, seg_len: int, block_size: int | None) -> Layout:
-    if block_size is None or block_size >= seg_len:
-        block = max(seg_len, 1)
+def make_layout(nseg: int, seg_len: int, block_size: int | None, groups: Sequence[int] | None = None) -> Layout:
+    """Rows of ``seg_len`` cut at row starts, at ``groups`` (offsets into the flat ``nseg * seg_len``
+    vector where a new scale group begins) and every ``block_size`` elements from each group's
+    start (so that, e.g., blocks of an embedding's row width fall on its rows in every chunk).
+    ``groups=None``: every row is a group of its own (independent rows)."""
+    total = nseg * seg_len
+    if seg_len == 0:
+        return Layout(nseg, 0, np.zeros((nseg, 1), np.int64))
+    row_starts = np.arange(0, total, seg_len, dtype=np.int64)
+    if groups is None:
+        if block_size is None:  # one block per row: the common fast path
+            return Layout(nseg, seg_len, np.tile(np.array([[0, seg_len]], np.int64), (nseg, 1)))
+        gstart = row_starts
     else:
-        block = block_size
-    return Layout(nseg, seg_len, block)
+        bounds = np.unique(np.asarray(groups, dtype=np.int64))
+        if bounds.size and (bounds[0] < 0 or bounds[-1] > total):
+            raise ValueError(f"group offsets must lie in [0, {total}], got {bounds[0]}..{bounds[-1]}")
+        gstart = np.union1d(bounds[bounds < total], [0])
+    cuts = [row_starts, gstart]
+    if block_size is not None:
+        gend = np.append(gstart[1:], total)
+        for a, b in zip(gstart.tolist(), gend.tolist(), strict=True):
+            if b - a > block_size:
+                cuts.append(np.arange(a + block_size, b, block_size, dtype=np.int64))
+    cuts = np.unique(np.concatenate(cuts))
+    row = cuts // seg_len
+    per_row = np.bincount(row, minlength=nseg)
+    nb = int(per_row.max())
+    starts = np.full((nseg, nb + 1), seg_len, np.int64)
+    first = np.zeros(nseg + 1, np.int64)
+    np.cumsum(per_row, out=first[1:])
+    col = np.arange(cuts.size, dtype=np.int64) - first[row]
+    starts[row, col] = cuts - row * seg_len
+    return Layout(nseg, seg_len, starts)

@@ -7,11 +7,10 @@ clarity and runs on any device torch supports; it is not fused.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .layout import DIFF, ERROR_FEEDBACK, MARKOV, MINMAX_U8, PLAIN, SIGN_L1, SIGN_L2, Layout, is_sign
-
-name = "torch"
+from .layout import DIFF, ERROR_FEEDBACK, MARKOV, MINMAX_U8, PLAIN, SIGN_L2, Layout, is_sign
 
 
 def _unpack_bits(codes: torch.Tensor, seg_len: int) -> torch.Tensor:
@@ -20,9 +19,17 @@ def _unpack_bits(codes: torch.Tensor, seg_len: int) -> torch.Tensor:
     return bits.reshape(codes.shape[0], -1)[:, :seg_len].bool()
 
 
+def _block_index(layout: Layout, device: torch.device) -> torch.Tensor:
+    """For every element, the flat index (r * nb + j) of its scale block: int64 [nseg, seg_len]."""
+    nb = layout.blocks_per_seg
+    idx = [np.repeat(np.arange(nb) + r * nb, layout.lengths[r]) for r in range(layout.nseg)]
+    return torch.from_numpy(np.stack(idx) if idx else np.zeros((0, 0), np.int64)).to(device)
+
+
 def _per_element(values: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """Expand per-block values [nseg, bps, ...] to per-element [nseg, seg_len, ...]."""
-    return values.repeat_interleave(layout.block, dim=1)[:, : layout.seg_len]
+    """Per-block values [nseg, nb, ...] as per-element [nseg, seg_len, ...]."""
+    flat = values.reshape(layout.nblocks, *values.shape[2:])
+    return flat[_block_index(layout, values.device)]
 
 
 def _decode_rows(kind: int, layout: Layout, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -31,8 +38,8 @@ def _decode_rows(kind: int, layout: Layout, codes: torch.Tensor, scales: torch.T
         s = _per_element(scales.reshape(layout.nseg, -1), layout)
         bits = _unpack_bits(codes, layout.seg_len)
         return torch.where(bits, s, -s)
-    lo = _per_element(scales[..., 0].reshape(layout.nseg, -1), layout).double()
-    hi = _per_element(scales[..., 1].reshape(layout.nseg, -1), layout).double()
+    mm = _per_element(scales.reshape(layout.nseg, -1, 2), layout).double()
+    lo, hi = mm[..., 0], mm[..., 1]
     step = (hi - lo) / 255.0
     return (lo + codes[:, : layout.seg_len].double() * step).float()
 
@@ -40,7 +47,7 @@ def _decode_rows(kind: int, layout: Layout, codes: torch.Tensor, scales: torch.T
 def _mean_of_rows(kind: int, layout: Layout, codes, scales) -> torch.Tensor:
     """The mean over message rows as fp32 [1, seg_len]."""
     nw = codes.shape[0]
-    rows = _decode_rows(kind, Layout(nw, layout.seg_len, layout.block), codes, scales)
+    rows = _decode_rows(kind, layout, codes, scales)
     acc = rows[0].double()
     for w in range(1, nw):  # fixed order, in fp64: every backend sums workers 0..n-1 like this
         acc += rows[w].double()
@@ -54,25 +61,18 @@ def _value(mode: int, src: torch.Tensor, st: torch.Tensor | None, layout: Layout
     return src + b if mode == ERROR_FEEDBACK else src - b
 
 
-def _blocks(v: torch.Tensor, layout: Layout, fill: float) -> torch.Tensor:
-    padded = v.new_full((layout.nseg, layout.blocks_per_seg * layout.block), fill)
-    padded[:, : layout.seg_len] = v
-    return padded.view(layout.nblocks, layout.block)
-
-
 def reduce(kind: int, mode: int, layout: Layout, x, st) -> torch.Tensor:
-    """Per-block partial reductions, fp64 [nblocks, 1, width]."""
-    v = _value(mode, x.view(layout.nseg, layout.seg_len), st, layout).double()
-    if kind == SIGN_L2:
-        out = _blocks(v * v, layout, 0.0).sum(1, keepdim=True)
-    elif kind == SIGN_L1:
-        out = _blocks(v.abs(), layout, 0.0).sum(1, keepdim=True)
-    else:
-        mn = _blocks(v, layout, float("inf")).amin(1)
-        mx = _blocks(v, layout, float("-inf")).amax(1)
-        probe = _blocks(v * 0.0, layout, 0.0).sum(1)
-        out = torch.stack([mn, mx, probe], dim=1)
-    return out.view(layout.nblocks, 1, -1)
+    """Per-block totals, fp64 [nblocks, width]: sum of v^2 / |v|, or (min, max, finiteness probe)."""
+    v = _value(mode, x.view(layout.nseg, layout.seg_len), st, layout).double().reshape(-1)
+    idx = _block_index(layout, v.device).reshape(-1)
+    nb = layout.nblocks
+    if is_sign(kind):
+        terms = v * v if kind == SIGN_L2 else v.abs()
+        return torch.zeros(nb, dtype=torch.float64, device=v.device).index_add_(0, idx, terms).view(nb, 1)
+    mn = torch.full((nb,), float("inf"), dtype=torch.float64, device=v.device).scatter_reduce_(0, idx, v, "amin")
+    mx = torch.full((nb,), float("-inf"), dtype=torch.float64, device=v.device).scatter_reduce_(0, idx, v, "amax")
+    probe = torch.zeros(nb, dtype=torch.float64, device=v.device).index_add_(0, idx, v * 0.0)
+    return torch.stack([mn, mx, probe], dim=1)
 
 
 def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
@@ -80,16 +80,16 @@ def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     v = _value(mode, x.view(layout.nseg, layout.seg_len), st, layout)
     if is_sign(kind):
         bits = v >= 0  # -0.0 >= 0 holds: zero and negative zero both code as +1
-        cb = codes.shape[1]
+        cb = (layout.seg_len + 7) // 8
         padded = torch.zeros(layout.nseg, cb * 8, dtype=torch.uint8, device=v.device)
         padded[:, : layout.seg_len] = bits
         shifts = torch.arange(8, device=v.device, dtype=torch.uint8)
-        codes.copy_((padded.view(layout.nseg, cb, 8) << shifts).sum(-1).to(torch.uint8))
+        codes[:, :cb] = (padded.view(layout.nseg, cb, 8) << shifts).sum(-1).to(torch.uint8)
         s = _per_element(scales.reshape(layout.nseg, -1), layout)
         dec = torch.where(bits, s, -s)
     else:
-        lo = _per_element(scales[..., 0].reshape(layout.nseg, -1), layout).double()
-        hi = _per_element(scales[..., 1].reshape(layout.nseg, -1), layout).double()
+        mm = _per_element(scales.reshape(layout.nseg, -1, 2), layout).double()
+        lo, hi = mm[..., 0], mm[..., 1]
         rng = hi - lo
         # torch's scalar / tensor multiplies by a reciprocal; a tensor / tensor division
         # rounds like the kernels' 255.0 / rng.
@@ -119,4 +119,4 @@ def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows
         target.copy_(dec)
 
 
-__all__ = ["reduce", "encode", "decode", "SIGN_L1", "SIGN_L2", "MINMAX_U8", "MARKOV", "DIFF"]
+__all__ = ["reduce", "encode", "decode", "MINMAX_U8", "MARKOV", "DIFF"]
