@@ -66,7 +66,8 @@ class SaveParams(L.Callback):
         opt = trainer.optimizers[0]
         opt = getattr(opt, "_optimizer", opt)
         if hasattr(opt, "comm_counter"):
-            self.steps.append((trainer.global_step, opt.comm_counter.last.bytes_sent, opt.compressing))
+            self.steps.append((trainer.global_step, opt.comm_counter.last.bytes_sent, opt.compressing,
+                               getattr(opt, "activated", 0)))
 
     def on_train_end(self, trainer, pl_module) -> None:
         import os
@@ -74,7 +75,9 @@ class SaveParams(L.Callback):
         params = [p.detach().clone() for p in pl_module.parameters()]
         opt = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0])
         counter = getattr(opt, "comm_counter", None)
-        torch.save({"params": params, "steps": self.steps, "global_step": trainer.global_step,
+        # what one compressed sync of every bucket sends (codes + per-tensor scales)
+        payload = sum(b.comm.bytes_per_call(b.numel) for b in getattr(opt, "_buckets", []) if b.comm is not None)
+        torch.save({"params": params, "steps": self.steps, "global_step": trainer.global_step, "payload": payload,
                     "comm_steps": counter.steps if counter else None,
                     "bytes_total": counter.total.bytes_sent if counter else None},
                    os.path.join(self.outdir, f"rank{trainer.global_rank}.pt"))

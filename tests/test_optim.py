@@ -333,18 +333,18 @@ class _PlainLamb(OnebitLamb):
         fresh, prev = b.flat["exp_avg_sq_fresh"], b.flat["exp_avg_prev"]
         grad_rec = (m - beta1 * prev) / (1 - beta1)
         fresh.mul_(beta2).addcmul_(grad_rec, grad_rec, value=1 - beta2)
-        vhat = v / (1 - beta2**self._frozen_step)
-        if group["eps_inside_sqrt"]:
-            denom, denom_fresh = (vhat + group["eps"]).sqrt(), (fresh + group["eps"]).sqrt()
-        else:
-            denom, denom_fresh = vhat.sqrt() + group["eps"], fresh.sqrt() + group["eps"]
-        prelim = torch.where(v == 0, 0.0, (m / (1 - beta1**self._step)) / denom)
-        ratio = denom / denom_fresh
         wd = group["weight_decay"]
-        for p, u, r, h in zip(b.params, b.views(prelim), b.views(ratio), has_grad, strict=True):
+        for p, mm, vv, ff, h in zip(b.params, b.views(m), b.views(v), b.views(fresh), has_grad, strict=True):
             if not h:
                 continue
             st = self.state[p]
+            vhat = vv / (1 - beta2 ** st["frozen_step"])  # each parameter's own step counts
+            if group["eps_inside_sqrt"]:
+                denom, denom_fresh = (vhat + group["eps"]).sqrt(), (ff + group["eps"]).sqrt()
+            else:
+                denom, denom_fresh = vhat.sqrt() + group["eps"], ff.sqrt() + group["eps"]
+            u = torch.where(vv == 0, 0.0, (mm / (1 - beta1 ** st["step"])) / denom)
+            r = denom / denom_fresh
             factor = r.max().item()
             update = u + wd * p
             if wd:

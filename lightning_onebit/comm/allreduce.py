@@ -145,6 +145,7 @@ class CompressedAllreduce:
         self.plan: list[_Piece] = []  # pipeline pieces of a row, set when a size is bound
         self.layout: Layout | None = None  # rows (chunks) and scale blocks of the padded input
         self._verified = False
+        self.any_flag = False  # the OR over ranks of the last call's flag (see __call__)
         self.bytes_sent = 0
         self.calls = 0
 
@@ -216,20 +217,23 @@ class CompressedAllreduce:
         return 2 * (self.world_size - 1) * self.codec.row_bytes(self.make_layout(numel))
 
     # -- state ---------------------------------------------------------------------------
-    def _bind(self, x: torch.Tensor) -> None:
+    def bind(self, numel: int, device: torch.device | str) -> None:
+        """Allocate the state and buffers for tensors of ``numel`` elements on ``device`` (the
+        first call does this too); binding again to another size or device raises."""
+        device = torch.device(device)
         if self.numel is not None:
-            if x.numel() != self.numel:
+            if numel != self.numel:
                 raise ValueError(
                     f"this CompressedAllreduce reduces tensors of {self.numel} elements (its error "
-                    f"state is sized for them); got {x.numel()}. Use one object per tensor."
+                    f"state is sized for them); got {numel}. Use one object per tensor."
                 )
-            if x.device != self.worker_device:
-                raise ValueError(f"state lives on {self.worker_device}, input is on {x.device}")
+            if device != self.worker_device:
+                raise ValueError(f"state lives on {self.worker_device}, input is on {device}")
             return
-        self.layout = self.make_layout(x.numel())
-        self.numel = x.numel()
-        self.worker_device = x.device
-        D, seg, dev = self.padded_numel(self.numel), self.seg_len, x.device
+        self.layout = self.make_layout(numel)
+        self.numel = numel
+        self.worker_device = device
+        D, seg, dev = self.padded_numel(self.numel), self.seg_len, device
         f32 = dict(dtype=torch.float32, device=dev)
         if self.mode != "plain":
             self.worker = torch.zeros(D, **f32)
@@ -261,9 +265,35 @@ class CompressedAllreduce:
             if t is not None:
                 t.zero_()
 
+    def state_views(self, lo: int, hi: int) -> list[torch.Tensor]:
+        """Views of every per-element state buffer where it covers input elements ``[lo, hi)``
+        (worker error / estimate, g_tilde, and the part of this rank's server chunk inside it)."""
+        if self.numel is None:
+            return []
+        out = [t[lo:hi] for t in (self.worker, self.tilde) if t is not None]
+        if self.server is not None:
+            seg, r = self.seg_len, self.rank
+            a, b = max(lo, r * seg), min(hi, (r + 1) * seg)
+            if b > a:
+                out.append(self.server[a - r * seg : b - r * seg])
+        return out
+
+    def zero_state_at(self, idx: torch.Tensor) -> None:
+        """Zero the per-element state at input positions ``idx`` (int64): worker error / estimate,
+        g_tilde, and this rank's server state where its chunk holds them."""
+        if self.numel is None:
+            return
+        for t in (self.worker, self.tilde):
+            if t is not None:
+                t[idx] = 0.0
+        if self.server is not None:
+            seg, r = self.seg_len, self.rank
+            mine = idx[(idx >= r * seg) & (idx < (r + 1) * seg)]
+            self.server[mine - r * seg] = 0.0
+
     def state_dict(self) -> dict:
         return {
-            "mode": self.mode, "codec": repr(self.codec), "numel": self.numel,
+            "mode": self.mode, "codec": repr(self.codec), "numel": self.numel, "groups": list(self.groups),
             "world_size": self.world_size, "rank": self.rank,
             "worker": None if self.worker is None else self.worker.clone(),
             "server": None if self.server is None else self.server.clone(),
@@ -271,12 +301,19 @@ class CompressedAllreduce:
             "bytes_sent": self.bytes_sent, "calls": self.calls,
         }
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, device: torch.device | str | None = None) -> None:
+        """Restore a :meth:`state_dict`. The state goes to ``device`` (default: where this object's
+        state already lives, else the CPU): the device of the tensors it will reduce, which a
+        fresh object cannot know, so callers on a GPU pass it."""
         for key, mine in (("mode", self.mode), ("codec", repr(self.codec)), ("world_size", self.world_size)):
             if sd[key] != mine:
                 raise ValueError(f"state was saved with {key}={sd[key]!r}, this object has {key}={mine!r}")
         if sd["numel"] is not None:
-            self._bind(torch.empty(sd["numel"], device=self.worker_device if self.numel else "cpu"))
+            if device is None:
+                device = self.worker_device if self.numel is not None else "cpu"
+            if self.numel is not None and torch.device(device) != self.worker_device:
+                raise ValueError(f"state lives on {self.worker_device}, cannot load it onto {device}")
+            self.bind(sd["numel"], device)
             for name in ("worker", "server", "tilde"):
                 if getattr(self, name) is not None:
                     getattr(self, name).copy_(sd[name])
@@ -297,7 +334,7 @@ class CompressedAllreduce:
         """
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError("CompressedAllreduce expects a floating-point tensor")
-        self._bind(x)
+        self.bind(x.numel(), x.device)
         xp = self._padded_input(x)
         mode = {"plain": "plain", "error_feedback": "error_feedback", "markov": "markov"}[self.mode]
         try:
@@ -436,21 +473,22 @@ class CompressedAllreduce:
         self.counter.add(nbytes, self.numel, self.world_size)
 
     # -- the collective ------------------------------------------------------------------
-    def _signature(self, x: torch.Tensor, ok: bool) -> torch.Tensor:
+    def _signature(self, x: torch.Tensor, ok: bool, flag: bool) -> torch.Tensor:
         bs = self.codec.block_size or 0
         groups = zlib.crc32(np.asarray(self.groups, np.int64).tobytes())
         return torch.tensor([x.numel(), _DTYPE_ID.get(x.dtype, 9), self.codec.kind, bs,
                              _MODE_ID[self.mode], int(getattr(self.codec, "scale", "l2") == "l1"), groups,
-                             int(ok)], dtype=torch.int64)
+                             int(flag), int(ok)], dtype=torch.int64)
 
-    def _agree(self, x: torch.Tensor, ok: bool) -> None:
-        """All ranks exchange (size, dtype, codec, mode, finite) and raise together on disagreement."""
+    def _agree(self, x: torch.Tensor, ok: bool, flag: bool | None = None) -> None:
+        """All ranks exchange (size, dtype, codec, mode, flag, finite) and raise together on disagreement."""
+        self.any_flag = bool(flag)
         if self.world_size == 1 or (self.verify == "first" and self._verified and ok):
             if not ok:
                 raise ValueError("CompressedAllreduce: the input is not finite (NaN or inf); "
                                  "no state was changed")
             return
-        sig = self._signature(x, ok)
+        sig = self._signature(x, ok, bool(flag))
         backend = dist.get_backend(self.group)
         dev = x.device if backend == "nccl" else torch.device("cpu")
         mine = sig.to(dev)
@@ -464,22 +502,31 @@ class CompressedAllreduce:
                 f"rank {r}: " + ", ".join(f"{f}={int(allsig[r, i])}" for i, f in enumerate(fields))
                 for r in range(self.world_size))
             raise ValueError(f"CompressedAllreduce: ranks disagree on {', '.join(bad)} ({rows})")
+        self.any_flag = bool(allsig[:, -2].any())
         nonfinite = [r for r in range(self.world_size) if not int(allsig[r, -1])]
         if nonfinite:
             raise ValueError(f"CompressedAllreduce: the input on rank(s) {nonfinite} is not finite "
                              "(NaN or inf); every rank skipped this call and no state was changed")
         self._verified = True
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Return the compressed mean of ``x`` over the group (bit-identical on all ranks)."""
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, flag: bool | None = None) -> torch.Tensor:
+        """Return the compressed mean of ``x`` over the group (bit-identical on all ranks).
+
+        ``flag``: a bit every rank contributes to the agreement round at no extra cost; after the
+        call ``any_flag`` is their OR (e.g. "some rank has a gradient where the optimizer masks").
+        Needs ``verify="always"`` (with "first" later calls have no agreement round).
+        """
         if self._virtual is not None:
             raise RuntimeError("a simulated worker is driven by SimulatedCluster, not called directly")
+        if flag is not None and self.verify != "always" and self.world_size > 1:
+            raise ValueError("CompressedAllreduce: flag= needs verify='always' (the flag rides in the "
+                             "per-call agreement round)")
         if self.numel is not None and x.numel() != self.numel:
             if self.world_size > 1:
                 self._agree(x, True)  # ranks that disagree all raise here instead of hanging
-            self._bind(x)  # every rank made the same mistake: raise the local explanation
+            self.bind(x.numel(), x.device)  # every rank made the same mistake: raise the local explanation
         xp, scales = self.prepare(x)
-        self._agree(x, scales is not None)
+        self._agree(x, scales is not None, flag)
         if self.numel == 0:
             return x.detach().clone() if out is None else out
         piecewise, remote = self.num_pieces > 1, self.world_size > 1

@@ -35,14 +35,17 @@ class SimulatedCluster:
         self.world_size = world_size
         self.counter = counter if counter is not None else ByteCounter()
         # every worker reports to its own counter; the cluster's counter gets rank 0's view
+        self.any_flag = False  # the OR of the last call's flags (see allreduce)
         self.workers = [
             CompressedAllreduce(codec, mode, counter=self.counter if r == 0 else None, pieces=pieces,
                                 groups=groups, _virtual=(r, world_size))
             for r in range(world_size)
         ]
 
-    def allreduce(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Compressed mean of ``xs`` (one tensor per worker); returns each worker's result."""
+    def allreduce(self, xs: Sequence[torch.Tensor], flags: Sequence[bool] | None = None) -> list[torch.Tensor]:
+        """Compressed mean of ``xs`` (one tensor per worker); returns each worker's result.
+        ``flags`` (one per worker): their OR becomes ``any_flag``, as in the distributed call."""
+        self.any_flag = bool(flags is not None and any(flags))
         if len(xs) != self.world_size:
             raise ValueError(f"expected {self.world_size} tensors (one per worker), got {len(xs)}")
         sizes = {x.numel() for x in xs}
@@ -70,11 +73,24 @@ class SimulatedCluster:
             w._account()
         return outs
 
+    def bind(self, numel: int, device: torch.device | str) -> None:
+        """Allocate every worker's state for tensors of ``numel`` elements (see CompressedAllreduce)."""
+        for w in self.workers:
+            w.bind(numel, device)
+
+    def zero_state_at(self, idx: torch.Tensor) -> None:
+        for w in self.workers:
+            w.zero_state_at(idx)
+
+    def state_views(self, lo: int, hi: int) -> list[torch.Tensor]:
+        """Every worker's state views covering input elements ``[lo, hi)`` (see CompressedAllreduce)."""
+        return [v for w in self.workers for v in w.state_views(lo, hi)]
+
     def state_dict(self) -> dict:
         return {"world_size": self.world_size, "workers": [w.state_dict() for w in self.workers]}
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, device: torch.device | str | None = None) -> None:
         if sd["world_size"] != self.world_size:
             raise ValueError(f"state is for {sd['world_size']} workers, this cluster has {self.world_size}")
         for w, wsd in zip(self.workers, sd["workers"], strict=True):
-            w.load_state_dict(wsd)
+            w.load_state_dict(wsd, device)

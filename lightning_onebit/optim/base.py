@@ -1,37 +1,47 @@
 """Machinery shared by the compressed optimizers: fixed buckets, flat state, phases.
 
-Every compressed optimizer here works the same way (DESIGN.md section 3):
+Every compressed optimizer here works the same way (see docs/design.md):
 
 * Parameters are grouped into **buckets** of fixed composition (reverse parameter order,
   the order backward produces gradients, capped at ``bucket_cap_mb``, never spanning two
-  param groups). A bucket's optimizer state lives in flat fp32 buffers and
-  ``self.state[p]`` holds views into them, so state is keyed per parameter (it survives
-  DDP's own bucket rebuilds and reloads) while each bucket is communicated with one pair
-  of collectives and updated with a few flat ops.
+  param groups, two devices, or DDP-managed and unmanaged parameters). A bucket's optimizer
+  state lives in flat fp32 buffers and ``self.state[p]`` holds views into them, so state is
+  keyed per parameter (it survives DDP's own bucket rebuilds and reloads) while each bucket
+  is communicated with one pair of collectives and updated with a few flat ops. The
+  collective gives every parameter tensor of a bucket scales of its own.
 * **Warm-up** (``step <= warmup_steps`` and no external switch): the gradient is averaged
   in full precision (by DDP's allreduce when a DDP model is attached, else by ``step()``
-  itself) and the warm-up rule (AdamW, LAMB) runs.
+  itself) and the warm-up rule (AdamW, LAMB) runs, with per-parameter step counts as
+  ``torch.optim.AdamW`` keeps them.
 * **Compression**: per bucket, the subclass forms the local payload (momentum or gradient),
   a :class:`~lightning_onebit.comm.CompressedAllreduce` synchronises it and the subclass
   absorbs the result into its state. With DDP this happens in the communication hook
-  during backward (see :mod:`lightning_onebit.optim.ddp`); otherwise in ``step()``, so the
-  algorithm, compression error included, is the same in one process as in many.
+  during backward; otherwise in ``step()``, so the algorithm, compression error included,
+  is the same in one process as in many.
 * ``simulate_workers=n`` runs n workers in one process (``step_workers``): the same
   buckets and kernels through :class:`~lightning_onebit.comm.SimulatedCluster`.
 
-The optimizer never calls torch.distributed directly except through the comm layer.
+A parameter with no gradient on any rank is skipped as torch's optimizers skip it: not moved,
+its step count, moments and compression state unchanged. A param group added with
+``add_param_group`` gets buckets of its own; added after the switch of a warm-up algorithm,
+it runs its own exact warm-up (as long as the optimizer's was) before it compresses, because
+its variance has not been estimated yet.
+
+The optimizer never calls torch.distributed directly; it goes through the comm layer.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ..comm import ByteCounter, CompressedAllreduce, SimulatedCluster, ring_allreduce_bytes
+from ..comm import ByteCounter, CompressedAllreduce, SimulatedCluster, any_across, group_size, mean_allreduce
+from ..comm.dense import mean_allreduce_future
 from ..compress import Codec
 
 __all__ = ["CompressedOptimizer", "NonFiniteGradientError"]
@@ -44,7 +54,8 @@ class NonFiniteGradientError(ValueError):
 class _Bucket:
     """A fixed group of parameters that is synchronised and updated as one flat vector."""
 
-    def __init__(self, index: int, group_index: int, params: list[torch.Tensor], ids: list[int]) -> None:
+    def __init__(self, index: int, group_index: int, params: list[torch.Tensor], ids: list[int],
+                 via_ddp: bool) -> None:
         self.index = index
         self.group_index = group_index
         self.params = params
@@ -56,14 +67,18 @@ class _Bucket:
         self.numel = sum(self.numels)
         dev = params[0].device
         self.device = dev
+        self.via_ddp = via_ddp  # DDP's comm hook delivers this bucket's gradients
         self.flat: dict[str, torch.Tensor] = {}
         self.grad = torch.zeros(self.numel, dtype=torch.float32, device=dev)  # local gradient
         self._synced: torch.Tensor | None = None
         self.comm: CompressedAllreduce | SimulatedCluster | None = None
         self.payload: torch.Tensor | None = None  # reused every step: fresh buffers cost page faults
         self.cache: dict = {}  # per-bucket values that only change at the switch (see subclasses)
+        self.compressing = False  # this bucket has switched to compressed synchronisation
+        self.switch_step: int | None = None  # a late bucket switches after this optimizer step
         self.ready = 0  # params whose local gradient is in self.grad (hook path)
         self.done = False  # compressed sync of this step finished
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # hook path, see ddp_bucket_ready
 
     @property
     def synced(self) -> torch.Tensor:
@@ -82,8 +97,10 @@ class CompressedOptimizer(Optimizer):
 
     #: names of per-parameter fp32 state kept in flat bucket buffers
     flat_state: tuple[str, ...] = ()
-    #: what the compression phase synchronises: "momentum" or "gradient"
-    syncs: str = "momentum"
+    #: the algorithm has an uncompressed warm-up (1-bit Adam, 1-bit LAMB, QAdam)
+    has_warmup: bool = True
+    #: how the collective treats its state: "plain", "error_feedback" or "markov"
+    comm_mode: str = "error_feedback"
 
     def __init__(self, params: Iterable, defaults: dict, *, warmup_steps: int | None,
                  bucket_cap_mb: float = 25.0, group: dist.ProcessGroup | None = None,
@@ -95,23 +112,32 @@ class CompressedOptimizer(Optimizer):
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         if simulate_workers is not None and simulate_workers < 1:
             raise ValueError(f"simulate_workers must be >= 1, got {simulate_workers}")
-        for g in self.param_groups:
-            for p in g["params"]:
-                if p.is_sparse or p.is_complex():
-                    raise ValueError(f"{type(self).__name__} supports dense real parameters only")
         self.warmup_steps = warmup_steps
         self.bucket_cap_mb = bucket_cap_mb
         self.process_group = group
         self.simulate_workers = simulate_workers
         self.comm_counter = ByteCounter()
         self._step = 0
-        self._compressing = False
-        self._buckets: list[_Bucket] | None = None
+        self._compressing = not self.has_warmup
+        self._switch_at: int | None = None  # optimizer steps taken when the compression phase began
+        self._buckets: list[_Bucket] = []
+        self._nbucketed = 0  # param groups that have buckets
         self._param_bucket: dict[int, tuple[_Bucket, int]] = {}
         self._ddp_attached = False
+        self._ddp_params: set[int] = set()
+        self._ddp_find_unused = False
         #: with DDP, synchronise in step() instead of the backward hook (fp16 + GradScaler:
         #: the hook would see scaled gradients; also lets clipping act before compression)
         self.defer_sync_to_step = False
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (as torch does). Its parameters get buckets of their own at the next step;
+        after the switch of a warm-up algorithm they warm up on their own first (see the module
+        docstring)."""
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            if p.is_sparse or p.is_complex():
+                raise ValueError(f"{type(self).__name__} supports dense real parameters only")
 
     # -- phases --------------------------------------------------------------------------
     @property
@@ -121,17 +147,39 @@ class CompressedOptimizer(Optimizer):
 
     def start_compression(self) -> None:
         """Compress from the next synchronisation on (the public switch callbacks use)."""
-        if not self._compressing:
-            self._compressing = True
-            self._on_switch()
+        if self._compressing:
+            return
+        if self._step == 0:
+            raise RuntimeError(f"{type(self).__name__} needs at least one warm-up step to estimate the "
+                               "variance before compression starts (warmup_steps >= 1)")
+        self._compressing = True
+        self._switch_at = self._step
+        self._on_start_compression()
+        for b in self._buckets:
+            if b.switch_step is None:
+                self._switch_bucket(b)
 
-    def _next_step_compresses(self) -> bool:
+    def _update_phase(self) -> None:
+        """Switch what is due before the next step's synchronisation (idempotent within a step)."""
         if not self._compressing and self.warmup_steps is not None and self._step + 1 > self.warmup_steps:
             self.start_compression()
-        return self._compressing
+        for b in self._buckets:
+            if not b.compressing and b.switch_step is not None and self._step >= b.switch_step:
+                self._switch_bucket(b)
 
-    def _on_switch(self) -> None:
-        """Hook for subclasses: freeze the variance etc. Called once, before the first compressed sync."""
+    def _switch_bucket(self, b: _Bucket) -> None:
+        b.compressing = True
+        b.cache.clear()
+        for p in b.params:
+            st = self.state[p]
+            st["frozen_step"] = st.get("step", 0)
+        self._on_switch(b)
+
+    def _on_start_compression(self) -> None:
+        """Hook for subclasses: called once when the optimizer's compression phase begins."""
+
+    def _on_switch(self, b: _Bucket) -> None:
+        """Hook for subclasses: freeze the variance etc. of bucket ``b``, before its first compressed sync."""
 
     # -- layout --------------------------------------------------------------------------
     def params_in_order(self) -> list[torch.Tensor]:
@@ -141,41 +189,45 @@ class CompressedOptimizer(Optimizer):
     def world_size(self) -> int:
         if self.simulate_workers is not None:
             return self.simulate_workers
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_world_size(self.process_group)
-        return 1
+        return group_size(self.process_group)
 
     def _build_buckets(self) -> list[_Bucket]:
-        if self._buckets is not None:
+        """Buckets of every param group that has none yet (all of them at the first call)."""
+        if self._nbucketed == len(self.param_groups):
             return self._buckets
         cap = int(self.bucket_cap_mb * 2**20) // 4
-        flat_params = []
-        for gi, g in enumerate(self.param_groups):
-            for p in g["params"]:
-                flat_params.append((gi, p))
-        ids = {id(p): i for i, (_, p) in enumerate(flat_params)}
-        buckets: list[_Bucket] = []
-        cur: list[torch.Tensor] = []
-        cur_g, size = None, 0
-        for gi, p in reversed(flat_params):  # backward order: last layers' gradients come first
-            if not p.requires_grad:
-                continue
-            if cur and (gi != cur_g or size + p.numel() > cap or p.device != cur[0].device):
-                buckets.append(_Bucket(len(buckets), cur_g, cur, [ids[id(q)] for q in cur]))
-                cur, size = [], 0
-            cur.append(p)
-            cur_g = gi
-            size += p.numel()
-        if cur:
-            buckets.append(_Bucket(len(buckets), cur_g, cur, [ids[id(q)] for q in cur]))
-        for b in buckets:
+        ids = {id(p): i for i, p in enumerate(self.params_in_order())}
+        runs: list[tuple[int, list[torch.Tensor]]] = []
+        for gi in range(self._nbucketed, len(self.param_groups)):
+            cur: list[torch.Tensor] = []
+            size = 0
+            for p in reversed(self.param_groups[gi]["params"]):  # backward order: last layers first
+                if not p.requires_grad:
+                    continue
+                if cur and (size + p.numel() > cap or p.device != cur[0].device or p.dtype != cur[0].dtype
+                            or (id(p) in self._ddp_params) != (id(cur[0]) in self._ddp_params)):
+                    runs.append((gi, cur))
+                    cur, size = [], 0
+                cur.append(p)
+                size += p.numel()
+            if cur:
+                runs.append((gi, cur))
+        new = [_Bucket(len(self._buckets) + k, gi, ps, [ids[id(q)] for q in ps], via_ddp=id(ps[0]) in self._ddp_params)
+               for k, (gi, ps) in enumerate(runs)]
+        late = self._nbucketed > 0 and self._compressing and self.has_warmup
+        for b in new:
             for name in self.flat_state:
                 b.flat[name] = torch.zeros(b.numel, dtype=torch.float32, device=b.device)
             for i, p in enumerate(b.params):
                 self._param_bucket[id(p)] = (b, i)
             self._adopt_state(b)
-        self._buckets = buckets
-        return buckets
+            if late:  # a group added after the switch: its own warm-up first
+                b.switch_step = self._step + (self.warmup_steps or self._switch_at or 1)
+            elif self._compressing:
+                self._switch_bucket(b)
+        self._buckets.extend(new)
+        self._nbucketed = len(self.param_groups)
+        return self._buckets
 
     def _adopt_state(self, b: _Bucket) -> None:
         """Point self.state[p][name] at views of the bucket's flat buffers (copying loaded values)."""
@@ -187,20 +239,19 @@ class CompressedOptimizer(Optimizer):
                     view.copy_(old.reshape(view.shape))
                 st[name] = view
 
+    def _steps(self, b: _Bucket, key: str = "step") -> list[int]:
+        return [self.state[p].get(key, 0) for p in b.params]
+
     # -- gradients -----------------------------------------------------------------------
-    def _gather_grads(self, b: _Bucket) -> list[bool]:
-        """Copy local gradients into ``b.grad``; returns which params had a gradient."""
-        has = []
+    def _gather_grads(self, b: _Bucket) -> None:
+        """Copy local gradients into ``b.grad`` (zeros for parameters without one)."""
         for p, view in zip(b.params, b.views(b.grad), strict=True):
             if p.grad is None:
                 view.zero_()
-                has.append(False)
             else:
                 if p.grad.is_sparse:
                     raise ValueError(f"{type(self).__name__} does not support sparse gradients")
                 view.copy_(p.grad)
-                has.append(True)
-        return has
 
     def _check_finite(self, t: torch.Tensor, what: str) -> None:
         # a sum is one cheap reduction and is non-finite whenever an element is (or it overflows:
@@ -217,26 +268,38 @@ class CompressedOptimizer(Optimizer):
     def _average_warmup(self, b: _Bucket, worker_grads: Sequence[torch.Tensor] | None) -> torch.Tensor:
         """Full-precision mean gradient of a bucket (fp32), exactly as DDP would compute it."""
         if worker_grads is not None:  # simulation: (g_0 / n) + (g_1 / n) + ... in worker order
-            n = len(worker_grads)
-            acc = worker_grads[0] / n
-            for g in worker_grads[1:]:
-                acc += g / n
-            b.grad.copy_(acc)
-        elif not self._ddp_attached and self.world_size > 1:
-            b.grad.div_(self.world_size)  # DDP divides before summing; so do we
-            dist.all_reduce(b.grad, group=self.process_group)
-            self.comm_counter.add(ring_allreduce_bytes(b.numel, self.world_size), b.numel, self.world_size)
+            b.grad.copy_(_simulated_mean(worker_grads))
+        elif not b.via_ddp:
+            mean_allreduce(b.grad, self.process_group, self.comm_counter)
         return b.grad
 
-    # -- the compressed synchronisation of one bucket ------------------------------------
-    def _make_codec(self) -> Codec:
-        raise NotImplementedError
+    # -- skipped parameters ---------------------------------------------------------------
+    def _state_views(self, b: _Bucket, i: int) -> list[torch.Tensor]:
+        """Every per-element state slice of parameter ``i`` of ``b``: flat state and the
+        collective's error / estimate state where it covers the parameter."""
+        lo, n = b.offsets[i], b.numels[i]
+        views = [t[lo : lo + n] for t in b.flat.values()]
+        if b.compressing:
+            views += self._comm_for(b).state_views(lo, lo + n)
+        return views
 
-    comm_mode: str = "error_feedback"
+    def _snapshot(self, b: _Bucket, idx: Iterable[int]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Copies of the state of the given parameters: a flat sync or update moves all of a
+        bucket's state, and a parameter without gradient must not move."""
+        return [(i, v, v.clone()) for i in idx for v in self._state_views(b, i)]
+
+    @staticmethod
+    def _restore(saved: Iterable[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        for _, view, value in saved:
+            view.copy_(value)
+
+    # -- the compressed synchronisation of one bucket ------------------------------------
+    def _make_codec(self, b: _Bucket) -> Codec:
+        raise NotImplementedError
 
     def _comm_for(self, b: _Bucket):
         if b.comm is None:
-            codec = self._make_codec()
+            codec = self._make_codec(b)
             # groups: one scale never spans two parameter tensors of the bucket
             if self.simulate_workers is not None:
                 b.comm = SimulatedCluster(codec, self.comm_mode, self.simulate_workers, counter=self.comm_counter,
@@ -246,6 +309,7 @@ class CompressedOptimizer(Optimizer):
                 # some rank's gradient was not finite, so they all skip the step together
                 b.comm = CompressedAllreduce(codec, self.comm_mode, group=self.process_group,
                                              counter=self.comm_counter, verify="always", groups=b.offsets)
+            b.comm.bind(b.numel, b.device)  # state exists before the first sync (see _snapshot)
         return b.comm
 
     def _payload(self, b: _Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
@@ -261,6 +325,15 @@ class CompressedOptimizer(Optimizer):
     def _absorb(self, b: _Bucket, synced: torch.Tensor) -> None:
         """Fold the synchronised quantity into the bucket's state (e.g. momentum <- synced)."""
 
+    def _flag(self, b: _Bucket, grad: torch.Tensor) -> bool | None:
+        """A bit the collective agrees on at no cost (OR over ranks), e.g. "a gradient reached a
+        coordinate the optimizer masks"; ``None``: no flag."""
+        return None
+
+    def _on_flag(self, b: _Bucket, grads: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Called on every rank when some rank's flag was set (``grads``: the local gradient, or
+        every simulated worker's)."""
+
     def _sync_bucket(self, b: _Bucket, worker_grads: Sequence[torch.Tensor] | None = None) -> None:
         comm = self._comm_for(b)
         target = self._sync_target(b)
@@ -270,24 +343,29 @@ class CompressedOptimizer(Optimizer):
                 out = torch.empty(b.numel, dtype=torch.float32, device=b.device)
                 self._payload(b, g, out)
                 payloads.append(out)
+            flags = [self._flag(b, g) for g in worker_grads]
             try:
-                result = comm.allreduce(payloads)[0]
+                result = comm.allreduce(payloads, flags=None if flags[0] is None else flags)[0]
             except ValueError as exc:
                 raise NonFiniteGradientError(str(exc)) from exc
             target.copy_(result)
+            grads: torch.Tensor | Sequence[torch.Tensor] = worker_grads
         else:
             if b.payload is None:
                 b.payload = torch.empty(b.numel, dtype=torch.float32, device=b.device)
             payload = b.payload
             self._payload(b, b.grad, payload)
             try:
-                comm(payload, out=target)
+                comm(payload, out=target, flag=self._flag(b, b.grad))
             except ValueError as exc:
                 if "not finite" in str(exc):
                     raise NonFiniteGradientError(
                         f"{type(self).__name__}: {exc}. Lower the learning rate or clip gradients.") from exc
                 raise
+            grads = b.grad
         self._absorb(b, target)
+        if comm.any_flag:
+            self._on_flag(b, grads)
         b.done = True
 
     # -- DDP ---------------------------------------------------------------------------
@@ -304,8 +382,15 @@ class CompressedOptimizer(Optimizer):
         if foreign:
             raise ValueError(f"{type(self).__name__}.attach: the DDP model has trainable parameters this "
                              f"optimizer does not own ({foreign[:3]}...); one optimizer must own them all")
+        if self._nbucketed:
+            raise RuntimeError(f"{type(self).__name__}.attach: call it before the first step")
         if ddp_model.process_group is not None and self.process_group is None:
             self.process_group = ddp_model.process_group
+        # the parameters DDP's reducer syncs (those trainable when DDP was built); others sync in step()
+        ignored = set(getattr(ddp_model, "parameters_to_ignore", ()))
+        self._ddp_params = {id(p) for n, p in ddp_model.module.named_parameters()
+                            if p.requires_grad and n not in ignored}
+        self._ddp_find_unused = bool(getattr(ddp_model, "find_unused_parameters", False))
         self._build_buckets()
         register_compression_hook(ddp_model, self)
         self._ddp_attached = True
@@ -315,12 +400,9 @@ class CompressedOptimizer(Optimizer):
         copy the local gradients into this optimizer's buckets and synchronise every bucket
         that is complete."""
         buf = bucket.buffer()
-        if not self._next_step_compresses():
-            n = self.world_size
-            buf.div_(n)
-            self.comm_counter.add(ring_allreduce_bytes(buf.numel(), n, buf.element_size()), buf.numel(), n)
-            fut = dist.all_reduce(buf, group=self.process_group, async_op=True).get_future()
-            return fut.then(lambda f: f.value()[0])
+        self._update_phase()
+        if not self._compressing:
+            return mean_allreduce_future(buf, self.process_group, self.comm_counter)
         if self.defer_sync_to_step:
             fut0: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut0.set_result(buf)  # local gradients; step() synchronises them
@@ -329,6 +411,10 @@ class CompressedOptimizer(Optimizer):
             for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
                 ob, i = self._param_bucket[id(p)]
                 ob.views(ob.grad)[i].copy_(g)
+                # a parameter no rank used keeps grad None (DDP with find_unused_parameters): step()
+                # learns that only after this sync, so keep its state now if it was unused here
+                if self._ddp_find_unused and not bool(g.any()):
+                    ob.pending += self._snapshot(ob, [i])
                 ob.ready += 1
                 if ob.ready == len(ob.params):
                     self._sync_bucket(ob)
@@ -344,12 +430,12 @@ class CompressedOptimizer(Optimizer):
         raise NotImplementedError
 
     def _apply(self, b: _Bucket, update: torch.Tensor, group: dict, has_grad: list[bool],
-               decoupled_wd: float = 0.0, step_size: float | None = None,
+               decoupled_wd: float = 0.0, step_size: float | Sequence[float] | None = None,
                denom: torch.Tensor | None = None) -> None:
-        """p <- p * (1 - lr * wd) - step_size * update [/ denom] (step_size defaults to lr),
-        for the params of the bucket that had a gradient. With ``denom`` the division is
-        fused like ``torch.optim.AdamW``'s ``addcdiv_``, which rounds differently from a
-        division followed by an add."""
+        """p <- p * (1 - lr * wd) - step_size * update [/ denom] (step_size defaults to lr; a
+        sequence gives one per parameter of the bucket), for the params that had a gradient.
+        With ``denom`` the division is fused like ``torch.optim.AdamW``'s ``addcdiv_``, which
+        rounds differently from a division followed by an add."""
         lr = group["lr"]
         step_size = lr if step_size is None else step_size
         keep = [i for i, h in enumerate(has_grad) if h]
@@ -358,18 +444,22 @@ class CompressedOptimizer(Optimizer):
         params = [b.params[i] for i in keep]
         ups = [b.views(update)[i] for i in keep]
         dens = [b.views(denom)[i] for i in keep] if denom is not None else None
+        sizes = [step_size] * len(keep) if isinstance(step_size, float | int) else [step_size[i] for i in keep]
         with torch.no_grad():
             if decoupled_wd:
                 torch._foreach_mul_(params, 1 - lr * decoupled_wd)
             if params[0].dtype == torch.float32:
                 if dens is None:
-                    torch._foreach_add_(params, ups, alpha=-step_size)
+                    for p, u, s in zip(params, ups, sizes, strict=True):
+                        p.add_(u, alpha=-s)
+                elif len(set(sizes)) == 1:
+                    torch._foreach_addcdiv_(params, ups, dens, value=-sizes[0])
                 else:
-                    torch._foreach_addcdiv_(params, ups, dens, value=-step_size)
+                    torch._foreach_addcdiv_(params, ups, dens, [-s for s in sizes])
             else:  # low-precision parameters: state and arithmetic stay fp32
-                for j, (p, u) in enumerate(zip(params, ups, strict=True)):
+                for j, (p, u, s) in enumerate(zip(params, ups, sizes, strict=True)):
                     step = u if dens is None else u / dens[j]
-                    p.add_(step.to(p.dtype), alpha=-step_size)
+                    p.add_(step.to(p.dtype), alpha=-s)
 
     # -- step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -404,82 +494,75 @@ class CompressedOptimizer(Optimizer):
             out.append(flat)
         return out
 
+    def _has_grad(self, buckets: list[_Bucket], worker_grads) -> list[list[bool]]:
+        """Which parameters of each bucket have a gradient on some rank (or simulated worker)."""
+        if worker_grads is not None:
+            return [[any(wg[i] is not None for wg in worker_grads) for i in b.ids] for b in buckets]
+        has = [[p.grad is not None for p in b.params] for b in buckets]
+        # DDP leaves grad None on every rank for a parameter no rank used; others must agree here
+        local = [i for i, b in enumerate(buckets) if not b.via_ddp]
+        if local and self.world_size > 1:
+            flags = torch.tensor([h for i in local for h in has[i]], dtype=torch.bool)
+            agreed = any_across(flags, self.process_group).tolist()
+            for i in local:
+                has[i], agreed = agreed[: len(has[i])], agreed[len(has[i]) :]
+        return has
+
     def _run_step(self, worker_grads) -> None:
         buckets = self._build_buckets()
-        compress = self._next_step_compresses()
-        # Pass 1: synchronise every bucket (a NaN anywhere raises before any state changes).
+        self._update_phase()
+        has_all = self._has_grad(buckets, worker_grads)
+        # Pass 1: synchronise every bucket (a NaN anywhere raises before any update).
         plan = []
-        for b in buckets:
-            if worker_grads is not None:
-                has = [any(wg[i] is not None for wg in worker_grads) for i in b.ids]
-                wflat = self._worker_flat(b, worker_grads)
-            else:
-                has = [p.grad is not None for p in b.params]
-                wflat = None
-                if not (self._ddp_attached and compress and b.ready):
-                    self._gather_grads(b)
-            if not any(has) and self.world_size == 1:
-                plan.append((b, has, None, []))
-                continue
-            # one process: a parameter without gradient is skipped, state included, as torch does
-            skipped = self._snapshot_skipped(b, has) if self.world_size == 1 else []
-            if compress:
-                if not b.done:
-                    if wflat is None and not self._ddp_attached:
-                        self._check_finite(b.grad, "gradient")
+        for b, has in zip(buckets, has_all, strict=True):
+            wflat = self._worker_flat(b, worker_grads) if worker_grads is not None else None
+            if wflat is None and not b.done and not (b.via_ddp and b.compressing and b.ready):
+                self._gather_grads(b)
+            skipped = [i for i, h in enumerate(has) if not h]
+            grad, saved = None, []
+            if not any(has):
+                pass
+            elif b.compressing:
+                if b.done:  # synchronised in the DDP hook, which kept the state of locally unused params
+                    saved = [s for s in b.pending if not has[s[0]]]
+                else:
+                    if wflat is None and self.world_size == 1:
+                        self._check_finite(b.grad, "gradient")  # with more ranks the collective agrees on it
+                    saved = self._snapshot(b, skipped)
                     self._sync_bucket(b, wflat)
-                plan.append((b, has, None, skipped))
             else:
+                saved = self._snapshot(b, skipped)
                 grad = self._average_warmup(b, wflat)
                 self._check_finite(grad, "averaged gradient")
-                plan.append((b, has, grad, skipped))
-        if self.world_size > 1:
-            plan = [(b, [True] * len(h), g, s) for b, h, g, s in plan]  # replicas must update identically
+            plan.append((b, has, grad, saved))
         # Pass 2: updates.
         self._step += 1
-        for b, has, grad, skipped in plan:
+        for b, has, grad, saved in plan:
+            b.done, b.ready, b.pending = False, 0, []
             if not any(has):
                 continue
+            for p, h in zip(b.params, has, strict=True):
+                if h:
+                    self.state[p]["step"] = self.state[p].get("step", 0) + 1
             group = self.param_groups[b.group_index]
-            if compress:
+            if b.compressing:
                 self._update_compressed(b, group, has)
             else:
                 self._update_warmup(b, grad, group, has)
-            self._restore_skipped(skipped)
-            b.done = False
-            b.ready = 0
+            self._restore(saved)
         self.comm_counter.end_step()
-
-    def _snapshot_skipped(self, b: _Bucket, has: list[bool]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Copies of the state slices of the bucket's parameters that have no gradient: the flat
-        sync and update would otherwise move their moments and error state."""
-        if all(has):
-            return []
-        bufs = list(b.flat.values())
-        comm = b.comm if isinstance(b.comm, CompressedAllreduce) else None
-        if comm is not None:
-            bufs += [t for t in (comm.worker, comm.server, comm.tilde) if t is not None]
-        out = []
-        for i, h in enumerate(has):
-            if not h:
-                lo, n = b.offsets[i], b.numels[i]
-                out += [(t[lo:lo + n], t[lo:lo + n].clone()) for t in bufs]
-        return out
-
-    @staticmethod
-    def _restore_skipped(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        for view, value in saved:
-            view.copy_(value)
 
     # -- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        buckets = self._buckets or []
+        buckets = self._buckets
         sd["onebit"] = {
             "algorithm": type(self).__name__,
             "step": self._step,
             "compressing": self._compressing,
+            "switch_at": self._switch_at,
             "layout": [b.ids for b in buckets],
+            "phases": [{"compressing": b.compressing, "switch_step": b.switch_step} for b in buckets],
             "comm": [None if b.comm is None else b.comm.state_dict() for b in buckets],
             "bytes": self.comm_counter.state_dict(),
             "extra": self._extra_state(),
@@ -493,6 +576,9 @@ class CompressedOptimizer(Optimizer):
         pass
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load a :meth:`state_dict`. Unlike ``torch.optim.Optimizer`` the per-parameter state keeps
+        its dtype (fp32, also for fp16/bf16 parameters, whose dtype would round the moments) and
+        goes to the parameter's device, as does the compression state."""
         sd = dict(state_dict)
         extra = sd.pop("onebit", None)
         if extra is None:
@@ -501,21 +587,43 @@ class CompressedOptimizer(Optimizer):
         if extra["algorithm"] != type(self).__name__:
             raise ValueError(f"state_dict was written by {extra['algorithm']}, cannot load it into "
                              f"{type(self).__name__}")
-        super().load_state_dict(sd)
+        saved_state = sd.get("state", {})
+        super().load_state_dict({**sd, "state": {}})  # groups and hyperparameters, no casting
+        saved_ids = [i for g in sd["param_groups"] for i in g["params"]]
+        self.state.clear()
+        for sid, p in zip(saved_ids, self.params_in_order(), strict=True):
+            if sid in saved_state:
+                self.state[p] = {k: v.to(device=p.device) if torch.is_tensor(v) else v
+                                 for k, v in saved_state[sid].items()}
         self._step = extra["step"]
         self._compressing = extra["compressing"]
+        self._switch_at = extra.get("switch_at")
         self.comm_counter.load_state_dict(extra["bytes"])
         self._load_extra_state(extra["extra"])
-        self._buckets = None
-        self._param_bucket = {}
+        self._buckets, self._nbucketed, self._param_bucket = [], 0, {}
+        compressing = self._compressing
+        self._compressing = False  # buckets are rebuilt in warm-up and get their saved phase below
         buckets = self._build_buckets()  # re-adopts the loaded per-parameter state into flat buffers
-        if [b.ids for b in buckets] != extra["layout"] and any(c is not None for c in extra["comm"]):
+        self._compressing = compressing
+        same = [b.ids for b in buckets] == extra["layout"]
+        phases = extra.get("phases") or [{"compressing": compressing, "switch_step": None}] * len(buckets)
+        for i, b in enumerate(buckets):
+            ph = phases[i] if same else {"compressing": compressing, "switch_step": None}
+            b.compressing, b.switch_step = ph["compressing"], ph["switch_step"]
+        if not same and any(c is not None for c in extra["comm"]):
             warnings.warn(f"{type(self).__name__}: bucket layout differs from the checkpoint's "
                           "(different bucket_cap_mb or parameters); compression error state was reset",
                           stacklevel=2)
             return
         for b, csd in zip(buckets, extra["comm"], strict=False):
             if csd is not None:
-                comm = self._comm_for(b)
-                comm.load_state_dict(csd)
+                self._comm_for(b).load_state_dict(csd, device=b.device)
 
+
+def _simulated_mean(worker_grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(g_0 / n) + (g_1 / n) + ... in worker order: what DDP's divide-then-sum gives on n ranks."""
+    n = len(worker_grads)
+    acc = worker_grads[0] / n
+    for g in worker_grads[1:]:
+        acc += g / n
+    return acc

@@ -32,21 +32,25 @@ __all__ = ["CDAdam", "EF21", "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad"]
 
 
 class _CompressedGradient(CompressedOptimizer):
-    syncs = "gradient"
+    has_warmup = False  # compressed from the first step
 
     def __init__(self, params: Iterable, defaults: dict, block_size: int | None, compressor: str = "sign",
                  topk_ratio: float = 0.01, **kw) -> None:
         if compressor not in ("sign", "topk"):
             raise ValueError(f"compressor must be 'sign' (scaled sign) or 'topk', got {compressor!r}")
         self.block_size, self.compressor, self.topk_ratio = block_size, compressor, topk_ratio
-        self._make_codec()  # validate early
-        super().__init__(params, defaults, warmup_steps=None, **kw)
-        self._compressing = True  # no warm-up: compressed from the first step
+        if compressor == "topk":
+            TopKCodec(topk_ratio)  # validate early
+        super().__init__(params, dict(defaults, block_size=block_size), warmup_steps=None, **kw)
 
-    def _make_codec(self) -> Codec:
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        SignCodec("l1", block_size=self.param_groups[-1]["block_size"])  # validate early
+
+    def _make_codec(self, b: _Bucket) -> Codec:
         if self.compressor == "topk":
             return TopKCodec(self.topk_ratio)
-        return SignCodec("l1", block_size=self.block_size)
+        return SignCodec("l1", block_size=self.param_groups[b.group_index]["block_size"])
 
     def _payload(self, b: _Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(grad)

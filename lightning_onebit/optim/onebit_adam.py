@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
+from ..comm import any_across, mean_allreduce, ring_allreduce_bytes
 from ..compress import Codec, MinMaxUInt8Codec, SignCodec
-from .base import CompressedOptimizer, _Bucket
+from .base import CompressedOptimizer, _Bucket, _simulated_mean
 
 __all__ = ["OnebitAdam", "QAdam"]
+
+
+def _bias_correction(beta: float, step: int) -> float:
+    """1 - beta^step; 1 for a parameter that never stepped (its moments are zero anyway)."""
+    return 1 - beta**step if step else 1.0
 
 
 class OnebitAdam(CompressedOptimizer):
@@ -25,17 +31,30 @@ class OnebitAdam(CompressedOptimizer):
          d = \sqrt{\hat v + \epsilon}\ \ (\texttt{eps\_inside\_sqrt=True})
          \text{ or } \sqrt{\hat v} + \epsilon
 
-    ``eps_inside_sqrt=True`` is the Tarasov-Ershov fix: with one scale per chunk, coordinates
-    whose variance is tiny get enormous updates from sign noise under ``sqrt(v) + eps``
-    (DeepSpeed's form, which VGG/Transformers diverge with right after the switch);
-    ``sqrt(v + eps)`` bounds them. ``False`` reproduces the original.
+    ``t`` and ``T_w`` are each parameter's own step counts, as ``torch.optim.AdamW`` keeps them
+    (a parameter without gradient in some step does not count it). The compressed allreduce
+    gives every parameter tensor its own scales (one per piece of the tensor in a rank's
+    chunk, both stages), as DeepSpeed's per-tensor compression does.
+
+    ``eps_inside_sqrt=True`` is the Tarasov-Ershov fix: coordinates whose variance is tiny get
+    enormous updates from sign noise under ``sqrt(v) + eps`` (DeepSpeed's form, which
+    VGG/Transformers diverge with right after the switch); ``sqrt(v + eps)`` bounds them.
+    ``False`` reproduces the original.
+
+    Coordinates whose variance is exactly zero at the switch (no gradient during warm-up: an
+    embedding row of a token not seen yet) are masked: sign coding cannot make them drift
+    (DeepSpeed needs a hand-made ``exp_avg_mask``). When a gradient reaches one of them later
+    on any rank (a bit in the collective's agreement round tells every rank, at no cost), the
+    ranks agree which masked coordinates got one (a byte each) and average those gradients in
+    fp32; these coordinates start to train: their frozen variance becomes the gradient squared
+    and their momentum (1 - beta1) times it. (Adam's own estimate after one gradient at step t,
+    (1 - beta2) / (1 - beta2^t) g^2, frozen for the rest of the run, would give steps about
+    1 / sqrt(1 - beta2) ~ 30x larger for as long as compression lasts.) Steps where no masked
+    coordinate gets a gradient cost nothing extra.
 
     Differences from DeepSpeed's ``OnebitAdam``, on purpose: the warm-up is AdamW with bias
     correction and decoupled weight decay (DeepSpeed drops bias correction); weight decay
-    keeps working after the switch; error state is kept across checkpoints; coordinates
-    whose variance is exactly zero at the switch (never saw a gradient, e.g. unused
-    embedding rows) are masked automatically, so sign coding cannot make them drift -
-    DeepSpeed needs a hand-made ``exp_avg_mask`` for that.
+    keeps working after the switch; error state is kept across checkpoints.
 
     Memory per parameter: m, v (fp32) + worker error (fp32) + 1/n server error = 12 + 4/n
     bytes of state, plus working buffers: local gradient, payload and (compression phase)
@@ -44,18 +63,21 @@ class OnebitAdam(CompressedOptimizer):
     Args:
         warmup_steps: steps of exact AdamW before compression starts (``None``: only when
             :meth:`start_compression` is called, e.g. by the phase-switching callback).
-        block_size: ``None`` = one scale per chunk (DeepSpeed); an int gives one scale per
-            block of that many elements.
+        block_size: ``None`` = one scale per piece of a tensor in a rank's chunk; an int cuts
+            each tensor further into blocks of that many elements from its first element (a
+            param group may set its own ``block_size``, e.g. an embedding's row width).
         bucket_cap_mb, group, simulate_workers: see :class:`CompressedOptimizer`.
     """
 
     flat_state = ("exp_avg", "exp_avg_sq")
     comm_mode = "error_feedback"
+    codec_cls: type[Codec] = SignCodec
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int | None = 1000,
                  eps_inside_sqrt: bool = True, block_size: int | None = None, *,
-                 bucket_cap_mb: float = 25.0, group=None, simulate_workers: int | None = None) -> None:
+                 bucket_cap_mb: float = 25.0, group=None, simulate_workers: int | None = None,
+                 _defaults: dict | None = None) -> None:
         if lr < 0:
             raise ValueError(f"invalid learning rate {lr}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
@@ -63,59 +85,68 @@ class OnebitAdam(CompressedOptimizer):
         if eps < 0 or weight_decay < 0:
             raise ValueError(f"eps and weight_decay must be non-negative, got {eps}, {weight_decay}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        eps_inside_sqrt=eps_inside_sqrt)
+                        eps_inside_sqrt=eps_inside_sqrt, block_size=block_size, **(_defaults or {}))
         self.block_size = block_size
-        SignCodec(block_size=block_size)  # validate early
         super().__init__(params, defaults, warmup_steps=warmup_steps, bucket_cap_mb=bucket_cap_mb,
                          group=group, simulate_workers=simulate_workers)
-        self._frozen_step = 0
+        self.activated = 0  # masked coordinates that have started to train (see the class docstring)
 
-    def _make_codec(self) -> Codec:
-        return SignCodec("l2", block_size=self.block_size)
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self.codec_cls(block_size=self.param_groups[-1]["block_size"])  # validate early
 
-    # -- phases --------------------------------------------------------------------------
-    def _on_switch(self) -> None:
-        if self._step == 0:
-            raise RuntimeError(f"{type(self).__name__} needs at least one warm-up step to estimate the "
-                               "variance before compression starts (warmup_steps >= 1)")
-        self._frozen_step = self._step
+    def _make_codec(self, b: _Bucket) -> Codec:
+        bs = self.param_groups[b.group_index]["block_size"]
+        return SignCodec("l2", block_size=bs) if self.codec_cls is SignCodec else self.codec_cls(block_size=bs)
 
     def _extra_state(self) -> dict:
-        return {"frozen_step": self._frozen_step}
+        return {"activated": self.activated}
 
     def _load_extra_state(self, extra: dict) -> None:
-        self._frozen_step = extra["frozen_step"]
+        self.activated = extra.get("activated", 0)
 
     # -- warm-up: AdamW, op for op as torch.optim.AdamW's single-tensor path --------------
-    def _warmup_moments(self, b: _Bucket, grad: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                       float, float]:
-        """Adam's moment updates of a warm-up step: (m, v, bias corrections 1 and 2)."""
+    def _step_sizes(self, b: _Bucket, lr: float, beta1: float) -> list[float]:
+        return [lr / _bias_correction(beta1, t) for t in self._steps(b)]
+
+    def _warmup_moments(self, b: _Bucket, grad: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adam's moment updates of a warm-up step (over the whole bucket; the state of parameters
+        without gradient is put back afterwards)."""
         beta1, beta2 = group["betas"]
         m, v = b.flat["exp_avg"], b.flat["exp_avg_sq"]
         m.lerp_(grad, 1 - beta1)
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        return m, v, 1 - beta1**self._step, 1 - beta2**self._step
+        return m, v
 
     def _update_warmup(self, b: _Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
-        m, v, bc1, bc2 = self._warmup_moments(b, grad, group)
-        denom = (v.sqrt() / bc2**0.5).add_(group["eps"])
+        m, v = self._warmup_moments(b, grad, group)
+        beta1, beta2 = group["betas"]
+        steps = self._steps(b)
+        live = {t for t, h in zip(steps, has_grad, strict=True) if h}
+        if len(live) == 1:  # one step count: flat ops over the bucket
+            denom = (v.sqrt() / _bias_correction(beta2, live.pop()) ** 0.5).add_(group["eps"])
+        else:
+            denom = torch.empty_like(v)
+            for d, vv, t in zip(b.views(denom), b.views(v), steps, strict=True):
+                torch.div(vv.sqrt(), _bias_correction(beta2, t) ** 0.5, out=d).add_(group["eps"])
         self._apply(b, m, group, has_grad, decoupled_wd=group["weight_decay"],
-                    step_size=group["lr"] / bc1, denom=denom)
+                    step_size=self._step_sizes(b, group["lr"], beta1), denom=denom)
 
     # -- compression ---------------------------------------------------------------------
     # v is frozen during compression, so the zero mask and the denominator are computed once
-    # per bucket and switch (recomputing them cost ~50 ms per step at 25M parameters).
-    def _zero_mask(self, b: _Bucket) -> torch.Tensor | None:
-        if b.cache.get("mask_step") != self._frozen_step:
+    # per bucket and switch (recomputing them cost a pass over the bucket per step).
+    def _mask(self, b: _Bucket) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(mask, indices) of the coordinates whose frozen variance is zero, or (None, None)."""
+        if "mask" not in b.cache:
             mask = b.flat["exp_avg_sq"] == 0
-            b.cache["mask"] = mask if bool(mask.any()) else None
-            b.cache["mask_step"] = self._frozen_step
+            idx = mask.nonzero().view(-1)
+            b.cache["mask"] = (mask, idx) if idx.numel() else (None, None)
         return b.cache["mask"]
 
     def _payload(self, b: _Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
         beta1 = self.param_groups[b.group_index]["betas"][0]
         torch.lerp(b.flat["exp_avg"], grad, 1 - beta1, out=out)
-        mask = self._zero_mask(b)
+        mask, _ = self._mask(b)
         if mask is not None:
             out.masked_fill_(mask, 0.0)  # frozen-zero coordinates send nothing
 
@@ -125,27 +156,66 @@ class OnebitAdam(CompressedOptimizer):
     def _absorb(self, b: _Bucket, synced: torch.Tensor) -> None:
         if synced is not b.flat["exp_avg"]:
             b.flat["exp_avg"].copy_(synced)
-        mask = self._zero_mask(b)
+        mask, _ = self._mask(b)
         if mask is not None:
             b.flat["exp_avg"].masked_fill_(mask, 0.0)
 
-    def _denominator(self, v: torch.Tensor, group: dict, b: _Bucket | None = None) -> torch.Tensor:
-        key = (self._frozen_step, group["betas"][1], group["eps"], group["eps_inside_sqrt"])
-        if b is not None and b.cache.get("denom_key") == key:
+    def _flag(self, b: _Bucket, grad: torch.Tensor) -> bool | None:
+        _, idx = self._mask(b)
+        return None if idx is None else bool(grad[idx].any())
+
+    def _on_flag(self, b: _Bucket, grads: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Masked coordinates that a gradient reached start to train (see the class docstring)."""
+        _, idx = self._mask(b)
+        # which masked coordinates got a gradient anywhere (a byte each), then their mean (fp32)
+        if isinstance(grads, torch.Tensor):
+            pos = idx[any_across(grads[idx] != 0, self.process_group, self.comm_counter)]
+            g = mean_allreduce(grads[pos], self.process_group, self.comm_counter)
+        else:
+            touched = torch.stack([w[idx] != 0 for w in grads]).any(0)
+            pos = idx[touched]
+            g = _simulated_mean([w[pos] for w in grads])
+            n = len(grads)  # what the two collectives would send
+            self.comm_counter.add(ring_allreduce_bytes(idx.numel(), n, 1), 0, n)
+            self.comm_counter.add(ring_allreduce_bytes(pos.numel(), n), pos.numel(), n)
+        got = g != 0
+        pos, g = pos[got], g[got]
+        if not pos.numel():  # the workers' gradients cancelled exactly
+            return
+        beta1, beta2 = self.param_groups[b.group_index]["betas"]
+        param = torch.searchsorted(torch.tensor(b.offsets, device=pos.device), pos, right=True) - 1
+        bc2 = torch.tensor([_bias_correction(beta2, t) for t in self._steps(b, "frozen_step")],
+                           device=pos.device)[param]
+        self._activate(b, pos, g, g * g * bc2, beta1)  # v_hat = g^2 after the frozen bias correction
+        self._comm_for(b).zero_state_at(pos)  # the masked coordinates' error feedback was noise
+        b.cache.clear()
+        self.activated += pos.numel()
+
+    def _activate(self, b: _Bucket, pos: torch.Tensor, g: torch.Tensor, v: torch.Tensor, beta1: float) -> None:
+        b.flat["exp_avg_sq"][pos] = v
+        b.flat["exp_avg"][pos] = (1 - beta1) * g
+
+    def _denominator(self, b: _Bucket, group: dict) -> torch.Tensor:
+        """The frozen d of every coordinate, with each parameter's bias correction at its switch."""
+        frozen = self._steps(b, "frozen_step")
+        key = (tuple(frozen), group["betas"][1], group["eps"], group["eps_inside_sqrt"])
+        if b.cache.get("denom_key") == key:
             return b.cache["denom"]
-        bc2 = 1 - group["betas"][1] ** self._frozen_step
-        vhat = v / bc2
+        v, beta2 = b.flat["exp_avg_sq"], group["betas"][1]
+        if len(set(frozen)) == 1:
+            vhat = v / _bias_correction(beta2, frozen[0])
+        else:
+            vhat = torch.empty_like(v)
+            for out, vv, t in zip(b.views(vhat), b.views(v), frozen, strict=True):
+                torch.div(vv, _bias_correction(beta2, t), out=out)
         denom = vhat.add_(group["eps"]).sqrt_() if group["eps_inside_sqrt"] else vhat.sqrt_().add_(group["eps"])
-        if b is not None:
-            b.cache["denom_key"], b.cache["denom"] = key, denom
+        b.cache["denom_key"], b.cache["denom"] = key, denom
         return denom
 
     def _update_compressed(self, b: _Bucket, group: dict, has_grad: list[bool]) -> None:
-        beta1 = group["betas"][0]
-        m, v = b.flat["exp_avg"], b.flat["exp_avg_sq"]
         # m is zero where v is (see _absorb), so those coordinates do not move
-        self._apply(b, m, group, has_grad, decoupled_wd=group["weight_decay"],
-                    step_size=group["lr"] / (1 - beta1**self._step), denom=self._denominator(v, group, b))
+        self._apply(b, b.flat["exp_avg"], group, has_grad, decoupled_wd=group["weight_decay"],
+                    step_size=self._step_sizes(b, group["lr"], group["betas"][0]), denom=self._denominator(b, group))
 
 
 class QAdam(OnebitAdam):
@@ -159,16 +229,12 @@ class QAdam(OnebitAdam):
     """
 
     comm_mode = "plain"
+    codec_cls = MinMaxUInt8Codec
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int | None = 1000,
                  block_size: int | None = None, eps_inside_sqrt: bool = True, *, bucket_cap_mb: float = 25.0,
                  group=None, simulate_workers: int | None = None) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, warmup_steps, eps_inside_sqrt=eps_inside_sqrt,
-                         block_size=None, bucket_cap_mb=bucket_cap_mb, group=group,
+                         block_size=block_size, bucket_cap_mb=bucket_cap_mb, group=group,
                          simulate_workers=simulate_workers)
-        self.block_size = block_size
-        MinMaxUInt8Codec(block_size=block_size)
-
-    def _make_codec(self) -> Codec:
-        return MinMaxUInt8Codec(block_size=self.block_size)

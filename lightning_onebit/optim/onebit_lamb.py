@@ -7,9 +7,18 @@ from collections.abc import Iterable
 import torch
 
 from .base import _Bucket
-from .onebit_adam import OnebitAdam
+from .onebit_adam import OnebitAdam, _bias_correction
 
 __all__ = ["OnebitLamb"]
+
+_BOUNDS = ("max_coeff", "min_coeff", "coeff_beta", "factor_max", "factor_min", "factor_threshold")
+
+
+def _check_bounds(g: dict) -> None:
+    if not (0 < g["min_coeff"] <= g["max_coeff"] and 0 < g["factor_min"] <= g["factor_max"]
+            and g["factor_threshold"] >= 0 and 0 <= g["coeff_beta"] < 1):
+        raise ValueError("OnebitLamb needs 0 < min_coeff <= max_coeff, 0 < factor_min <= factor_max, "
+                         f"factor_threshold >= 0 and 0 <= coeff_beta < 1; got {({k: g[k] for k in _BOUNDS})}")
 
 
 class OnebitLamb(OnebitAdam):
@@ -21,17 +30,33 @@ class OnebitLamb(OnebitAdam):
     .. math::
        u = \hat m / (\sqrt{\hat v} + \epsilon) + \lambda\theta,\quad
        c = \mathrm{clip}(\|\theta\| / \|u\|,\ c_{min}, c_{max}),\quad
-       \theta \leftarrow \theta - \gamma c u,\quad
-       \bar c \leftarrow \beta_c \bar c + (1-\beta_c) c
+       \theta \leftarrow \theta - \gamma c u
 
-    Compression: :math:`m_t` = compressed allreduce (1-bit, error feedback) of the local
-    momentum; :math:`\tilde g = (m_t - \beta_1 m_{t-1}) / (1-\beta_1)` rebuilds the gradient,
+    and the frozen coefficient :math:`\bar c` is the bias-corrected exponential average (rate
+    ``coeff_beta``) of the warm-up coefficients where :math:`\|\theta\|, \|u\| > 0`.
+
+    Compression: each layer's momentum is multiplied by ``scaling_coeff`` = (mean over layers
+    of the momentum's rms) / (this layer's rms), both taken at the switch, before the compressed
+    allreduce (1-bit, error feedback) and divided by it after, as DeepSpeed does; then
+    :math:`\tilde g = (m_t - \beta_1 m_{t-1}) / (1-\beta_1)` rebuilds the gradient,
     :math:`v^{fresh} \leftarrow \beta_2 v^{fresh} + (1-\beta_2)\tilde g^2` (initialised to the
     frozen :math:`\hat v`); with :math:`d = \sqrt{\hat v + \epsilon}` (or
     :math:`\sqrt{\hat v} + \epsilon`) and :math:`d^{fresh}` likewise, the layer factor
     :math:`f = \max(d / d^{fresh})` is blended with the weight-decay share of the update,
     clipped to [factor_min, factor_max] and to +-factor_threshold relative change per step,
     and :math:`\theta \leftarrow \theta - \gamma \bar c f (\hat m / d + \lambda\theta)`.
+
+    Next to DeepSpeed's ``OnebitLamb``: DeepSpeed compresses all layers' momenta in one buffer
+    with one scale, so ``scaling_coeff`` is what keeps a small layer's momentum from drowning in
+    a large one's; here every tensor has its own scales already, so the coefficient only changes
+    the rounding (it is kept for fidelity, and its error-feedback state is in scaled units).
+    DeepSpeed's frozen coefficient starts at 0 and is updated only when a step's coefficient is
+    not 1, without bias correction, so a warm-up of k updates yields (1 - coeff_beta^k) of the
+    average (0.65x after 10 steps at 0.9) and a layer whose coefficient was always 1 freezes at
+    0 and never moves again; here it is bias-corrected, skips only undefined ratios (zero weight
+    or update norm; a coefficient clipped to exactly 1 counts) and is 1 for a layer that had none.
+    The bounds (``max_coeff`` ... ``factor_threshold``) are per param group, defaulting to the
+    arguments.
 
     Memory per parameter: m, v, v_fresh, m_prev (fp32) + worker error + 1/n server error.
     """
@@ -44,58 +69,96 @@ class OnebitLamb(OnebitAdam):
                  factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                  eps_inside_sqrt: bool = True, block_size: int | None = None, *,
                  bucket_cap_mb: float = 25.0, group=None, simulate_workers: int | None = None) -> None:
-        if not 0 < min_coeff <= max_coeff or not 0 < factor_min <= factor_max or factor_threshold < 0:
-            raise ValueError("need 0 < min_coeff <= max_coeff, 0 < factor_min <= factor_max, factor_threshold >= 0")
+        bounds = dict(max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
+                      factor_min=factor_min, factor_threshold=factor_threshold)
+        _check_bounds(bounds)
+        self._united_scale: float | None = None
         super().__init__(params, lr, betas, eps, weight_decay, warmup_steps, eps_inside_sqrt, block_size,
-                         bucket_cap_mb=bucket_cap_mb, group=group, simulate_workers=simulate_workers)
-        for g in self.param_groups:
-            g.update(max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
-                     factor_min=factor_min, factor_threshold=factor_threshold)
-        self.defaults.update(max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta,
-                             factor_max=factor_max, factor_min=factor_min, factor_threshold=factor_threshold)
+                         bucket_cap_mb=bucket_cap_mb, group=group, simulate_workers=simulate_workers,
+                         _defaults=bounds)
 
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        _check_bounds(self.param_groups[-1])
+
+    def _extra_state(self) -> dict:
+        return {**super()._extra_state(), "united_scale": self._united_scale}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        super()._load_extra_state(extra)
+        self._united_scale = extra.get("united_scale")
+
+    # -- warm-up ---------------------------------------------------------------------------
     def _update_warmup(self, b: _Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
-        m, v, bc1, bc2 = self._warmup_moments(b, grad, group)
-        update = (m / bc1) / (v / bc2).sqrt_().add_(group["eps"])
-        wd = group["weight_decay"]
-        for p, u, h in zip(b.params, b.views(update), has_grad, strict=True):
+        m, v = self._warmup_moments(b, grad, group)
+        beta1, beta2 = group["betas"]
+        wd, cb = group["weight_decay"], group["coeff_beta"]
+        for p, mm, vv, t, h in zip(b.params, b.views(m), b.views(v), self._steps(b), has_grad, strict=True):
             if not h:
                 continue
+            u = (mm / _bias_correction(beta1, t)) / (vv / _bias_correction(beta2, t)).sqrt_().add_(group["eps"])
             if wd:
                 u.add_(p.detach().float(), alpha=wd)
-            st = self.state[p]
-            coeff = self._trust_ratio(p, u, group)
-            st["lamb_coeff_freeze"] = group["coeff_beta"] * st.get("lamb_coeff_freeze", 0.0) + (
-                1 - group["coeff_beta"]) * coeff
+            coeff, defined = self._trust_ratio(p, u, group)
+            if defined:
+                st = self.state[p]
+                st["lamb_coeff_ema"] = cb * st.get("lamb_coeff_ema", 0.0) + (1 - cb) * coeff
+                st["lamb_coeff_n"] = st.get("lamb_coeff_n", 0) + 1
             p.add_(u.to(p.dtype), alpha=-group["lr"] * coeff)
 
     @staticmethod
-    def _trust_ratio(p: torch.Tensor, u: torch.Tensor, group: dict) -> float:
+    def _trust_ratio(p: torch.Tensor, u: torch.Tensor, group: dict) -> tuple[float, bool]:
+        """(clipped ||w|| / ||u||, whether the ratio is defined); 1 where it is not."""
         w_norm, u_norm = p.detach().float().norm().item(), u.norm().item()
-        coeff = w_norm / u_norm if w_norm > 0 and u_norm > 0 else 1.0
-        return min(max(coeff, group["min_coeff"]), group["max_coeff"])
+        if w_norm > 0 and u_norm > 0:
+            return min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"]), True
+        return 1.0, False
 
-    def _on_switch(self) -> None:
-        super()._on_switch()
-        for b in self._buckets or []:
-            self._init_fresh(b)
+    # -- switch ----------------------------------------------------------------------------
+    @staticmethod
+    def _rms(views: list[torch.Tensor]) -> list[float]:
+        return torch.stack([v.norm() / v.numel() ** 0.5 for v in views]).tolist() if views else []
 
-    def _init_fresh(self, b: _Bucket) -> None:
+    def _on_start_compression(self) -> None:
+        # DeepSpeed's united scale: the mean momentum rms over all layers, at the switch
+        rms = self._rms([v for b in self._buckets if b.switch_step is None for v in b.views(b.flat["exp_avg"])])
+        self._united_scale = sum(rms) / len(rms) if rms else 1.0
+
+    def _on_switch(self, b: _Bucket) -> None:
         group = self.param_groups[b.group_index]
-        bc2 = 1 - group["betas"][1] ** self._frozen_step
-        b.flat["exp_avg_sq_fresh"].copy_(b.flat["exp_avg_sq"]).div_(bc2)
-        for p in b.params:
-            self.state[p]["last_factor"] = 1.0
-            self.state[p].setdefault("lamb_coeff_freeze", 1.0)
+        beta2, cb = group["betas"][1], group["coeff_beta"]
+        fresh, v = b.flat["exp_avg_sq_fresh"], b.flat["exp_avg_sq"]
+        for out, vv, t in zip(b.views(fresh), b.views(v), self._steps(b, "frozen_step"), strict=True):
+            torch.div(vv, _bias_correction(beta2, t), out=out)  # v_fresh starts at the frozen v_hat
+        united = self._united_scale if self._united_scale is not None else 1.0
+        for p, rms in zip(b.params, self._rms(b.views(b.flat["exp_avg"])), strict=True):
+            st = self.state[p]
+            st["last_factor"] = 1.0
+            n = st.get("lamb_coeff_n", 0)
+            st["lamb_coeff_freeze"] = st.get("lamb_coeff_ema", 0.0) / (1 - cb**n) if n else 1.0
+            st["scaling_coeff"] = united / rms if rms > 0 else 1.0
+
+    # -- compression -----------------------------------------------------------------------
+    def _scaling(self, b: _Bucket) -> list[float]:
+        return [self.state[p]["scaling_coeff"] for p in b.params]
+
+    def _payload(self, b: _Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
+        super()._payload(b, grad, out)
+        torch._foreach_mul_(b.views(out), self._scaling(b))
 
     def _sync_target(self, b: _Bucket) -> torch.Tensor:
         return b.synced  # exp_avg is still needed: _absorb keeps it as exp_avg_prev first
 
     def _absorb(self, b: _Bucket, synced: torch.Tensor) -> None:
-        if "last_factor" not in self.state[b.params[0]]:
-            self._init_fresh(b)  # buckets built after the switch (e.g. start_compression before step 1)
-        b.flat["exp_avg_prev"].copy_(b.flat["exp_avg"])
-        super()._absorb(b, synced)
+        m = b.flat["exp_avg"]
+        b.flat["exp_avg_prev"].copy_(m)
+        m.copy_(synced)
+        torch._foreach_div_(b.views(m), self._scaling(b))
+        super()._absorb(b, m)
+
+    def _activate(self, b: _Bucket, pos: torch.Tensor, g: torch.Tensor, v: torch.Tensor, beta1: float) -> None:
+        super()._activate(b, pos, g, v, beta1)
+        b.flat["exp_avg_sq_fresh"][pos] = g * g  # the fresh variance starts at the new v_hat too
 
     def _scratch(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """Two bucket-sized work buffers, reused every step (fresh ones cost page faults)."""
@@ -107,20 +170,25 @@ class OnebitLamb(OnebitAdam):
     def _update_compressed(self, b: _Bucket, group: dict, has_grad: list[bool]) -> None:
         beta1, beta2 = group["betas"]
         eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
-        m, v = b.flat["exp_avg"], b.flat["exp_avg_sq"]
+        m = b.flat["exp_avg"]
         fresh, prev = b.flat["exp_avg_sq_fresh"], b.flat["exp_avg_prev"]
         work, prelim = self._scratch(b)
         # fresh variance of the rebuilt gradient g = (m - beta1 m_prev) / (1 - beta1)
         torch.sub(m, prev, alpha=beta1, out=work)
         fresh.mul_(beta2).addcmul_(work, work, value=(1 - beta2) / (1 - beta1) ** 2)
-        denom = self._denominator(v, group, b)  # v is frozen: computed once per switch
+        denom = self._denominator(b, group)  # v is frozen: computed once per switch
         if group["eps_inside_sqrt"]:
             torch.add(fresh, eps, out=work).sqrt_()
         else:
             torch.sqrt(fresh, out=work).add_(eps)
         ratio = torch.div(denom, work, out=work)
-        torch.div(m, denom, out=prelim).mul_(1 / (1 - beta1**self._step))
-        mask = self._zero_mask(b)
+        torch.div(m, denom, out=prelim)
+        steps = self._steps(b)
+        if len(set(steps)) == 1:
+            prelim.mul_(1 / _bias_correction(beta1, steps[0]))
+        else:
+            torch._foreach_mul_(b.views(prelim), [1 / _bias_correction(beta1, t) for t in steps])
+        mask, _ = self._mask(b)
         if mask is not None:
             prelim.masked_fill_(mask, 0.0)
         # every per-layer scalar in one device->host transfer: max ratio, ||u||^2, <u, p>, ||p||^2
