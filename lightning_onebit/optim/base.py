@@ -40,7 +40,15 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ..comm import ByteCounter, CompressedAllreduce, SimulatedCluster, any_across, group_size, mean_allreduce
+from ..comm import (
+    ByteCounter,
+    CompressedAllreduce,
+    SimulatedCluster,
+    any_across,
+    group_size,
+    mean_allreduce,
+    ring_allreduce_bytes,
+)
 from ..comm.dense import mean_allreduce_future
 from ..compress import Codec
 
@@ -269,6 +277,8 @@ class CompressedOptimizer(Optimizer):
         """Full-precision mean gradient of a bucket (fp32), exactly as DDP would compute it."""
         if worker_grads is not None:  # simulation: (g_0 / n) + (g_1 / n) + ... in worker order
             b.grad.copy_(_simulated_mean(worker_grads))
+            n = len(worker_grads)  # counted as the real path counts its fp32 allreduce
+            self.comm_counter.add(ring_allreduce_bytes(b.numel, n), b.numel, n)
         elif not b.via_ddp:
             mean_allreduce(b.grad, self.process_group, self.comm_counter)
         return b.grad
