@@ -92,9 +92,16 @@ def squad(**kwargs: Any) -> L.LightningDataModule:
     return SquadDataModule(**kwargs)
 
 
+def markov(**kwargs: Any) -> L.LightningDataModule:
+    """:class:`recipes.lm.MarkovTextDataModule` (imported on use, like :func:`glue`)."""
+    from .lm import MarkovTextDataModule
+
+    return MarkovTextDataModule(**kwargs)
+
+
 #: data.name -> datamodule class; its constructor takes the rest of the ``data`` config + ``seed``
 DATAMODULES: dict[str, Callable[..., L.LightningDataModule]] = {"digits": DigitsDataModule, "cifar10": cifar10,
-                                                                "glue": glue, "squad": squad}
+                                                                "glue": glue, "squad": squad, "markov": markov}
 
 
 def build_datamodule(data_cfg: Mapping[str, Any], seed: int = 0) -> L.LightningDataModule:

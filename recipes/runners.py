@@ -111,10 +111,20 @@ def bert_squad(cfg: DictConfig, alg: dict[str, Any]) -> L.LightningModule:
     return squad_module(cfg, alg)
 
 
+def language_model(cfg: DictConfig, alg: dict[str, Any]) -> L.LightningModule:
+    """:class:`recipes.lm.LanguageModel` on the Markov source of ``data`` (its entropy rate is the floor
+    of the validation loss)."""
+    from .lm import LanguageModel, MarkovSource
+
+    net = {k: v for k, v in _container(cfg.model).items() if k != "name"}
+    source = MarkovSource(cfg.data.vocab, cfg.data.branching, cfg.data.source_seed)
+    return LanguageModel(net, alg, source.entropy_rate())
+
+
 #: experiment.module -> factory (cfg, resolved algorithm entry) -> LightningModule; the
 #: lightning runner fits it with the datamodule named by ``data.name``
 MODULES: dict[str, Callable[[DictConfig, dict[str, Any]], L.LightningModule]] = {
-    "classifier": build_classifier, "bert_glue": bert_glue, "bert_squad": bert_squad}
+    "classifier": build_classifier, "bert_glue": bert_glue, "bert_squad": bert_squad, "lm": language_model}
 
 
 def _fit(cfg: DictConfig, out_dir: Path, start_method: str) -> Record | None:

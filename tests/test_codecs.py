@@ -103,6 +103,40 @@ def test_scales_follow_group_boundaries(backend, case, block):
         assert (enc.scales[r, len(blocks):] == 0).all()
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_padding_decodes_to_zero_and_keeps_its_state(kind):
+    """Elements from `valid` on are padding: they count in no scale, decode to exactly 0 and their
+    error / estimate state does not change; numba equals the reference."""
+    g = torch.Generator().manual_seed(0)
+    n, nseg, valid = 3 * 40, 3, 93  # row 2 is data up to column 13
+    x = torch.randn(n, generator=g)
+    x[valid:] = 0.0
+    outs = {}
+    for backend in ("torch", "numba"):
+        codec = make_codec(kind, 16, backend)
+        lay = codec.layout(n, nseg, groups=[0, 50], valid=valid)
+        err = torch.randn(n, generator=torch.Generator().manual_seed(1))
+        err[valid:] = 0.0
+        enc = codec.encode_error_feedback(x, err, layout=lay)
+        dec = codec.decode(enc)
+        assert torch.equal(dec[valid:], torch.zeros(n - valid)) and torch.equal(err[valid:], torch.zeros(n - valid))
+        est = torch.zeros(n)
+        codec.encode_markov(x, est, layout=lay)
+        assert torch.equal(est[valid:], torch.zeros(n - valid))
+        outs[backend] = (enc, dec, err)
+    assert torch.equal(outs["torch"][0].codes[:, :2], outs["numba"][0].codes[:, :2])
+    torch.testing.assert_close(outs["torch"][0].scales, outs["numba"][0].scales, rtol=1e-6, atol=0)
+    torch.testing.assert_close(outs["torch"][1], outs["numba"][1])
+    torch.testing.assert_close(outs["torch"][2], outs["numba"][2])
+    if kind == "l2":  # row 2 is cut at 82 and 98 (every 16 from the group start 50): the block
+        # [82, 98) holds data up to 93 and counts those 11 elements only
+        lay = make_codec(kind, 16, "numba").layout(n, nseg, groups=[0, 50], valid=valid)
+        assert lay.starts[2].tolist()[:3] == [0, 2, 18]
+        want = x[82:93].double().square().mean().sqrt().float()
+        torch.testing.assert_close(make_codec(kind, 16, "numba").encode(x, layout=lay).scales[2, 1], want,
+                                   rtol=1e-6, atol=0)
+
+
 def test_a_small_tensor_keeps_its_own_scale():
     """Two tensors with gradients 1e-4 and 1 in one vector: with their boundary as a group, the small
     one decodes at its own magnitude; without, it takes the large one's scale (what a shared

@@ -119,8 +119,7 @@ def test_bytes_match_formula():
             sim = SimulatedCluster(SignCodec(), "error_feedback", n, counter=counter)
             sim.allreduce([torch.randn(numel) for _ in range(n)])
             seg = ((numel + n - 1) // n + 7) // 8 * 8
-            # the padding is a scale block of its own: the chunk it starts inside carries two scales
-            nb = 2 if numel % seg else 1
+            nb = 1  # one tensor: one scale per chunk (the padding needs none)
             row = -(-(seg // 8) // 4) * 4 + 4 * nb  # codes padded to 4 bytes + fp32 scales
             assert counter.bytes_sent == 2 * (n - 1) * row
             if n > 1 and numel > 1000:
@@ -288,3 +287,15 @@ def test_pipelined_call_honours_the_group_timeout():
     msg, elapsed = values(run_ranks(_straggler, 2, timeout_s=4))[0]
     assert msg is not None and "Timed out" in msg, msg
     assert elapsed < 10
+
+
+def test_padding_does_not_count_in_a_scale():
+    """9 elements on 2 ranks: chunk 1 holds one element and 7 of padding. Its scale is that element's
+    own size, so a single element passes both 1-bit stages exactly (a diluted scale would shrink it
+    by sqrt(8)), and no padding state builds up."""
+    sim = SimulatedCluster(SignCodec(), "error_feedback", 2)
+    xs = [torch.arange(9.0) - 3, torch.arange(9.0) * 2]
+    out = sim.allreduce(xs)[0]
+    assert out[8] == (xs[0][8] + xs[1][8]) / 2
+    for w in sim.workers:
+        assert not w.worker[9:].any() and (w.rank == 0 or not w.server[1:].any())

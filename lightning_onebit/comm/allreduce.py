@@ -17,7 +17,9 @@ tensor inside it in both stages (``block_size`` cuts each piece further), and a 
 small gradients never shares a scale with a large one. DeepSpeed's 1-bit Adam scales each
 tensor on its own too (one worker scale per tensor, a server scale per chunk of it). Every row
 carries the same number of scales (the most any chunk needs; the others pad with empty
-blocks), so rows keep one size on the wire; the bucket padding is a block of its own.
+blocks), so rows keep one size on the wire. The padding (zeros up to n equal chunks of a multiple
+of 8) does not count in a scale, decodes to 0 and keeps a zero state (the layout knows where it
+starts).
 
 Codes and scales travel in one packed uint8 row (``Codec.empty(..., packed=...)``), so a
 call is exactly two data collectives, plus one tiny ``all_gather`` that checks that the
@@ -166,12 +168,11 @@ class CompressedAllreduce:
         return self.codec.row_bytes(self.layout)
 
     def make_layout(self, numel: int) -> Layout:
-        """Chunks of the padded input, cut at the groups and at the start of the padding."""
+        """Chunks of the padded input, cut at the groups; the padding does not count in scales."""
         if self.groups and (self.groups[0] < 0 or self.groups[-1] > numel):
             raise ValueError(f"groups must lie in [0, {numel}] for a tensor of {numel} elements, "
                              f"got {self.groups[0]}..{self.groups[-1]}")
-        D = self.padded_numel(numel)
-        return self.codec.layout(D, self.world_size, (0, *self.groups, numel) if D > numel else (0, *self.groups))
+        return self.codec.layout(self.padded_numel(numel), self.world_size, (0, *self.groups), valid=numel)
 
     def _plan(self, seg: int) -> list[_Piece]:
         """Cut a row of ``seg`` elements into pipeline pieces (see the module docstring)."""

@@ -131,15 +131,17 @@ class Codec:
             raise ValueError(f"unknown compression backend {backend!r}; expected 'auto' or one of {BACKENDS}")
 
     # -- geometry ------------------------------------------------------------------------
-    def layout(self, numel: int, nseg: int = 1, groups: Sequence[int] | None = None) -> Layout:
-        """The rows and scale blocks of a vector of ``numel`` elements (see the class docstring)."""
+    def layout(self, numel: int, nseg: int = 1, groups: Sequence[int] | None = None,
+               valid: int | None = None) -> Layout:
+        """The rows and scale blocks of a vector of ``numel`` elements (see the class docstring);
+        elements from ``valid`` on are zero padding, which does not count in a scale."""
         if nseg < 1 or numel % nseg:
             raise ValueError(f"cannot split {numel} elements into {nseg} equal segments")
-        key = (numel, nseg, None if groups is None else tuple(groups))
+        key = (numel, nseg, None if groups is None else tuple(groups), valid)
         cache = self.__dict__.setdefault("_layouts", {})
         lay = cache.get(key)
         if lay is None:  # made once per geometry: a layout also caches the kernels' tile tables
-            lay = make_layout(nseg, numel // nseg, self.block_size, groups)
+            lay = make_layout(nseg, numel // nseg, self.block_size, groups, valid)
             if len(cache) >= 64:
                 cache.pop(next(iter(cache)))
             cache[key] = lay
@@ -191,8 +193,8 @@ class Codec:
     # -- scales --------------------------------------------------------------------------
     def _scales(self, totals: torch.Tensor, lay: Layout) -> torch.Tensor:
         """fp32 block scales from the per-block fp64 totals ``[nblocks, width]`` of a reduction.
-        An empty block (padding) gets scale 0, which decodes to zeros."""
-        lens = torch.from_numpy(lay.lengths.reshape(-1)).to(totals.device)
+        An empty block gets scale 0, which decodes to zeros; padding does not count in a length."""
+        lens = torch.from_numpy(lay.scale_lengths.reshape(-1)).to(totals.device)
         live = lens > 0
         if is_sign(self.kind):
             total = totals[:, 0]

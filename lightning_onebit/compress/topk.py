@@ -40,7 +40,8 @@ class TopKCodec(Codec):
     def k(self, seg_len: int) -> int:
         return min(seg_len, max(1, math.ceil(self.ratio * seg_len)))
 
-    def layout(self, numel: int, nseg: int = 1, groups: Sequence[int] | None = None) -> Layout:
+    def layout(self, numel: int, nseg: int = 1, groups: Sequence[int] | None = None,
+               valid: int | None = None) -> Layout:
         if nseg < 1 or numel % nseg:
             raise ValueError(f"cannot split {numel} elements into {nseg} equal segments")
         return make_layout(nseg, numel // nseg, None)  # no scales: groups do not matter

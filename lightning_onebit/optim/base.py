@@ -392,8 +392,6 @@ class CompressedOptimizer(Optimizer):
         if foreign:
             raise ValueError(f"{type(self).__name__}.attach: the DDP model has trainable parameters this "
                              f"optimizer does not own ({foreign[:3]}...); one optimizer must own them all")
-        if self._nbucketed:
-            raise RuntimeError(f"{type(self).__name__}.attach: call it before the first step")
         if ddp_model.process_group is not None and self.process_group is None:
             self.process_group = ddp_model.process_group
         # the parameters DDP's reducer syncs (those trainable when DDP was built); others sync in step()
@@ -401,6 +399,12 @@ class CompressedOptimizer(Optimizer):
         self._ddp_params = {id(p) for n, p in ddp_model.module.named_parameters()
                             if p.requires_grad and n not in ignored}
         self._ddp_find_unused = bool(getattr(ddp_model, "find_unused_parameters", False))
+        for b in self._buckets:  # built already (a state_dict was loaded): mark which DDP feeds
+            inside = {id(p) in self._ddp_params for p in b.params}
+            if len(inside) > 1:
+                raise RuntimeError(f"{type(self).__name__}.attach: a bucket mixes parameters DDP syncs and others "
+                                   "it does not; attach before loading a state_dict or taking a step")
+            b.via_ddp = inside.pop()
         self._build_buckets()
         register_compression_hook(ddp_model, self)
         self._ddp_attached = True
@@ -521,8 +525,33 @@ class CompressedOptimizer(Optimizer):
     def _run_step(self, worker_grads) -> None:
         buckets = self._build_buckets()
         self._update_phase()
+        try:
+            plan = self._synchronise(buckets, worker_grads)
+        except BaseException:
+            for b in buckets:  # the next step starts from scratch (the hook's work included)
+                b.done, b.ready, b.pending = False, 0, []
+            raise
+        # Pass 2: updates.
+        self._step += 1
+        for b, has, grad, saved in plan:
+            b.done, b.ready, b.pending = False, 0, []
+            if not any(has):
+                continue
+            for p, h in zip(b.params, has, strict=True):
+                if h:
+                    self.state[p]["step"] = self.state[p].get("step", 0) + 1
+            group = self.param_groups[b.group_index]
+            if b.compressing:
+                self._update_compressed(b, group, has)
+            else:
+                self._update_warmup(b, grad, group, has)
+            self._restore(saved)
+        self.comm_counter.end_step()
+
+    def _synchronise(self, buckets: list[_Bucket], worker_grads) -> list[tuple]:
+        """Pass 1 of a step: every bucket's gradient synchronised (a NaN anywhere raises before any
+        update); returns (bucket, has_grad, averaged warm-up gradient, state to put back) per bucket."""
         has_all = self._has_grad(buckets, worker_grads)
-        # Pass 1: synchronise every bucket (a NaN anywhere raises before any update).
         plan = []
         for b, has in zip(buckets, has_all, strict=True):
             wflat = self._worker_flat(b, worker_grads) if worker_grads is not None else None
@@ -545,22 +574,7 @@ class CompressedOptimizer(Optimizer):
                 grad = self._average_warmup(b, wflat)
                 self._check_finite(grad, "averaged gradient")
             plan.append((b, has, grad, saved))
-        # Pass 2: updates.
-        self._step += 1
-        for b, has, grad, saved in plan:
-            b.done, b.ready, b.pending = False, 0, []
-            if not any(has):
-                continue
-            for p, h in zip(b.params, has, strict=True):
-                if h:
-                    self.state[p]["step"] = self.state[p].get("step", 0) + 1
-            group = self.param_groups[b.group_index]
-            if b.compressing:
-                self._update_compressed(b, group, has)
-            else:
-                self._update_warmup(b, grad, group, has)
-            self._restore(saved)
-        self.comm_counter.end_step()
+        return plan
 
     # -- checkpointing -------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -201,7 +201,7 @@ def _minmax_run(mode, a, xs, ss, cs, sc0, sc1):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _encode(kind, mode, a, x, st, seg_len, starts, scales, codes):
+def _encode(kind, mode, a, x, st, seg_len, starts, ends, scales, codes):
     nseg, nb = starts.shape[0], starts.shape[1] - 1
     per_row = (seg_len + TILE - 1) // TILE
     for t in prange(nseg * per_row):
@@ -213,11 +213,13 @@ def _encode(kind, mode, a, x, st, seg_len, starts, scales, codes):
         ss = st[base + lo : base + hi]
         if kind != MINMAX_U8:
             _sign_codes(a, xs, ss, codes[r, lo >> 3 : (hi + 7) >> 3])
-        # sign codes need no scale: only a state update (EF / Markov) walks the blocks
+        # sign codes need no scale: only a state update (EF / Markov) walks the blocks; padding
+        # (from ends[r]) decodes to 0, so its state stays as it is (zero)
         walk = kind == MINMAX_U8 or mode == ERROR_FEEDBACK or mode == MARKOV
         j = _block_at(starts[r], lo) if walk else nb
-        while j < nb and starts[r, j] < hi:
-            p, q = max(lo, starts[r, j]), min(hi, starts[r, j + 1])
+        end = min(hi, ends[r])
+        while j < nb and starts[r, j] < end:
+            p, q = max(lo, starts[r, j]), min(end, starts[r, j + 1])
             if q > p:
                 g = r * nb + j
                 if kind == MINMAX_U8:
@@ -226,6 +228,8 @@ def _encode(kind, mode, a, x, st, seg_len, starts, scales, codes):
                 else:
                     _sign_state(mode, xs[p - lo : q - lo], ss[p - lo : q - lo], scales[g])
             j += 1
+        if kind == MINMAX_U8 and end < hi:
+            codes[r, max(end, lo) : hi] = 0  # padding: defined bytes on the wire (sign codes: +1)
 
 
 # --- decode -------------------------------------------------------------------------------------
@@ -272,7 +276,7 @@ def _decode_run(kind, cw, sc, g, p, q, out):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _decode_rows(kind, codes, scales, seg_len, starts, out, accumulate):
+def _decode_rows(kind, codes, scales, seg_len, starts, ends, out, accumulate):
     nseg, nb = starts.shape[0], starts.shape[1] - 1
     per_row = (seg_len + TILE - 1) // TILE
     for t in prange(nseg * per_row):
@@ -281,12 +285,14 @@ def _decode_rows(kind, codes, scales, seg_len, starts, out, accumulate):
         hi = min(lo + TILE, seg_len)
         dst = out[r * seg_len + lo : r * seg_len + hi]
         buf = np.empty(hi - lo, np.float32) if accumulate else dst
+        end = max(lo, min(hi, ends[r]))
         j = _block_at(starts[r], lo)
-        while j < nb and starts[r, j] < hi:
-            p, q = max(lo, starts[r, j]), min(hi, starts[r, j + 1])
+        while j < nb and starts[r, j] < end:
+            p, q = max(lo, starts[r, j]), min(end, starts[r, j + 1])
             if q > p:
                 _decode_run(kind, codes[r], scales[r], j, p, q, buf[p - lo : q - lo])
             j += 1
+        buf[end - lo :] = 0.0  # padding
         if accumulate:
             for i in range(dst.size):
                 dst[i] += buf[i]
@@ -386,19 +392,21 @@ def _mean_run(kind, mc, ms, j, p, q, out):
 
 
 @njit(parallel=True, nogil=True, cache=True)
-def _decode_mean(kind, codes, scales, seg_len, starts_r, out, accumulate):
+def _decode_mean(kind, codes, scales, seg_len, starts_r, end_r, out, accumulate):
     nb = starts_r.size - 1
     for t in prange((seg_len + TILE - 1) // TILE):
         lo = t * TILE
         hi = min(lo + TILE, seg_len)
         dst = out[lo:hi]
         buf = np.empty(hi - lo, np.float32) if accumulate else dst
+        end = max(lo, min(hi, end_r))
         j = _block_at(starts_r, lo)
-        while j < nb and starts_r[j] < hi:
-            p, q = max(lo, starts_r[j]), min(hi, starts_r[j + 1])
+        while j < nb and starts_r[j] < end:
+            p, q = max(lo, starts_r[j]), min(end, starts_r[j + 1])
             if q > p:
                 _mean_run(kind, codes, scales, j, p, q, buf[p - lo : q - lo])
             j += 1
+        buf[end - lo :] = 0.0  # padding
         if accumulate:
             for i in range(dst.size):
                 dst[i] += buf[i]
@@ -441,15 +449,15 @@ def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
 def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     xa = x.numpy()
     _encode(kind, mode, _mode_factor(mode), xa, xa if st is None else st.numpy(), layout.seg_len,
-            layout.starts, scales.reshape(-1).contiguous().numpy(), _rows(codes))
+            layout.starts, layout.data_ends, scales.reshape(-1).contiguous().numpy(), _rows(codes))
 
 
 def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False) -> None:
     mc, ms = _rows(codes), _scales2d(scales, codes.shape[0])
     if mean_rows:
-        _decode_mean(kind, mc, ms, layout.seg_len, layout.starts[0], out.numpy(), accumulate)
+        _decode_mean(kind, mc, ms, layout.seg_len, layout.starts[0], layout.data_ends[0], out.numpy(), accumulate)
     else:
-        _decode_rows(kind, mc, ms, layout.seg_len, layout.starts, out.numpy(), accumulate)
+        _decode_rows(kind, mc, ms, layout.seg_len, layout.starts, layout.data_ends, out.numpy(), accumulate)
 
 
 __all__ = ["reduce", "encode", "decode"]

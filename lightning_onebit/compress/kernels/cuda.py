@@ -161,7 +161,7 @@ def _combine_kernel(kind, ptr, partials, totals):
 
 
 @cuda.jit
-def _encode_sign_kernel(mode, x, st, seg_len, starts, scales, codes):
+def _encode_sign_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
     # both sign kinds share the encode pass; only their scales differ
     nseg = starts.shape[0]
     nb = starts.shape[1] - 1
@@ -181,7 +181,9 @@ def _encode_sign_kernel(mode, x, st, seg_len, starts, scales, codes):
             if pos:
                 byte |= 1 << (i - i0)
             dec = s if pos else -s
-            if mode == ERROR_FEEDBACK:
+            if i >= ends[r]:  # padding decodes to 0: its state stays as it is
+                pass
+            elif mode == ERROR_FEEDBACK:
                 st[r * seg_len + i] = v - dec
             elif mode == MARKOV:
                 st[r * seg_len + i] += dec
@@ -190,7 +192,7 @@ def _encode_sign_kernel(mode, x, st, seg_len, starts, scales, codes):
 
 
 @cuda.jit
-def _encode_minmax_kernel(mode, x, st, seg_len, starts, scales, codes):
+def _encode_minmax_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
     nseg = starts.shape[0]
     nb = starts.shape[1] - 1
     n = nseg * seg_len
@@ -204,9 +206,13 @@ def _encode_minmax_kernel(mode, x, st, seg_len, starts, scales, codes):
         inv = 255.0 / rng if rng > 0 else 0.0
         v = _value(mode, x, st, e)
         q = min(max(_round_half_even((float64(v) - smin) * inv), 0.0), 255.0)
+        if i >= ends[r]:
+            q = 0.0  # padding: defined bytes on the wire
         codes[r, i] = q
         dec = float32(smin + q * (rng / 255.0))
-        if mode == ERROR_FEEDBACK:
+        if i >= ends[r]:
+            pass
+        elif mode == ERROR_FEEDBACK:
             st[e] = v - dec
         elif mode == MARKOV:
             st[e] += dec
@@ -214,7 +220,7 @@ def _encode_minmax_kernel(mode, x, st, seg_len, starts, scales, codes):
 
 
 @cuda.jit
-def _decode_kernel(kind, codes, scales, seg_len, starts, out, accumulate, mean_rows):
+def _decode_kernel(kind, codes, scales, seg_len, starts, ends, out, accumulate, mean_rows):
     nrows = 1 if mean_rows else starts.shape[0]
     n = nrows * seg_len
     e = cuda.grid(1)
@@ -222,7 +228,9 @@ def _decode_kernel(kind, codes, scales, seg_len, starts, out, accumulate, mean_r
         r = e // seg_len
         i = e - r * seg_len
         b = _block_at(starts, r, i)
-        if mean_rows:
+        if i >= ends[r]:
+            v = float32(0.0)  # padding
+        elif mean_rows:
             v = _mean_of_rows(kind, codes, scales, i, b)
         else:
             v = _decode_one(kind, codes, scales, r, i, b)
@@ -296,13 +304,14 @@ def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
 
 
 def _starts(layout: Layout, device: torch.device):
-    return _arr(_geometry(layout, device, "starts", lambda: (layout.starts,))[0])
+    """(block starts, data ends) of the layout's rows as device arrays."""
+    return tuple(_arr(a) for a in _geometry(layout, device, "starts", lambda: (layout.starts, layout.data_ends)))
 
 
 def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     device = codes.device
     xa, sa = _inputs(x, st, device)
-    args = (mode, xa, sa, layout.seg_len, _starts(layout, device), _arr(scales.reshape(-1).contiguous()),
+    args = (mode, xa, sa, layout.seg_len, *_starts(layout, device), _arr(scales.reshape(-1).contiguous()),
             _codes_arr(codes))
     if is_sign(kind):
         work = layout.nseg * ((layout.seg_len + 7) // 8)
@@ -316,7 +325,7 @@ def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows
     n = layout.seg_len if mean_rows else layout.numel
     _decode_kernel[_grid(n, THREADS), THREADS, _stream(device)](
         kind, _codes_arr(codes), _arr(scales.reshape(codes.shape[0], -1).contiguous()), layout.seg_len,
-        _starts(layout, device), _arr(out), accumulate, mean_rows)
+        *_starts(layout, device), _arr(out), accumulate, mean_rows)
 
 
 __all__ = ["reduce", "encode", "decode"]

@@ -72,6 +72,9 @@ class Layout:
     nseg: int
     seg_len: int
     starts: np.ndarray = field(repr=False)
+    #: per row, where its zero padding starts (int64 [nseg]); padding does not count in a block's
+    #: length for its scale, decodes to 0 and keeps a zero state. None: no padding
+    pad_from: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.starts.setflags(write=False)
@@ -94,26 +97,47 @@ class Layout:
         return np.diff(self.starts, axis=1)
 
     @cached_property
+    def data_ends(self) -> np.ndarray:
+        """Per row, where its data ends (int64 [nseg]): elements from there on are padding, which
+        decodes to exactly 0 and whose state stays 0."""
+        if self.pad_from is None:
+            return np.full(self.nseg, self.seg_len, np.int64)
+        return np.ascontiguousarray(self.pad_from, dtype=np.int64)
+
+    @cached_property
+    def scale_lengths(self) -> np.ndarray:
+        """Elements per block that count in its scale: :attr:`lengths` without the padding."""
+        if self.pad_from is None:
+            return self.lengths
+        return np.clip(np.minimum(self.starts[:, 1:], self.pad_from[:, None]) - self.starts[:, :-1], 0, None)
+
+    @cached_property
     def key(self) -> tuple:
         """Hashable identity: two layouts with equal keys cut rows identically."""
-        return self.nseg, self.seg_len, self.starts.tobytes()
+        pad = None if self.pad_from is None else self.pad_from.tobytes()
+        return self.nseg, self.seg_len, self.starts.tobytes(), pad
 
     def same_as(self, other: Layout) -> bool:
         return self.key == other.key
 
+    def _pad(self, rows) -> np.ndarray | None:
+        return None if self.pad_from is None else self.pad_from[rows]
+
     def row(self, r: int) -> Layout:
-        return Layout(1, self.seg_len, self.starts[r : r + 1])
+        return Layout(1, self.seg_len, self.starts[r : r + 1], self._pad(slice(r, r + 1)))
 
     def repeat_row(self, r: int, n: int) -> Layout:
         """``n`` rows cut like row ``r`` (what a server receives: every worker's chunk r)."""
-        return Layout(n, self.seg_len, np.repeat(self.starts[r : r + 1], n, axis=0))
+        pad = None if self.pad_from is None else np.repeat(self.pad_from[r : r + 1], n)
+        return Layout(n, self.seg_len, np.repeat(self.starts[r : r + 1], n, axis=0), pad)
 
     def window(self, lo: int, hi: int) -> Layout:
         """Columns ``[lo, hi)`` of every row as a layout of its own: blocks clipped to the window
         (blocks outside it become empty), so block j keeps its index and its scale."""
         if not 0 <= lo <= hi <= self.seg_len:
             raise ValueError(f"window [{lo}, {hi}) outside a row of {self.seg_len}")
-        return Layout(self.nseg, hi - lo, np.clip(self.starts - lo, 0, hi - lo))
+        pad = None if self.pad_from is None else np.clip(self.pad_from - lo, 0, hi - lo)
+        return Layout(self.nseg, hi - lo, np.clip(self.starts - lo, 0, hi - lo), pad)
 
     def reduce_tiles(self, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Work items of a reduction: every non-empty block cut into tiles of ``tile`` elements from
@@ -136,11 +160,21 @@ class Layout:
         return cache[tile]
 
 
-def make_layout(nseg: int, seg_len: int, block_size: int | None, groups: Sequence[int] | None = None) -> Layout:
+def make_layout(nseg: int, seg_len: int, block_size: int | None, groups: Sequence[int] | None = None,
+                valid: int | None = None) -> Layout:
     """Rows of ``seg_len`` cut at row starts, at ``groups`` (offsets into the flat ``nseg * seg_len``
     vector where a new scale group begins) and every ``block_size`` elements from each group's
     start (so that, e.g., blocks of an embedding's row width fall on its rows in every chunk).
-    ``groups=None``: every row is a group of its own (independent rows)."""
+    ``groups=None``: every row is a group of its own (independent rows). ``valid``: the first
+    ``valid`` elements are data, the rest zero padding that scales do not count."""
+    lay = _cut(nseg, seg_len, block_size, groups)
+    if valid is None or valid >= nseg * seg_len:
+        return lay
+    pad = np.clip(valid - np.arange(nseg, dtype=np.int64) * seg_len, 0, seg_len)
+    return Layout(lay.nseg, lay.seg_len, lay.starts, pad)
+
+
+def _cut(nseg: int, seg_len: int, block_size: int | None, groups: Sequence[int] | None) -> Layout:
     total = nseg * seg_len
     if seg_len == 0:
         return Layout(nseg, 0, np.zeros((nseg, 1), np.int64))

@@ -32,16 +32,24 @@ def _per_element(values: torch.Tensor, layout: Layout) -> torch.Tensor:
     return flat[_block_index(layout, values.device)]
 
 
+def _data(layout: Layout, device: torch.device) -> torch.Tensor:
+    """Which elements are data, not padding: bool [nseg, seg_len]."""
+    ends = torch.from_numpy(layout.data_ends).to(device)
+    return torch.arange(layout.seg_len, device=device) < ends[:, None]
+
+
 def _decode_rows(kind: int, layout: Layout, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Decoded values as fp32 [nseg, seg_len]."""
+    """Decoded values as fp32 [nseg, seg_len] (padding: 0)."""
     if is_sign(kind):
         s = _per_element(scales.reshape(layout.nseg, -1), layout)
         bits = _unpack_bits(codes, layout.seg_len)
-        return torch.where(bits, s, -s)
-    mm = _per_element(scales.reshape(layout.nseg, -1, 2), layout).double()
-    lo, hi = mm[..., 0], mm[..., 1]
-    step = (hi - lo) / 255.0
-    return (lo + codes[:, : layout.seg_len].double() * step).float()
+        dec = torch.where(bits, s, -s)
+    else:
+        mm = _per_element(scales.reshape(layout.nseg, -1, 2), layout).double()
+        lo, hi = mm[..., 0], mm[..., 1]
+        step = (hi - lo) / 255.0
+        dec = (lo + codes[:, : layout.seg_len].double() * step).float()
+    return dec.masked_fill_(~_data(layout, dec.device), 0.0)
 
 
 def _mean_of_rows(kind: int, layout: Layout, codes, scales) -> torch.Tensor:
@@ -95,8 +103,11 @@ def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
         # rounds like the kernels' 255.0 / rng.
         inv = torch.where(rng > 0, torch.full_like(rng, 255.0) / rng, torch.zeros_like(rng))
         q = torch.round((v.double() - lo) * inv).clamp_(0, 255)
-        codes[:, : layout.seg_len] = q.to(torch.uint8)
+        codes[:, : layout.seg_len] = q.to(torch.uint8).masked_fill_(~_data(layout, v.device), 0)
         dec = (lo + q * (rng / 255.0)).float()
+    # padding keeps its state: EF's v - dec is then the state itself, Markov adds nothing
+    src = x.view(layout.nseg, layout.seg_len)
+    dec = torch.where(~_data(layout, v.device), src if mode == ERROR_FEEDBACK else torch.zeros_like(v), dec)
     if mode == ERROR_FEEDBACK:
         st.view(layout.nseg, layout.seg_len).copy_(v - dec)
     elif mode == MARKOV:
