@@ -299,3 +299,25 @@ def test_padding_does_not_count_in_a_scale():
     assert out[8] == (xs[0][8] + xs[1][8]) / 2
     for w in sim.workers:
         assert not w.worker[9:].any() and (w.rank == 0 or not w.server[1:].any())
+
+
+def _or_flags(rank, world_size):
+    from lightning_onebit.comm import any_across
+    counter = ByteCounter()
+    flags = torch.zeros(13, dtype=torch.bool)
+    flags[[rank, 12 - rank]] = True  # ragged length: the last byte is part padding
+    return any_across(flags, None, counter), counter.total.bytes_sent
+
+
+def test_any_across_ors_packed_bits():
+    """gloo ORs the flags as bits: 13 flags cost a 2-byte allreduce, and the result is exact."""
+    from lightning_onebit.comm import any_across_bytes
+    from lightning_onebit.comm.dense import pack_bits, unpack_bits
+    expected = torch.zeros(13, dtype=torch.bool)
+    expected[[0, 1, 2, 10, 11, 12]] = True
+    for got, nbytes in values(run_ranks(_or_flags, 3)):
+        assert torch.equal(got, expected)
+        assert nbytes == any_across_bytes(13, 3) == ring_allreduce_bytes(2, 3, 1)
+    for n in (1, 7, 8, 9, 100):
+        f = torch.rand(n) < 0.5
+        assert torch.equal(unpack_bits(pack_bits(f), n), f)

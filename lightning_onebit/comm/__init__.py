@@ -3,9 +3,9 @@
 from .accounting import ByteCounter, StepStats, ring_allreduce_bytes
 from .allreduce import MODES, CompressedAllreduce
 from .ddp_hook import CompressionHookState, compression_hook, register_compression_hook
-from .dense import any_across, group_size, mean_allreduce
+from .dense import any_across, any_across_bytes, group_size, mean_allreduce
 from .simulated import SimulatedCluster
 
 __all__ = ["MODES", "ByteCounter", "CompressedAllreduce", "CompressionHookState", "SimulatedCluster", "StepStats",
-           "any_across", "compression_hook", "group_size", "mean_allreduce", "register_compression_hook",
-           "ring_allreduce_bytes"]
+           "any_across", "any_across_bytes", "compression_hook", "group_size", "mean_allreduce",
+           "register_compression_hook", "ring_allreduce_bytes"]

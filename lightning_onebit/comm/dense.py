@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from .accounting import ByteCounter, ring_allreduce_bytes
 
-__all__ = ["any_across", "group_size", "mean_allreduce", "mean_allreduce_future"]
+__all__ = ["any_across", "any_across_bytes", "group_size", "mean_allreduce", "mean_allreduce_future", "pack_bits",
+           "unpack_bits"]
 
 
 def group_size(group=None) -> int:
@@ -49,12 +50,49 @@ def mean_allreduce_future(t: torch.Tensor, group=None,
 
 
 def any_across(flags: torch.Tensor, group=None, counter: ByteCounter | None = None) -> torch.Tensor:
-    """Elementwise OR of a bool tensor over the group (a MAX allreduce of one byte per flag)."""
+    """Elementwise OR of a bool tensor over the group.
+
+    gloo ORs the flags packed 8 to a byte (a BOR allreduce, 1 bit per flag); NCCL has no
+    bitwise reduction, so there it is a MAX allreduce of one byte per flag."""
     n = group_size(group)
     if n == 1:
         return flags
-    u8 = flags.to(torch.uint8)
-    dist.all_reduce(u8, op=dist.ReduceOp.MAX, group=group)
+    if _has_bitwise_or(group):
+        packed = pack_bits(flags)
+        dist.all_reduce(packed, op=dist.ReduceOp.BOR, group=group)
+        out = unpack_bits(packed, flags.numel()).view(flags.shape)
+        nbytes = packed.numel()
+    else:
+        u8 = flags.to(torch.uint8)
+        dist.all_reduce(u8, op=dist.ReduceOp.MAX, group=group)
+        out, nbytes = u8.bool(), u8.numel()
     if counter is not None:
-        counter.add(ring_allreduce_bytes(u8.numel(), n, 1), 0, n)
-    return u8.bool()
+        counter.add(ring_allreduce_bytes(nbytes, n, 1), 0, n)
+    return out
+
+
+def any_across_bytes(numel: int, n: int) -> int:
+    """Bytes one rank sends in :func:`any_across` of ``numel`` flags on gloo (the simulation's count)."""
+    return ring_allreduce_bytes((numel + 7) // 8, n, 1)
+
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def pack_bits(flags: torch.Tensor) -> torch.Tensor:
+    """Bools -> uint8, 8 to a byte, first flag in the lowest bit (the tail padded with False)."""
+    flat = flags.reshape(-1).to(torch.uint8)
+    pad = -flat.numel() % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return (flat.view(-1, 8) * _BIT_WEIGHTS.to(flat.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: the first ``numel`` flags."""
+    bits = packed.unsqueeze(1).bitwise_and(_BIT_WEIGHTS.to(packed.device)) != 0
+    return bits.view(-1)[:numel]
+
+
+def _has_bitwise_or(group) -> bool:
+    return dist.get_backend(group) == "gloo"

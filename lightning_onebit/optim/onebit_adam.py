@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..comm import any_across, mean_allreduce, ring_allreduce_bytes
+from ..comm import any_across, any_across_bytes, mean_allreduce, ring_allreduce_bytes
 from ..compress import Codec, MinMaxUInt8Codec, SignCodec
 from .base import CompressedOptimizer, _Bucket, _simulated_mean
 
@@ -45,12 +45,12 @@ class OnebitAdam(CompressedOptimizer):
     embedding row of a token not seen yet) are masked: sign coding cannot make them drift
     (DeepSpeed needs a hand-made ``exp_avg_mask``). When a gradient reaches one of them later
     on any rank (a bit in the collective's agreement round tells every rank, at no cost), the
-    ranks agree which masked coordinates got one (a byte each) and average those gradients in
-    fp32; these coordinates start to train: their frozen variance becomes the gradient squared
-    and their momentum (1 - beta1) times it. (Adam's own estimate after one gradient at step t,
-    (1 - beta2) / (1 - beta2^t) g^2, frozen for the rest of the run, would give steps about
-    1 / sqrt(1 - beta2) ~ 30x larger for as long as compression lasts.) Steps where no masked
-    coordinate gets a gradient cost nothing extra.
+    ranks agree which masked coordinates got one (a bit each on gloo, a byte on NCCL) and
+    average those gradients in fp32; these coordinates start to train: their frozen variance
+    becomes the gradient squared and their momentum (1 - beta1) times it. (Adam's own estimate
+    after one gradient at step t, (1 - beta2) / (1 - beta2^t) g^2, frozen for the rest of the
+    run, would give steps about 1 / sqrt(1 - beta2) ~ 30x larger for as long as compression
+    lasts.) Steps where no masked coordinate gets a gradient cost nothing extra.
 
     Differences from DeepSpeed's ``OnebitAdam``, on purpose: the warm-up is AdamW with bias
     correction and decoupled weight decay (DeepSpeed drops bias correction); weight decay
@@ -167,7 +167,7 @@ class OnebitAdam(CompressedOptimizer):
     def _on_flag(self, b: _Bucket, grads: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """Masked coordinates that a gradient reached start to train (see the class docstring)."""
         _, idx = self._mask(b)
-        # which masked coordinates got a gradient anywhere (a byte each), then their mean (fp32)
+        # which masked coordinates got a gradient anywhere (a bit each on gloo), then their mean (fp32)
         if isinstance(grads, torch.Tensor):
             pos = idx[any_across(grads[idx] != 0, self.process_group, self.comm_counter)]
             g = mean_allreduce(grads[pos], self.process_group, self.comm_counter)
@@ -176,7 +176,7 @@ class OnebitAdam(CompressedOptimizer):
             pos = idx[touched]
             g = _simulated_mean([w[pos] for w in grads])
             n = len(grads)  # what the two collectives would send
-            self.comm_counter.add(ring_allreduce_bytes(idx.numel(), n, 1), 0, n)
+            self.comm_counter.add(any_across_bytes(idx.numel(), n), 0, n)
             self.comm_counter.add(ring_allreduce_bytes(pos.numel(), n), pos.numel(), n)
         got = g != 0
         pos, g = pos[got], g[got]
