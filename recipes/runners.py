@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_onebit import CommunicationMonitor
 from lightning_onebit.comm import ring_allreduce_bytes
+from lightning_onebit.compress.kernels import set_thread_budget, thread_budget
 from lightning_onebit.optim import CompressedOptimizer, NonFiniteGradientError
 
 from .algorithms import build_optimizer, build_strategy, is_compressed
@@ -187,20 +188,21 @@ def run_lightning(cfg: DictConfig, out_dir: Path, *, multirun: bool = False) -> 
 # -- simulated (one process) ---------------------------------------------------------------
 @contextlib.contextmanager
 def _threads(n: int | None) -> Iterator[None]:
-    """Run with ``n`` torch and numba threads. The simulated problems are tiny (d ~ 10-300):
-    every parallel kernel launch waits for all pool threads to be scheduled, which on a
-    few busy cores costs more than the work (measured up to 20x slower on 2 shared cores)."""
+    """Run with ``n`` torch threads and a kernel thread budget of ``n``. The simulated problems are
+    tiny (d ~ 10-300): every parallel kernel launch waits for all pool threads to be scheduled,
+    which on a few busy cores costs more than the work (measured up to 20x slower on 2 shared
+    cores)."""
     import numba
 
-    saved = torch.get_num_threads(), numba.get_num_threads()
+    saved = torch.get_num_threads(), thread_budget()
     if n:
         torch.set_num_threads(n)
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        set_thread_budget(min(n, numba.config.NUMBA_NUM_THREADS))
     try:
         yield
     finally:
         torch.set_num_threads(saved[0])
-        numba.set_num_threads(saved[1])
+        set_thread_budget(saved[1])
 
 
 def _simulate(alg: dict[str, Any], label: str, x0: torch.Tensor, worker_grads: Callable[[torch.Tensor], torch.Tensor],

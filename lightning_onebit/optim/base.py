@@ -32,6 +32,8 @@ The optimizer never calls torch.distributed directly; it goes through the comm l
 
 from __future__ import annotations
 
+import logging
+import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -51,8 +53,21 @@ from ..comm import (
 )
 from ..comm.dense import mean_allreduce_future
 from ..compress import Codec
+from ..compress.kernels import apply_thread_budget
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CompressedOptimizer", "NonFiniteGradientError"]
+
+
+def _thread_budget_from_launcher() -> None:
+    """Under torchrun (``LOCAL_WORLD_SIZE`` set), the ranks on this host share its cores: give the
+    kernels their share, as the strategies do (logged once, by local rank 0)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and local.isdigit():
+        msg = apply_thread_budget(int(local))
+        if msg and os.environ.get("LOCAL_RANK", "0") == "0":
+            log.info(msg)
 
 
 class NonFiniteGradientError(ValueError):
@@ -124,6 +139,7 @@ class CompressedOptimizer(Optimizer):
         self.bucket_cap_mb = bucket_cap_mb
         self.process_group = group
         self.simulate_workers = simulate_workers
+        _thread_budget_from_launcher()
         self.comm_counter = ByteCounter()
         self._step = 0
         self._compressing = not self.has_warmup

@@ -39,9 +39,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
+from ..compress.kernels import apply_thread_budget
 from ..optim import EF21, CDAdam, ErrorFeedbackAMSGrad, NaiveCompressedAMSGrad, OnebitAdam, OnebitLamb, QAdam
 from ..optim.base import CompressedOptimizer
 
@@ -163,6 +164,10 @@ class CompressedDDPStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         destroy_process_group_at_exit()
+        # ranks on one host share its cores: give the compression kernels their share (logged once)
+        msg = apply_thread_budget(self.num_processes)
+        if msg:
+            rank_zero_info(msg)
 
     def setup(self, trainer) -> None:
         super().setup(trainer)

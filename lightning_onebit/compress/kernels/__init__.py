@@ -19,6 +19,12 @@ from types import ModuleType
 
 import torch
 
+from . import threads  # noqa: F401  (chooses numba's threading layer before any parallel kernel runs)
+from .threads import apply_thread_budget, set_thread_budget, thread_budget
+
+__all__ = ["BACKENDS", "ENV_VAR", "apply_thread_budget", "get_backend", "resolve_backend_name", "set_thread_budget",
+           "thread_budget"]
+
 BACKENDS = ("torch", "numba", "cuda")
 ENV_VAR = "LIGHTNING_ONEBIT_BACKEND"
 

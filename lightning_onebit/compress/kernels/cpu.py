@@ -4,7 +4,8 @@ Reductions follow the summation order defined in :mod:`.layout` (tiles of ``REDU
 each block's start, ``REDUCE_LANES`` lanes, a halving tree, tiles added in order), which the
 CUDA backend follows too: a scale does not depend on how many threads numba runs or on the
 machine, which keeps the simulated cluster bit-identical to real ranks and a resumed run
-identical to an uninterrupted one.
+identical to an uninterrupted one. Every entry point runs under :func:`.threads.parallel_kernel`
+(the per-rank thread budget; torch's thread count left alone).
 
 Encode and decode work on byte-aligned tiles of a row and walk the scale blocks that meet the
 tile, so a block may start anywhere (inside a code byte): the sign codes of a tile do not
@@ -33,6 +34,7 @@ from .layout import (
     Layout,
     is_sign,
 )
+from .threads import parallel_kernel
 
 TILE = 8192  # elements per encode/decode work item; a multiple of 8 so tiles start on a code byte
 LANES = REDUCE_LANES
@@ -434,6 +436,7 @@ def _mode_factor(mode: int) -> np.float32:
     return np.float32({PLAIN: 0.0, ERROR_FEEDBACK: 1.0, MARKOV: -1.0, DIFF: -1.0}[mode])
 
 
+@parallel_kernel
 def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
     t_row, t_lo, t_hi, ptr = layout.reduce_tiles(REDUCE_TILE)
     width = 1 if is_sign(kind) else 3
@@ -446,12 +449,14 @@ def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
     return torch.from_numpy(totals)
 
 
+@parallel_kernel
 def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     xa = x.numpy()
     _encode(kind, mode, _mode_factor(mode), xa, xa if st is None else st.numpy(), layout.seg_len,
             layout.starts, layout.data_ends, scales.reshape(-1).contiguous().numpy(), _rows(codes))
 
 
+@parallel_kernel
 def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False) -> None:
     mc, ms = _rows(codes), _scales2d(scales, codes.shape[0])
     if mean_rows:
