@@ -91,3 +91,46 @@ def test_cuda_padding_and_scales_equal_numba(kind):
     for a, b in zip(got["cuda"], got["numba"], strict=True):
         assert torch.equal(a, b)
     assert not got["cuda"][2][valid:].any() and not got["cuda"][3][valid:].any()
+
+
+def test_launch_arguments_match_the_compiled_signatures(monkeypatch):
+    """compile_ptx compiles each kernel for the argument types in kernel_signatures(); the
+    wrappers must launch with exactly those (numba's typeof of what they pass), or the PTX
+    checked ahead of time is not what a GPU would compile."""
+    import numba
+
+    from lightning_onebit.comm import SimulatedCluster
+    from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
+    from lightning_onebit.compress.kernels import cuda as kc
+
+    seen: dict[str, set] = {}
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, config):
+            launch = self.kernel[config]
+
+            def call(*args):
+                seen.setdefault(self.name, set()).add(tuple(numba.typeof(a) for a in args))
+                return launch(*args)
+
+            return call
+
+    sigs = kc.kernel_signatures()
+    for name in sigs:
+        monkeypatch.setattr(kc, name, Recorder(name, getattr(kc, name)))
+    g = torch.Generator().manual_seed(0)
+    for codec in (SignCodec(backend="cuda"), SignCodec(backend="cuda", block_size=16),
+                  MinMaxUInt8Codec(backend="cuda")):
+        x = torch.randn(90, generator=g)
+        err = torch.zeros(90)
+        enc = codec.encode_error_feedback(x, err, groups=[0, 7, 40])
+        codec.decode(enc)
+        codec.decode_mean(codec.encode(x, nseg=3))
+        sim = SimulatedCluster(codec, "markov", 3, pieces=2, groups=[0, 5])
+        sim.allreduce([torch.randn(70, generator=g) for _ in range(3)])
+    assert set(seen) == set(sigs)
+    for name, types in seen.items():
+        assert types == {sigs[name]}, (name, types, sigs[name])

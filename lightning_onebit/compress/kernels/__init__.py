@@ -4,7 +4,10 @@
 ``numba``  ``njit(parallel=True)`` kernels for CPU tensors,
 ``cuda``   numba-cuda kernels for CUDA tensors (zero-copy, on torch's current stream).
 
-``auto`` (the default) picks ``cuda`` for CUDA tensors and ``numba`` for CPU tensors. A
+``auto`` (the default) picks ``cuda`` for CUDA tensors and ``numba`` for CPU tensors. If
+numba-cuda cannot load its compiler (NVVM: ``pip install lightning_onebit[cuda13]``, or
+``[cuda12]``, to match torch's CUDA major version), ``auto`` runs CUDA tensors on ``torch``
+instead, with one warning. A
 backend can be forced per codec (``backend=...``) or process-wide with the environment
 variable ``LIGHTNING_ONEBIT_BACKEND``; forcing ``cuda`` on CPU tensors is only meaningful
 under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which is how the CUDA kernels
@@ -13,8 +16,10 @@ are tested on machines without a GPU.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
+import warnings
 from types import ModuleType
 
 import torch
@@ -22,8 +27,8 @@ import torch
 from . import threads  # noqa: F401  (chooses numba's threading layer before any parallel kernel runs)
 from .threads import apply_thread_budget, set_thread_budget, thread_budget
 
-__all__ = ["BACKENDS", "ENV_VAR", "apply_thread_budget", "get_backend", "resolve_backend_name", "set_thread_budget",
-           "thread_budget"]
+__all__ = ["BACKENDS", "ENV_VAR", "apply_thread_budget", "cuda_compiler_available", "get_backend",
+           "resolve_backend_name", "set_thread_budget", "thread_budget"]
 
 BACKENDS = ("torch", "numba", "cuda")
 ENV_VAR = "LIGHTNING_ONEBIT_BACKEND"
@@ -42,10 +47,34 @@ def cuda_simulated() -> bool:
     return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") == "1"
 
 
+@functools.cache
+def cuda_compiler_available() -> str | None:
+    """None if numba-cuda can compile kernels here, else why not (checked once per process)."""
+    if cuda_simulated():
+        return None
+    try:
+        from numba.cuda.cudadrv import nvvm
+
+        if nvvm.is_available():
+            return None
+        nvvm.NVVM()  # raises with numba-cuda's own explanation
+        return "NVVM is not available"
+    except Exception as exc:  # a missing library, an incompatible version, ...
+        return f"{type(exc).__name__}: {exc}".strip()
+
+
 def resolve_backend_name(device: torch.device, forced: str | None = None) -> str:
     name = forced or os.environ.get(ENV_VAR, "auto") or "auto"
     if name == "auto":
-        return "cuda" if device.type == "cuda" else ("numba" if device.type == "cpu" else "torch")
+        if device.type == "cuda":
+            why = cuda_compiler_available()
+            if why is None:
+                return "cuda"
+            _warn_once(f"lightning_onebit: numba-cuda cannot compile its kernels here ({why}); CUDA tensors use "
+                       "the torch backend (slower, same codes). Install the compiler with "
+                       "`pip install lightning_onebit[cuda13]` (or [cuda12], matching torch.version.cuda).")
+            return "torch"
+        return "numba" if device.type == "cpu" else "torch"
     if name not in BACKENDS:
         raise ValueError(f"unknown compression backend {name!r}; expected 'auto' or one of {BACKENDS}")
     if name == "numba" and device.type != "cpu":
@@ -56,6 +85,11 @@ def resolve_backend_name(device: torch.device, forced: str | None = None) -> str
             "before importing numba to run it on CPU tensors under the simulator"
         )
     return name
+
+
+@functools.cache
+def _warn_once(msg: str) -> None:
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 def get_backend(device: torch.device, forced: str | None = None) -> ModuleType:

@@ -11,6 +11,7 @@ tensors stand in for device memory.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -82,7 +83,7 @@ def _round_half_even(t):
     return f
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _reduce_kernel(kind, mode, x, st, seg_len, t_row, t_lo, t_hi, out):
     s_a = cuda.shared.array(LANES, float64)
     s_b = cuda.shared.array(LANES, float64)
@@ -137,7 +138,7 @@ def _reduce_kernel(kind, mode, x, st, seg_len, t_row, t_lo, t_hi, out):
         t += cuda.gridDim.x
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _combine_kernel(kind, ptr, partials, totals):
     b = cuda.grid(1)
     while b < ptr.size - 1:  # one thread per block: its tiles in order, like the CPU backend
@@ -160,7 +161,7 @@ def _combine_kernel(kind, ptr, partials, totals):
         b += cuda.gridsize(1)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _encode_sign_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
     # both sign kinds share the encode pass; only their scales differ
     nseg = starts.shape[0]
@@ -191,7 +192,7 @@ def _encode_sign_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
         k += cuda.gridsize(1)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _encode_minmax_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
     nseg = starts.shape[0]
     nb = starts.shape[1] - 1
@@ -219,7 +220,7 @@ def _encode_minmax_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
         e += cuda.gridsize(1)
 
 
-@cuda.jit
+@cuda.jit(cache=True)
 def _decode_kernel(kind, codes, scales, seg_len, starts, ends, out, accumulate, mean_rows):
     nrows = 1 if mean_rows else starts.shape[0]
     n = nrows * seg_len
@@ -261,6 +262,14 @@ def _codes_arr(codes: torch.Tensor):
     return _arr(codes)
 
 
+def _on(device: torch.device):
+    """Launch in ``device``'s context (numba would use the thread's current one: with several GPUs
+    per process, or no ``torch.cuda.set_device``, that is another device)."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    return cuda.gpus[device.index if device.index is not None else torch.cuda.current_device()]
+
+
 def _stream(device: torch.device):
     if device.type == "cuda":
         return cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
@@ -288,19 +297,20 @@ def _geometry(layout: Layout, device: torch.device, what: str, make) -> tuple:
 
 def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
     device = x.device
-    t_row, t_lo, t_hi, ptr = _geometry(layout, device, "tiles", lambda: layout.reduce_tiles(REDUCE_TILE))
-    width = 1 if is_sign(kind) else 3
-    partials = torch.empty(t_row.numel(), width, dtype=torch.float64, device=device)
-    totals = torch.empty(layout.nblocks, width, dtype=torch.float64, device=device)
-    xa, sa = _inputs(x, st, device)
-    stream = _stream(device)
-    if t_row.numel():
-        _reduce_kernel[_grid(t_row.numel(), 1), RTHREADS, stream](
-            kind, mode, xa, sa, layout.seg_len, _arr(t_row), _arr(t_lo), _arr(t_hi), _arr(partials))
-    if layout.nblocks:
-        _combine_kernel[_grid(layout.nblocks, THREADS), THREADS, stream](kind, _arr(ptr), _arr(partials),
-                                                                         _arr(totals))
-    return totals
+    with _on(device):
+        t_row, t_lo, t_hi, ptr = _geometry(layout, device, "tiles", lambda: layout.reduce_tiles(REDUCE_TILE))
+        width = 1 if is_sign(kind) else 3
+        partials = torch.empty(t_row.numel(), width, dtype=torch.float64, device=device)
+        totals = torch.empty(layout.nblocks, width, dtype=torch.float64, device=device)
+        xa, sa = _inputs(x, st, device)
+        stream = _stream(device)
+        if t_row.numel():
+            _reduce_kernel[_grid(t_row.numel(), 1), RTHREADS, stream](
+                kind, mode, xa, sa, layout.seg_len, _arr(t_row), _arr(t_lo), _arr(t_hi), _arr(partials))
+        if layout.nblocks:
+            _combine_kernel[_grid(layout.nblocks, THREADS), THREADS, stream](kind, _arr(ptr), _arr(partials),
+                                                                             _arr(totals))
+        return totals
 
 
 def _starts(layout: Layout, device: torch.device):
@@ -310,22 +320,61 @@ def _starts(layout: Layout, device: torch.device):
 
 def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     device = codes.device
-    xa, sa = _inputs(x, st, device)
-    args = (mode, xa, sa, layout.seg_len, *_starts(layout, device), _arr(scales.reshape(-1).contiguous()),
-            _codes_arr(codes))
-    if is_sign(kind):
-        work = layout.nseg * ((layout.seg_len + 7) // 8)
-        _encode_sign_kernel[_grid(work, THREADS), THREADS, _stream(device)](*args)
-    else:
-        _encode_minmax_kernel[_grid(layout.numel, THREADS), THREADS, _stream(device)](*args)
+    with _on(device):
+        xa, sa = _inputs(x, st, device)
+        args = (mode, xa, sa, layout.seg_len, *_starts(layout, device), _arr(scales.reshape(-1).contiguous()),
+                _codes_arr(codes))
+        if is_sign(kind):
+            work = layout.nseg * ((layout.seg_len + 7) // 8)
+            _encode_sign_kernel[_grid(work, THREADS), THREADS, _stream(device)](*args)
+        else:
+            _encode_minmax_kernel[_grid(layout.numel, THREADS), THREADS, _stream(device)](*args)
 
 
 def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False) -> None:
     device = codes.device
-    n = layout.seg_len if mean_rows else layout.numel
-    _decode_kernel[_grid(n, THREADS), THREADS, _stream(device)](
-        kind, _codes_arr(codes), _arr(scales.reshape(codes.shape[0], -1).contiguous()), layout.seg_len,
-        *_starts(layout, device), _arr(out), accumulate, mean_rows)
+    with _on(device):
+        n = layout.seg_len if mean_rows else layout.numel
+        _decode_kernel[_grid(n, THREADS), THREADS, _stream(device)](
+            kind, _codes_arr(codes), _arr(scales.reshape(codes.shape[0], -1).contiguous()), layout.seg_len,
+            *_starts(layout, device), _arr(out), accumulate, mean_rows)
 
 
-__all__ = ["reduce", "encode", "decode"]
+# --- ahead-of-time checks ------------------------------------------------------------------
+
+
+def kernel_signatures() -> dict[str, tuple]:
+    """Argument types each kernel is launched with by the wrappers above (numba types):
+    ``kind``/``mode``/lengths are Python ints, the arrays contiguous views of torch tensors."""
+    from numba import types as nt
+
+    i64, flag = nt.int64, nt.boolean
+    f32v, i64v = nt.Array(nt.float32, 1, "C"), nt.Array(nt.int64, 1, "C")
+    f32m, f64m = nt.Array(nt.float32, 2, "C"), nt.Array(nt.float64, 2, "C")
+    i64m, u8m = nt.Array(nt.int64, 2, "C"), nt.Array(nt.uint8, 2, "C")
+    encode_args = (i64, f32v, f32v, i64, i64m, i64v, f32v, u8m)
+    return {
+        "_reduce_kernel": (i64, i64, f32v, f32v, i64, i64v, i64v, i64v, f64m),
+        "_combine_kernel": (i64, i64v, f64m, f64m),
+        "_encode_sign_kernel": encode_args,
+        "_encode_minmax_kernel": encode_args,
+        "_decode_kernel": (i64, u8m, f32m, i64, i64m, i64v, f32v, flag, flag),
+    }
+
+
+def compile_ptx(cc: tuple[int, int] = (8, 0)) -> dict[str, str]:
+    """Compile every kernel for compute capability ``cc`` with its launch signature; returns
+    {kernel name: PTX}. Needs numba-cuda's NVVM (the ``cuda12``/``cuda13`` extra), not a GPU,
+    so typing and NVVM errors show before the first GPU run. Not under the simulator."""
+    if SIMULATED:
+        raise RuntimeError("compile_ptx needs the real numba-cuda target; unset NUMBA_ENABLE_CUDASIM")
+    from numba.cuda import compile_ptx as _compile
+
+    out = {}
+    for name, sig in kernel_signatures().items():
+        ptx, _ = _compile(globals()[name].py_func, sig, cc=cc)
+        out[name] = ptx
+    return out
+
+
+__all__ = ["compile_ptx", "decode", "encode", "kernel_signatures", "reduce"]

@@ -1,0 +1,66 @@
+"""The CUDA path without a GPU: every kernel compiles to PTX with its launch signature, the
+backend falls back when numba-cuda has no compiler, collectives pick their device by backend."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from lightning_onebit.compress import kernels
+
+
+def _nvvm_or_skip():
+    why = kernels.cuda_compiler_available()
+    if why is not None:
+        if os.environ.get("LIGHTNING_ONEBIT_REQUIRE_NVVM") == "1":  # CI installs the cuda13 extra
+            pytest.fail(f"NVVM is required here but cannot be loaded: {why}")
+        pytest.skip(f"numba-cuda has no NVVM here ({why}); install lightning_onebit[cuda13]")
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", reason="the simulator compiles nothing")
+@pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
+def test_every_kernel_compiles_to_ptx(cc):
+    _nvvm_or_skip()
+    from lightning_onebit.compress.kernels import cuda as kc
+
+    ptx = kc.compile_ptx(cc)
+    assert set(ptx) == set(kc.kernel_signatures()) == {
+        "_reduce_kernel", "_combine_kernel", "_encode_sign_kernel", "_encode_minmax_kernel", "_decode_kernel"}
+    for name, text in ptx.items():
+        assert f".target sm_{cc[0]}{cc[1]}" in text, name
+        assert ".visible .entry" in text and name in text, name
+
+
+def test_auto_backend_falls_back_to_torch_without_a_compiler(monkeypatch):
+    monkeypatch.setattr(kernels, "cuda_compiler_available", lambda: "NvvmSupportError: libNVVM cannot be found")
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    kernels._warn_once.cache_clear()
+    cuda = torch.device("cuda", 0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert kernels.resolve_backend_name(cuda) == "torch"
+        assert kernels.resolve_backend_name(cuda) == "torch"
+    msgs = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "libNVVM cannot be found" in msgs[0] and "[cuda13]" in msgs[0]
+    assert kernels.resolve_backend_name(torch.device("cpu")) == "numba"  # CPU tensors are not affected
+    monkeypatch.setattr(kernels, "cuda_compiler_available", lambda: None)
+    assert kernels.resolve_backend_name(cuda) == "cuda"
+
+
+@pytest.mark.parametrize("spec,cpu,cuda", [
+    ("gloo", "gloo", "gloo"),
+    ("nccl", None, "nccl"),
+    ("cuda:nccl", None, "nccl"),
+    ("cpu:gloo,cuda:nccl", "gloo", "nccl"),
+    ("mpi", "mpi", "mpi"),
+])
+def test_collectives_pick_their_device_by_backend(monkeypatch, spec, cpu, cuda):
+    from lightning_onebit.comm import dense
+
+    monkeypatch.setattr(dense.dist, "get_backend", lambda group=None: spec)
+    dev_cpu, dev_cuda = torch.device("cpu"), torch.device("cuda", 1)
+    assert dense.backend_for(None, dev_cpu) == cpu and dense.backend_for(None, dev_cuda) == cuda
+    assert dense.collective_device(None, dev_cpu) == dev_cpu
+    assert dense.collective_device(None, dev_cuda) == (dev_cuda if cuda else dev_cpu)
+    assert dense._has_bitwise_or(None, dev_cpu) == (cpu == "gloo")
