@@ -60,6 +60,7 @@ import torch.distributed as dist
 from ..compress import Codec, Encoded
 from ..compress.kernels.layout import Layout, code_bytes_per_row, is_sign, scale_width
 from .accounting import ByteCounter
+from .dense import collective_device
 
 __all__ = ["CompressedAllreduce", "MODES", "MAX_PIECES", "MIN_PIECE"]
 
@@ -490,8 +491,7 @@ class CompressedAllreduce:
                                  "no state was changed")
             return
         sig = self._signature(x, ok, bool(flag))
-        backend = dist.get_backend(self.group)
-        dev = x.device if backend == "nccl" else torch.device("cpu")
+        dev = collective_device(self.group, x.device)
         mine = sig.to(dev)
         allsig = torch.empty(self.world_size, sig.numel(), dtype=torch.int64, device=dev)
         all_gather_rows(allsig, mine, group=self.group)

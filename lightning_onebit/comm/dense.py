@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from .accounting import ByteCounter, ring_allreduce_bytes
 
-__all__ = ["any_across", "any_across_bytes", "group_size", "mean_allreduce", "mean_allreduce_future", "pack_bits",
-           "unpack_bits"]
+__all__ = ["any_across", "any_across_bytes", "backend_for", "collective_device", "group_size", "mean_allreduce",
+           "mean_allreduce_future", "pack_bits", "unpack_bits"]
 
 
 def group_size(group=None) -> int:
@@ -57,7 +57,7 @@ def any_across(flags: torch.Tensor, group=None, counter: ByteCounter | None = No
     n = group_size(group)
     if n == 1:
         return flags
-    if _has_bitwise_or(group):
+    if _has_bitwise_or(group, flags.device):
         packed = pack_bits(flags)
         dist.all_reduce(packed, op=dist.ReduceOp.BOR, group=group)
         out = unpack_bits(packed, flags.numel()).view(flags.shape)
@@ -94,5 +94,23 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return bits.view(-1)[:numel]
 
 
-def _has_bitwise_or(group) -> bool:
-    return dist.get_backend(group) == "gloo"
+def backend_for(group, device: torch.device) -> str | None:
+    """The backend that carries ``device``'s tensors in ``group`` ("gloo", "nccl", ...), or None.
+
+    A group made as ``"nccl"`` serves CUDA tensors only; ``"gloo"`` (and ``"mpi"``) serve both;
+    ``"cpu:gloo,cuda:nccl"`` names one per device type."""
+    spec = str(dist.get_backend(group)).lower()
+    if ":" not in spec:
+        return None if spec in ("nccl", "xccl") and device.type == "cpu" else spec
+    table = dict(item.split(":", 1) for item in spec.split(",") if ":" in item)
+    return table.get(device.type)
+
+
+def collective_device(group, device: torch.device) -> torch.device:
+    """Where a small control tensor (an agreement, flags) about ``device``'s data travels: on the
+    data's device when the group has a backend for it (NCCL needs CUDA tensors), else on the CPU."""
+    return device if device.type != "cpu" and backend_for(group, device) is not None else torch.device("cpu")
+
+
+def _has_bitwise_or(group, device: torch.device) -> bool:
+    return backend_for(group, device) == "gloo"
