@@ -1,0 +1,295 @@
+"""One-command GPU smoke test of the CUDA path: run it first on any machine with a GPU.
+
+    python benchmarks/gpu_smoke.py                  # full: sizes up to 2^24 + 1000, timings, profiler trace
+    python benchmarks/gpu_smoke.py --quick          # sizes up to 2^20 + 3, fewer timings
+    NUMBA_ENABLE_CUDASIM=1 python benchmarks/gpu_smoke.py --cudasim   # the checks on CPU, under numba's
+                                                                      # simulator (tiny sizes; CI runs it)
+
+Checks, each a row of the table it prints:
+
+* environment: torch / CUDA / driver / device / numba-cuda versions, whether NVVM loads;
+* parity: codes and scales of the ``cuda`` backend equal the numba CPU backend's bit for bit, and the
+  decoded floats too, for every codec (sign-l2, sign-l1, min-max u8), modes (plain, error feedback,
+  markov), block sizes and tensor groups, sizes 0 .. 2^24 + 1000, one and several rows;
+* stream ordering: input written on a side stream after a long ``torch.cuda._sleep`` is encoded on
+  that stream correctly (the kernels run on torch's current stream);
+* host syncs: one error-feedback encode + decode under ``torch.cuda.set_sync_debug_mode("warn")``
+  (reported, not failed: the finiteness check syncs today);
+* ``SimulatedCluster`` on CUDA tensors with 1 and 3 pieces gives the same result;
+* resume: a compression-phase ``OnebitAdam`` state saved and loaded on the GPU continues bit for bit;
+* throughput: encode + error feedback and decode against the device copy bandwidth, 1M-128M;
+* a ``torch.profiler`` trace of one 8-worker 25M simulated call (``--trace``, chrome format).
+
+Exits 1 if any parity, ordering, cluster or resume check fails, 2 if there is no GPU (and no
+``--cudasim``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from lightning_onebit import OnebitAdam  # noqa: E402
+from lightning_onebit.comm import SimulatedCluster  # noqa: E402
+from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec  # noqa: E402
+from lightning_onebit.compress.kernels import cuda_compiler_available  # noqa: E402
+
+ROWS: list[tuple[str, str, str]] = []
+FAILED: list[str] = []
+
+
+def row(check: str, ok: bool | None, detail: str) -> None:
+    status = "ok" if ok else ("info" if ok is None else "FAIL")
+    ROWS.append((check, status, detail))
+    if ok is False:
+        FAILED.append(check)
+    print(f"  {status:4s} {check}: {detail}", flush=True)
+
+
+def codecs(backend: str) -> dict[str, object]:
+    return {
+        "sign-l2": SignCodec("l2", backend=backend),
+        "sign-l1": SignCodec("l1", backend=backend),
+        "sign-l2-b256": SignCodec("l2", block_size=256, backend=backend),
+        "sign-l2-b4096": SignCodec("l2", block_size=4096, backend=backend),
+        "minmax": MinMaxUInt8Codec(backend=backend),
+        "minmax-b256": MinMaxUInt8Codec(block_size=256, backend=backend),
+    }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.cpu(), b.cpu())
+
+
+def check_parity(device: torch.device, sizes: list[int]) -> None:
+    """cuda backend on ``device`` vs numba on CPU: codes, scales, state and decoded values."""
+    gpu, cpu = codecs("cuda"), codecs("numba")
+    for n in sizes:
+        g = torch.Generator().manual_seed(n)
+        bad = []
+        for nseg in (1, 3):
+            m = n - n % nseg  # rows are equal segments
+            if nseg > 1 and m == 0:
+                continue
+            x = torch.randn(m, generator=g) * torch.logspace(-3, 3, m) if m else torch.zeros(0)
+            cuts = sorted({0, m // 7, m // 2, max(m - 1, 0)}) if m else None
+            for name, mode, groups in itertools.product(gpu, ("plain", "error_feedback", "markov"), (None, cuts)):
+                state = torch.randn(m, generator=g)
+                xs, ss = x.clone().to(device), state.clone().to(device)  # distinct even on CPU
+                try:
+                    if mode == "plain":
+                        eg = gpu[name].encode(xs, nseg=nseg, groups=groups)
+                        ec = cpu[name].encode(x, nseg=nseg, groups=groups)
+                    elif mode == "error_feedback":
+                        eg = gpu[name].encode_error_feedback(xs, ss, nseg=nseg, groups=groups)
+                        ec = cpu[name].encode_error_feedback(x, state, nseg=nseg, groups=groups)
+                    else:
+                        eg = gpu[name].encode_markov(xs, ss, nseg=nseg, groups=groups)
+                        ec = cpu[name].encode_markov(x, state, nseg=nseg, groups=groups)
+                    same = (_same(eg.codes, ec.codes) and _same(eg.scales, ec.scales) and _same(ss, state)
+                            and _same(gpu[name].decode(eg), cpu[name].decode(ec)))
+                    if nseg > 1 and groups is None:  # a message's rows: one layout per row
+                        same = same and _same(gpu[name].decode_mean(eg), cpu[name].decode_mean(ec))
+                    why = ""
+                except Exception as exc:  # a crash is a parity failure with its reason
+                    same, why = False, f" ({type(exc).__name__}: {exc})"
+                if not same:
+                    bad.append(f"{name}/{mode}/nseg={nseg}/groups={groups}{why}")
+        row(f"parity n={n}", not bad, "codes, scales, state, decode equal to numba CPU" if not bad
+            else "differs: " + ", ".join(bad[:6]))
+
+
+def check_stream_order(device: torch.device) -> None:
+    n = 1 << 22
+    src = torch.randn(n, device=device)
+    codec, ref = SignCodec(backend="cuda"), SignCodec(backend="numba")
+    side = torch.cuda.Stream(device)
+    x = torch.zeros(n, device=device)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before x gets its values
+        x.copy_(src)
+        enc = codec.encode(x)
+    torch.cuda.current_stream(device).wait_stream(side)
+    expected = ref.encode(src.cpu())
+    row("stream ordering", _same(enc.codes, expected.codes) and _same(enc.scales, expected.scales),
+        "encode queued on a side stream behind a 0.1 s sleep sees the copied input")
+
+
+def check_sync_debug(device: torch.device) -> None:
+    codec = SignCodec(backend="cuda")
+    x, err = torch.randn(1 << 20, device=device), torch.zeros(1 << 20, device=device)
+    codec.decode(codec.encode_error_feedback(x, err))  # compile outside the window
+    torch.cuda.synchronize(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            codec.decode(codec.encode_error_feedback(x, err))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+    row("host syncs (encode+EF, decode)", None, f"{len(syncs)} sync(s)" + (f": {syncs[0]}" if syncs else ""))
+
+
+def check_cluster_pieces(device: torch.device, n: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(n, generator=g).to(device) for _ in range(4)]
+    outs = {}
+    for pieces in (1, 3):
+        sim = SimulatedCluster(SignCodec(backend="cuda"), "error_feedback", 4, pieces=pieces, groups=[0, n // 3])
+        outs[pieces] = [sim.allreduce([t.clone() for t in inputs]) for _ in range(2)]
+    same = all(_same(a, b) for s1, s3 in zip(outs[1], outs[3], strict=True) for a, b in zip(s1, s3, strict=True))
+    row("SimulatedCluster pieces 1 vs 3", same, f"4 workers, {n} values, 2 calls")
+
+
+def check_resume(device: torch.device) -> None:
+    def model():
+        torch.manual_seed(0)
+        net = torch.nn.Sequential(torch.nn.Embedding(50, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 50))
+        return net.to(device)
+
+    def grads(net, step):
+        out = []
+        for w in range(2):
+            net.zero_grad()
+            tok = torch.randint(0, 50, (16,), generator=torch.Generator().manual_seed(10 * step + w)).to(device)
+            torch.nn.functional.cross_entropy(net(tok), tok.roll(1)).backward()
+            out.append([p.grad.clone() for p in net.parameters()])
+        return out
+
+    full = model()
+    opt = OnebitAdam(full.parameters(), lr=1e-2, warmup_steps=2, simulate_workers=2)
+    for s in range(8):
+        opt.step_workers(grads(full, s))
+    part = model()
+    opt = OnebitAdam(part.parameters(), lr=1e-2, warmup_steps=2, simulate_workers=2)
+    for s in range(5):
+        opt.step_workers(grads(part, s))
+    saved = {"model": part.state_dict(), "opt": opt.state_dict()}
+    resumed = model()
+    resumed.load_state_dict(saved["model"])
+    opt = OnebitAdam(resumed.parameters(), lr=1e-2, warmup_steps=2, simulate_workers=2)
+    opt.load_state_dict(saved["opt"])
+    on_device = all(t.device == torch.device(device) for st in opt.state.values() for t in st.values()
+                    if isinstance(t, torch.Tensor) and t.dim() > 0)
+    for s in range(5, 8):
+        opt.step_workers(grads(resumed, s))
+    same = all(_same(a, b) for a, b in zip(full.parameters(), resumed.parameters(), strict=True))
+    row("resume in the compression phase", same and on_device,
+        f"5 + 3 steps == 8 steps bit for bit; state on {device}: {on_device}")
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps / 1e3
+
+
+def check_throughput(device: torch.device, sizes: list[int]) -> None:
+    codec = SignCodec(backend="cuda")
+    for n in sizes:
+        x, err = torch.randn(n, device=device), torch.zeros(n, device=device)
+        enc, out = codec.encode_error_feedback(x, err), torch.empty_like(x)
+        copy_s = _time(x.clone, 10)
+        enc_s = _time(lambda x=x, err=err, enc=enc: codec.encode_error_feedback(x, err, out=enc), 10)
+        dec_s = _time(lambda enc=enc, out=out: codec.decode(enc, out=out), 10)
+        bw = 8 * n / copy_s / 1e9  # read + write of fp32
+        # bytes each pass must move: encode+EF reads x, err (twice: scales, then codes) and writes err + codes
+        enc_bw, dec_bw = (16 * n + n / 8) / enc_s / 1e9, (4 * n + n / 8) / dec_s / 1e9
+        row(f"throughput n={n >> 20}M", None, f"copy {bw:.0f} GB/s; encode+EF {enc_s * 1e3:.2f} ms "
+            f"({enc_bw / bw:.0%} of copy); decode {dec_s * 1e3:.2f} ms ({dec_bw / bw:.0%} of copy)")
+
+
+def write_trace(device: torch.device, path: Path) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    n = 25 * 1024 * 1024 // 4
+    inputs = [torch.randn(n, device=device) for _ in range(8)]
+    sim = SimulatedCluster(SignCodec(backend="cuda"), "error_feedback", 8, pieces=3)
+    sim.allreduce(inputs)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sim.allreduce(inputs)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))
+    top = prof.key_averages().table(sort_by="cuda_time_total", row_limit=8)
+    print(top)
+    row("profiler trace", None, f"8 workers x 25 MB, 3 pieces -> {path}")
+
+
+def environment(device: torch.device) -> None:
+    import numba
+
+    try:
+        import numba_cuda
+
+        nc = getattr(numba_cuda, "__version__", "?")
+    except ImportError:
+        nc = "not installed"
+    why = cuda_compiler_available()
+    desc = f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), " \
+           f"numba {numba.__version__}, numba-cuda {nc}, NVVM {'ok' if why is None else why}"
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        desc += (f"; {p.name}, sm_{p.major}{p.minor}, {p.total_memory / 2**30:.0f} GiB, "
+                 f"{torch.cuda.device_count()} GPU(s)")
+    row("environment", why is None, desc)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="sizes up to 2^20 + 3, two timing sizes")
+    ap.add_argument("--cudasim", action="store_true", help="run the checks on CPU under numba's CUDA simulator")
+    ap.add_argument("--sizes", type=int, nargs="+", help="parity sizes (default 0 .. 2^24+1000)")
+    ap.add_argument("--trace", type=Path, default=Path(os.environ.get("OUT", ".")) / "gpu_smoke_trace.json",
+                    help="chrome trace of one 8-worker 25M call (default: $OUT or ./gpu_smoke_trace.json)")
+    args = ap.parse_args()
+    if args.cudasim:
+        if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+            ap.error("--cudasim needs NUMBA_ENABLE_CUDASIM=1 in the environment (set before numba is imported)")
+        device = torch.device("cpu")
+        sizes = [0, 1, 7, 8, 77, 1000]
+    elif not torch.cuda.is_available():
+        print("gpu_smoke: no CUDA device (use --cudasim under NUMBA_ENABLE_CUDASIM=1 to run the checks on CPU)")
+        return 2
+    else:
+        device = torch.device("cuda", torch.cuda.current_device())
+        sizes = [0, 1, 7, 8, 1000, 4097, (1 << 20) + 3] + ([] if args.quick else [(1 << 24) + 1000])
+    sizes = args.sizes if args.sizes is not None else sizes
+    t0 = time.time()
+    environment(device)
+    check_parity(device, sizes)
+    if device.type == "cuda":
+        check_stream_order(device)
+        check_sync_debug(device)
+    check_cluster_pieces(device, 1000 if args.cudasim else 1 << 20)
+    check_resume(device)
+    if device.type == "cuda":
+        check_throughput(device, [1 << 20, 1 << 26] if args.quick else [1 << 20, 1 << 24, 1 << 26, 1 << 27])
+        write_trace(device, args.trace)
+    print("\n| check | status | detail |\n|---|---|---|")
+    for check, status, detail in ROWS:
+        print(f"| {check} | {status} | {detail} |")
+    print(f"\n{len(FAILED)} failed check(s) in {time.time() - t0:.0f} s" + (f": {', '.join(FAILED)}" if FAILED else ""))
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""benchmarks/gpu_smoke.py, the first command to run on a GPU, runs its checks under numba's CUDA
+simulator here so that it works when a GPU is lent."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_smoke.py"
+
+
+@pytest.mark.slow
+@pytest.mark.cudasim
+def test_gpu_smoke_checks_pass_under_the_simulator():
+    env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--cudasim", "--sizes", "0", "77"], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for check in ("parity n=0 | ok", "parity n=77 | ok", "SimulatedCluster pieces 1 vs 3 | ok",
+                  "resume in the compression phase | ok", "0 failed check(s)"):
+        assert check in proc.stdout, check
+
+
+def test_gpu_smoke_without_a_gpu_says_so():
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2 and "no CUDA device" in proc.stdout
