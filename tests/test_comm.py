@@ -233,6 +233,10 @@ def test_pipeline_plan():
     # pieces may cut scale blocks (every piece uses the whole row's scales): only 4-byte packing counts
     assert blocked.num_pieces == 8 and all(p.lo % 32 == 0 for p in blocked.plan)
     assert any(p.lo % 1000 for p in blocked.plan)
+    car.worker_device = torch.device("cuda")  # the plan's rule only: no GPU needed
+    assert len(car._plan(car.seg_len)) == 1  # on CUDA automatic is one piece (launch count)
+    car.pieces = 3
+    assert len(car._plan(car.seg_len)) == 3  # an explicit count is kept
     topk = CompressedAllreduce(TopKCodec(0.1), "plain", pieces=4)
     topk(torch.randn(10_000))
     assert topk.num_pieces == 1  # top-k chooses entries per whole row

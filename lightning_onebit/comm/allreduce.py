@@ -30,9 +30,11 @@ per call; pass ``verify="first"`` where the caller guarantees agreement (DDP buc
 verified by DDP itself), trading it for a process-group timeout if a rank goes astray.
 
 Pipelining: a row is cut into column pieces (``pieces``; automatic: one per ``MIN_PIECE``
-elements of a row, at most ``MAX_PIECES``). Piece k is encoded and its ``all_to_all`` started
-before piece k+1 is encoded; the server decodes each piece as it arrives; the server row is
-encoded and gathered piece by piece while earlier pieces are decoded. Only the scale
+elements of a row, at most ``MAX_PIECES``; on CUDA one piece, since every piece costs n encode
+and n decode launches, each with Python dispatch, and the kernels share torch's one stream).
+Piece k is encoded and its ``all_to_all`` started before piece k+1 is encoded; the server
+decodes each piece as it arrives; the server row is encoded and gathered piece by piece while
+earlier pieces are decoded. Only the scale
 reductions need a whole row (the workers' before any piece, the server's after the last
 piece arrived); everything that is split is elementwise, so the result is bit-identical for
 every piece count, backend included. Piece 0 carries the row's scales; the other pieces are
@@ -185,7 +187,12 @@ class CompressedAllreduce:
         # boundaries on 4-byte code boundaries (packing); scale blocks may be cut anywhere, since
         # every piece carries (piece 0) or uses the whole row's scales
         unit = 32
-        k = self.pieces if self.pieces is not None else min(MAX_PIECES, seg // MIN_PIECE)
+        if self.pieces is not None:
+            k = self.pieces
+        elif self.worker_device.type == "cuda":
+            k = 1  # on a GPU each piece costs n kernel launches with Python dispatch (see above)
+        else:
+            k = min(MAX_PIECES, seg // MIN_PIECE)
         k = max(1, min(k, seg // unit))
         bounds = sorted({round(i * seg / k / unit) * unit for i in range(k)} | {seg})
         if len(bounds) <= 2:
