@@ -14,7 +14,8 @@ Checks, each a row of the table it prints:
 * stream ordering: input written on a side stream after a long ``torch.cuda._sleep`` is encoded on
   that stream correctly (the kernels run on torch's current stream);
 * host syncs: one error-feedback encode + decode under ``torch.cuda.set_sync_debug_mode("warn")``
-  (reported, not failed: the finiteness check syncs today);
+  (reported, not failed: a codec op checks finiteness on the host by design; the collective
+  instead folds the workers' check into its agreement round);
 * ``SimulatedCluster`` on CUDA tensors with 1 and 3 pieces gives the same result;
 * resume: a compression-phase ``OnebitAdam`` state saved and loaded on the GPU continues bit for bit;
 * throughput: encode + error feedback and decode against the device copy bandwidth, 1M-128M;

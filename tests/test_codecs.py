@@ -314,3 +314,22 @@ def test_decode_mean_is_bit_identical_to_the_reference(rows, block_size):
             make_codec(kind, block_size, "numba").decode_mean(msgs, out=acc, accumulate=True)
             make_codec(kind, block_size, "torch").decode_mean(msgs, out=acc_ref, accumulate=True)
             assert torch.equal(acc, acc_ref), (kind, seg)
+
+
+@pytest.mark.parametrize("make", [lambda: SignCodec("l2"), lambda: SignCodec("l1", block_size=64),
+                                  lambda: MinMaxUInt8Codec()])
+def test_unchecked_scales_report_finiteness_without_raising(make):
+    """compute_scales_unchecked gives the checked scales and a device-side flag, so a collective can
+    fold the check into its agreement and wait once; compute_scales raises on the same input."""
+    codec = make()
+    x = torch.randn(1000)
+    scales, ok = codec.compute_scales_unchecked(x, groups=[0, 300])
+    assert ok.dtype == torch.bool and ok.dim() == 0 and bool(ok)
+    assert torch.equal(scales, codec.compute_scales(x, groups=[0, 300]))
+    x[500] = float("nan")
+    _, ok = codec.compute_scales_unchecked(x, groups=[0, 300])
+    assert not bool(ok)
+    with pytest.raises(ValueError, match="not finite"):
+        codec.compute_scales(x, groups=[0, 300])
+    _, ok = codec.compute_scales_unchecked(torch.zeros(0))
+    assert bool(ok)

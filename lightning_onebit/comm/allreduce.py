@@ -150,6 +150,7 @@ class CompressedAllreduce:
         self.plan: list[_Piece] = []  # pipeline pieces of a row, set when a size is bound
         self.layout: Layout | None = None  # rows (chunks) and scale blocks of the padded input
         self._verified = False
+        self._sig_host: torch.Tensor | None = None  # pinned staging of the agreement (CUDA)
         self.any_flag = False  # the OR over ranks of the last call's flag (see __call__)
         self.bytes_sent = 0
         self.calls = 0
@@ -341,16 +342,16 @@ class CompressedAllreduce:
 
         Returns (padded input, scales) - scales is ``None`` if the input is not finite.
         """
+        xp, scales, ok = self._prepare(x)
+        return xp, scales if bool(ok) else None
+
+    def _prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(padded input, worker scales, ok): ``ok`` a 0-d bool device tensor (no host sync)."""
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError("CompressedAllreduce expects a floating-point tensor")
         self.bind(x.numel(), x.device)
         xp = self._padded_input(x)
-        mode = {"plain": "plain", "error_feedback": "error_feedback", "markov": "markov"}[self.mode]
-        try:
-            scales = self.codec.compute_scales(xp, self.worker, mode, layout=self.layout)
-        except ValueError:
-            scales = None
-        return xp, scales
+        return (xp, *self.codec.compute_scales_unchecked(xp, self.worker, self.mode, layout=self.layout))
 
     def encode_stage(self, xp: torch.Tensor, scales: torch.Tensor, k: int = 0) -> torch.Tensor:
         """Stage 1 (worker): encode piece ``k`` of every chunk into its send buffer ``[n, rb_k]``."""
@@ -482,25 +483,37 @@ class CompressedAllreduce:
         self.counter.add(nbytes, self.numel, self.world_size)
 
     # -- the collective ------------------------------------------------------------------
-    def _signature(self, x: torch.Tensor, ok: bool, flag: bool) -> torch.Tensor:
+    def _signature(self, x: torch.Tensor, flag: bool) -> list[int]:
         bs = self.codec.block_size or 0
         groups = zlib.crc32(np.asarray(self.groups, np.int64).tobytes())
-        return torch.tensor([x.numel(), _DTYPE_ID.get(x.dtype, 9), self.codec.kind, bs,
-                             _MODE_ID[self.mode], int(getattr(self.codec, "scale", "l2") == "l1"), groups,
-                             int(flag), int(ok)], dtype=torch.int64)
+        return [x.numel(), _DTYPE_ID.get(x.dtype, 9), self.codec.kind, bs, _MODE_ID[self.mode],
+                int(getattr(self.codec, "scale", "l2") == "l1"), groups, int(flag), 1]
 
-    def _agree(self, x: torch.Tensor, ok: bool, flag: bool | None = None) -> None:
-        """All ranks exchange (size, dtype, codec, mode, flag, finite) and raise together on disagreement."""
+    def _agree(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: bool | None = None) -> None:
+        """All ranks exchange (size, dtype, codec, mode, flag, finite) and raise together on disagreement.
+
+        ``ok`` may be a 0-d bool tensor on the data's device: it is written into the signature on
+        the device, and the gathered signatures are the one thing the host waits for."""
         self.any_flag = bool(flag)
-        if self.world_size == 1 or (self.verify == "first" and self._verified and ok):
-            if not ok:
+        if self.world_size == 1 or (self.verify == "first" and self._verified and bool(ok)):
+            if not bool(ok):
                 raise ValueError("CompressedAllreduce: the input is not finite (NaN or inf); "
                                  "no state was changed")
             return
-        sig = self._signature(x, ok, bool(flag))
         dev = collective_device(self.group, x.device)
-        mine = sig.to(dev)
-        allsig = torch.empty(self.world_size, sig.numel(), dtype=torch.int64, device=dev)
+        sig = self._signature(x, bool(flag))
+        if dev.type == "cpu":
+            mine = torch.tensor(sig, dtype=torch.int64)
+        else:  # a pinned staging copy does not wait for the stream, as a pageable one would
+            if self._sig_host is None:
+                self._sig_host = torch.empty(len(sig), dtype=torch.int64).pin_memory()
+            self._sig_host.copy_(torch.tensor(sig, dtype=torch.int64))
+            mine = self._sig_host.to(dev, non_blocking=True)
+        if isinstance(ok, torch.Tensor):
+            mine[-1:].copy_(ok.reshape(1).to(dev, non_blocking=True))
+        elif not ok:
+            mine[-1] = 0
+        allsig = torch.empty(self.world_size, len(sig), dtype=torch.int64, device=dev)
         all_gather_rows(allsig, mine, group=self.group)
         allsig = allsig.cpu()
         fields = ["numel", "dtype", "codec kind", "block_size", "mode", "l1 scale", "groups (crc32)"]
@@ -533,8 +546,8 @@ class CompressedAllreduce:
             if self.world_size > 1:
                 self._agree(x, True)  # ranks that disagree all raise here instead of hanging
             self.bind(x.numel(), x.device)  # every rank made the same mistake: raise the local explanation
-        xp, scales = self.prepare(x)
-        self._agree(x, scales is not None, flag)
+        xp, scales, ok = self._prepare(x)
+        self._agree(x, ok, flag)
         if self.numel == 0:
             return x.detach().clone() if out is None else out
         piecewise, remote = self.num_pieces > 1, self.world_size > 1

@@ -192,7 +192,19 @@ class Codec:
 
     # -- scales --------------------------------------------------------------------------
     def _scales(self, totals: torch.Tensor, lay: Layout) -> torch.Tensor:
-        """fp32 block scales from the per-block fp64 totals ``[nblocks, width]`` of a reduction.
+        """fp32 block scales from the per-block fp64 totals ``[nblocks, width]`` of a reduction;
+        raises ``ValueError`` if the input was not finite."""
+        scales, ok = self._scales_unchecked(totals, lay)
+        if not bool(ok):
+            raise self._not_finite()
+        return scales
+
+    def _not_finite(self) -> ValueError:
+        return ValueError(f"{type(self).__name__}: the input is not finite (it contains NaN or inf); "
+                          "nothing was encoded and no error/estimate state was changed")
+
+    def _scales_unchecked(self, totals: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scales, ok): ``ok`` a 0-d bool tensor on the totals' device, so no host sync here.
         An empty block gets scale 0, which decodes to zeros; padding does not count in a length."""
         lens = torch.from_numpy(lay.scale_lengths.reshape(-1)).to(totals.device)
         live = lens > 0
@@ -205,12 +217,7 @@ class Codec:
             ok = torch.isfinite(totals[:, 2]).all()
             mm = torch.where(live[:, None], totals[:, :2], 0.0)
             scales = mm.float().view(lay.nseg, -1, 2)
-        if not bool(ok):
-            raise ValueError(
-                f"{type(self).__name__}: the input is not finite (it contains NaN or inf); "
-                "nothing was encoded and no error/estimate state was changed"
-            )
-        return scales
+        return scales, ok
 
     # -- core ----------------------------------------------------------------------------
     def _run(self, x: torch.Tensor, state: torch.Tensor | None, mode: int, lay: Layout,
@@ -243,15 +250,27 @@ class Codec:
         Lets a caller check its input (and agree with other ranks) before any state is
         written: pass the result as ``scales=`` to the encode op to skip its reduction.
         """
+        scales, ok = self.compute_scales_unchecked(x, state, mode, nseg, groups=groups, layout=layout)
+        if not bool(ok):
+            raise self._not_finite()
+        return scales
+
+    def compute_scales_unchecked(self, x: torch.Tensor, state: torch.Tensor | None = None, mode: str = "plain",
+                                 nseg: int = 1, *, groups: Sequence[int] | None = None,
+                                 layout: Layout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`compute_scales` without its check: ``(scales, ok)``, ``ok`` a 0-d bool tensor on
+        ``x``'s device saying whether the input was finite. Nothing waits for the device, so a
+        caller can fold ``ok`` into a collective and read it once (the scales of a non-finite
+        input are meaningless)."""
         x = _as_fp32_vector(x, "x")
         m = MODES[mode]
         lay = self._resolve(x.numel(), nseg, groups, layout)
         if m != PLAIN:
             _check_state(state, lay.numel, x.device, "state buffer")
         if lay.numel == 0:
-            return self.empty(lay, x.device).scales
+            return self.empty(lay, x.device).scales, torch.ones((), dtype=torch.bool, device=x.device)
         totals = self._backend(x.device).reduce(self.kind, m, lay, x, state if m != PLAIN else None)
-        return self._scales(totals, lay)
+        return self._scales_unchecked(totals, lay)
 
     # Every encode op takes ``out=``: message buffers to write into (e.g. views into a packed
     # send buffer of a collective, see ``empty(..., packed=...)``); by default they are allocated.
