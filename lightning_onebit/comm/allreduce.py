@@ -483,11 +483,11 @@ class CompressedAllreduce:
         self.counter.add(nbytes, self.numel, self.world_size)
 
     # -- the collective ------------------------------------------------------------------
-    def _signature(self, x: torch.Tensor, flag: bool) -> list[int]:
+    def _signature(self, x: torch.Tensor, flag: bool, ok: bool) -> list[int]:
         bs = self.codec.block_size or 0
         groups = zlib.crc32(np.asarray(self.groups, np.int64).tobytes())
         return [x.numel(), _DTYPE_ID.get(x.dtype, 9), self.codec.kind, bs, _MODE_ID[self.mode],
-                int(getattr(self.codec, "scale", "l2") == "l1"), groups, int(flag), 1]
+                int(getattr(self.codec, "scale", "l2") == "l1"), groups, int(flag), int(ok)]
 
     def _agree(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: bool | None = None) -> None:
         """All ranks exchange (size, dtype, codec, mode, flag, finite) and raise together on disagreement.
@@ -501,7 +501,7 @@ class CompressedAllreduce:
                                  "no state was changed")
             return
         dev = collective_device(self.group, x.device)
-        sig = self._signature(x, bool(flag))
+        sig = self._signature(x, bool(flag), ok if isinstance(ok, bool) else True)
         if dev.type == "cpu":
             mine = torch.tensor(sig, dtype=torch.int64)
         else:  # a pinned staging copy does not wait for the stream, as a pageable one would
@@ -509,10 +509,8 @@ class CompressedAllreduce:
                 self._sig_host = torch.empty(len(sig), dtype=torch.int64).pin_memory()
             self._sig_host.copy_(torch.tensor(sig, dtype=torch.int64))
             mine = self._sig_host.to(dev, non_blocking=True)
-        if isinstance(ok, torch.Tensor):
-            mine[-1:].copy_(ok.reshape(1).to(dev, non_blocking=True))
-        elif not ok:
-            mine[-1] = 0
+        if isinstance(ok, torch.Tensor):  # on the same device no wait; CUDA -> CPU (gloo) waits here
+            mine[-1:].copy_(ok.reshape(1))
         allsig = torch.empty(self.world_size, len(sig), dtype=torch.int64, device=dev)
         all_gather_rows(allsig, mine, group=self.group)
         allsig = allsig.cpu()
