@@ -25,7 +25,6 @@ setting is per thread).
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from functools import wraps
@@ -33,8 +32,6 @@ from typing import Any, TypeVar
 
 import numba
 import torch
-
-log = logging.getLogger(__name__)
 
 __all__ = ["apply_thread_budget", "available_cores", "parallel_kernel", "set_thread_budget", "thread_budget"]
 
