@@ -112,6 +112,39 @@ def test_mismatch_fails_fast_on_every_rank(what, needle):
         assert unchanged
 
 
+def _server_overflow(rank, world_size, mode, pieces):
+    car = CompressedAllreduce(SignCodec(), mode, pieces=pieces)
+    car(torch.ones(4000))
+    car.server.fill_(3e38)  # the server's mean + state now overflow fp32 in the next call
+    out = torch.full((4000,), 7.0)
+    try:
+        car(torch.full((4000,), 3e38), out=out)
+        msg = None
+    except ValueError as exc:
+        msg = str(exc)
+    zeroed = all(not t.any() for t in (car.worker, car.server, car.tilde) if t is not None)
+    after = car(torch.randn(4000, generator=torch.Generator().manual_seed(rank)))
+    return msg, bool((out == 7.0).all()), zeroed, after
+
+
+@pytest.mark.parametrize("mode,pieces", [("error_feedback", 1), ("error_feedback", 3), ("markov", 1)])
+def test_server_overflow_raises_on_every_rank(mode, pieces):
+    """A server whose mean overflows fp32 (inputs near its limit): every rank raises before
+    decoding (the result buffer untouched), resets its state alike and keeps working."""
+    ranks = values(run_ranks(_server_overflow, 2, mode, pieces, timeout_s=30))
+    for msg, untouched, zeroed, _ in ranks:
+        assert msg is not None and "overflowed fp32" in msg, msg
+        assert untouched and zeroed
+    assert torch.equal(ranks[0][3], ranks[1][3]) and torch.isfinite(ranks[0][3]).all()
+    sim = SimulatedCluster(SignCodec(), mode, 2, pieces=pieces)
+    sim.allreduce([torch.ones(4000)] * 2)
+    for w in sim.workers:
+        w.server.fill_(3e38)
+    with pytest.raises(ValueError, match="overflowed fp32"):
+        sim.allreduce([torch.full((4000,), 3e38)] * 2)
+    assert all(not w.worker.any() and not w.server.any() for w in sim.workers)
+
+
 def test_bytes_match_formula():
     for n in (1, 2, 4, 8):
         for numel in (1, 1000, 2**20 + 5):

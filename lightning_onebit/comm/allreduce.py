@@ -25,7 +25,14 @@ Codes and scales travel in one packed uint8 row (``Codec.empty(..., packed=...)`
 call is exactly two data collectives, plus one tiny ``all_gather`` that checks that the
 ranks agree on the tensor size, codec and mode and that every rank's input is finite,
 before any state is written. A mismatch or a NaN on any rank raises ``ValueError`` on
-*every* rank instead of a hang or garbage. That check costs one small-message latency
+*every* rank instead of a hang or garbage. The servers' re-encoded rows are finite unless a
+server's mean (+ error) overflows fp32, which takes inputs near its limit (~3e38; Adam's second
+moment overflows at gradients of ~2e19, long before): every rank gathers the same server scales
+and checks them before stage 4 decodes. On the CPU that check is free, and every rank raises
+there with the result untouched and the error state reset; on a GPU reading it would make the
+host wait for the whole call, so the flag stays on the device and the next call's agreement
+(the one host wait per call) raises on every rank - the overflowing call's result then holds
+non-finite values. That check costs one small-message latency
 per call; pass ``verify="first"`` where the caller guarantees agreement (DDP buckets are
 verified by DDP itself), trading it for a process-group timeout if a rank goes astray.
 
@@ -151,6 +158,7 @@ class CompressedAllreduce:
         self.layout: Layout | None = None  # rows (chunks) and scale blocks of the padded input
         self._verified = False
         self._sig_host: torch.Tensor | None = None  # pinned staging of the agreement (CUDA)
+        self._gathered_ok: torch.Tensor | None = None  # GPU: server scales finite, read at the next agreement
         self.any_flag = False  # the OR over ranks of the last call's flag (see __call__)
         self.bytes_sent = 0
         self.calls = 0
@@ -389,10 +397,11 @@ class CompressedAllreduce:
             out = self.codec.empty(self._srv_layout, recv.device, packed=self._srv[0])
             if self.mode in ("error_feedback", "plain"):
                 self.codec.server_step(msgs, self.server if self.mode == "error_feedback" else None,
-                                       out=out, mean=self._mean)
+                                       out=out, mean=self._mean, check_finite=False)
             else:
                 self.codec.decode_mean(msgs, out=self.server, accumulate=True)
-                self.codec.encode_diff(self.server, self._my_tilde(), out=out, layout=self._srv_layout)
+                self.codec.encode_diff(self.server, self._my_tilde(), out=out, layout=self._srv_layout,
+                                       check_finite=False)
             return
         p = self.plan[k]
         if k == 0:  # the workers' scales travel in piece 0
@@ -412,13 +421,13 @@ class CompressedAllreduce:
         if self.num_pieces == 1:
             return self._srv[0]
         if k == 0:  # every piece has arrived: the server scales need the whole row
-            lay = self._srv_layout
+            lay, scales = self._srv_layout, self.codec.compute_scales_unchecked  # checked in stage 4
             if self.mode == "markov":
-                self._srv_scales = self.codec.compute_scales(self.server, self._my_tilde(), "diff", layout=lay)
+                self._srv_scales = scales(self.server, self._my_tilde(), "diff", layout=lay)[0]
             elif self.mode == "error_feedback":
-                self._srv_scales = self.codec.compute_scales(self._mean, self.server, "error_feedback", layout=lay)
+                self._srv_scales = scales(self._mean, self.server, "error_feedback", layout=lay)[0]
             else:
-                self._srv_scales = self.codec.compute_scales(self._mean, layout=lay)
+                self._srv_scales = scales(self._mean, layout=lay)[0]
             self._row_scales(self._srv[0]).copy_(self._srv_scales)
         p = self.plan[k]
         cols = slice(p.lo, p.hi)
@@ -448,6 +457,28 @@ class CompressedAllreduce:
         if out is None and D == d and dtype == torch.float32:
             return torch.empty(d, dtype=torch.float32, device=dev)
         return self._outpad if self._outpad is not None else torch.empty(D, dtype=torch.float32, device=dev)
+
+    def check_gathered(self, piece0: torch.Tensor) -> None:
+        """Before stage 4: the gathered server scales (piece 0, the same bytes on every rank) are
+        finite - raises on the CPU, flags the next agreement on a GPU (see the module docstring)."""
+        ok = self.gathered_finite(piece0)
+        if ok.device.type != "cpu":
+            self._gathered_ok = ok if self._gathered_ok is None else self._gathered_ok & ok
+        elif not bool(ok):
+            self._server_overflowed()
+
+    def gathered_finite(self, piece0: torch.Tensor) -> torch.Tensor:
+        """0-d bool device tensor: the server scales in gathered piece 0 are all finite."""
+        if self.num_pieces > 1:
+            scales = self._row_scales(piece0)
+        else:
+            scales = self.codec.empty(self.layout, piece0.device, packed=piece0).scales
+        return torch.isfinite(scales).all()
+
+    def _server_overflowed(self) -> None:
+        self.reset_state()  # every rank resets alike, so replicas and Markov estimates stay in step
+        raise ValueError("CompressedAllreduce: a server's mean overflowed fp32, so the result is not finite "
+                         "(inputs near the fp32 limit); every rank raised and reset its error/estimate state")
 
     def finish_piece(self, gathered: torch.Tensor, dst: torch.Tensor, k: int = 0) -> None:
         """Stage 4 (every rank): decode piece ``k`` of the gathered server rows into ``dst``."""
@@ -486,8 +517,9 @@ class CompressedAllreduce:
     def _signature(self, x: torch.Tensor, flag: bool, ok: bool) -> list[int]:
         bs = self.codec.block_size or 0
         groups = zlib.crc32(np.asarray(self.groups, np.int64).tobytes())
+        # the last three fields: flag, the previous call's server scales finite (GPU), input finite
         return [x.numel(), _DTYPE_ID.get(x.dtype, 9), self.codec.kind, bs, _MODE_ID[self.mode],
-                int(getattr(self.codec, "scale", "l2") == "l1"), groups, int(flag), int(ok)]
+                int(getattr(self.codec, "scale", "l2") == "l1"), groups, int(flag), 1, int(ok)]
 
     def _agree(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: bool | None = None) -> None:
         """All ranks exchange (size, dtype, codec, mode, flag, finite) and raise together on disagreement.
@@ -495,7 +527,10 @@ class CompressedAllreduce:
         ``ok`` may be a 0-d bool tensor on the data's device: it is written into the signature on
         the device, and the gathered signatures are the one thing the host waits for."""
         self.any_flag = bool(flag)
+        prev, self._gathered_ok = self._gathered_ok, None
         if self.world_size == 1 or (self.verify == "first" and self._verified and bool(ok)):
+            if prev is not None and not bool(prev):
+                self._server_overflowed()
             if not bool(ok):
                 raise ValueError("CompressedAllreduce: the input is not finite (NaN or inf); "
                                  "no state was changed")
@@ -511,6 +546,8 @@ class CompressedAllreduce:
             mine = self._sig_host.to(dev, non_blocking=True)
         if isinstance(ok, torch.Tensor):  # on the same device no wait; CUDA -> CPU (gloo) waits here
             mine[-1:].copy_(ok.reshape(1))
+        if prev is not None:
+            mine[-2:-1].copy_(prev.reshape(1))
         allsig = torch.empty(self.world_size, len(sig), dtype=torch.int64, device=dev)
         all_gather_rows(allsig, mine, group=self.group)
         allsig = allsig.cpu()
@@ -521,7 +558,9 @@ class CompressedAllreduce:
                 f"rank {r}: " + ", ".join(f"{f}={int(allsig[r, i])}" for i, f in enumerate(fields))
                 for r in range(self.world_size))
             raise ValueError(f"CompressedAllreduce: ranks disagree on {', '.join(bad)} ({rows})")
-        self.any_flag = bool(allsig[:, -2].any())
+        self.any_flag = bool(allsig[:, -3].any())
+        if not bool(allsig[:, -2].all()):
+            self._server_overflowed()
         nonfinite = [r for r in range(self.world_size) if not int(allsig[r, -1])]
         if nonfinite:
             raise ValueError(f"CompressedAllreduce: the input on rank(s) {nonfinite} is not finite "
@@ -571,6 +610,8 @@ class CompressedAllreduce:
         for k in range(self.num_pieces):
             if remote and piecewise:
                 gather[k].wait()
+            if k == 0:
+                self.check_gathered(self._gathered[0] if remote else self._srv[0])
             self.finish_piece(self._gathered[k] if remote else self._srv[k], dst, k)
         result = self.finish(dst, out, x.dtype)
         self._account()

@@ -66,6 +66,11 @@ class SimulatedCluster:
         dsts = [w.result_buffer(None, x.dtype) for w, x in zip(workers, xs, strict=True)]
         for k in range(workers[0].num_pieces):
             gathered = torch.cat([w.server_send(k) for w in workers])  # all_gather: rows in rank order
+            if k == 0 and not bool(workers[0].gathered_finite(gathered)):  # a simulation may wait here
+                for w in workers:
+                    w.reset_state()
+                raise ValueError("SimulatedCluster: a server's mean overflowed fp32, so the result is not "
+                                 "finite (inputs near the fp32 limit); every worker reset its error/estimate state")
             for w, dst in zip(workers, dsts, strict=True):
                 w.finish_piece(gathered, dst, k)
         outs = [w.finish(dst, None, x.dtype) for w, dst, x in zip(workers, dsts, xs, strict=True)]

@@ -222,7 +222,7 @@ class Codec:
     # -- core ----------------------------------------------------------------------------
     def _run(self, x: torch.Tensor, state: torch.Tensor | None, mode: int, lay: Layout,
              dtype: torch.dtype = torch.float32, out: Encoded | None = None,
-             scales: torch.Tensor | None = None) -> Encoded:
+             scales: torch.Tensor | None = None, check: bool = True) -> Encoded:
         device = x.device
         if state is not None:
             _check_state(state, lay.numel, device, "state buffer")
@@ -236,7 +236,8 @@ class Codec:
             return out
         backend = self._backend(device)
         if scales is None:
-            scales = self._scales(backend.reduce(self.kind, mode, lay, x, state), lay)
+            totals = backend.reduce(self.kind, mode, lay, x, state)
+            scales = self._scales(totals, lay) if check else self._scales_unchecked(totals, lay)[0]
         out.scales.copy_(scales)
         backend.encode(self.kind, mode, lay, x, state, out.scales, out.codes)
         return out
@@ -300,14 +301,17 @@ class Codec:
 
     def encode_diff(self, target: torch.Tensor, reference: torch.Tensor, nseg: int = 1,
                     out: Encoded | None = None, scales: torch.Tensor | None = None, *,
-                    groups: Sequence[int] | None = None, layout: Layout | None = None) -> Encoded:
-        """encode(target - reference) without touching ``reference``."""
+                    groups: Sequence[int] | None = None, layout: Layout | None = None,
+                    check_finite: bool = True) -> Encoded:
+        """encode(target - reference) without touching ``reference``. ``check_finite=False``: no
+        host sync; a non-finite difference shows as non-finite scales (the caller checks them)."""
         xf = _as_fp32_vector(target, "target")
         return self._run(xf, reference, DIFF, self._resolve(xf.numel(), nseg, groups, layout),
-                         dtype=target.dtype, out=out, scales=scales)
+                         dtype=target.dtype, out=out, scales=scales, check=check_finite)
 
     def server_step(self, messages: Encoded, error: torch.Tensor | None = None,
-                    out: Encoded | None = None, mean: torch.Tensor | None = None) -> Encoded:
+                    out: Encoded | None = None, mean: torch.Tensor | None = None, *,
+                    check_finite: bool = True) -> Encoded:
         """Average the decoded rows of ``messages`` (+ ``error`` feedback) and re-encode one row.
 
         The rows must be cut alike (every worker's copy of one chunk); the result is cut like
@@ -315,12 +319,15 @@ class Codec:
         allocated when not given - pass a persistent buffer on hot paths) and then encoded as
         ``encode_error_feedback(mean, error)`` (or ``encode(mean)``): the reduction and the
         encode pass both need the mean, and decoding n rows is the costly part.
+        ``check_finite=False`` skips the finiteness check (a host sync on a GPU): a mean that
+        overflowed fp32 then shows as non-finite scales in the result, for the caller to check.
         """
         if mean is None:
             mean = torch.empty(messages.seg_len, dtype=torch.float32, device=messages.device)
         self.decode_mean(messages, out=mean)
         mode = PLAIN if error is None else ERROR_FEEDBACK
-        return self._run(mean, error, mode, messages.layout.row(0), dtype=messages.dtype, out=out)
+        return self._run(mean, error, mode, messages.layout.row(0), dtype=messages.dtype, out=out,
+                         check=check_finite)
 
     def decode(self, enc: Encoded, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
         """Decoded 1-D tensor of ``enc.numel`` elements in ``enc.dtype`` (or into fp32 ``out``)."""

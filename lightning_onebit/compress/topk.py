@@ -86,11 +86,12 @@ class TopKCodec(Codec):
                              "nothing was encoded and no error/estimate state was changed")
         return torch.empty(0)  # nothing to precompute; the check is what callers need
 
-    def _run(self, x, state, mode, lay, dtype=torch.float32, out=None, scales=None) -> Encoded:
+    def _run(self, x, state, mode, lay, dtype=torch.float32, out=None, scales=None, check=True) -> Encoded:
         nseg = lay.nseg
         if state is not None:
             _check_state(state, x.numel(), x.device, "state buffer")
-        if scales is None:
+        if scales is None and check:  # unchecked: a non-finite value travels as one of the "scales"
+
             self.compute_scales(x, state, {v: k for k, v in MODES.items()}[mode], nseg)
         v = self._value(x, state, mode, nseg)
         device = x.device
