@@ -2,9 +2,10 @@
 
 The reduction follows the summation order of :mod:`.layout` (one thread block per tile, the
 ``REDUCE_LANES`` lanes spread over the block's threads, the same halving tree, tiles combined in
-order by a second small kernel), so its scales are the numba CPU backend's bit for bit. Encode
-gives each thread whole code bytes (8 elements), so packed bits need no atomics or warp votes;
-every element finds its scale block by a binary search of its row's block starts. This keeps
+order by a second small kernel), so its scales are the numba CPU backend's bit for bit. The
+encode and decode kernels give each thread one element (coalesced loads); sign encode packs a
+block's bits through shared memory, so it needs no atomics or warp votes, and every element finds
+its scale block by a binary search of its row's block starts. This keeps
 the kernels runnable under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), where CPU
 tensors stand in for device memory.
 """
@@ -17,7 +18,7 @@ import math
 import numpy as np
 import torch
 from numba import config as numba_config
-from numba import cuda, float32, float64
+from numba import cuda, float32, float64, int32
 
 from .layout import DIFF, ERROR_FEEDBACK, MARKOV, MINMAX_U8, REDUCE_LANES, REDUCE_TILE, SIGN_L2, Layout, is_sign
 
@@ -163,44 +164,56 @@ def _combine_kernel(kind, ptr, partials, totals):
 
 @cuda.jit(cache=True)
 def _encode_sign_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
-    # both sign kinds share the encode pass; only their scales differ
-    nseg = starts.shape[0]
+    # Both sign kinds share this pass; only their scales differ. One thread per element (loads
+    # and state updates coalesced); a tile of THREADS elements of one row per block, so the row
+    # is found once per tile; the bits meet in shared memory and a thread packs each byte.
+    bits = cuda.shared.array(THREADS, int32)
     nb = starts.shape[1] - 1
-    cb = (seg_len + 7) // 8  # not codes.shape[1]: rows may be widened to a packed buffer's stride
-    k = cuda.grid(1)
-    while k < nseg * cb:
-        r = k // cb
-        i0 = (k - r * cb) * 8
-        j = _block_at(starts, r, i0)
-        byte = 0
-        for i in range(i0, min(i0 + 8, seg_len)):
-            while starts[r, j + 1] <= i:
-                j += 1
-            s = scales[r * nb + j]
-            v = _value(mode, x, st, r * seg_len + i)
-            pos = v >= 0
-            if pos:
-                byte |= 1 << (i - i0)
-            dec = s if pos else -s
+    tid = cuda.threadIdx.x
+    tiles = (seg_len + THREADS - 1) // THREADS  # per row; a tile starts on a byte
+    t = cuda.blockIdx.x
+    while t < starts.shape[0] * tiles:  # grid-stride over tiles; uniform per block
+        r = t // tiles
+        i0 = (t - r * tiles) * THREADS
+        i = i0 + tid
+        bit = 0
+        if i < seg_len:
+            e = r * seg_len + i
+            s = scales[r * nb + _block_at(starts, r, i)]
+            v = _value(mode, x, st, e)
+            dec = -s
+            if v >= 0:
+                bit = 1
+                dec = s
             if i >= ends[r]:  # padding decodes to 0: its state stays as it is
                 pass
             elif mode == ERROR_FEEDBACK:
-                st[r * seg_len + i] = v - dec
+                st[e] = v - dec
             elif mode == MARKOV:
-                st[r * seg_len + i] += dec
-        codes[r, i0 >> 3] = byte
-        k += cuda.gridsize(1)
+                st[e] += dec
+        bits[tid] = bit
+        cuda.syncthreads()
+        if tid < THREADS // 8 and i0 + 8 * tid < seg_len:  # codes rows may be wider (packed stride)
+            byte = 0
+            for q in range(8):
+                byte |= bits[8 * tid + q] << q
+            codes[r, (i0 >> 3) + tid] = byte
+        cuda.syncthreads()
+        t += cuda.gridDim.x
 
 
 @cuda.jit(cache=True)
 def _encode_minmax_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
-    nseg = starts.shape[0]
     nb = starts.shape[1] - 1
-    n = nseg * seg_len
-    e = cuda.grid(1)
-    while e < n:
-        r = e // seg_len
-        i = e - r * seg_len
+    tiles = (seg_len + THREADS - 1) // THREADS  # a tile of one row per block: its row found once
+    t = cuda.blockIdx.x
+    while t < starts.shape[0] * tiles:
+        r = t // tiles
+        i = (t - r * tiles) * THREADS + cuda.threadIdx.x
+        t += cuda.gridDim.x
+        if i >= seg_len:
+            continue
+        e = r * seg_len + i
         g = r * nb + _block_at(starts, r, i)
         smin = float64(scales[2 * g])
         rng = float64(scales[2 * g + 1]) - smin
@@ -217,17 +230,20 @@ def _encode_minmax_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
             st[e] = v - dec
         elif mode == MARKOV:
             st[e] += dec
-        e += cuda.gridsize(1)
 
 
 @cuda.jit(cache=True)
 def _decode_kernel(kind, codes, scales, seg_len, starts, ends, out, accumulate, mean_rows):
     nrows = 1 if mean_rows else starts.shape[0]
-    n = nrows * seg_len
-    e = cuda.grid(1)
-    while e < n:
-        r = e // seg_len
-        i = e - r * seg_len
+    tiles = (seg_len + THREADS - 1) // THREADS  # as in the encode kernels
+    t = cuda.blockIdx.x
+    while t < nrows * tiles:
+        r = t // tiles
+        i = (t - r * tiles) * THREADS + cuda.threadIdx.x
+        t += cuda.gridDim.x
+        if i >= seg_len:
+            continue
+        e = r * seg_len + i
         b = _block_at(starts, r, i)
         if i >= ends[r]:
             v = float32(0.0)  # padding
@@ -239,7 +255,6 @@ def _decode_kernel(kind, codes, scales, seg_len, starts, ends, out, accumulate, 
             out[e] += v
         else:
             out[e] = v
-        e += cuda.gridsize(1)
 
 
 # --- torch-facing wrappers ------------------------------------------------------------
@@ -322,20 +337,20 @@ def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     device = codes.device
     with _on(device):
         xa, sa = _inputs(x, st, device)
+        tiles = layout.nseg * -(-layout.seg_len // THREADS)
         args = (mode, xa, sa, layout.seg_len, *_starts(layout, device), _arr(scales.reshape(-1).contiguous()),
                 _codes_arr(codes))
         if is_sign(kind):
-            work = layout.nseg * ((layout.seg_len + 7) // 8)
-            _encode_sign_kernel[_grid(work, THREADS), THREADS, _stream(device)](*args)
+            _encode_sign_kernel[_grid(tiles, 1), THREADS, _stream(device)](*args)
         else:
-            _encode_minmax_kernel[_grid(layout.numel, THREADS), THREADS, _stream(device)](*args)
+            _encode_minmax_kernel[_grid(tiles, 1), THREADS, _stream(device)](*args)
 
 
 def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False) -> None:
     device = codes.device
     with _on(device):
-        n = layout.seg_len if mean_rows else layout.numel
-        _decode_kernel[_grid(n, THREADS), THREADS, _stream(device)](
+        tiles = (1 if mean_rows else layout.nseg) * -(-layout.seg_len // THREADS)
+        _decode_kernel[_grid(tiles, 1), THREADS, _stream(device)](
             kind, _codes_arr(codes), _arr(scales.reshape(codes.shape[0], -1).contiguous()), layout.seg_len,
             *_starts(layout, device), _arr(out), accumulate, mean_rows)
 
