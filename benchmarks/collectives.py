@@ -1,18 +1,18 @@
 """Benchmark fp32 ``all_reduce`` against the 1-bit and 8-bit compressed allreduce on emulated slow links.
 
-Why: compression only pays off when the link, not the CPU, is the bottleneck. On this project's
-machines there is no real network, so (DESIGN.md section 8) each node runs in its own network
-namespace behind a ``tc tbf``-shaped veth (``benchmarks/netns_cluster.py``), with one ``torchrun``
-per namespace. For every (nodes, rate, size, method) we report the median wall time per call after
-warm-up, the bytes that actually crossed each node's link per call (interface counters) next to the
-bytes the allreduce object says it sent, and fp32-time / compressed-time ratios. Absolute times on
-shared 2-core machines are noise; compare ratios inside one run.
+Why: compression only pays off when the link, not the CPU, is the bottleneck. Without a real
+network between machines, each node runs in its own network namespace behind a ``tc tbf``-shaped
+veth (``benchmarks/netns_cluster.py``; ``docs/design.md``, "Emulated cluster benchmarks"), with one
+``torchrun`` per namespace. For every (nodes, rate, size, method) we report the median wall time per
+call after warm-up, the bytes that actually crossed each node's link per call (interface counters)
+next to the bytes the allreduce object says it sent, and fp32-time / compressed-time ratios.
+Absolute times on small shared machines are noisy; compare ratios inside one run.
 
 Usage (as root)::
 
-    python benchmarks/collectives.py --quick                    # ~2 minutes
+    python benchmarks/collectives.py --quick                    # smaller grid: 1M and 25M elements
     python benchmarks/collectives.py --methods fp32 --nodes 2 --rates 1gbit --sizes 25M
-    python benchmarks/collectives.py --append                   # full grid, appended to RESULTS.md
+    python benchmarks/collectives.py --out collectives.md       # full grid, also written to collectives.md
 
 The same file is the worker: the driver runs it under torchrun with ``--worker``.
 """
@@ -23,8 +23,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -32,11 +30,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # so that this file works as a script, as the torchrun worker and imported
-    sys.path.insert(0, str(HERE))
-
-from netns_cluster import EmulatedCluster, cleanup_stale, parse_rate, report_failures, run_torchrun  # noqa: E402
+from _common import (
+    add_out_argument,
+    emit_tagged,
+    header,
+    load_text,
+    parse_tagged,
+    read_link_counter,
+    require_root,
+    write_out,
+)
+from netns_cluster import EmulatedCluster, cleanup_stale, parse_rate, report_failures, run_torchrun
 
 RESULT_TAG = "LOBRESULT "
 METHODS = ("fp32", "onebit", "onebit_serial", "int8", "wire1bit")
@@ -69,18 +73,8 @@ def fmt_size(numel: int) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _read_counter(iface: str, name: str) -> int:
-    """This node's link counter; the worker runs inside its namespace, so sysfs shows its own veth."""
-    with open(f"/sys/class/net/{iface}/statistics/{name}") as f:
-        return int(f.read())
-
-
 def _make_op(method: str, world: int) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
-    """Return (op(x) -> mean, bytes_counter(), description) for ``method``.
-
-    The compressed allreduce is imported lazily so the fp32 path runs even before
-    ``lightning_onebit.comm`` exists.
-    """
+    """Return (op(x) -> mean, bytes_counter(), description) for ``method``."""
     import torch
     import torch.distributed as dist
 
@@ -139,8 +133,9 @@ def _wire1bit_op(world: int) -> tuple[Callable[[Any], Any], Callable[[], int], s
     """The two collectives of the 1-bit scheme on d/8 bytes of uint8, without encoding or decoding.
 
     A lower bound for the 1-bit allreduce: what is left of its time is codec (CPU) cost. Same
-    pattern as DESIGN section 4: ``all_to_all_single`` of the chunks, then ``all_gather`` of the
-    server chunks (scales omitted: a few bytes).
+    pattern as the compressed allreduce (``docs/design.md``, "Data flow of one bucket"):
+    ``all_to_all_single`` of the chunks, then ``all_gather`` of the server chunks (scales omitted:
+    a few bytes).
     """
     import torch
     import torch.distributed as dist
@@ -195,14 +190,14 @@ def worker(args: argparse.Namespace) -> None:
             # bytes still sit in its socket buffer / tbf queue (veth counts them only on dequeue), so
             # per-call windows would undercount. The barriers add a few hundred bytes per iteration.
             dist.barrier()
-            tx0, rx0 = _read_counter(iface, "tx_bytes"), _read_counter(iface, "rx_bytes")
+            tx0, rx0 = read_link_counter(iface, "tx_bytes"), read_link_counter(iface, "rx_bytes")
             for _ in range(args.iters):
                 dist.barrier()  # start together
                 t0 = time.perf_counter()
                 op(x)
                 times.append(time.perf_counter() - t0)
             dist.barrier()
-            tx, rx = _read_counter(iface, "tx_bytes") - tx0, _read_counter(iface, "rx_bytes") - rx0
+            tx, rx = read_link_counter(iface, "tx_bytes") - tx0, read_link_counter(iface, "rx_bytes") - rx0
             counted = counter() - counted0
             mine = {"times": times, "tx": tx, "rx": rx, "counted": counted, "rel_err": rel_err}
             everyone: list[Any] = [None] * world
@@ -219,7 +214,7 @@ def worker(args: argparse.Namespace) -> None:
                     "counted_per_call": statistics.mean(r["counted"] for r in everyone) / args.iters,
                     "rel_err": max(r["rel_err"] for r in everyone),
                 }
-                print(RESULT_TAG + json.dumps(row), flush=True)
+                emit_tagged(RESULT_TAG, row)
             del op
         del x, exact
     dist.barrier()
@@ -229,15 +224,6 @@ def worker(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------------------------------------
 # driver side (root namespace, as root)
 # ---------------------------------------------------------------------------------------------------------
-
-
-def compressed_available() -> str | None:
-    """None if ``lightning_onebit.comm.CompressedAllreduce`` imports, else the reason it does not."""
-    try:
-        from lightning_onebit.comm import CompressedAllreduce  # noqa: F401
-    except Exception as e:  # ImportError, or a half-written module under construction
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def estimate_timeout(
@@ -279,8 +265,7 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
                                        timeout=timeout)
                 port += 1
                 total_tx = sum(cluster.tx_bytes(k) - tx0[k] for k in range(nodes))
-                got = [json.loads(line[len(RESULT_TAG):]) for line in results[0].stdout.splitlines()
-                       if line.startswith(RESULT_TAG)]
+                got = parse_tagged(results[0].stdout, RESULT_TAG)
                 rows.extend(got)
                 print(f"[{nodes} nodes, {rate}] {len(got)} results in {time.monotonic() - t0:.0f} s, "
                       f"{total_tx / 1e6:.0f} MB sent on all links", file=sys.stderr, flush=True)
@@ -343,43 +328,11 @@ def tables(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def machine() -> str:
-    """One line that says where the numbers come from."""
-    cpu = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
-
-    return (f"{platform.node()}, {cpu}, {os.cpu_count()} cores, Linux {platform.release()}, "
-            f"Python {platform.python_version()}, torch {torch.__version__}")
-
-
-def append_results(path: Path, text: str, argv: Sequence[str], load: str = "") -> None:
-    """Append a dated section with command line, machine and load, so runs stay comparable later.
-
-    The load average matters: on a 2-core box another CPU-bound job inflates codec times
-    (CPU-bound) far more than fp32 times (link-bound), which skews the ratios.
-    """
-    stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    cmd = "python benchmarks/collectives.py " + shlex.join(argv)
-    section = (f"\n## Collectives, emulated links ({stamp})\n\n`{cmd}`\n\nMachine: {machine()}{load}\n\n"
-               "Each node is a network namespace behind a tc-tbf shaped veth (both directions); one torchrun "
-               "per node, gloo, 1 thread per process. Times: median over iterations of the slowest rank, "
-               "after warm-up. Link bytes: tx counter of each node's veth (frames incl. TCP/IP headers and "
-               "ACKs, and a barrier per call), per call, averaged over ranks. Counted bytes: "
-               "`CompressedAllreduce.bytes_sent` (fp32: ring formula 2(n-1)/n*4d). "
-               "Compare ratios, not absolute times.\n\n"
-               f"{text}\n")
-    new = not path.exists()
-    with path.open("a") as f:
-        if new:
-            f.write("# Benchmark results\n")
-        f.write(section)
+SETUP = ("Each node is a network namespace behind a tc-tbf shaped veth (both directions); one torchrun per "
+         "node, gloo, 1 thread per process. Times: median over iterations of the slowest rank, after warm-up. "
+         "Link bytes: tx counter of each node's veth (frames incl. TCP/IP headers and ACKs, and a barrier per "
+         "call), per call, averaged over ranks. Counted bytes: `CompressedAllreduce.bytes_sent` (fp32: ring "
+         "formula 2(n-1)/n*4d). Compare ratios, not absolute times.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -387,7 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true",
-                    help=f"small grid, ~2 min: {QUICK} (explicit flags still override)")
+                    help=f"smaller grid: {QUICK} (explicit flags still override)")
     ap.add_argument("--nodes", type=int, nargs="+", help=f"default {FULL['nodes']}")
     ap.add_argument("--rates", nargs="+", help=f"tc rates, default {FULL['rates']}")
     ap.add_argument("--sizes", nargs="+", help=f"fp32 elements (k/M/G decimal), default {FULL['sizes']}")
@@ -395,10 +348,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, help="timed iterations (median reported)")
     ap.add_argument("--warmup", type=int, help="untimed iterations first (>= 1; numba compiles here)")
     ap.add_argument("--timeout", type=float, help="seconds per torchrun (default: estimated)")
-    ap.add_argument("--append", nargs="?", const=str(HERE / "RESULTS.md"), metavar="PATH",
-                    help="append the tables to PATH (default benchmarks/RESULTS.md)")
     ap.add_argument("--json", metavar="PATH", help="also write the raw rows as JSON")
     ap.add_argument("--keep-going", action="store_true", help="continue after a failed torchrun")
+    add_out_argument(ap)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rate", help=argparse.SUPPRESS)
     ap.add_argument("--pg-timeout", type=int, default=600, help=argparse.SUPPRESS)
@@ -408,34 +360,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, name) is None:
             setattr(args, name, preset[name])
     args.warmup = max(1, args.warmup)
+    args.methods = args.methods or list(METHODS)
     if args.worker:
-        args.methods = args.methods or list(METHODS)
         worker(args)
         return 0
 
-    if os.geteuid() != 0:
-        print("needs root (network namespaces, tc)", file=sys.stderr)
+    if not require_root():
         return 2
-    if args.methods is None:
-        args.methods = list(METHODS)
-        reason = compressed_available()
-        if reason:
-            print(f"compressed allreduce unavailable ({reason}); skipping {COMPRESSED}", file=sys.stderr)
-            args.methods = [m for m in METHODS if m not in COMPRESSED]
-    elif any(m in COMPRESSED for m in args.methods) and (reason := compressed_available()):
-        print(f"compressed allreduce unavailable: {reason}", file=sys.stderr)
-        return 2
-    load0 = os.getloadavg()[0]
+    load0 = os.getloadavg()
     rows = run_grid(args)
-    load = f"; load average (1 min) {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end"
-    print(load.lstrip("; "), file=sys.stderr)
+    load = load_text(load0, os.getloadavg())
+    print(load, file=sys.stderr)
     text = tables(rows)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    if args.append:
-        append_results(Path(args.append), text, argv, load)
-        print(f"appended to {args.append}", file=sys.stderr)
+    if args.out:
+        write_out(args.out, "# Collectives, emulated links\n\n"
+                  + header("collectives.py", argv, f"{load}\n\n{SETUP}") + text + "\n")
     return 0
 
 

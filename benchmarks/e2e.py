@@ -1,7 +1,7 @@
 """End-to-end training speed on emulated slow links: DDP, PyTorch comm hooks and the compressed strategies.
 
-Issue 7. Every emulated node is a network namespace behind a ``tc tbf``-shaped veth
-(``benchmarks/netns_cluster.py``, DESIGN.md section 8); one ``torchrun`` per namespace runs a Lightning
+Every emulated node is a network namespace behind a ``tc tbf``-shaped veth (``benchmarks/netns_cluster.py``;
+``docs/design.md``, "Emulated cluster benchmarks"); one ``torchrun`` per namespace runs a Lightning
 ``Trainer(accelerator="cpu", devices=1, num_nodes=N)`` (torchrun's environment makes Lightning pick
 ``TorchElasticEnvironment``). For each (nodes, rate, workload) *one* torchrun measures every method in turn,
 each with a fresh model (same seed, same data), so the methods share the machine's conditions.
@@ -12,8 +12,8 @@ and the strategies ``onebit_adam``, ``onebit_lamb``, ``qadam``, ``cd_adam`` (``C
 compressed strategies convert it). PowerSGD gets ``start_powerSGD_iter=W`` so that it has the same warm-up.
 Hooks are registered on CPU by a small ``DDPStrategy`` subclass (Lightning does so only on CUDA); the bf16 hook
 is registered under another name (DDP refuses the name without NCCL) and PowerSGD with one bucket in flight at
-a time (it deadlocks gloo's two worker threads otherwise); all three live in ``recipes/baselines.py``, which the
-recipes' ``ddp_fp16``/``ddp_bf16``/``powersgd_r*`` algorithms use too.
+a time (it deadlocks gloo's two worker threads otherwise). That strategy (``hook_strategy``, imported in
+``make_strategy``) is the one the recipes' ``ddp_fp16``/``ddp_bf16``/``powersgd_r*`` algorithms use too.
 
 Measured per method: wall time of every training step (a callback; the interval between consecutive
 ``on_train_batch_end`` calls, so data fetch and Lightning's loop are included), the slowest rank per step,
@@ -23,16 +23,20 @@ compressing (``W`` for the others; ``cd_adam`` compresses from step 0, and the h
 them both phases measure the same thing). Bytes on the link: each node's veth tx counter (frames incl.
 TCP/IP headers, read from sysfs inside the node's namespace) diffed over the same windows, per step and rank.
 
-The ideal for a setting (issue 7): the compute time of one worker alone + the fp32 communication time / 32.
+The ideal for a setting: the compute time of one worker alone + the fp32 communication time / 32.
 Compute alone = the same model and batch under ``Trainer(devices=1)`` with AdamW and no DDP, measured with N
-such processes running at the same time (the emulated nodes share the box's 2 cores, so that is the compute a
+such processes running at the same time (the emulated nodes share the machine's cores, so that is the compute a
 worker gets in the cluster run too). fp32 communication time = a measured gloo ``all_reduce`` of all the
 model's parameters as one fp32 tensor, on the same link.
 
+The targets it checks (``target_check``), on the communication-bound MLP, 2 nodes, 1 Gbit/s, compression
+phase of ``onebit_adam``: at least 5x faster than DDP + AdamW, within 1.3x of the ideal, faster than each
+PyTorch hook.
+
 Usage (as root)::
 
-    python benchmarks/e2e.py --quick                          # 2 nodes, 1gbit, the MLP: a few minutes
-    python benchmarks/e2e.py --append                         # full grid, appended to RESULTS.md + PNG
+    python benchmarks/e2e.py --quick                          # 2 nodes, 1gbit, the MLP only
+    python benchmarks/e2e.py --out e2e.md --chart e2e.png     # full grid: tables to e2e.md, bar chart
     python benchmarks/e2e.py --quick --methods ddp_adamw onebit_adam --profile onebit_adam
 
 The same file is the worker (``--worker`` under torchrun, ``--local`` for the compute-alone runs).
@@ -44,7 +48,6 @@ import argparse
 import datetime
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
@@ -54,12 +57,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-for _p in (HERE.parent, HERE):  # netns_cluster, and the repository's `recipes` (run from the repository, not
-    if str(_p) not in sys.path:  # installed); works as a script, as the torchrun worker and imported
-        sys.path.insert(0, str(_p))
-
-from netns_cluster import (  # noqa: E402
+from _common import (
+    add_out_argument,
+    emit_tagged,
+    header,
+    load_text,
+    parse_tagged,
+    read_link_counter,
+    repo_on_path,
+    require_root,
+    write_out,
+)
+from netns_cluster import (
     EmulatedCluster,
     cleanup_stale,
     node_env,
@@ -67,6 +76,8 @@ from netns_cluster import (  # noqa: E402
     report_failures,
     run_torchrun,
 )
+
+repo_on_path()  # the repository's `recipes` (hook baselines), when run from a checkout
 
 RESULT_TAG = "LOBE2E "
 PROFILE_TAG = "LOBPROF "
@@ -193,13 +204,6 @@ def model_numel(workload: str) -> int:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _read_counter(iface: str | None, name: str) -> int:
-    if iface is None:
-        return 0
-    with open(f"/sys/class/net/{iface}/statistics/{name}") as f:
-        return int(f.read())
-
-
 def _step_timer(iface: str | None, profile_window: tuple[int, int] | None = None) -> Any:
     """A callback that records, per training step: end time, link counters, loss, compression state."""
     import lightning as L
@@ -218,7 +222,7 @@ def _step_timer(iface: str | None, profile_window: tuple[int, int] | None = None
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.t_start = time.perf_counter()
-            self.tx0, self.rx0 = _read_counter(iface, "tx_bytes"), _read_counter(iface, "rx_bytes")
+            self.tx0, self.rx0 = read_link_counter(iface, "tx_bytes"), read_link_counter(iface, "rx_bytes")
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if profile_window is not None and batch_idx == profile_window[0]:
@@ -231,8 +235,8 @@ def _step_timer(iface: str | None, profile_window: tuple[int, int] | None = None
                 self.profile_text = self.profiler.stop(profile_window[1] - profile_window[0])  # type: ignore
                 self.profiler = None
             self.ends.append(time.perf_counter())
-            self.tx.append(_read_counter(iface, "tx_bytes"))
-            self.rx.append(_read_counter(iface, "rx_bytes"))
+            self.tx.append(read_link_counter(iface, "tx_bytes"))
+            self.rx.append(read_link_counter(iface, "rx_bytes"))
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             self.loss.append(float(loss))
             opt = trainer.strategy.optimizers[0]
@@ -425,8 +429,6 @@ def run_method(method: str, args: argparse.Namespace, rank: int, world: int, ifa
 
 def worker(args: argparse.Namespace) -> None:
     """Under torchrun in a namespace: the fp32 allreduce reference, then every method in turn."""
-    import datetime as dt
-
     import torch
     import torch.distributed as dist
 
@@ -435,23 +437,23 @@ def worker(args: argparse.Namespace) -> None:
     _quiet()
     import lightning_onebit  # noqa: F401 - registers the strategies
 
-    dist.init_process_group("gloo", timeout=dt.timedelta(seconds=args.pg_timeout))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     iface = os.environ["GLOO_SOCKET_IFNAME"]
     numel = model_numel(args.workload)
     t_fp32 = measure_fp32_allreduce(numel)
     if rank == 0:
-        print(RESULT_TAG + json.dumps({"kind": "fp32_allreduce", "nodes": world, "rate": args.rate,
-                                       "workload": args.workload, "numel": numel, "seconds": t_fp32}), flush=True)
+        emit_tagged(RESULT_TAG, {"kind": "fp32_allreduce", "nodes": world, "rate": args.rate,
+                                 "workload": args.workload, "numel": numel, "seconds": t_fp32})
     for method in args.methods:
         row = run_method(method, args, rank, world, iface)
         if row is not None:
-            print(RESULT_TAG + json.dumps(row), flush=True)
+            emit_tagged(RESULT_TAG, row)
     if args.profile:
         for method in args.profile:
             row = run_method(method, args, rank, world, iface, profile=True)
             if row is not None:
-                print(PROFILE_TAG + json.dumps(row), flush=True)
+                emit_tagged(PROFILE_TAG, row)
     dist.barrier()
 
 
@@ -467,17 +469,13 @@ def local_worker(args: argparse.Namespace) -> None:
     trainer = _trainer("auto", S, [timer])
     trainer.fit(build_module(args.workload, args.lr), train_dataloaders=make_loader(args.workload, S, 0))
     times = timer.step_times()
-    print(RESULT_TAG + json.dumps({"kind": "compute_alone", "workload": args.workload,
-                                   "median_s": statistics.median(times[skip:]), "times": times}), flush=True)
+    emit_tagged(RESULT_TAG, {"kind": "compute_alone", "workload": args.workload,
+                             "median_s": statistics.median(times[skip:]), "times": times})
 
 
 # ---------------------------------------------------------------------------------------------------------
 # driver side (root namespace, as root)
 # ---------------------------------------------------------------------------------------------------------
-
-
-def _tagged(text: str, tag: str = RESULT_TAG) -> list[dict[str, Any]]:
-    return [json.loads(line[len(tag):]) for line in text.splitlines() if line.startswith(tag)]
 
 
 def _worker_args(args: argparse.Namespace, workload: str) -> list[str]:
@@ -506,7 +504,7 @@ def run_compute_alone(cluster: EmulatedCluster, args: argparse.Namespace, worklo
         f.seek(0)
         text = f.read().decode(errors="replace")
         f.close()
-        got = _tagged(text)
+        got = parse_tagged(text, RESULT_TAG)
         if p.returncode != 0 or not got:
             raise SystemExit(f"compute-alone run failed on node {k} (rc={p.returncode}):\n{text[-4000:]}")
         rows.extend(got)
@@ -555,7 +553,7 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
                     results = run_torchrun(cluster, str(Path(__file__).resolve()), wargs, master_port=port,
                                            timeout=timeout)
                     port += 1
-                    got = _tagged(results[0].stdout)
+                    got = parse_tagged(results[0].stdout, RESULT_TAG)
                     for r in got:
                         if r.get("kind") == "fp32_allreduce":
                             r["compute_alone_s"] = alone[workload]["median_s"]
@@ -564,7 +562,7 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
                             rows.append(r)
                             print(f"  {r['method']:<12} phase1 {_fmt_s(r['warmup_median_s'])} s  "
                                   f"phase2 {_fmt_s(r['compress_median_s'])} s", file=sys.stderr, flush=True)
-                    for p in _tagged(results[0].stdout, PROFILE_TAG):
+                    for p in parse_tagged(results[0].stdout, PROFILE_TAG):
                         profiles.append(f"### profile: {p['method']}, {args.profile_phase} phase, {nodes} nodes, "
                                         f"{rate}, {workload}, rank 0\n\n"
                                         f"```\n{p['profile']}```\n")
@@ -633,7 +631,7 @@ def tables(rows: list[dict[str, Any]], refs: list[dict[str, Any]]) -> str:
 
 
 def target_check(rows: list[dict[str, Any]], refs: list[dict[str, Any]]) -> str:
-    """Issue 7's targets on the communication-bound model, 2 nodes, 1 Gbit/s."""
+    """The targets (see the module docstring) on the communication-bound model, 2 nodes, 1 Gbit/s."""
     sub = {r["method"]: r for r in rows if (r["workload"], r["nodes"], r["rate"]) == ("mlp", 2, "1gbit")}
     ob = sub.get("onebit_adam")
     if not ob or not ob["compress_median_s"]:
@@ -697,22 +695,11 @@ def chart(rows: list[dict[str, Any]], refs: list[dict[str, Any]], path: Path) ->
     plt.close(fig)
 
 
-def append_results(path: Path, text: str, argv: Sequence[str], load: str, chart_path: Path | None,
-                   args: argparse.Namespace, profiles: list[str]) -> None:
-    from collectives import machine
-
-    stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    cmd = "python benchmarks/e2e.py " + shlex.join(argv)
+def setup_text(args: argparse.Namespace, chart_path: Path | None) -> str:
+    """What was run and how it was measured: the paragraph that heads an ``--out`` file."""
     S = args.warmup + args.skip + args.compress_steps
     wl = "\n".join(f"- `{w}`: {WORKLOAD_DESC[w]}" for w in args.workloads)
-    img = ""
-    if chart_path:
-        try:
-            img = f"\n\nChart: `{chart_path.relative_to(HERE.parent)}`"
-        except ValueError:
-            img = f"\n\nChart: `{chart_path}`"
-    section = (
-        f"\n## End-to-end training, emulated links ({stamp})\n\n`{cmd}`\n\nMachine: {machine()}{load}\n\n"
+    return (
         f"Workloads:\n{wl}\n\n"
         f"One torchrun per node (network namespace behind a tc-tbf shaped veth), Lightning Trainer(accelerator="
         f"'cpu', devices=1, num_nodes=N), gloo, 1 thread per process, all methods in the same torchrun one "
@@ -722,13 +709,10 @@ def append_results(path: Path, text: str, argv: Sequence[str], load: str, chart_
         "on_train_batch_end calls, slowest rank per step. Phase 1 = steps before the switch (for the fp16/bf16 "
         "hooks and cd_adam, which have one regime, both phases measure the same thing). Link MB = veth tx "
         "counter per step and rank (incl. TCP/IP headers). Ideal = compute alone (same model, Trainer(devices=1),"
-        " AdamW, N such processes at once since the nodes share 2 cores) + measured fp32 all_reduce of all "
-        "parameters / 32. Loss: mean over ranks, first step -> mean of the last 3 steps (a sanity check only: "
-        f"{S} steps say nothing about final quality).{img}\n\n{text}\n")
-    if profiles:
-        section += "\n" + "\n".join(profiles)
-    with path.open("a") as f:
-        f.write(section)
+        " AdamW, N such processes at once since the nodes share the machine's cores) + measured fp32 all_reduce "
+        "of all parameters / 32. Loss: mean over ranks, first step -> mean of the last 3 steps (a sanity check "
+        f"only: {S} steps say nothing about final quality)."
+        + (f"\n\nChart: `{chart_path}`" if chart_path else ""))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -745,13 +729,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (converted by the strategies)")
     ap.add_argument("--profile", nargs="+", choices=METHODS, metavar="METHOD",
                     help="afterwards, run METHOD again with rank 0 under cProfile + torch.profiler for "
-                         "--profile-steps compression-phase steps; the breakdown is printed (and appended)")
+                         "--profile-steps compression-phase steps; the breakdown is printed (and written to --out)")
     ap.add_argument("--profile-steps", type=int, default=4, help="steps in the profiled window (default 4)")
     ap.add_argument("--profile-phase", choices=("compress", "warmup"), default="compress",
                     help="profile the first steps after the switch (+ skip) or after the start (+ skip)")
-    ap.add_argument("--append", nargs="?", const=str(HERE / "RESULTS.md"), metavar="PATH",
-                    help="append the tables to PATH (default benchmarks/RESULTS.md)")
-    ap.add_argument("--chart", metavar="PNG", help="bar chart path (default benchmarks/e2e[_quick].png)")
+    add_out_argument(ap)
+    ap.add_argument("--chart", metavar="PNG", help="also draw a bar chart of the step times to PNG")
     ap.add_argument("--json", metavar="PATH", help="also write the raw rows as JSON")
     ap.add_argument("--timeout", type=float, help="seconds per torchrun (default: estimated)")
     ap.add_argument("--timeout-local", type=float, default=600.0, help=argparse.SUPPRESS)
@@ -776,32 +759,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         local_worker(args)
         return 0
 
-    if os.geteuid() != 0:
-        print("needs root (network namespaces, tc)", file=sys.stderr)
+    if not require_root():
         return 2
     load0 = os.getloadavg()
     t0 = time.monotonic()
     rows, refs, profiles = run_grid(args)
-    load1 = os.getloadavg()
-    load = (f"; load average (1/5/15 min) {load0[0]:.2f}/{load0[1]:.2f}/{load0[2]:.2f} at start, "
-            f"{load1[0]:.2f}/{load1[1]:.2f}/{load1[2]:.2f} at end; {time.monotonic() - t0:.0f} s")
-    print(load.lstrip("; "), file=sys.stderr)
+    load = f"{load_text(load0, os.getloadavg())}; {time.monotonic() - t0:.0f} s"
+    print(load, file=sys.stderr)
     text = tables(rows, refs)
     print(text)
     for p in profiles:
         print(p)
-    chart_path = Path(args.chart) if args.chart else HERE / ("e2e_quick.png" if args.quick else "e2e.png")
-    if rows:
+    chart_path = Path(args.chart) if args.chart and rows else None
+    if chart_path:
         chart(rows, refs, chart_path)
         print(f"chart: {chart_path}", file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "refs": refs, "profiles": profiles}, indent=1))
-    if args.append:
-        append_results(Path(args.append), text, argv, load, chart_path.resolve() if rows else None, args,
-                       profiles)
-        print(f"appended to {args.append}", file=sys.stderr)
+    if args.out:
+        head = header("e2e.py", argv, f"{load}\n\n{setup_text(args, chart_path)}")
+        write_out(args.out, "# End-to-end training, emulated links\n\n" + head + text + "\n"
+                  + "".join("\n" + p for p in profiles))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
