@@ -1,15 +1,21 @@
-"""Which SignCodec block size should OnebitAdam default to? (issue 4)
+"""Which SignCodec block size should OnebitAdam default to, and where should eps go?
 
-Two measurements, single process (world size 1: both compression stages still run):
+Two measurements, single process (world size 1: both compression stages still run), for block sizes
+None (the default: no blocks) and 4096 .. 64, with eps inside and outside the square root:
 1. the Tarasov-Ershov quadratic sum_k a_k x_k^2, a_k = logspace(-10, 0, d): loss after the
    switch relative to the loss at the switch (jump) and at the end;
 2. an MLP on scikit-learn's digits: final training loss after warm-up + compression.
-Prints a markdown table. ``python benchmarks/block_size_study.py``
+Prints a markdown table. ``python benchmarks/block_size_study.py [--out PATH]``
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
+from collections.abc import Sequence
+
 import torch
+from _common import add_out_argument, header, tee_stdout
 from sklearn.datasets import load_digits
 from torch import nn
 
@@ -57,7 +63,16 @@ def digits(block_size, eps_inside_sqrt, epochs=15):
         return nn.functional.cross_entropy(net(X), y).item()
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_out_argument(ap)
+    args = ap.parse_args(argv)
+    with tee_stdout(args.out, header("block_size_study.py", argv)):
+        study()
+
+
+def study() -> None:
     print("| block_size | eps_inside_sqrt | quadratic: max loss after switch / at switch | quadratic: final loss "
           "| digits MLP: final train loss |")
     print("|---|---|---|---|---|")

@@ -3,7 +3,7 @@
 GB/s counts the bytes an op must move at the least: for encode-with-error-feedback, read
 input and error, write error and codes; for the server step (n workers), read the n
 workers' codes and the server error, write error and codes. Copy bandwidth is a large
-``clone`` (read + write) on the same device. Run: ``python benchmarks/codecs.py``.
+``clone`` (read + write) on the same device. Run: ``python benchmarks/codecs.py [--out PATH]``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ import datetime
 import functools
 import platform
 import statistics
+import sys
 import time
+from collections.abc import Sequence
 
 import torch
+from _common import add_out_argument, header, tee_stdout
 
 from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
 
@@ -37,14 +40,21 @@ def _time(fn, device: torch.device, reps: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--sizes", default="1M,16M,128M")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--workers", type=int, default=4, help="rows the server step averages")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--block-size", type=int, default=None)
-    args = ap.parse_args()
+    add_out_argument(ap)
+    args = ap.parse_args(argv)
+    with tee_stdout(args.out, header("codecs.py", argv)):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     backends = ["torch", "cuda"] if device.type == "cuda" else ["torch", "numba"]
     sizes = [int(s[:-1]) * 2**20 if s.endswith("M") else int(s) for s in args.sizes.split(",")]

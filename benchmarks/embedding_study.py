@@ -11,10 +11,10 @@ were never seen during the warm-up. Tokens 56..63 never appear. Reported per alg
 * unused-row drift: max |change| of the never-used rows over the whole run (AdamW: 0 without
   weight decay, which is off here).
 
-``OnebitAdam (masked forever)`` is the behaviour before masked coordinates could start to train
-(their flag is switched off), for comparison.
+``OnebitAdam (masked forever)`` switches off the agreement that lets a coordinate masked at the
+switch (zero variance) start to train when a gradient reaches it, for comparison.
 
-    python benchmarks/embedding_study.py
+    python benchmarks/embedding_study.py [--out PATH]
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import argparse
 import datetime
 import platform
 import sys
-from pathlib import Path
+from collections.abc import Sequence
 
 import torch
+from _common import add_out_argument, header, repo_on_path, tee_stdout
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+repo_on_path()
 from lightning_onebit import CDAdam, OnebitAdam  # noqa: E402
 from recipes.lm import MarkovSource, TinyLM  # noqa: E402
 
@@ -80,11 +80,18 @@ def run(name: str, make, steps: int, warmup: int) -> dict[str, float]:
             "unused-row drift": float((w[UNUSED.start:] - start[UNUSED.start:]).abs().max())}
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--warmup", type=int, default=60)
-    args = ap.parse_args()
+    add_out_argument(ap)
+    args = ap.parse_args(argv)
+    with tee_stdout(args.out, header("embedding_study.py", argv)):
+        study(args)
+
+
+def study(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     w, lr = args.warmup, 3e-3
 

@@ -1,7 +1,8 @@
 """One-command GPU smoke test of the CUDA path: run it first on any machine with a GPU.
 
-    python benchmarks/gpu_smoke.py                  # full: sizes up to 2^24 + 1000, timings, profiler trace
+    python benchmarks/gpu_smoke.py                  # full: sizes up to 2^24 + 1000, timings, profile
     python benchmarks/gpu_smoke.py --quick          # sizes up to 2^20 + 3, fewer timings
+    python benchmarks/gpu_smoke.py --out gpu_smoke.md --trace trace.json   # also keep the output, the trace
     NUMBA_ENABLE_CUDASIM=1 python benchmarks/gpu_smoke.py --cudasim   # the checks on CPU, under numba's
                                                                       # simulator (tiny sizes; CI runs it)
 
@@ -19,7 +20,7 @@ Checks, each a row of the table it prints:
 * ``SimulatedCluster`` on CUDA tensors with 1 and 3 pieces gives the same result;
 * resume: a compression-phase ``OnebitAdam`` state saved and loaded on the GPU continues bit for bit;
 * throughput: encode + error feedback and decode against the device copy bandwidth, 1M-128M;
-* a ``torch.profiler`` trace of one 8-worker 25M simulated call (``--trace``, chrome format).
+* a ``torch.profiler`` profile of one 8-worker 25M simulated call (with ``--trace PATH``, its chrome trace).
 
 Exits 1 if any parity, ordering, cluster or resume check fails, 2 if there is no GPU (and no
 ``--cudasim``).
@@ -37,10 +38,9 @@ import warnings
 from pathlib import Path
 
 import torch
+from _common import add_out_argument, header, repo_on_path, tee_stdout
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
+repo_on_path()
 from lightning_onebit import OnebitAdam  # noqa: E402
 from lightning_onebit.comm import SimulatedCluster  # noqa: E402
 from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec  # noqa: E402
@@ -218,7 +218,7 @@ def check_throughput(device: torch.device, sizes: list[int]) -> None:
             f"({enc_bw / bw:.0%} of copy); decode {dec_s * 1e3:.2f} ms ({dec_bw / bw:.0%} of copy)")
 
 
-def write_trace(device: torch.device, path: Path) -> None:
+def profile_call(device: torch.device, path: Path | None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     n = 25 * 1024 * 1024 // 4
@@ -229,10 +229,11 @@ def write_trace(device: torch.device, path: Path) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         sim.allreduce(inputs)
         torch.cuda.synchronize()
-    prof.export_chrome_trace(str(path))
+    if path is not None:
+        prof.export_chrome_trace(str(path))
     top = prof.key_averages().table(sort_by="cuda_time_total", row_limit=8)
     print(top)
-    row("profiler trace", None, f"8 workers x 25 MB, 3 pieces -> {path}")
+    row("profile of one call", None, "8 workers x 25 MB, 3 pieces" + (f" -> {path}" if path is not None else ""))
 
 
 def environment(device: torch.device) -> None:
@@ -254,14 +255,16 @@ def environment(device: torch.device) -> None:
     row("environment", why is None, desc)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="sizes up to 2^20 + 3, two timing sizes")
     ap.add_argument("--cudasim", action="store_true", help="run the checks on CPU under numba's CUDA simulator")
     ap.add_argument("--sizes", type=int, nargs="+", help="parity sizes (default 0 .. 2^24+1000)")
-    ap.add_argument("--trace", type=Path, default=Path(os.environ.get("OUT", ".")) / "gpu_smoke_trace.json",
-                    help="chrome trace of one 8-worker 25M call (default: $OUT or ./gpu_smoke_trace.json)")
-    args = ap.parse_args()
+    ap.add_argument("--trace", type=Path, metavar="PATH",
+                    help="write the chrome trace of one 8-worker 25M call to PATH (default: not written)")
+    add_out_argument(ap)
+    args = ap.parse_args(argv)
     if args.cudasim:
         if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
             ap.error("--cudasim needs NUMBA_ENABLE_CUDASIM=1 in the environment (set before numba is imported)")
@@ -274,6 +277,13 @@ def main() -> int:
         device = torch.device("cuda", torch.cuda.current_device())
         sizes = [0, 1, 7, 8, 1000, 4097, (1 << 20) + 3] + ([] if args.quick else [(1 << 24) + 1000])
     sizes = args.sizes if args.sizes is not None else sizes
+    with tee_stdout(args.out, header("gpu_smoke.py", argv)):
+        run_checks(device, sizes, args)
+    return 1 if FAILED else 0
+
+
+def run_checks(device: torch.device, sizes: list[int], args: argparse.Namespace) -> None:
+    """Every check of the module docstring that ``device`` allows, then the table of their rows."""
     t0 = time.time()
     environment(device)
     check_parity(device, sizes)
@@ -284,13 +294,11 @@ def main() -> int:
     check_resume(device)
     if device.type == "cuda":
         check_throughput(device, [1 << 20, 1 << 26] if args.quick else [1 << 20, 1 << 24, 1 << 26, 1 << 27])
-        write_trace(device, args.trace)
+        profile_call(device, args.trace)
     print("\n| check | status | detail |\n|---|---|---|")
     for check, status, detail in ROWS:
         print(f"| {check} | {status} | {detail} |")
     print(f"\n{len(FAILED)} failed check(s) in {time.time() - t0:.0f} s" + (f": {', '.join(FAILED)}" if FAILED else ""))
-    return 1 if FAILED else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,10 +3,11 @@
 Every parameter tensor of a bucket gets its own scale in each rank's chunk (both stages), and every
 row carries as many scales as the busiest chunk needs. This prints, for each model and world size,
 the bytes one rank sends per compressed step (1-bit, 25 MB buckets, the optimizer's own bucketing)
-with per-tensor scales and with one scale per chunk (the layout before), and the difference.
-Nothing is trained: the numbers follow from the shapes (``bytes_per_call``).
+with per-tensor scales and with one scale per chunk (a rank's chunk of a bucket shares one scale
+across all its tensors), and the difference. Nothing is trained: the numbers follow from the shapes
+(``bytes_per_call``).
 
-    python benchmarks/scale_overhead.py
+    python benchmarks/scale_overhead.py [--out PATH]
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Sequence
 
 import torch
+from _common import add_out_argument, header, repo_on_path, tee_stdout
 from torch import nn
 
 from lightning_onebit import OnebitAdam
@@ -36,10 +39,7 @@ def _transformer(d: int, layers: int, ff: int, vocab: int) -> nn.Module:
 
 
 def _resnet18() -> nn.Module:
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    repo_on_path()
     from recipes.vision import resnet18_cifar
 
     return resnet18_cifar()
@@ -66,10 +66,17 @@ def step_bytes(model: nn.Module, world: int, per_tensor: bool) -> tuple[int, int
     return total, fp32, len(buckets), tensors
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--worlds", default="2,8,64")
-    args = ap.parse_args()
+    add_out_argument(ap)
+    args = ap.parse_args(argv)
+    with tee_stdout(args.out, header("scale_overhead.py", argv)):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     worlds = [int(w) for w in args.worlds.split(",")]
     print(f"# per-tensor scale overhead, {datetime.date.today()}, {platform.node()}, torch {torch.__version__}")
     print("| model | tensors | buckets | ranks | one scale per chunk B/step | per-tensor scales B/step | "
