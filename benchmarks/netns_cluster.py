@@ -1,9 +1,9 @@
 """Emulated multi-node cluster on one Linux box: network namespaces, a bridge and shaped veth links.
 
-Why this exists: the machines this project runs on have no real network between nodes, yet the whole
-point of 1-bit / 8-bit compressed allreduce is to save time on a slow link. DESIGN.md section 8 says how
-to get such a link on one box as root; this module is the reusable implementation (used by
-``benchmarks/collectives.py`` and, later, by the end-to-end training benchmark).
+Why this exists: the whole point of 1-bit / 8-bit compressed allreduce is to save time on a slow link,
+and a single machine has no such link between its processes. As root, one can be built on one box
+(``docs/design.md``, "Emulated cluster benchmarks"); this module is that construction, used by
+``benchmarks/collectives.py`` and ``benchmarks/e2e.py``.
 
 Topology, created fresh per cluster and deleted afterwards::
 
@@ -436,8 +436,8 @@ def report_failures(results: Sequence[NodeResult], what: str, *, keep_going: boo
 def node_env(cluster: EmulatedCluster, k: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """Environment for a process on node ``k``: gloo bound to the node's veth, one thread per process.
 
-    One thread because the benchmark machines have 2 cores shared by all emulated nodes; more threads
-    would only add contention noise to the timings.
+    One thread because all emulated nodes share the machine's few cores; more threads would only add
+    contention noise to the timings.
     """
     env = dict(os.environ)
     env.update(
