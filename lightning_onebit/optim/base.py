@@ -1,14 +1,9 @@
-"""Machinery shared by the compressed optimizers: fixed buckets, flat state, phases.
+"""The algorithm base of the compressed optimizers: phases, the synchronisation of a bucket, the
+step, checkpoints. Every compressed optimizer here works the same way (docs/design.md, "Data
+flow of one bucket"):
 
-Every compressed optimizer here works the same way (see docs/design.md):
-
-* Parameters are grouped into **buckets** of fixed composition (reverse parameter order,
-  the order backward produces gradients, capped at ``bucket_cap_mb``, never spanning two
-  param groups, two devices, or DDP-managed and unmanaged parameters). A bucket's optimizer
-  state lives in flat fp32 buffers and ``self.state[p]`` holds views into them, so state is
-  keyed per parameter (it survives DDP's own bucket rebuilds and reloads) while each bucket
-  is communicated with one pair of collectives and updated with a few flat ops. The
-  collective gives every parameter tensor of a bucket scales of its own.
+* Parameters live in fixed **buckets** with flat fp32 state (:mod:`.buckets`); the collective
+  gives every parameter tensor of a bucket scales of its own.
 * **Warm-up** (``step <= warmup_steps`` and no external switch): the gradient is averaged
   in full precision (by DDP's allreduce when a DDP model is attached, else by ``step()``
   itself) and the warm-up rule (AdamW, LAMB) runs, with per-parameter step counts as
@@ -16,8 +11,8 @@ Every compressed optimizer here works the same way (see docs/design.md):
 * **Compression**: per bucket, the subclass forms the local payload (momentum or gradient),
   a :class:`~lightning_onebit.comm.CompressedAllreduce` synchronises it and the subclass
   absorbs the result into its state. With DDP this happens in the communication hook
-  during backward; otherwise in ``step()``, so the algorithm, compression error included,
-  is the same in one process as in many.
+  during backward (:mod:`.ddp`); otherwise in ``step()``, so the algorithm, compression error
+  included, is the same in one process as in many.
 * ``simulate_workers=n`` runs n workers in one process (``step_workers``): the same
   buckets and kernels through :class:`~lightning_onebit.comm.SimulatedCluster`.
 
@@ -27,7 +22,10 @@ its step count, moments and compression state unchanged. A param group added wit
 it runs its own exact warm-up (as long as the optimizer's was) before it compresses, because
 its variance has not been estimated yet.
 
-The optimizer never calls torch.distributed directly; it goes through the comm layer.
+A subclass describes itself with class attributes (``strategy_name``, ``has_warmup``,
+``comm_mode``, ``flat_state``, ``from_adam``) and defines the codec, the payload, how the
+result is absorbed, and the two update rules. The optimizer never calls torch.distributed
+directly; it goes through the comm layer.
 """
 
 from __future__ import annotations
@@ -51,9 +49,10 @@ from ..comm import (
     mean_allreduce,
     ring_allreduce_bytes,
 )
-from ..comm.dense import mean_allreduce_future
 from ..compress import Codec
 from ..compress.kernels import apply_thread_budget
+from .buckets import Bucket, BucketState, _simulated_mean
+from .ddp import DDPHookPath
 
 log = logging.getLogger(__name__)
 
@@ -74,48 +73,7 @@ class NonFiniteGradientError(ValueError):
     """A gradient contained NaN/inf; every rank skipped the step and no state changed."""
 
 
-class _Bucket:
-    """A fixed group of parameters that is synchronised and updated as one flat vector."""
-
-    def __init__(self, index: int, group_index: int, params: list[torch.Tensor], ids: list[int],
-                 via_ddp: bool) -> None:
-        self.index = index
-        self.group_index = group_index
-        self.params = params
-        self.ids = ids  # positions in the optimizer's flattened parameter list
-        self.numels = [p.numel() for p in params]
-        self.offsets = [0]
-        for n in self.numels[:-1]:
-            self.offsets.append(self.offsets[-1] + n)
-        self.numel = sum(self.numels)
-        dev = params[0].device
-        self.device = dev
-        self.via_ddp = via_ddp  # DDP's comm hook delivers this bucket's gradients
-        self.flat: dict[str, torch.Tensor] = {}
-        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=dev)  # local gradient
-        self._synced: torch.Tensor | None = None
-        self.comm: CompressedAllreduce | SimulatedCluster | None = None
-        self.payload: torch.Tensor | None = None  # reused every step: fresh buffers cost page faults
-        self.cache: dict = {}  # per-bucket values that only change at the switch (see subclasses)
-        self.compressing = False  # this bucket has switched to compressed synchronisation
-        self.switch_step: int | None = None  # a late bucket switches after this optimizer step
-        self.ready = 0  # params whose local gradient is in self.grad (hook path)
-        self.done = False  # compressed sync of this step finished
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # hook path, see ddp_bucket_ready
-
-    @property
-    def synced(self) -> torch.Tensor:
-        """Result buffer of the collective, allocated on first use (optimizers that receive the
-        result straight into their state never pay its memory)."""
-        if self._synced is None:
-            self._synced = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        return self._synced
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[o : o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, self.params, strict=True)]
-
-
-class CompressedOptimizer(Optimizer):
+class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
     """Base class. Subclasses define the flat state, the payload, and the update rules."""
 
     #: names of per-parameter fp32 state kept in flat bucket buffers
@@ -144,9 +102,9 @@ class CompressedOptimizer(Optimizer):
         self._step = 0
         self._compressing = not self.has_warmup
         self._switch_at: int | None = None  # optimizer steps taken when the compression phase began
-        self._buckets: list[_Bucket] = []
+        self._buckets: list[Bucket] = []
         self._nbucketed = 0  # param groups that have buckets
-        self._param_bucket: dict[int, tuple[_Bucket, int]] = {}
+        self._param_bucket: dict[int, tuple[Bucket, int]] = {}
         self._ddp_attached = False
         self._ddp_params: set[int] = set()
         self._ddp_find_unused = False
@@ -191,7 +149,7 @@ class CompressedOptimizer(Optimizer):
             if not b.compressing and b.switch_step is not None and self._step >= b.switch_step:
                 self._switch_bucket(b)
 
-    def _switch_bucket(self, b: _Bucket) -> None:
+    def _switch_bucket(self, b: Bucket) -> None:
         b.compressing = True
         b.cache.clear()
         for p in b.params:
@@ -202,81 +160,17 @@ class CompressedOptimizer(Optimizer):
     def _on_start_compression(self) -> None:
         """Hook for subclasses: called once when the optimizer's compression phase begins."""
 
-    def _on_switch(self, b: _Bucket) -> None:
+    def _on_switch(self, b: Bucket) -> None:
         """Hook for subclasses: freeze the variance etc. of bucket ``b``, before its first compressed sync."""
 
     # -- layout --------------------------------------------------------------------------
-    def params_in_order(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
-
     @property
     def world_size(self) -> int:
         if self.simulate_workers is not None:
             return self.simulate_workers
         return group_size(self.process_group)
 
-    def _build_buckets(self) -> list[_Bucket]:
-        """Buckets of every param group that has none yet (all of them at the first call)."""
-        if self._nbucketed == len(self.param_groups):
-            return self._buckets
-        cap = int(self.bucket_cap_mb * 2**20) // 4
-        ids = {id(p): i for i, p in enumerate(self.params_in_order())}
-        runs: list[tuple[int, list[torch.Tensor]]] = []
-        for gi in range(self._nbucketed, len(self.param_groups)):
-            cur: list[torch.Tensor] = []
-            size = 0
-            for p in reversed(self.param_groups[gi]["params"]):  # backward order: last layers first
-                if not p.requires_grad:
-                    continue
-                if cur and (size + p.numel() > cap or p.device != cur[0].device or p.dtype != cur[0].dtype
-                            or (id(p) in self._ddp_params) != (id(cur[0]) in self._ddp_params)):
-                    runs.append((gi, cur))
-                    cur, size = [], 0
-                cur.append(p)
-                size += p.numel()
-            if cur:
-                runs.append((gi, cur))
-        new = [_Bucket(len(self._buckets) + k, gi, ps, [ids[id(q)] for q in ps], via_ddp=id(ps[0]) in self._ddp_params)
-               for k, (gi, ps) in enumerate(runs)]
-        late = self._nbucketed > 0 and self._compressing and self.has_warmup
-        for b in new:
-            for name in self.flat_state:
-                b.flat[name] = torch.zeros(b.numel, dtype=torch.float32, device=b.device)
-            for i, p in enumerate(b.params):
-                self._param_bucket[id(p)] = (b, i)
-            self._adopt_state(b)
-            if late:  # a group added after the switch: its own warm-up first
-                b.switch_step = self._step + (self.warmup_steps or self._switch_at or 1)
-            elif self._compressing:
-                self._switch_bucket(b)
-        self._buckets.extend(new)
-        self._nbucketed = len(self.param_groups)
-        return self._buckets
-
-    def _adopt_state(self, b: _Bucket) -> None:
-        """Point self.state[p][name] at views of the bucket's flat buffers (copying loaded values)."""
-        for name, flat in b.flat.items():
-            for p, view in zip(b.params, b.views(flat), strict=True):
-                st = self.state[p]
-                old = st.get(name)
-                if old is not None and old.data_ptr() != view.data_ptr():
-                    view.copy_(old.reshape(view.shape))
-                st[name] = view
-
-    def _steps(self, b: _Bucket, key: str = "step") -> list[int]:
-        return [self.state[p].get(key, 0) for p in b.params]
-
     # -- gradients -----------------------------------------------------------------------
-    def _gather_grads(self, b: _Bucket) -> None:
-        """Copy local gradients into ``b.grad`` (zeros for parameters without one)."""
-        for p, view in zip(b.params, b.views(b.grad), strict=True):
-            if p.grad is None:
-                view.zero_()
-            else:
-                if p.grad.is_sparse:
-                    raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-                view.copy_(p.grad)
-
     def _check_finite(self, t: torch.Tensor, what: str) -> None:
         # a sum is one cheap reduction and is non-finite whenever an element is (or it overflows:
         # then the element-wise check decides); isfinite(t).all() writes a bool per element
@@ -289,7 +183,7 @@ class CompressedOptimizer(Optimizer):
                 "clipping, or a GradScaler with fp16)"
             )
 
-    def _average_warmup(self, b: _Bucket, worker_grads: Sequence[torch.Tensor] | None) -> torch.Tensor:
+    def _average_warmup(self, b: Bucket, worker_grads: Sequence[torch.Tensor] | None) -> torch.Tensor:
         """Full-precision mean gradient of a bucket (fp32), exactly as DDP would compute it."""
         if worker_grads is not None:  # simulation: (g_0 / n) + (g_1 / n) + ... in worker order
             b.grad.copy_(_simulated_mean(worker_grads))
@@ -299,31 +193,11 @@ class CompressedOptimizer(Optimizer):
             mean_allreduce(b.grad, self.process_group, self.comm_counter)
         return b.grad
 
-    # -- skipped parameters ---------------------------------------------------------------
-    def _state_views(self, b: _Bucket, i: int) -> list[torch.Tensor]:
-        """Every per-element state slice of parameter ``i`` of ``b``: flat state and the
-        collective's error / estimate state where it covers the parameter."""
-        lo, n = b.offsets[i], b.numels[i]
-        views = [t[lo : lo + n] for t in b.flat.values()]
-        if b.compressing:
-            views += self._comm_for(b).state_views(lo, lo + n)
-        return views
-
-    def _snapshot(self, b: _Bucket, idx: Iterable[int]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-        """Copies of the state of the given parameters: a flat sync or update moves all of a
-        bucket's state, and a parameter without gradient must not move."""
-        return [(i, v, v.clone()) for i in idx for v in self._state_views(b, i)]
-
-    @staticmethod
-    def _restore(saved: Iterable[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
-        for _, view, value in saved:
-            view.copy_(value)
-
     # -- the compressed synchronisation of one bucket ------------------------------------
-    def _make_codec(self, b: _Bucket) -> Codec:
+    def _make_codec(self, b: Bucket) -> Codec:
         raise NotImplementedError
 
-    def _comm_for(self, b: _Bucket):
+    def _comm_for(self, b: Bucket):
         if b.comm is None:
             codec = self._make_codec(b)
             # groups: one scale never spans two parameter tensors of the bucket
@@ -338,29 +212,29 @@ class CompressedOptimizer(Optimizer):
             b.comm.bind(b.numel, b.device)  # state exists before the first sync (see _snapshot)
         return b.comm
 
-    def _payload(self, b: _Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
+    def _payload(self, b: Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
         """Local quantity to synchronise (fp32, written to ``out``) from the local gradient."""
         raise NotImplementedError
 
-    def _sync_target(self, b: _Bucket) -> torch.Tensor:
+    def _sync_target(self, b: Bucket) -> torch.Tensor:
         """Where the collective writes its result. The collective writes only after every rank
         agreed the inputs are finite, so a state buffer may be the target directly (one full
         copy per step less); a failed call leaves it untouched."""
         return b.synced
 
-    def _absorb(self, b: _Bucket, synced: torch.Tensor) -> None:
+    def _absorb(self, b: Bucket, synced: torch.Tensor) -> None:
         """Fold the synchronised quantity into the bucket's state (e.g. momentum <- synced)."""
 
-    def _flag(self, b: _Bucket, grad: torch.Tensor) -> bool | None:
+    def _flag(self, b: Bucket, grad: torch.Tensor) -> bool | None:
         """A bit the collective agrees on at no cost (OR over ranks), e.g. "a gradient reached a
         coordinate the optimizer masks"; ``None``: no flag."""
         return None
 
-    def _on_flag(self, b: _Bucket, grads: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    def _on_flag(self, b: Bucket, grads: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """Called on every rank when some rank's flag was set (``grads``: the local gradient, or
         every simulated worker's)."""
 
-    def _sync_bucket(self, b: _Bucket, worker_grads: Sequence[torch.Tensor] | None = None) -> None:
+    def _sync_bucket(self, b: Bucket, worker_grads: Sequence[torch.Tensor] | None = None) -> None:
         comm = self._comm_for(b)
         target = self._sync_target(b)
         if worker_grads is not None:
@@ -395,71 +269,14 @@ class CompressedOptimizer(Optimizer):
         b.done = True
 
     # -- DDP ---------------------------------------------------------------------------
-    def attach(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
-        """Synchronise through ``ddp_model``'s gradient buckets from now on (the one call a
-        plain PyTorch DDP user makes). Communication then runs in a DDP comm hook during
-        backward, and ``step()`` only applies the update."""
-        from ..comm.ddp_hook import register_compression_hook
-
-        if self.simulate_workers is not None:
-            raise RuntimeError("a simulated-cluster optimizer cannot be attached to DDP")
-        mine = {id(p) for p in self.params_in_order()}
-        foreign = [n for n, p in ddp_model.module.named_parameters() if p.requires_grad and id(p) not in mine]
-        if foreign:
-            raise ValueError(f"{type(self).__name__}.attach: the DDP model has trainable parameters this "
-                             f"optimizer does not own ({foreign[:3]}...); one optimizer must own them all")
-        if ddp_model.process_group is not None and self.process_group is None:
-            self.process_group = ddp_model.process_group
-        # the parameters DDP's reducer syncs (those trainable when DDP was built); others sync in step()
-        ignored = set(getattr(ddp_model, "parameters_to_ignore", ()))
-        self._ddp_params = {id(p) for n, p in ddp_model.module.named_parameters()
-                            if p.requires_grad and n not in ignored}
-        self._ddp_find_unused = bool(getattr(ddp_model, "find_unused_parameters", False))
-        for b in self._buckets:  # built already (a state_dict was loaded): mark which DDP feeds
-            inside = {id(p) in self._ddp_params for p in b.params}
-            if len(inside) > 1:
-                raise RuntimeError(f"{type(self).__name__}.attach: a bucket mixes parameters DDP syncs and others "
-                                   "it does not; attach before loading a state_dict or taking a step")
-            b.via_ddp = inside.pop()
-        self._build_buckets()
-        register_compression_hook(ddp_model, self)
-        self._ddp_attached = True
-
-    def ddp_bucket_ready(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """The comm hook's work: average in fp32 during warm-up; in the compression phase
-        copy the local gradients into this optimizer's buckets and synchronise every bucket
-        that is complete."""
-        buf = bucket.buffer()
-        self._update_phase()
-        if not self._compressing:
-            return mean_allreduce_future(buf, self.process_group, self.comm_counter)
-        if self.defer_sync_to_step:
-            fut0: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            fut0.set_result(buf)  # local gradients; step() synchronises them
-            return fut0
-        with torch.no_grad():
-            for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
-                ob, i = self._param_bucket[id(p)]
-                ob.views(ob.grad)[i].copy_(g)
-                # a parameter no rank used keeps grad None (DDP with find_unused_parameters): step()
-                # learns that only after this sync, so keep its state now if it was unused here
-                if self._ddp_find_unused and not bool(g.any()):
-                    ob.pending += self._snapshot(ob, [i])
-                ob.ready += 1
-                if ob.ready == len(ob.params):
-                    self._sync_bucket(ob)
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(buf)
-        return fut
-
     # -- updates (subclasses) ------------------------------------------------------------
-    def _update_warmup(self, b: _Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
+    def _update_warmup(self, b: Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
         raise NotImplementedError
 
-    def _update_compressed(self, b: _Bucket, group: dict, has_grad: list[bool]) -> None:
+    def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
         raise NotImplementedError
 
-    def _apply(self, b: _Bucket, update: torch.Tensor, group: dict, has_grad: list[bool],
+    def _apply(self, b: Bucket, update: torch.Tensor, group: dict, has_grad: list[bool],
                decoupled_wd: float = 0.0, step_size: float | Sequence[float] | None = None,
                denom: torch.Tensor | None = None) -> None:
         """p <- p * (1 - lr * wd) - step_size * update [/ denom] (step_size defaults to lr; a
@@ -514,17 +331,7 @@ class CompressedOptimizer(Optimizer):
             raise ValueError(f"expected gradients of {self.simulate_workers} workers, got {len(grads)}")
         self._run_step(grads)
 
-    def _worker_flat(self, b: _Bucket, grads) -> list[torch.Tensor]:
-        out = []
-        for wg in grads:
-            flat = torch.zeros(b.numel, dtype=torch.float32, device=b.device)
-            for pid, view in zip(b.ids, b.views(flat), strict=True):
-                if wg[pid] is not None:
-                    view.copy_(wg[pid])
-            out.append(flat)
-        return out
-
-    def _has_grad(self, buckets: list[_Bucket], worker_grads) -> list[list[bool]]:
+    def _has_grad(self, buckets: list[Bucket], worker_grads) -> list[list[bool]]:
         """Which parameters of each bucket have a gradient on some rank (or simulated worker)."""
         if worker_grads is not None:
             return [[any(wg[i] is not None for wg in worker_grads) for i in b.ids] for b in buckets]
@@ -564,7 +371,7 @@ class CompressedOptimizer(Optimizer):
             self._restore(saved)
         self.comm_counter.end_step()
 
-    def _synchronise(self, buckets: list[_Bucket], worker_grads) -> list[tuple]:
+    def _synchronise(self, buckets: list[Bucket], worker_grads) -> list[tuple]:
         """Pass 1 of a step: every bucket's gradient synchronised (a NaN anywhere raises before any
         update); returns (bucket, has_grad, averaged warm-up gradient, state to put back) per bucket."""
         has_all = self._has_grad(buckets, worker_grads)
@@ -659,11 +466,3 @@ class CompressedOptimizer(Optimizer):
             if csd is not None:
                 self._comm_for(b).load_state_dict(csd, device=b.device)
 
-
-def _simulated_mean(worker_grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(g_0 / n) + (g_1 / n) + ... in worker order: what DDP's divide-then-sum gives on n ranks."""
-    n = len(worker_grads)
-    acc = worker_grads[0] / n
-    for g in worker_grads[1:]:
-        acc += g / n
-    return acc

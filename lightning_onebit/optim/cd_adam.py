@@ -26,7 +26,8 @@ from collections.abc import Iterable
 import torch
 
 from ..compress import Codec, SignCodec, TopKCodec
-from .base import CompressedOptimizer, _Bucket
+from .base import CompressedOptimizer
+from .buckets import Bucket
 
 __all__ = ["CDAdam", "EF21", "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad"]
 
@@ -47,12 +48,12 @@ class _CompressedGradient(CompressedOptimizer):
         super().add_param_group(param_group)
         SignCodec("l1", block_size=self.param_groups[-1]["block_size"])  # validate early
 
-    def _make_codec(self, b: _Bucket) -> Codec:
+    def _make_codec(self, b: Bucket) -> Codec:
         if self.compressor == "topk":
             return TopKCodec(self.topk_ratio)
         return SignCodec("l1", block_size=self.param_groups[b.group_index]["block_size"])
 
-    def _payload(self, b: _Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
+    def _payload(self, b: Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(grad)
 
 
@@ -81,7 +82,7 @@ class _AMSGradOnCompressed(_CompressedGradient):
         super().__init__(params, defaults, block_size, compressor, topk_ratio, bucket_cap_mb=bucket_cap_mb,
                          group=group, simulate_workers=simulate_workers)
 
-    def _update_compressed(self, b: _Bucket, group: dict, has_grad: list[bool]) -> None:
+    def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
         beta1, beta2 = group["betas"]
         g = b.synced
         m, v, vmax = b.flat["exp_avg"], b.flat["exp_avg_sq"], b.flat["max_exp_avg_sq"]
@@ -130,5 +131,5 @@ class EF21(_CompressedGradient):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay), block_size, compressor, topk_ratio,
                          bucket_cap_mb=bucket_cap_mb, group=group, simulate_workers=simulate_workers)
 
-    def _update_compressed(self, b: _Bucket, group: dict, has_grad: list[bool]) -> None:
+    def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
         self._apply(b, b.synced, group, has_grad, decoupled_wd=group["weight_decay"])

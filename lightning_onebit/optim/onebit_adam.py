@@ -8,7 +8,8 @@ import torch
 
 from ..comm import any_across, any_across_bytes, mean_allreduce, ring_allreduce_bytes
 from ..compress import Codec, MinMaxUInt8Codec, SignCodec
-from .base import CompressedOptimizer, _Bucket, _simulated_mean
+from .base import CompressedOptimizer
+from .buckets import Bucket, _simulated_mean
 
 __all__ = ["OnebitAdam", "QAdam"]
 
@@ -95,7 +96,7 @@ class OnebitAdam(CompressedOptimizer):
         super().add_param_group(param_group)
         self.codec_cls(block_size=self.param_groups[-1]["block_size"])  # validate early
 
-    def _make_codec(self, b: _Bucket) -> Codec:
+    def _make_codec(self, b: Bucket) -> Codec:
         bs = self.param_groups[b.group_index]["block_size"]
         return SignCodec("l2", block_size=bs) if self.codec_cls is SignCodec else self.codec_cls(block_size=bs)
 
@@ -106,10 +107,10 @@ class OnebitAdam(CompressedOptimizer):
         self.activated = extra.get("activated", 0)
 
     # -- warm-up: AdamW, op for op as torch.optim.AdamW's single-tensor path --------------
-    def _step_sizes(self, b: _Bucket, lr: float, beta1: float) -> list[float]:
+    def _step_sizes(self, b: Bucket, lr: float, beta1: float) -> list[float]:
         return [lr / _bias_correction(beta1, t) for t in self._steps(b)]
 
-    def _warmup_moments(self, b: _Bucket, grad: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    def _warmup_moments(self, b: Bucket, grad: torch.Tensor, group: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Adam's moment updates of a warm-up step (over the whole bucket; the state of parameters
         without gradient is put back afterwards)."""
         beta1, beta2 = group["betas"]
@@ -118,7 +119,7 @@ class OnebitAdam(CompressedOptimizer):
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         return m, v
 
-    def _update_warmup(self, b: _Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
+    def _update_warmup(self, b: Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
         m, v = self._warmup_moments(b, grad, group)
         beta1, beta2 = group["betas"]
         steps = self._steps(b)
@@ -135,7 +136,7 @@ class OnebitAdam(CompressedOptimizer):
     # -- compression ---------------------------------------------------------------------
     # v is frozen during compression, so the zero mask and the denominator are computed once
     # per bucket and switch (recomputing them cost a pass over the bucket per step).
-    def _mask(self, b: _Bucket) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _mask(self, b: Bucket) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(mask, indices) of the coordinates whose frozen variance is zero, or (None, None)."""
         if "mask" not in b.cache:
             mask = b.flat["exp_avg_sq"] == 0
@@ -143,28 +144,28 @@ class OnebitAdam(CompressedOptimizer):
             b.cache["mask"] = (mask, idx) if idx.numel() else (None, None)
         return b.cache["mask"]
 
-    def _payload(self, b: _Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
+    def _payload(self, b: Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
         beta1 = self.param_groups[b.group_index]["betas"][0]
         torch.lerp(b.flat["exp_avg"], grad, 1 - beta1, out=out)
         mask, _ = self._mask(b)
         if mask is not None:
             out.masked_fill_(mask, 0.0)  # frozen-zero coordinates send nothing
 
-    def _sync_target(self, b: _Bucket) -> torch.Tensor:
+    def _sync_target(self, b: Bucket) -> torch.Tensor:
         return b.flat["exp_avg"]  # m <- synced momentum, without a copy
 
-    def _absorb(self, b: _Bucket, synced: torch.Tensor) -> None:
+    def _absorb(self, b: Bucket, synced: torch.Tensor) -> None:
         if synced is not b.flat["exp_avg"]:
             b.flat["exp_avg"].copy_(synced)
         mask, _ = self._mask(b)
         if mask is not None:
             b.flat["exp_avg"].masked_fill_(mask, 0.0)
 
-    def _flag(self, b: _Bucket, grad: torch.Tensor) -> bool | None:
+    def _flag(self, b: Bucket, grad: torch.Tensor) -> bool | None:
         _, idx = self._mask(b)
         return None if idx is None else bool(grad[idx].any())
 
-    def _on_flag(self, b: _Bucket, grads: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    def _on_flag(self, b: Bucket, grads: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """Masked coordinates that a gradient reached start to train (see the class docstring)."""
         _, idx = self._mask(b)
         # which masked coordinates got a gradient anywhere (a bit each on gloo), then their mean (fp32)
@@ -191,11 +192,11 @@ class OnebitAdam(CompressedOptimizer):
         b.cache.clear()
         self.activated += pos.numel()
 
-    def _activate(self, b: _Bucket, pos: torch.Tensor, g: torch.Tensor, v: torch.Tensor, beta1: float) -> None:
+    def _activate(self, b: Bucket, pos: torch.Tensor, g: torch.Tensor, v: torch.Tensor, beta1: float) -> None:
         b.flat["exp_avg_sq"][pos] = v
         b.flat["exp_avg"][pos] = (1 - beta1) * g
 
-    def _denominator(self, b: _Bucket, group: dict) -> torch.Tensor:
+    def _denominator(self, b: Bucket, group: dict) -> torch.Tensor:
         """The frozen d of every coordinate, with each parameter's bias correction at its switch."""
         frozen = self._steps(b, "frozen_step")
         key = (tuple(frozen), group["betas"][1], group["eps"], group["eps_inside_sqrt"])
@@ -212,7 +213,7 @@ class OnebitAdam(CompressedOptimizer):
         b.cache["denom_key"], b.cache["denom"] = key, denom
         return denom
 
-    def _update_compressed(self, b: _Bucket, group: dict, has_grad: list[bool]) -> None:
+    def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
         # m is zero where v is (see _absorb), so those coordinates do not move
         self._apply(b, b.flat["exp_avg"], group, has_grad, decoupled_wd=group["weight_decay"],
                     step_size=self._step_sizes(b, group["lr"], group["betas"][0]), denom=self._denominator(b, group))

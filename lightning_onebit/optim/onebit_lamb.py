@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .base import _Bucket
+from .buckets import Bucket
 from .onebit_adam import OnebitAdam, _bias_correction
 
 __all__ = ["OnebitLamb"]
@@ -89,7 +89,7 @@ class OnebitLamb(OnebitAdam):
         self._united_scale = extra.get("united_scale")
 
     # -- warm-up ---------------------------------------------------------------------------
-    def _update_warmup(self, b: _Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
+    def _update_warmup(self, b: Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
         m, v = self._warmup_moments(b, grad, group)
         beta1, beta2 = group["betas"]
         wd, cb = group["weight_decay"], group["coeff_beta"]
@@ -124,7 +124,7 @@ class OnebitLamb(OnebitAdam):
         rms = self._rms([v for b in self._buckets if b.switch_step is None for v in b.views(b.flat["exp_avg"])])
         self._united_scale = sum(rms) / len(rms) if rms else 1.0
 
-    def _on_switch(self, b: _Bucket) -> None:
+    def _on_switch(self, b: Bucket) -> None:
         group = self.param_groups[b.group_index]
         beta2, cb = group["betas"][1], group["coeff_beta"]
         fresh, v = b.flat["exp_avg_sq_fresh"], b.flat["exp_avg_sq"]
@@ -139,35 +139,35 @@ class OnebitLamb(OnebitAdam):
             st["scaling_coeff"] = united / rms if rms > 0 else 1.0
 
     # -- compression -----------------------------------------------------------------------
-    def _scaling(self, b: _Bucket) -> list[float]:
+    def _scaling(self, b: Bucket) -> list[float]:
         return [self.state[p]["scaling_coeff"] for p in b.params]
 
-    def _payload(self, b: _Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
+    def _payload(self, b: Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
         super()._payload(b, grad, out)
         torch._foreach_mul_(b.views(out), self._scaling(b))
 
-    def _sync_target(self, b: _Bucket) -> torch.Tensor:
+    def _sync_target(self, b: Bucket) -> torch.Tensor:
         return b.synced  # exp_avg is still needed: _absorb keeps it as exp_avg_prev first
 
-    def _absorb(self, b: _Bucket, synced: torch.Tensor) -> None:
+    def _absorb(self, b: Bucket, synced: torch.Tensor) -> None:
         m = b.flat["exp_avg"]
         b.flat["exp_avg_prev"].copy_(m)
         m.copy_(synced)
         torch._foreach_div_(b.views(m), self._scaling(b))
         super()._absorb(b, m)
 
-    def _activate(self, b: _Bucket, pos: torch.Tensor, g: torch.Tensor, v: torch.Tensor, beta1: float) -> None:
+    def _activate(self, b: Bucket, pos: torch.Tensor, g: torch.Tensor, v: torch.Tensor, beta1: float) -> None:
         super()._activate(b, pos, g, v, beta1)
         b.flat["exp_avg_sq_fresh"][pos] = g * g  # the fresh variance starts at the new v_hat too
 
-    def _scratch(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scratch(self, b: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """Two bucket-sized work buffers, reused every step (fresh ones cost page faults)."""
         if "scratch" not in b.cache:
             b.cache["scratch"] = (torch.empty_like(b.flat["exp_avg"]), torch.empty_like(b.flat["exp_avg"]))
             b.cache["lengths"] = torch.tensor(b.numels, device=b.device)
         return b.cache["scratch"]
 
-    def _update_compressed(self, b: _Bucket, group: dict, has_grad: list[bool]) -> None:
+    def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
         beta1, beta2 = group["betas"]
         eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
         m = b.flat["exp_avg"]

@@ -1,0 +1,170 @@
+"""Fixed buckets and flat state: the memory layout every compressed optimizer shares.
+
+Parameters are grouped into buckets of fixed composition (reverse parameter order, the order
+backward produces gradients, capped at ``bucket_cap_mb``, never spanning two param groups, two
+devices, two dtypes, or DDP-managed and unmanaged parameters). A bucket's optimizer state lives
+in flat fp32 buffers and ``optimizer.state[p]`` holds views into them, so state is keyed per
+parameter (it survives DDP's own bucket rebuilds and reloads) while each bucket is
+communicated with one pair of collectives and updated with a few flat ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ..comm import CompressedAllreduce, SimulatedCluster
+
+__all__ = ["Bucket", "BucketState"]
+
+
+class Bucket:
+    """A fixed group of parameters that is synchronised and updated as one flat vector."""
+
+    def __init__(self, index: int, group_index: int, params: list[torch.Tensor], ids: list[int],
+                 via_ddp: bool) -> None:
+        self.index = index
+        self.group_index = group_index
+        self.params = params
+        self.ids = ids  # positions in the optimizer's flattened parameter list
+        self.numels = [p.numel() for p in params]
+        self.offsets = [0]
+        for n in self.numels[:-1]:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = sum(self.numels)
+        dev = params[0].device
+        self.device = dev
+        self.via_ddp = via_ddp  # DDP's comm hook delivers this bucket's gradients
+        self.flat: dict[str, torch.Tensor] = {}
+        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=dev)  # local gradient
+        self._synced: torch.Tensor | None = None
+        self.comm: CompressedAllreduce | SimulatedCluster | None = None
+        self.payload: torch.Tensor | None = None  # reused every step: fresh buffers cost page faults
+        self.cache: dict = {}  # per-bucket values that only change at the switch (see subclasses)
+        self.compressing = False  # this bucket has switched to compressed synchronisation
+        self.switch_step: int | None = None  # a late bucket switches after this optimizer step
+        self.ready = 0  # params whose local gradient is in self.grad (hook path)
+        self.done = False  # compressed sync of this step finished
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # hook path, see ddp_bucket_ready
+
+    @property
+    def synced(self) -> torch.Tensor:
+        """Result buffer of the collective, allocated on first use (optimizers that receive the
+        result straight into their state never pay its memory)."""
+        if self._synced is None:
+            self._synced = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        return self._synced
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[o : o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, self.params, strict=True)]
+
+
+
+class BucketState:
+    """Mixin of :class:`~lightning_onebit.optim.CompressedOptimizer`: builds its buckets, keeps the
+    per-parameter state as views of their flat buffers, and snapshots the state of parameters
+    that must not move in a step. Expects the optimizer's ``param_groups``, ``state``,
+    ``flat_state`` and phase attributes."""
+
+    def params_in_order(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _build_buckets(self) -> list[Bucket]:
+        """Buckets of every param group that has none yet (all of them at the first call)."""
+        if self._nbucketed == len(self.param_groups):
+            return self._buckets
+        cap = int(self.bucket_cap_mb * 2**20) // 4
+        ids = {id(p): i for i, p in enumerate(self.params_in_order())}
+        runs: list[tuple[int, list[torch.Tensor]]] = []
+        for gi in range(self._nbucketed, len(self.param_groups)):
+            cur: list[torch.Tensor] = []
+            size = 0
+            for p in reversed(self.param_groups[gi]["params"]):  # backward order: last layers first
+                if not p.requires_grad:
+                    continue
+                if cur and (size + p.numel() > cap or p.device != cur[0].device or p.dtype != cur[0].dtype
+                            or (id(p) in self._ddp_params) != (id(cur[0]) in self._ddp_params)):
+                    runs.append((gi, cur))
+                    cur, size = [], 0
+                cur.append(p)
+                size += p.numel()
+            if cur:
+                runs.append((gi, cur))
+        new = [Bucket(len(self._buckets) + k, gi, ps, [ids[id(q)] for q in ps], via_ddp=id(ps[0]) in self._ddp_params)
+               for k, (gi, ps) in enumerate(runs)]
+        late = self._nbucketed > 0 and self._compressing and self.has_warmup
+        for b in new:
+            for name in self.flat_state:
+                b.flat[name] = torch.zeros(b.numel, dtype=torch.float32, device=b.device)
+            for i, p in enumerate(b.params):
+                self._param_bucket[id(p)] = (b, i)
+            self._adopt_state(b)
+            if late:  # a group added after the switch: its own warm-up first
+                b.switch_step = self._step + (self.warmup_steps or self._switch_at or 1)
+            elif self._compressing:
+                self._switch_bucket(b)
+        self._buckets.extend(new)
+        self._nbucketed = len(self.param_groups)
+        return self._buckets
+
+    def _adopt_state(self, b: Bucket) -> None:
+        """Point self.state[p][name] at views of the bucket's flat buffers (copying loaded values)."""
+        for name, flat in b.flat.items():
+            for p, view in zip(b.params, b.views(flat), strict=True):
+                st = self.state[p]
+                old = st.get(name)
+                if old is not None and old.data_ptr() != view.data_ptr():
+                    view.copy_(old.reshape(view.shape))
+                st[name] = view
+
+    def _steps(self, b: Bucket, key: str = "step") -> list[int]:
+        return [self.state[p].get(key, 0) for p in b.params]
+
+    def _gather_grads(self, b: Bucket) -> None:
+        """Copy local gradients into ``b.grad`` (zeros for parameters without one)."""
+        for p, view in zip(b.params, b.views(b.grad), strict=True):
+            if p.grad is None:
+                view.zero_()
+            else:
+                if p.grad.is_sparse:
+                    raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+                view.copy_(p.grad)
+
+    def _worker_flat(self, b: Bucket, grads) -> list[torch.Tensor]:
+        out = []
+        for wg in grads:
+            flat = torch.zeros(b.numel, dtype=torch.float32, device=b.device)
+            for pid, view in zip(b.ids, b.views(flat), strict=True):
+                if wg[pid] is not None:
+                    view.copy_(wg[pid])
+            out.append(flat)
+        return out
+
+    def _state_views(self, b: Bucket, i: int) -> list[torch.Tensor]:
+        """Every per-element state slice of parameter ``i`` of ``b``: flat state and the
+        collective's error / estimate state where it covers the parameter."""
+        lo, n = b.offsets[i], b.numels[i]
+        views = [t[lo : lo + n] for t in b.flat.values()]
+        if b.compressing:
+            views += self._comm_for(b).state_views(lo, lo + n)
+        return views
+
+    def _snapshot(self, b: Bucket, idx: Iterable[int]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Copies of the state of the given parameters: a flat sync or update moves all of a
+        bucket's state, and a parameter without gradient must not move."""
+        return [(i, v, v.clone()) for i in idx for v in self._state_views(b, i)]
+
+    @staticmethod
+    def _restore(saved: Iterable[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        for _, view, value in saved:
+            view.copy_(value)
+
+
+def _simulated_mean(worker_grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """(g_0 / n) + (g_1 / n) + ... in worker order: what DDP's divide-then-sum gives on n ranks."""
+    n = len(worker_grads)
+    acc = worker_grads[0] / n
+    for g in worker_grads[1:]:
+        acc += g / n
+    return acc

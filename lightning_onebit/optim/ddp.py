@@ -1,0 +1,78 @@
+"""The DDP path of a compressed optimizer: ``attach`` a DDP model, then its comm hook delivers
+each gradient bucket while backward runs (see :mod:`lightning_onebit.comm.ddp_hook`).
+
+During warm-up the hook averages in fp32 (one allreduce per DDP bucket, as DDP would); in the
+compression phase it copies the local gradients into the optimizer's own buckets and
+synchronises each one, compressed, as soon as all its gradients have arrived. The future
+completes with the local gradients: the optimizer already holds the synchronised result.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm.dense import mean_allreduce_future
+
+__all__ = ["DDPHookPath"]
+
+
+class DDPHookPath:
+    """Mixin of :class:`~lightning_onebit.optim.CompressedOptimizer`: the DDP comm-hook path."""
+
+    def attach(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Synchronise through ``ddp_model``'s gradient buckets from now on (the one call a
+        plain PyTorch DDP user makes). Communication then runs in a DDP comm hook during
+        backward, and ``step()`` only applies the update."""
+        from ..comm.ddp_hook import register_compression_hook
+
+        if self.simulate_workers is not None:
+            raise RuntimeError("a simulated-cluster optimizer cannot be attached to DDP")
+        mine = {id(p) for p in self.params_in_order()}
+        foreign = [n for n, p in ddp_model.module.named_parameters() if p.requires_grad and id(p) not in mine]
+        if foreign:
+            raise ValueError(f"{type(self).__name__}.attach: the DDP model has trainable parameters this "
+                             f"optimizer does not own ({foreign[:3]}...); one optimizer must own them all")
+        if ddp_model.process_group is not None and self.process_group is None:
+            self.process_group = ddp_model.process_group
+        # the parameters DDP's reducer syncs (those trainable when DDP was built); others sync in step()
+        ignored = set(getattr(ddp_model, "parameters_to_ignore", ()))
+        self._ddp_params = {id(p) for n, p in ddp_model.module.named_parameters()
+                            if p.requires_grad and n not in ignored}
+        self._ddp_find_unused = bool(getattr(ddp_model, "find_unused_parameters", False))
+        for b in self._buckets:  # built already (a state_dict was loaded): mark which DDP feeds
+            inside = {id(p) in self._ddp_params for p in b.params}
+            if len(inside) > 1:
+                raise RuntimeError(f"{type(self).__name__}.attach: a bucket mixes parameters DDP syncs and others "
+                                   "it does not; attach before loading a state_dict or taking a step")
+            b.via_ddp = inside.pop()
+        self._build_buckets()
+        register_compression_hook(ddp_model, self)
+        self._ddp_attached = True
+
+    def ddp_bucket_ready(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The comm hook's work: average in fp32 during warm-up; in the compression phase
+        copy the local gradients into this optimizer's buckets and synchronise every bucket
+        that is complete."""
+        buf = bucket.buffer()
+        self._update_phase()
+        if not self._compressing:
+            return mean_allreduce_future(buf, self.process_group, self.comm_counter)
+        if self.defer_sync_to_step:
+            fut0: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            fut0.set_result(buf)  # local gradients; step() synchronises them
+            return fut0
+        with torch.no_grad():
+            for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
+                ob, i = self._param_bucket[id(p)]
+                ob.views(ob.grad)[i].copy_(g)
+                # a parameter no rank used keeps grad None (DDP with find_unused_parameters): step()
+                # learns that only after this sync, so keep its state now if it was unused here
+                if self._ddp_find_unused and not bool(g.any()):
+                    ob.pending += self._snapshot(ob, [i])
+                ob.ready += 1
+                if ob.ready == len(ob.params):
+                    self._sync_bucket(ob)
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
