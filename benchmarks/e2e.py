@@ -309,7 +309,7 @@ def make_strategy(method: str, warmup: int) -> Any:
     """The Lightning strategy of ``method`` (DDP with a hook registered on CPU too, or a compressed one)."""
     from lightning.pytorch.strategies import DDPStrategy
 
-    from recipes.baselines import hook_strategy
+    from lightning_onebit.strategies.ddp_hooks import hook_strategy
 
     # every method gets DDP's gradient_as_bucket_view (the compressed strategies' default), so
     # that no baseline pays the bucket -> .grad copy the others skip

@@ -22,8 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 
 from lightning_onebit import CompressedDDPStrategy, OnebitAdam
 from lightning_onebit.optim import CompressedOptimizer
-
-from .baselines import hook_strategy
+from lightning_onebit.strategies.ddp_hooks import hook_strategy
 
 __all__ = ["META_KEYS", "build_optimizer", "build_strategy", "is_compressed", "optimizer_class",
            "optimizer_kwargs", "resolve_warmup"]

@@ -16,8 +16,7 @@ import torch.distributed as dist
 from lightning_onebit.callbacks import find_compressed_optimizer
 from lightning_onebit.comm import ring_allreduce_bytes
 from lightning_onebit.strategies import destroy_process_group_at_exit
-
-from .baselines import HookDDPStrategy
+from lightning_onebit.strategies.ddp_hooks import HookDDPStrategy
 
 __all__ = ["DDPCommCounter", "RankRecord"]
 

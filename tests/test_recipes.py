@@ -24,8 +24,8 @@ from dist_utils import run_ranks, values
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `recipes` is run from the repository, not installed
 
+from lightning_onebit.strategies.ddp_hooks import HookDDPStrategy, hook_step_bytes  # noqa: E402
 from recipes.algorithms import build_optimizer, build_strategy, is_compressed  # noqa: E402
-from recipes.baselines import HookDDPStrategy, hook_step_bytes  # noqa: E402
 from recipes.data import LIBSVM_URL, DatasetMissingError, libsvm_path, load_libsvm  # noqa: E402
 from recipes.report import main as report_main  # noqa: E402
 from recipes.runners import _start_method, run  # noqa: E402
@@ -276,7 +276,7 @@ def _hook_census(rank: int, world_size: int, cases: list) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from recipes.baselines import hook_step_bytes, make_comm_hook
+    from lightning_onebit.strategies.ddp_hooks import hook_step_bytes, make_comm_hook
 
     sent: list[int] = []
     real = dist.all_reduce

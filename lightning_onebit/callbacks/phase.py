@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..optim.base import CompressedOptimizer
-
-log = logging.getLogger(__name__)
 
 __all__ = ["PhaseSwitch", "find_compressed_optimizer"]
 
@@ -106,9 +103,7 @@ class PhaseSwitch(Callback):
         self.switch_step = trainer.global_step
         msg = (f"lightning_onebit: compression starts with optimizer step {self.switch_step + 1} "
                f"(after {self.switch_step} warm-up steps; {reason})")
-        log.info(msg)
-        if trainer.is_global_zero:
-            print(msg)
+        rank_zero_info(msg)
 
     def state_dict(self) -> dict:
         return {"switch_step": self.switch_step, "calm": self._calm, "history": self.history}

@@ -1,9 +1,13 @@
-"""The compressed optimizers: 1-bit Adam, 1-bit LAMB, QAdam, CD-Adam and baselines."""
+"""The compressed optimizers: 1-bit Adam, 1-bit LAMB, QAdam, CD-Adam and baselines.
 
-from .base import CompressedOptimizer, NonFiniteGradientError
-from .cd_adam import EF21, CDAdam, ErrorFeedbackAMSGrad, NaiveCompressedAMSGrad
-from .onebit_adam import OnebitAdam, QAdam
+Each optimizer class registers its strategy name (``CompressedOptimizer.algorithms()``)."""
+
+from .base import CompressedOptimizer, NonFiniteGradientError, check_hyperparameters
+from .baselines import EF21, ErrorFeedbackAMSGrad, NaiveCompressedAMSGrad
+from .cd_adam import CDAdam
+from .onebit_adam import OnebitAdam
 from .onebit_lamb import OnebitLamb
+from .qadam import QAdam
 
 __all__ = ["CDAdam", "CompressedOptimizer", "EF21", "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad",
-           "NonFiniteGradientError", "OnebitAdam", "OnebitLamb", "QAdam"]
+           "NonFiniteGradientError", "OnebitAdam", "OnebitLamb", "QAdam", "check_hyperparameters"]

@@ -34,7 +34,7 @@ import logging
 import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -73,15 +73,89 @@ class NonFiniteGradientError(ValueError):
     """A gradient contained NaN/inf; every rank skipped the step and no state changed."""
 
 
+def check_hyperparameters(*, lr: float | None = None, betas: Sequence[float] | None = None,
+                          **non_negative: float | None) -> None:
+    """The argument checks the optimizers share: ``lr >= 0``, betas a pair in [0, 1), and every other
+    keyword (eps, nu, weight_decay, ...) non-negative. Raises ``ValueError`` naming the argument."""
+    if lr is not None and not lr >= 0:
+        raise ValueError(f"invalid learning rate {lr!r}: it must be >= 0")
+    if betas is not None and (len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas)):
+        raise ValueError(f"invalid betas {tuple(betas)!r}: two values in [0, 1)")
+    for name, value in non_negative.items():
+        if value is not None and not value >= 0:
+            raise ValueError(f"{name} must be non-negative, got {value!r}")
+
+
+_ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW)
+
+
+def _is_lamb(opt: Optimizer) -> bool:
+    return "lamb" in type(opt).__name__.lower()
+
+
 class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
     """Base class. Subclasses define the flat state, the payload, and the update rules."""
 
+    #: the Lightning strategy name this optimizer registers under (``None``: an abstract base)
+    strategy_name: ClassVar[str | None] = None
     #: names of per-parameter fp32 state kept in flat bucket buffers
     flat_state: tuple[str, ...] = ()
     #: the algorithm has an uncompressed warm-up (1-bit Adam, 1-bit LAMB, QAdam)
-    has_warmup: bool = True
+    has_warmup: ClassVar[bool] = True
     #: how the collective treats its state: "plain", "error_feedback" or "markov"
     comm_mode: str = "error_feedback"
+    #: Adam's hyperparameters (torch.optim.Adam/AdamW names) -> this optimizer's names, for
+    #: :meth:`from_optimizer`; Adam's that are missing here are not carried over
+    from_adam: ClassVar[dict[str, str]] = {"lr": "lr", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"}
+    #: besides Adam and AdamW, a LAMB optimizer converts to this one
+    converts_lamb: ClassVar[bool] = False
+
+    _registry: ClassVar[dict[str, type[CompressedOptimizer]]] = {}
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        name = cls.__dict__.get("strategy_name")
+        if name is not None:
+            if name in CompressedOptimizer._registry:
+                raise ValueError(f"strategy name {name!r} is taken by {CompressedOptimizer._registry[name].__name__}")
+            CompressedOptimizer._registry[name] = cls
+
+    @staticmethod
+    def algorithms() -> dict[str, type[CompressedOptimizer]]:
+        """Strategy name -> optimizer class, for every optimizer that names its strategy."""
+        return dict(CompressedOptimizer._registry)
+
+    @classmethod
+    def from_optimizer(cls, opt: Optimizer, **overrides: Any) -> CompressedOptimizer:
+        """This optimizer over ``opt``'s parameter groups with its hyperparameters (``from_adam``
+        maps the names; ``overrides`` are further keyword arguments). Warm-up algorithms get
+        ``warmup_steps=None`` unless overridden: a phase switch (e.g. the callback) decides."""
+        what = f"{cls.__name__}.from_optimizer"
+        if not (isinstance(opt, _ADAM_LIKE) or (cls.converts_lamb and _is_lamb(opt))):
+            raise ValueError(
+                f"{what} needs an Adam-family optimizer: torch.optim.AdamW (or Adam"
+                f"{', or a LAMB' if cls.converts_lamb else ''}); got {type(opt).__name__}")
+        d = opt.defaults
+        if d.get("amsgrad"):
+            raise ValueError(f"{what}: Adam(amsgrad=True) cannot be converted; use CDAdam (AMSGrad) or amsgrad=False")
+        decoupled = isinstance(opt, torch.optim.AdamW) or d.get("decoupled_weight_decay", False) or _is_lamb(opt)
+        if any(g.get("weight_decay", 0) for g in opt.param_groups) and not decoupled:
+            raise ValueError(f"{what}: torch.optim.Adam with weight_decay is L2-regularised Adam, which the "
+                             "compressed optimizers do not implement; use torch.optim.AdamW (decoupled)")
+        kw = {mine: d[theirs] for theirs, mine in cls.from_adam.items() if theirs in d}
+        if cls.has_warmup:
+            kw["warmup_steps"] = None
+        kw.update(overrides)
+        groups = []
+        for g in opt.param_groups:
+            ng = {k: g[k] for k in ("params", "initial_lr") if k in g}
+            ng.update({mine: g[theirs] for theirs, mine in cls.from_adam.items() if theirs in g})
+            groups.append(ng)
+        new = cls(groups, **kw)
+        for g_old, g_new in zip(opt.param_groups, new.param_groups, strict=True):
+            if "initial_lr" in g_old:
+                g_new["initial_lr"] = g_old["initial_lr"]
+        return new
 
     def __init__(self, params: Iterable, defaults: dict, *, warmup_steps: int | None,
                  bucket_cap_mb: float = 25.0, group: dist.ProcessGroup | None = None,

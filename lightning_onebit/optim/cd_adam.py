@@ -1,4 +1,4 @@
-"""CD-Adam (Wang, Lin, Chen, AAAI 2023) and the baselines of its paper.
+"""CD-Adam (Wang, Lin, Chen, AISTATS 2022) and the base its baselines (:mod:`.baselines`) share.
 
 All of them synchronise the *gradient* with the two-stage compressed allreduce and run
 their update on the result:
@@ -16,7 +16,7 @@ The compressor is the scaled sign C(x) = ||x||_1 / d * sign(x) (``SignCodec("l1"
 default) or top-k sparsification (``compressor="topk"``, ``topk_ratio``), as in the paper's baselines.
 Markov compression: worker i keeps g_hat_i and sends C(g_i - g_hat_i); the server keeps
 the running mean g_hat and sends C(g_hat - g_tilde); every worker adds that to g_tilde
-(the official code's reading of the paper's Algorithm 1, DESIGN.md section 5).
+(the official code's reading of the paper's Algorithm 1; docs/design.md, "Algorithms").
 """
 
 from __future__ import annotations
@@ -26,16 +26,20 @@ from collections.abc import Iterable
 import torch
 
 from ..compress import Codec, SignCodec, TopKCodec
-from .base import CompressedOptimizer
+from .base import CompressedOptimizer, check_hyperparameters
 from .buckets import Bucket
 
-__all__ = ["CDAdam", "EF21", "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad"]
+__all__ = ["AMSGradOnCompressed", "CDAdam", "CompressedGradientOptimizer"]
 
 
-class _CompressedGradient(CompressedOptimizer):
-    has_warmup = False  # compressed from the first step
+class CompressedGradientOptimizer(CompressedOptimizer):
+    """Base of the optimizers that synchronise the gradient itself, compressed from the first step
+    (scaled sign, or top-k with ``compressor="topk"``)."""
 
-    def __init__(self, params: Iterable, defaults: dict, block_size: int | None, compressor: str = "sign",
+    has_warmup = False
+    from_adam = {"lr": "lr", "weight_decay": "weight_decay"}
+
+    def __init__(self, params: Iterable, defaults: dict, *, block_size: int | None, compressor: str = "sign",
                  topk_ratio: float = 0.01, **kw) -> None:
         if compressor not in ("sign", "topk"):
             raise ValueError(f"compressor must be 'sign' (scaled sign) or 'topk', got {compressor!r}")
@@ -57,7 +61,7 @@ class _CompressedGradient(CompressedOptimizer):
         out.copy_(grad)
 
 
-class _AMSGradOnCompressed(_CompressedGradient):
+class AMSGradOnCompressed(CompressedGradientOptimizer):
     r"""AMSGrad on the synchronised gradient :math:`\tilde g_t` (no bias correction, as in the paper):
 
     .. math::
@@ -71,16 +75,16 @@ class _AMSGradOnCompressed(_CompressedGradient):
     """
 
     flat_state = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    from_adam = {"lr": "lr", "betas": "betas", "eps": "nu", "weight_decay": "weight_decay"}
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
-                 nu: float = 1e-8, weight_decay: float = 0.0, block_size: int | None = None, *,
+                 nu: float = 1e-8, weight_decay: float = 0.0, *, block_size: int | None = None,
                  compressor: str = "sign", topk_ratio: float = 0.01, bucket_cap_mb: float = 25.0, group=None,
                  simulate_workers: int | None = None) -> None:
-        if lr < 0 or nu < 0 or weight_decay < 0:
-            raise ValueError(f"lr, nu and weight_decay must be non-negative, got {lr}, {nu}, {weight_decay}")
+        check_hyperparameters(lr=lr, betas=betas, nu=nu, weight_decay=weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), nu=nu, weight_decay=weight_decay)
-        super().__init__(params, defaults, block_size, compressor, topk_ratio, bucket_cap_mb=bucket_cap_mb,
-                         group=group, simulate_workers=simulate_workers)
+        super().__init__(params, defaults, block_size=block_size, compressor=compressor, topk_ratio=topk_ratio,
+                         bucket_cap_mb=bucket_cap_mb, group=group, simulate_workers=simulate_workers)
 
     def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
         beta1, beta2 = group["betas"]
@@ -93,43 +97,12 @@ class _AMSGradOnCompressed(_CompressedGradient):
                     denom=(vmax + group["nu"]).sqrt_())
 
 
-class CDAdam(_AMSGradOnCompressed):
+class CDAdam(AMSGradOnCompressed):
     """CD-Adam: Markov-compressed gradients both ways (1-bit scaled sign) + AMSGrad. No warm-up.
 
     Communication state per parameter: worker estimate g_hat_i and shared estimate g_tilde
     (fp32, 8 bytes) + 1/n server mean: with m, v, v_hat, 20 + 4/n bytes per parameter.
     """
 
+    strategy_name = "cd_adam"
     comm_mode = "markov"
-
-
-class ErrorFeedbackAMSGrad(_AMSGradOnCompressed):
-    """Baseline: error-feedback compressed gradients (worker + server error) + AMSGrad."""
-
-    comm_mode = "error_feedback"
-
-
-class NaiveCompressedAMSGrad(_AMSGradOnCompressed):
-    """Baseline: compressed gradients without any feedback + AMSGrad (stalls, CD-Adam paper Fig. 2)."""
-
-    comm_mode = "plain"
-
-
-class EF21(_CompressedGradient):
-    """EF21 (Richtarik et al.): Markov-compressed gradients both ways + plain SGD, x -= lr g_tilde.
-
-    Memory per parameter: g_hat_i and g_tilde (fp32) + 1/n server mean.
-    """
-
-    comm_mode = "markov"
-
-    def __init__(self, params: Iterable, lr: float = 1e-2, weight_decay: float = 0.0,
-                 block_size: int | None = None, *, compressor: str = "sign", topk_ratio: float = 0.01,
-                 bucket_cap_mb: float = 25.0, group=None, simulate_workers: int | None = None) -> None:
-        if lr < 0 or weight_decay < 0:
-            raise ValueError(f"lr and weight_decay must be non-negative, got {lr}, {weight_decay}")
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay), block_size, compressor, topk_ratio,
-                         bucket_cap_mb=bucket_cap_mb, group=group, simulate_workers=simulate_workers)
-
-    def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
-        self._apply(b, b.synced, group, has_grad, decoupled_wd=group["weight_decay"])

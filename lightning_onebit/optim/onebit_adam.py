@@ -1,4 +1,4 @@
-"""1-bit Adam (Tang et al. 2021) with the Tarasov-Ershov epsilon fix, and QAdam (Bagua)."""
+"""1-bit Adam (Tang et al. 2021) with the Tarasov-Ershov epsilon fix."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ..comm import any_across, any_across_bytes, mean_allreduce, ring_allreduce_bytes
-from ..compress import Codec, MinMaxUInt8Codec, SignCodec
-from .base import CompressedOptimizer
+from ..compress import Codec, SignCodec
+from .base import CompressedOptimizer, check_hyperparameters
 from .buckets import Bucket, _simulated_mean
 
-__all__ = ["OnebitAdam", "QAdam"]
+__all__ = ["OnebitAdam"]
 
 
 def _bias_correction(beta: float, step: int) -> float:
@@ -70,21 +70,17 @@ class OnebitAdam(CompressedOptimizer):
         bucket_cap_mb, group, simulate_workers: see :class:`CompressedOptimizer`.
     """
 
+    strategy_name = "onebit_adam"
     flat_state = ("exp_avg", "exp_avg_sq")
     comm_mode = "error_feedback"
     codec_cls: type[Codec] = SignCodec
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int | None = 1000,
-                 eps_inside_sqrt: bool = True, block_size: int | None = None, *,
+                 eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int | None = 1000, *,
+                 eps_inside_sqrt: bool = True, block_size: int | None = None,
                  bucket_cap_mb: float = 25.0, group=None, simulate_workers: int | None = None,
                  _defaults: dict | None = None) -> None:
-        if lr < 0:
-            raise ValueError(f"invalid learning rate {lr}")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"invalid betas {betas}")
-        if eps < 0 or weight_decay < 0:
-            raise ValueError(f"eps and weight_decay must be non-negative, got {eps}, {weight_decay}")
+        check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         eps_inside_sqrt=eps_inside_sqrt, block_size=block_size, **(_defaults or {}))
         self.block_size = block_size
@@ -217,25 +213,3 @@ class OnebitAdam(CompressedOptimizer):
         # m is zero where v is (see _absorb), so those coordinates do not move
         self._apply(b, b.flat["exp_avg"], group, has_grad, decoupled_wd=group["weight_decay"],
                     step_size=self._step_sizes(b, group["lr"], group["betas"][0]), denom=self._denominator(b, group))
-
-
-class QAdam(OnebitAdam):
-    r"""QAdam (Bagua): AdamW warm-up, then frozen variance and 8-bit min-max quantised
-    momentum exchanged with the two-stage scheme, without error feedback.
-
-    Same update as :class:`OnebitAdam`, including ``eps_inside_sqrt`` (default ``True``: with
-    ``sqrt(v_hat) + eps`` the digits quickstart diverges at lr 3e-3 after the switch, as 1-bit Adam
-    does). Unlike Bagua, weight decay keeps working after warm-up and no gradient is dropped at the
-    switch. Memory per parameter: m, v (fp32): 8 bytes of state.
-    """
-
-    comm_mode = "plain"
-    codec_cls = MinMaxUInt8Codec
-
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int | None = 1000,
-                 block_size: int | None = None, eps_inside_sqrt: bool = True, *, bucket_cap_mb: float = 25.0,
-                 group=None, simulate_workers: int | None = None) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, warmup_steps, eps_inside_sqrt=eps_inside_sqrt,
-                         block_size=block_size, bucket_cap_mb=bucket_cap_mb, group=group,
-                         simulate_workers=simulate_workers)

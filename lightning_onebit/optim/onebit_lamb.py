@@ -61,21 +61,23 @@ class OnebitLamb(OnebitAdam):
     Memory per parameter: m, v, v_fresh, m_prev (fp32) + worker error + 1/n server error.
     """
 
+    strategy_name = "onebit_lamb"
+    converts_lamb = True
     flat_state = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "exp_avg_prev")
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int | None = 1000,
+                 eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int | None = 1000, *,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                  factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
-                 eps_inside_sqrt: bool = True, block_size: int | None = None, *,
+                 eps_inside_sqrt: bool = True, block_size: int | None = None,
                  bucket_cap_mb: float = 25.0, group=None, simulate_workers: int | None = None) -> None:
         bounds = dict(max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
                       factor_min=factor_min, factor_threshold=factor_threshold)
         _check_bounds(bounds)
         self._united_scale: float | None = None
-        super().__init__(params, lr, betas, eps, weight_decay, warmup_steps, eps_inside_sqrt, block_size,
-                         bucket_cap_mb=bucket_cap_mb, group=group, simulate_workers=simulate_workers,
-                         _defaults=bounds)
+        super().__init__(params, lr, betas, eps, weight_decay, warmup_steps, eps_inside_sqrt=eps_inside_sqrt,
+                         block_size=block_size, bucket_cap_mb=bucket_cap_mb, group=group,
+                         simulate_workers=simulate_workers, _defaults=bounds)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

@@ -1,8 +1,11 @@
-"""Lightning strategies; importing this module registers the strategy names."""
+"""Lightning strategies; importing this module registers the strategy names.
+
+:mod:`.ddp_hooks` holds the baselines: plain DDP with PyTorch's fp16/bf16/PowerSGD comm hooks."""
 
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .compressed import ALGORITHMS, CompressedDDPStrategy, destroy_process_group_at_exit
+from .ddp_hooks import HookDDPStrategy, hook_strategy
 
 
 class OnebitAdamStrategy(CompressedDDPStrategy):
@@ -31,5 +34,5 @@ class CDAdamStrategy(CompressedDDPStrategy):
 
 CompressedDDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ALGORITHMS", "CDAdamStrategy", "CompressedDDPStrategy", "OnebitAdamStrategy", "OnebitLambStrategy",
-           "QAdamStrategy", "destroy_process_group_at_exit"]
+__all__ = ["ALGORITHMS", "CDAdamStrategy", "CompressedDDPStrategy", "HookDDPStrategy", "OnebitAdamStrategy",
+           "OnebitLambStrategy", "QAdamStrategy", "destroy_process_group_at_exit", "hook_strategy"]

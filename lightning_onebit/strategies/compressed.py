@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import logging
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -43,28 +42,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from ..compress.kernels import apply_thread_budget
-from ..optim import EF21, CDAdam, ErrorFeedbackAMSGrad, NaiveCompressedAMSGrad, OnebitAdam, OnebitLamb, QAdam
-from ..optim.base import CompressedOptimizer
-
-log = logging.getLogger(__name__)
+from ..optim import CompressedOptimizer
+from ..optim.base import _is_lamb
 
 __all__ = ["ALGORITHMS", "CompressedDDPStrategy", "destroy_process_group_at_exit"]
 
-#: strategy name -> (optimizer class, what configure_optimizers may return instead)
-ALGORITHMS: dict[str, type[CompressedOptimizer]] = {
-    "onebit_adam": OnebitAdam,
-    "onebit_lamb": OnebitLamb,
-    "qadam": QAdam,
-    "cd_adam": CDAdam,
-    "ef21": EF21,
-    "ef_amsgrad": ErrorFeedbackAMSGrad,
-    "naive_amsgrad": NaiveCompressedAMSGrad,
-}
-_ADAM_LIKE = (torch.optim.Adam, torch.optim.AdamW)
-
-
-def _is_lamb(opt: Optimizer) -> bool:
-    return "lamb" in type(opt).__name__.lower()
+#: strategy name -> optimizer class (each optimizer names its strategy, see CompressedOptimizer)
+ALGORITHMS: dict[str, type[CompressedOptimizer]] = CompressedOptimizer.algorithms()
 
 
 _CLEANUP_REGISTERED = False
@@ -204,58 +188,24 @@ class CompressedDDPStrategy(DDPStrategy):
                 _mark_step_for_schedulers(new)
         self.optimizers = [new]
         self._converted_from = type(opt).__name__
-        log.info(f"lightning_onebit: converted {type(opt).__name__} to {type(new).__name__} for strategy {name!r}")
-        if trainer.is_global_zero:
-            print(f"lightning_onebit: converted {type(opt).__name__} to {type(new).__name__} "
-                  f"(same hyperparameters) for strategy {name!r}")
+        rank_zero_info(f"lightning_onebit: converted {type(opt).__name__} to {type(new).__name__} "
+                       f"(same hyperparameters) for strategy {name!r}")
 
     def _convert(self, opt: Optimizer) -> CompressedOptimizer:
         name, cls = self.algorithm, self.optimizer_cls
-        ok = isinstance(opt, _ADAM_LIKE) or (cls is OnebitLamb and _is_lamb(opt))
-        if not ok:
-            raise ValueError(
-                f"strategy {name!r} needs an Adam-family optimizer: return torch.optim.AdamW (or Adam"
-                f"{', or a LAMB' if cls is OnebitLamb else ''}) or {cls.__name__} from configure_optimizers; "
-                f"got {type(opt).__name__}. For SGD-style training use strategy='ef21' or plain 'ddp'.")
-        d = opt.defaults
-        if d.get("amsgrad"):
-            raise ValueError(f"strategy {name!r}: Adam(amsgrad=True) cannot be converted; use cd_adam (AMSGrad) "
-                             "or amsgrad=False")
-        decoupled = isinstance(opt, torch.optim.AdamW) or d.get("decoupled_weight_decay", False) or _is_lamb(opt)
-        if any(g.get("weight_decay", 0) for g in opt.param_groups) and not decoupled:
-            raise ValueError(f"strategy {name!r}: torch.optim.Adam with weight_decay is L2-regularised Adam, which "
-                             "the compressed optimizers do not implement; use torch.optim.AdamW (decoupled)")
-        kw = dict(self.optimizer_kwargs)
-        if cls is EF21:
-            kw.update(lr=d["lr"])
-        elif cls in (CDAdam, ErrorFeedbackAMSGrad, NaiveCompressedAMSGrad):
-            kw.update(lr=d["lr"], betas=d.get("betas", (0.9, 0.99)), nu=d.get("eps", 1e-8),
-                      weight_decay=d.get("weight_decay", 0.0))
-        else:
-            kw.update(lr=d["lr"], betas=d.get("betas", (0.9, 0.999)), eps=d.get("eps", 1e-8),
-                      weight_decay=d.get("weight_decay", 0.0))
-            kw.setdefault("warmup_steps", None)  # the PhaseSwitch callback decides
-        groups = []
-        for g in opt.param_groups:
-            ng = {k: v for k, v in g.items() if k in ("params", "lr", "weight_decay", "initial_lr", "betas")}
-            if cls in (CDAdam, ErrorFeedbackAMSGrad, NaiveCompressedAMSGrad) and "eps" in g:
-                ng["nu"] = g["eps"]
-            elif "eps" in g and cls is not EF21:
-                ng["eps"] = g["eps"]
-            if cls is EF21:
-                ng.pop("betas", None)
-            groups.append(ng)
-        if cls is OnebitLamb and not _is_lamb(opt):
+        try:
+            new = cls.from_optimizer(opt, **self.optimizer_kwargs)
+        except ValueError as exc:
+            raise ValueError(f"strategy {name!r}: {exc}. Return {cls.__name__} (or an optimizer it converts "
+                             "from) from configure_optimizers; for SGD-style training use strategy='ef21' or "
+                             "plain 'ddp'.") from exc
+        if cls.converts_lamb and not _is_lamb(opt):
             # LAMB moves each layer by lr * ||w|| per step, Adam by ~lr per coordinate: the same lr
-            # is a much smaller step for LAMB (measured: an Adam lr of 1e-3 barely moves the loss)
-            rank_zero_warn(f"strategy {name!r} converts {type(opt).__name__} to OnebitLamb with the same lr "
-                           f"({d['lr']}); LAMB scales each layer's step to lr * ||w||, so an Adam learning rate "
-                           "is usually too small for it. Return a LAMB (or OnebitLamb) with a LAMB learning rate "
-                           "to silence this.")
-        new = cls(groups, **kw)
-        for g_old, g_new in zip(opt.param_groups, new.param_groups, strict=True):
-            if "initial_lr" in g_old:
-                g_new["initial_lr"] = g_old["initial_lr"]
+            # is a much smaller step for LAMB (an Adam lr of 1e-3 barely moves the loss)
+            rank_zero_warn(f"strategy {name!r} converts {type(opt).__name__} to {cls.__name__} with the same lr "
+                           f"({opt.defaults['lr']}); LAMB scales each layer's step to lr * ||w||, so an Adam learning "
+                           f"rate is usually too small for it. Return a LAMB (or {cls.__name__}) with a LAMB "
+                           "learning rate to silence this.")
         return new
 
     def _install_agreeing_scaler(self) -> None:
@@ -269,7 +219,7 @@ class CompressedDDPStrategy(DDPStrategy):
 
         if opt.compressing or getattr(opt, "warmup_steps", None) is not None:
             return
-        if not isinstance(opt, OnebitAdam):  # algorithms without warm-up
+        if not opt.has_warmup:
             return
         if any(isinstance(cb, PhaseSwitch) for cb in trainer.callbacks):
             return

@@ -1,4 +1,4 @@
-"""PyTorch's DDP communication hooks as Lightning strategies: the baselines of issue 7.
+"""PyTorch's DDP communication hooks as Lightning strategies: the baselines compression must beat.
 
 ``DDP + fp16/bf16 compress hook`` and ``DDP + PowerSGD`` (``torch.distributed.algorithms.ddp_comm_hooks``)
 are what 1-bit Adam has to beat. :func:`hook_strategy` builds them; the recipes (``conf/algorithm/ddp_fp16.yaml``
@@ -11,7 +11,7 @@ etc.) and ``benchmarks/e2e.py`` both use it. Two workarounds make them run on CP
 PowerSGD also needs :func:`serialized` on gloo (one bucket in flight at a time; see there).
 
 :func:`hook_step_bytes` says what a hook sends per rank per step, as ring-allreduce bytes, so the recipes'
-byte accounting (``recipes.callbacks.DDPCommCounter``) charges each baseline what it actually sends.
+byte accounting (``DDPCommCounter``) charges each baseline what it actually sends.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from lightning_onebit.comm import ring_allreduce_bytes
+from ..comm import ring_allreduce_bytes
 
 __all__ = ["HOOK_KINDS", "HookDDPStrategy", "bf16_hook_cpu", "hook_step_bytes", "hook_strategy", "make_comm_hook",
            "serialized"]
