@@ -1,19 +1,18 @@
 """Experiment code run from the repository (not installed): ``python recipes/train.py``.
 
-Layering (DESIGN.md section 2): recipes import lightning_onebit, never the other way round.
+Layering (docs/design.md): recipes import lightning_onebit, never the other way round.
 ``conf/`` holds the Hydra config tree these modules read.
+
+Imports between the modules form no cycle (``tests/test_recipes.py`` checks it, function-level
+imports included):
+
+* leaves, importing no other recipe module: :mod:`~recipes.common` (shared helpers),
+  :mod:`~recipes.baselines`;
+* :mod:`~recipes.algorithms` (config entry -> optimizer and strategy), :mod:`~recipes.callbacks`,
+  :mod:`~recipes.report`;
+* the experiments' data and models: :mod:`~recipes.data`, :mod:`~recipes.models`,
+  :mod:`~recipes.vision`, :mod:`~recipes.lm`, :mod:`~recipes.nlp` (none imports another);
+* :mod:`~recipes.registry`, the one place that maps config names to datamodules, networks and
+  LightningModules (it imports :mod:`~recipes.nlp`, which needs transformers, only when used);
+* :mod:`~recipes.runners`, then :mod:`~recipes.train` (the Hydra entry point).
 """
-
-from __future__ import annotations
-
-import importlib
-from types import ModuleType
-
-
-def optional_import(name: str) -> ModuleType:
-    """Import a dependency of the recipes that the library itself does not need
-    (scikit-learn, matplotlib), saying which extra installs it when it is missing."""
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        raise ImportError(f"the recipes need {name.split('.')[0]}: pip install -e '.[recipes]'") from exc

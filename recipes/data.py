@@ -1,16 +1,17 @@
-"""Data for the recipes: Lightning datamodules and the LibSVM loader.
+"""Data for the recipes: the digits datamodule and the LibSVM loader.
 
 Every dataset honours ``data.root`` (where it lives) and ``data.download``. A dataset that
-is missing while ``download`` is off fails at once with :class:`DatasetMissingError`, which
-names the path and says how to get the data, before any process is started or any step
-is taken. New datamodules (CIFAR-10, GLUE, SQuAD) register in :data:`DATAMODULES`.
+is missing while ``download`` is off fails at once with
+:class:`~recipes.common.DatasetMissingError`, which names the path and says how to get the
+data, before any process is started or any step is taken. Datamodules are looked up by
+``data.name`` in :data:`recipes.registry.DATAMODULES`.
 """
 
 from __future__ import annotations
 
 import os
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,27 +20,15 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from . import optional_import
+from .common import optional_import, require
 
-__all__ = ["BUNDLED_BINARY", "DATAMODULES", "LIBSVM_DATASETS", "LIBSVM_URL", "DatasetMissingError", "DigitsDataModule",
-           "build_datamodule", "libsvm_path", "load_libsvm"]
+__all__ = ["BUNDLED_BINARY", "LIBSVM_DATASETS", "LIBSVM_URL", "DigitsDataModule", "libsvm_path", "load_libsvm"]
 
 #: the LibSVM binary-classification collection (CD-Adam paper, section 7.1)
 LIBSVM_URL = "https://www.csie.ntu.edu.tw/~cjlin/libsvmtools/datasets/binary"
 LIBSVM_DATASETS = ("phishing", "mushrooms", "a9a", "w8a")
 #: binary problems made from data bundled with scikit-learn (offline), see :func:`_bundled_binary`
 BUNDLED_BINARY = ("breast_cancer", "digits")
-
-
-class DatasetMissingError(FileNotFoundError):
-    """A dataset is not where the config says and ``data.download`` is off."""
-
-
-def require(path: Path, how_to_get: str) -> Path:
-    """``path`` if it exists, else a :class:`DatasetMissingError` naming it and the remedy."""
-    if not path.exists():
-        raise DatasetMissingError(f"dataset not found: {path.resolve()}\n{how_to_get}")
-    return path
 
 
 # -- Lightning datamodules ------------------------------------------------------------------
@@ -67,49 +56,6 @@ class DigitsDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=256, shuffle=False, num_workers=self.num_workers)
-
-
-def cifar10(**kwargs: Any) -> L.LightningDataModule:
-    """:class:`recipes.vision.CIFAR10DataModule`, imported here so that torchvision is needed
-    only by the CIFAR-10 experiments."""
-    from .vision import CIFAR10DataModule
-
-    return CIFAR10DataModule(**kwargs)
-
-
-def glue(**kwargs: Any) -> L.LightningDataModule:
-    """:class:`recipes.nlp.GlueDataModule`, imported here so that transformers and datasets are
-    needed only by the BERT experiments."""
-    from .nlp import GlueDataModule
-
-    return GlueDataModule(**kwargs)
-
-
-def squad(**kwargs: Any) -> L.LightningDataModule:
-    """:class:`recipes.nlp.SquadDataModule` (imported on use, like :func:`glue`)."""
-    from .nlp import SquadDataModule
-
-    return SquadDataModule(**kwargs)
-
-
-def markov(**kwargs: Any) -> L.LightningDataModule:
-    """:class:`recipes.lm.MarkovTextDataModule` (imported on use, like :func:`glue`)."""
-    from .lm import MarkovTextDataModule
-
-    return MarkovTextDataModule(**kwargs)
-
-
-#: data.name -> datamodule class; its constructor takes the rest of the ``data`` config + ``seed``
-DATAMODULES: dict[str, Callable[..., L.LightningDataModule]] = {"digits": DigitsDataModule, "cifar10": cifar10,
-                                                                "glue": glue, "squad": squad, "markov": markov}
-
-
-def build_datamodule(data_cfg: Mapping[str, Any], seed: int = 0) -> L.LightningDataModule:
-    cfg = dict(data_cfg)
-    name = cfg.pop("name")
-    if name not in DATAMODULES:
-        raise ValueError(f"unknown data.name {name!r}; choose one of {sorted(DATAMODULES)}")
-    return DATAMODULES[name](seed=seed, **cfg)
 
 
 # -- LibSVM files (logreg_nonconvex) ---------------------------------------------------------

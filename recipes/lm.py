@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from .algorithms import build_optimizer
-from .models import StopOnDivergence
+from .common import StopOnDivergence
 
 __all__ = ["LanguageModel", "MarkovSource", "MarkovTextDataModule", "TinyLM"]
 

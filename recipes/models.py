@@ -1,12 +1,13 @@
-"""Models of the recipes: networks + a LightningModule for the Lightning experiments, and the
+"""Models of the recipes: the MLP and a LightningModule for the Lightning experiments, and the
 closed-form objectives of the simulated studies (CD-Adam's eq. 7.1, Tarasov-Ershov's quadratic).
 
-New networks (the CIFAR ResNet-18/VGG-16, BERT) register in :data:`NETWORKS`.
+Networks are looked up by ``model.name`` in :data:`recipes.registry.NETWORKS` (the CIFAR ones
+live in :mod:`recipes.vision`, the language model in :mod:`recipes.lm`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning as L
@@ -14,12 +15,10 @@ import torch
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_onebit.optim import NonFiniteGradientError
-
 from .algorithms import build_optimizer
+from .common import StopOnDivergence
 
-__all__ = ["NETWORKS", "Classifier", "NonconvexLogReg", "Quadratic", "StopOnDivergence", "build_network",
-           "mlp"]
+__all__ = ["Classifier", "NonconvexLogReg", "Quadratic", "mlp"]
 
 
 def mlp(in_features: int, hidden: Sequence[int], num_classes: int) -> nn.Sequential:
@@ -30,64 +29,6 @@ def mlp(in_features: int, hidden: Sequence[int], num_classes: int) -> nn.Sequent
         width = h
     layers.append(nn.Linear(width, num_classes))
     return nn.Sequential(*layers)
-
-
-# The CIFAR networks live in recipes/vision.py with the CIFAR-10 data; imported on use.
-def resnet18_cifar(**kwargs: Any) -> nn.Module:
-    from . import vision
-
-    return vision.resnet18_cifar(**kwargs)
-
-
-def vgg16_cifar(**kwargs: Any) -> nn.Module:
-    from . import vision
-
-    return vision.vgg16_cifar(**kwargs)
-
-
-#: model.name -> factory taking the rest of the ``model`` config as keyword arguments
-NETWORKS: dict[str, Callable[..., nn.Module]] = {"mlp": mlp, "resnet18_cifar": resnet18_cifar,
-                                                 "vgg16_cifar": vgg16_cifar}
-
-
-def build_network(model_cfg: Mapping[str, Any]) -> nn.Module:
-    cfg = dict(model_cfg)
-    name = cfg.pop("name")
-    if name not in NETWORKS:
-        raise ValueError(f"unknown model.name {name!r}; choose one of {sorted(NETWORKS)}")
-    return NETWORKS[name](**cfg)
-
-
-class StopOnDivergence:
-    """LightningModule mixin (list it before ``L.LightningModule``): a divergence is a result,
-    not a crash. Sets ``status`` and stops the fit, keeping what was logged, so the report says
-    so and a multirun goes on to the other algorithms.
-
-    A compressed algorithm that diverges raises NonFiniteGradientError on every rank at the
-    same step (the library agrees on it), from the DDP backward hook (compression phase) or
-    from step() (warm-up).
-    """
-
-    status: str = "ok"
-
-    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        try:
-            super().backward(loss, *args, **kwargs)
-        except NonFiniteGradientError as exc:
-            self._diverged(exc)
-
-    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
-        # After a divergence caught in backward, step() finds the same non-finite bucket and
-        # raises again on every rank: no rank changes its parameters.
-        try:
-            super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        except NonFiniteGradientError as exc:
-            self._diverged(exc)
-
-    def _diverged(self, exc: Exception) -> None:
-        if self.status == "ok":
-            self.status = f"diverged at step {self.trainer.global_step + 1} ({type(exc).__name__})"
-        self.trainer.should_stop = True
 
 
 class Classifier(StopOnDivergence, L.LightningModule):

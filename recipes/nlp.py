@@ -5,7 +5,7 @@ experiments ``bert_glue`` and ``bert_squad`` (``conf/experiment/``). Data follow
 :mod:`recipes.data`: ``data.path`` (a ``DatasetDict`` saved with ``save_to_disk``) wins, else
 ``<data.root>/glue/<task>`` or ``<data.root>/squad``; with ``data.download=true`` a missing set
 is fetched from the Hugging Face Hub once (prepare_data) and saved there; otherwise
-:class:`~recipes.data.DatasetMissingError` names the path and the remedy at construction,
+:class:`~recipes.common.DatasetMissingError` names the path and the remedy at construction,
 before any process is started.
 
 Validation under DDP is exact: :class:`EvalShards` gives every rank whole examples (all the
@@ -16,8 +16,8 @@ Lightning's DistributedSampler gets that by repeating samples, which would count
 Keeping an example's features together makes SQuAD post-processing local to a rank (no
 gather of logits); torchmetrics then sums the metric states over the ranks.
 
-This module imports transformers and datasets; :mod:`recipes.data` and :mod:`recipes.runners`
-import it only when a BERT experiment is built.
+This module imports transformers and datasets; :mod:`recipes.registry` imports it only when a
+BERT experiment is built.
 """
 
 from __future__ import annotations
@@ -41,15 +41,12 @@ from torchmetrics.regression import PearsonCorrCoef, SpearmanCorrCoef
 from torchmetrics.text import SQuAD
 
 from .algorithms import build_optimizer
-from .data import require
-from .models import StopOnDivergence
+from .common import StopOnDivergence, optional_import, require
 
-try:
-    import datasets
-    import transformers
-except ImportError as exc:  # the recipes' other experiments do not need them
-    raise ImportError("the BERT recipes (experiment=bert_glue, bert_squad) need transformers and datasets: "
-                      "pip install -e '.[nlp]'") from exc
+# the recipes' other experiments do not need them
+_MISSING = "the BERT recipes (experiment=bert_glue, bert_squad) need transformers and datasets: pip install -e '.[nlp]'"
+datasets = optional_import("datasets", _MISSING)
+transformers = optional_import("transformers", _MISSING)
 
 __all__ = ["GLUE_TASKS", "EvalShards", "GlueDataModule", "GlueModule", "GlueTask", "SquadDataModule", "SquadModule",
            "best_spans", "glue_module", "glue_task", "merge_best", "squad_module", "squad_targets"]
@@ -550,7 +547,7 @@ class SquadModule(_FineTune):
                       sync_dist=True)  # equal on every rank already, see GlueModule
 
 
-# -- factories for recipes.runners.MODULES ------------------------------------------------------------
+# -- factories for recipes.registry.MODULES -----------------------------------------------------------
 def _finetune_kwargs(cfg: DictConfig) -> dict[str, Any]:
     return {"name_or_path": str(cfg.model.name_or_path), "pretrained": bool(cfg.model.get("pretrained", True)),
             "schedule": cfg.optim.get("schedule"), "lr_warmup": OmegaConf.select(cfg, "optim.lr_warmup", default=0)}

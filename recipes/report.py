@@ -26,7 +26,7 @@ import numpy as np
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from . import optional_import
+from .common import optional_import
 
 __all__ = ["MultirunReport", "compare_bytes", "format_bytes", "plot_curves", "read_metrics", "runs_table",
            "write_comparison", "write_run_report"]

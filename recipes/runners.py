@@ -38,19 +38,16 @@ from lightning_onebit.optim import CompressedOptimizer, NonFiniteGradientError
 
 from .algorithms import build_optimizer, build_strategy, is_compressed
 from .callbacks import DDPCommCounter, RankRecord
-from .data import build_datamodule, libsvm_path, load_libsvm
-from .models import Classifier, NonconvexLogReg, Quadratic, build_network
+from .common import plain
+from .data import libsvm_path, load_libsvm
+from .models import NonconvexLogReg, Quadratic
+from .registry import MODULES, build_datamodule
 from .report import compare_bytes, format_bytes, runs_table, write_run_report
 
-__all__ = ["CONF_DIR", "MODULES", "RUNNERS", "build_classifier", "run", "run_lightning", "run_logreg",
-           "run_quadratic", "with_algorithm"]
+__all__ = ["CONF_DIR", "RUNNERS", "run", "run_lightning", "run_logreg", "run_quadratic", "with_algorithm"]
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 Record = dict[str, Any]
-
-
-def _container(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
 def with_algorithm(cfg: DictConfig, name: str) -> DictConfig:
@@ -93,51 +90,16 @@ def _scoped_environ() -> Iterator[None]:
             os.environ.update(saved)
 
 
-def build_classifier(cfg: DictConfig, alg: dict[str, Any]) -> L.LightningModule:
-    return Classifier(build_network(_container(cfg.model)), cfg.model.num_classes, alg,
-                      milestones=_container(cfg.optim.milestones), gamma=cfg.optim.gamma)
-
-
-def bert_glue(cfg: DictConfig, alg: dict[str, Any]) -> L.LightningModule:
-    """:func:`recipes.nlp.glue_module`; recipes.nlp (transformers) is imported only when used."""
-    from .nlp import glue_module
-
-    return glue_module(cfg, alg)
-
-
-def bert_squad(cfg: DictConfig, alg: dict[str, Any]) -> L.LightningModule:
-    """:func:`recipes.nlp.squad_module` (imported on use, like :func:`bert_glue`)."""
-    from .nlp import squad_module
-
-    return squad_module(cfg, alg)
-
-
-def language_model(cfg: DictConfig, alg: dict[str, Any]) -> L.LightningModule:
-    """:class:`recipes.lm.LanguageModel` on the Markov source of ``data`` (its entropy rate is the floor
-    of the validation loss)."""
-    from .lm import LanguageModel, MarkovSource
-
-    net = {k: v for k, v in _container(cfg.model).items() if k != "name"}
-    source = MarkovSource(cfg.data.vocab, cfg.data.branching, cfg.data.source_seed)
-    return LanguageModel(net, alg, source.entropy_rate())
-
-
-#: experiment.module -> factory (cfg, resolved algorithm entry) -> LightningModule; the
-#: lightning runner fits it with the datamodule named by ``data.name``
-MODULES: dict[str, Callable[[DictConfig, dict[str, Any]], L.LightningModule]] = {
-    "classifier": build_classifier, "bert_glue": bert_glue, "bert_squad": bert_squad, "lm": language_model}
-
-
 def _fit(cfg: DictConfig, out_dir: Path, start_method: str) -> Record | None:
-    alg = _container(cfg.algorithm)
+    alg = plain(cfg.algorithm)
     label = alg["name"]
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = build_datamodule(_container(cfg.data), seed=cfg.seed)
+    datamodule = build_datamodule(plain(cfg.data), seed=cfg.seed)
     kind = cfg.experiment.get("module", "classifier")
     if kind not in MODULES:
         raise ValueError(f"unknown experiment.module {kind!r}; choose one of {sorted(MODULES)}")
     module = MODULES[kind](cfg, alg)
-    tkw = _container(cfg.trainer)
+    tkw = plain(cfg.trainer)
     backend = tkw.pop("process_group_backend", None)
     tkw.pop("start_method", None)
     ranks_file = out_dir / "ranks" / f"{label}.json"
@@ -267,10 +229,10 @@ def _simulate(alg: dict[str, Any], label: str, x0: torch.Tensor, worker_grads: C
 
 def run_logreg(cfg: DictConfig, out_dir: Path, *, multirun: bool = False) -> list[Record]:
     exp = cfg.experiment
-    path = libsvm_path(_container(cfg.data))
+    path = libsvm_path(plain(cfg.data))
     X, y = load_libsvm(path, shuffle=bool(cfg.data.get("shuffle")), seed=cfg.seed)
     prob = NonconvexLogReg(X, y, exp.workers, lam=exp.lam, batch_size=exp.batch_size, seed=cfg.seed)
-    alg = _container(cfg.algorithm)
+    alg = plain(cfg.algorithm)
     with _threads(exp.get("threads")):
         rec, _ = _simulate(alg, alg["name"], torch.zeros(prob.dim), prob.worker_grads,
                            lambda x: {"loss": prob.loss(x), "grad_norm": float(prob.grad(x).norm())},
@@ -282,7 +244,7 @@ def run_logreg(cfg: DictConfig, out_dir: Path, *, multirun: bool = False) -> lis
 def run_quadratic(cfg: DictConfig, out_dir: Path, *, multirun: bool = False) -> list[Record]:
     exp = cfg.experiment
     prob = Quadratic(exp.dim, exp.log10_min_curvature)
-    base = _container(cfg.algorithm)
+    base = plain(cfg.algorithm)
     variants: list[tuple[str, dict[str, Any]]] = [(base["name"], {})]
     if exp.compare_eps and "eps_inside_sqrt" in base:
         variants = [(f"{base['name']}-eps_outside_sqrt", {"eps_inside_sqrt": False}),

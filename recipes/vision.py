@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from .data import require
+from .common import optional_import, require
 
 __all__ = ["CIFAR10_DIR", "CIFAR10_FILES", "CIFAR10_MEAN", "CIFAR10_STD", "CIFAR10_URL", "CIFAR10DataModule",
            "ResNetCIFAR", "VGGCIFAR", "resnet18_cifar", "vgg16_cifar"]
@@ -36,12 +36,8 @@ CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 
 def _torchvision() -> ModuleType:
-    try:
-        import torchvision
-    except ImportError as exc:
-        raise ImportError("the CIFAR-10 recipes need torchvision built for your torch, e.g. "
-                          "pip install torch==2.14.1 torchvision==0.29.1, then pip install -e '.[vision]'") from exc
-    return torchvision
+    return optional_import("torchvision", "the CIFAR-10 recipes need torchvision built for your torch, e.g. pip "
+                           "install torch==2.14.1 torchvision==0.29.1, then pip install -e '.[vision]'")
 
 
 @functools.cache
@@ -83,7 +79,7 @@ class CIFAR10DataModule(L.LightningDataModule):
     Args:
         root: the directory holding ``cifar-10-batches-py/`` (``data.root``).
         download: fetch and extract the archive into ``root`` if it is missing (once per
-            node, in ``prepare_data``). Off and missing: :class:`~recipes.data.DatasetMissingError`
+            node, in ``prepare_data``). Off and missing: :class:`~recipes.common.DatasetMissingError`
             from the constructor, i.e. before any process is started.
         verify: check the files' md5 against the published archive (torchvision's check);
             ``False`` only checks that they exist.

@@ -1,6 +1,8 @@
 """The Hydra recipes (conf/ + recipes/): composition, the offline quickstart end to end with
-2 processes, the simulated logreg and quadratic studies, outputs and data errors."""
+2 processes, the simulated logreg and quadratic studies, outputs and data errors, and the
+imports between the recipe modules."""
 
+import ast
 import json
 import math
 import os
@@ -26,7 +28,8 @@ sys.path.insert(0, str(ROOT))  # `recipes` is run from the repository, not insta
 
 from lightning_onebit.strategies.ddp_hooks import HookDDPStrategy, hook_step_bytes  # noqa: E402
 from recipes.algorithms import build_optimizer, build_strategy, is_compressed  # noqa: E402
-from recipes.data import LIBSVM_URL, DatasetMissingError, libsvm_path, load_libsvm  # noqa: E402
+from recipes.common import DatasetMissingError  # noqa: E402
+from recipes.data import LIBSVM_URL, libsvm_path, load_libsvm  # noqa: E402
 from recipes.report import main as report_main  # noqa: E402
 from recipes.runners import _start_method, run  # noqa: E402
 
@@ -48,6 +51,89 @@ def _train(args, cwd, timeout=240):
                           env={**os.environ, "HYDRA_FULL_ERROR": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def recipe_import_graph(package: Path) -> dict[str, set[str]]:
+    """module -> the modules of ``package`` it imports, at module level or inside functions
+    (``ast.walk`` sees every import statement), plus its package (imported before any of
+    its modules)."""
+    pkg = package.name
+    stems = {p.stem for p in package.glob("*.py")}
+
+    def module(stem: str) -> str:
+        return pkg if stem == "__init__" else f"{pkg}.{stem}"
+
+    graph = {}
+    for path in sorted(package.glob("*.py")):
+        targets: list[str] = []
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: recipes is a flat package, so one dot
+                    assert node.level == 1, f"{path}: {ast.unparse(node)}"
+                    base = f"{pkg}.{base}" if base else pkg
+                targets += [base, *(f"{base}.{a.name}" for a in node.names)]  # `from . import x`: module x
+        deps = {module(t.split(".")[1]) if len(t.split(".")) > 1 else pkg
+                for t in targets if t.split(".")[0] == pkg and (t.count(".") == 0 or t.split(".")[1] in stems)}
+        if path.stem != "__init__":
+            deps.add(pkg)
+        deps.discard(module(path.stem))
+        graph[module(path.stem)] = deps
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_import_cycle_finder_sees_function_level_imports(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from .b import f\n")
+    (pkg / "b.py").write_text("def f():\n    from . import a\n    return a\n")
+    (pkg / "c.py").write_text("import pkg.a\n")
+    graph = recipe_import_graph(pkg)
+    assert graph == {"pkg": set(), "pkg.a": {"pkg", "pkg.b"}, "pkg.b": {"pkg", "pkg.a"}, "pkg.c": {"pkg", "pkg.a"}}
+    assert import_cycles(graph) == [["pkg.a", "pkg.b"]]
+
+
+def test_recipe_modules_import_each_other_without_cycles():
+    graph = recipe_import_graph(ROOT / "recipes")
+    assert import_cycles(graph) == [], {m: sorted(d) for m, d in graph.items()}
+    # the shared helpers are leaves: nothing of the recipes but their package
+    for leaf in ("recipes", "recipes.common", "recipes.baselines"):
+        assert graph[leaf] <= {"recipes"}, (leaf, graph[leaf])
+    # the experiments' data and model modules leave the name -> builder tables to the registry
+    for m in ("recipes.data", "recipes.models", "recipes.vision", "recipes.lm", "recipes.nlp"):
+        assert "recipes.registry" not in graph[m] and "recipes.runners" not in graph[m], m
 
 
 def test_config_tree_has_the_groups_of_issue_6():

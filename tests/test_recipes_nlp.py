@@ -28,7 +28,7 @@ from torchmetrics.text import SQuAD  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `recipes` is run from the repository, not installed
 
-from recipes.data import DATAMODULES, DatasetMissingError, build_datamodule  # noqa: E402
+from recipes.common import DatasetMissingError  # noqa: E402
 from recipes.nlp import (  # noqa: E402
     GLUE_HUB,
     SQUAD_HUB,
@@ -39,6 +39,7 @@ from recipes.nlp import (  # noqa: E402
     merge_best,
     squad_targets,
 )
+from recipes.registry import DATAMODULES, build_datamodule  # noqa: E402
 from recipes.runners import run  # noqa: E402
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -436,7 +437,7 @@ def test_download_saves_the_hub_dataset_under_root_once(nlp, tmp_path, monkeypat
 
 def test_other_recipes_never_import_the_nlp_recipes_and_a_missing_extra_says_what_to_install(monkeypatch):
     # (torchmetrics itself imports transformers where it is installed, so that is not checked)
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import recipes.runners, recipes.data; "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import recipes.runners, recipes.registry; "
             "bad = [m for m in ('datasets', 'recipes.nlp') if m in sys.modules]; assert not bad, bad")
     proc = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

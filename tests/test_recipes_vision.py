@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT))  # `recipes` is run from the repository, not insta
 
 from test_recipes import _compose, _train  # noqa: E402
 
-from recipes.data import DatasetMissingError, build_datamodule  # noqa: E402
-from recipes.models import build_network  # noqa: E402
+from recipes.common import DatasetMissingError  # noqa: E402
+from recipes.registry import build_datamodule, build_network  # noqa: E402
 from recipes.runners import run  # noqa: E402
 from recipes.vision import (  # noqa: E402
     CIFAR10_FILES,
