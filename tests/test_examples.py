@@ -1,4 +1,4 @@
-"""The README's three ways to use the package, run as a user would."""
+"""The examples, run as a user would: the README's three ways to use the package, and the codec demo."""
 
 import os
 import subprocess
@@ -16,6 +16,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
     ("strategy_string.py", ["--epochs", "2"], "fewer than fp32 DDP"),
     ("strategy_object.py", ["--epochs", "2"], "compressing: True"),
     ("plain_ddp.py", ["--steps", "40"], "compressing: True"),
+    ("codec_demo.py", ["--numel", "4096", "--steps", "20"], "bytes per vector: fp32 16384, 1-bit"),
 ])
 def test_example_runs(tmp_path, script, args, expect):
     if script == "plain_ddp.py":

@@ -3,7 +3,7 @@
 Compresses a stream of gradient-like vectors three ways and shows what the package is
 built on: the wire shrinks ~32x (1-bit) or ~4x (8-bit), and with error feedback the sum
 of what was sent tracks the sum of the true vectors with a gap that does not grow.
-Runs in seconds on a CPU: ``python recipes/demo.py``.
+Runs on a CPU: ``python examples/codec_demo.py`` (``--numel``, ``--steps`` to change the size).
 """
 
 from __future__ import annotations
