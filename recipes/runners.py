@@ -152,8 +152,9 @@ def run_lightning(cfg: DictConfig, out_dir: Path, *, multirun: bool = False) -> 
 def _threads(n: int | None) -> Iterator[None]:
     """Run with ``n`` torch threads and a kernel thread budget of ``n``. The simulated problems are
     tiny (d ~ 10-300): every parallel kernel launch waits for all pool threads to be scheduled,
-    which on a few busy cores costs more than the work (measured up to 20x slower on 2 shared
-    cores)."""
+    which on a few busy cores costs more than the work. ``experiment.threads`` sets ``n`` (1 in
+    the configs; null leaves torch's and numba's defaults), so the two can be timed against
+    each other on any machine."""
     import numba
 
     saved = torch.get_num_threads(), thread_budget()

@@ -36,7 +36,7 @@ from recipes.runners import _start_method, run  # noqa: E402
 CONF = ROOT / "conf"
 EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
 ALGORITHMS = sorted(p.stem for p in (CONF / "algorithm").glob("*.yaml"))
-#: algorithm entry -> the PyTorch DDP comm hook it runs (issue 7's baselines)
+#: algorithm entry -> the PyTorch DDP comm hook it runs (the baselines with PyTorch's own compression)
 HOOK_BASELINES = {"ddp_fp16": "fp16", "ddp_bf16": "bf16", "powersgd_r1": "powersgd", "powersgd_r4": "powersgd"}
 TRAIN = [sys.executable, str(ROOT / "recipes" / "train.py")]
 
@@ -136,7 +136,7 @@ def test_recipe_modules_import_each_other_without_cycles():
         assert "recipes.registry" not in graph[m] and "recipes.runners" not in graph[m], m
 
 
-def test_config_tree_has_the_groups_of_issue_6():
+def test_config_tree_has_the_experiment_algorithm_and_trainer_groups():
     assert {"quickstart", "logreg_nonconvex", "quadratic_divergence"} <= set(EXPERIMENTS)
     assert {"adam", "onebit_adam", "onebit_lamb", "qadam", "cd_adam", "ef21", "ef_amsgrad",
             "naive_amsgrad", *HOOK_BASELINES} <= set(ALGORITHMS)
@@ -336,7 +336,7 @@ def test_multirun_writes_one_table_and_one_overlay_plot(tmp_path):
     assert sorted(p.name for p in sweep.glob("*/summary.json")) == ["summary.json"] * 3
 
 
-# -- the PyTorch comm-hook baselines of issue 7 (recipes/baselines.py) -----------------------
+# -- the PyTorch comm-hook baselines (recipes/baselines.py) ---------------------------------
 
 
 class _CensusNet(torch.nn.Module):
