@@ -8,7 +8,7 @@ import argparse
 import lightning as L
 from _digits import DigitsClassifier
 
-import lightning_onebit  # noqa: F401  (registers "onebit_adam", "qadam", "cd_adam", ...)
+import lightning_onebit  # registers "onebit_adam", "qadam", "cd_adam", ... with Lightning
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()

@@ -11,7 +11,8 @@ imports included):
 * :mod:`~recipes.algorithms` (config entry -> optimizer and strategy), :mod:`~recipes.callbacks`,
   :mod:`~recipes.report`;
 * the experiments' data and models: :mod:`~recipes.data`, :mod:`~recipes.models`,
-  :mod:`~recipes.vision`, :mod:`~recipes.lm`, :mod:`~recipes.nlp` (none imports another);
+  :mod:`~recipes.vision`, :mod:`~recipes.lm`, :mod:`~recipes.nlp` (none imports another, but
+  for :mod:`~recipes.lm` reusing :mod:`~recipes.data`'s in-memory datamodule);
 * :mod:`~recipes.registry`, the one place that maps config names to datamodules, networks and
   LightningModules (it imports :mod:`~recipes.nlp`, which needs transformers, only when used);
 * :mod:`~recipes.runners`, then :mod:`~recipes.train` (the Hydra entry point).

@@ -18,11 +18,12 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from .common import optional_import, require
 
-__all__ = ["BUNDLED_BINARY", "LIBSVM_DATASETS", "LIBSVM_URL", "DigitsDataModule", "libsvm_path", "load_libsvm"]
+__all__ = ["BUNDLED_BINARY", "LIBSVM_DATASETS", "LIBSVM_URL", "DigitsDataModule", "InMemoryDataModule",
+           "libsvm_path", "load_libsvm"]
 
 #: the LibSVM binary-classification collection (CD-Adam paper, section 7.1)
 LIBSVM_URL = "https://www.csie.ntu.edu.tw/~cjlin/libsvmtools/datasets/binary"
@@ -32,17 +33,33 @@ BUNDLED_BINARY = ("breast_cancer", "digits")
 
 
 # -- Lightning datamodules ------------------------------------------------------------------
-class DigitsDataModule(L.LightningDataModule):
+class InMemoryDataModule(L.LightningDataModule):
+    """Base of the small datamodules whose ``setup`` builds both splits in memory
+    (``train_set``, ``val_set``): training batches of ``batch_size``, shuffled; validation
+    batches of 256, in order."""
+
+    def __init__(self, batch_size: int, num_workers: int = 0, seed: int = 0) -> None:
+        super().__init__()
+        self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=256, shuffle=False, num_workers=self.num_workers)
+
+
+class DigitsDataModule(InMemoryDataModule):
     """scikit-learn's digits (1797 8x8 images, 10 classes), scaled to [0, 1], with a
     stratified validation split. It ships inside scikit-learn, so it is always available
     offline; ``root``/``download`` are accepted for a uniform interface and unused."""
 
     def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, num_workers: int = 0, seed: int = 0,
                  root: str | None = None, download: bool = False) -> None:
-        super().__init__()
-        self.batch_size, self.val_fraction, self.num_workers, self.seed = batch_size, val_fraction, num_workers, seed
-        self.train_set: TensorDataset | None = None
-        self.val_set: TensorDataset | None = None
+        super().__init__(batch_size, num_workers, seed)
+        self.val_fraction = val_fraction
 
     def setup(self, stage: str | None = None) -> None:
         X, y = optional_import("sklearn.datasets").load_digits(return_X_y=True)
@@ -50,12 +67,6 @@ class DigitsDataModule(L.LightningDataModule):
         Xtr, Xva, ytr, yva = split(X / 16.0, y, test_size=self.val_fraction, stratify=y, random_state=self.seed)
         self.train_set = TensorDataset(torch.tensor(Xtr, dtype=torch.float32), torch.tensor(ytr))
         self.val_set = TensorDataset(torch.tensor(Xva, dtype=torch.float32), torch.tensor(yva))
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=256, shuffle=False, num_workers=self.num_workers)
 
 
 # -- LibSVM files (logreg_nonconvex) ---------------------------------------------------------

@@ -15,10 +15,11 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
 from .algorithms import build_optimizer
 from .common import StopOnDivergence
+from .data import InMemoryDataModule
 
 __all__ = ["LanguageModel", "MarkovSource", "MarkovTextDataModule", "TinyLM"]
 
@@ -89,28 +90,21 @@ def lm_loss(net: nn.Module, seqs: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), seqs[:, 1:].reshape(-1))
 
 
-class MarkovTextDataModule(L.LightningDataModule):
+class MarkovTextDataModule(InMemoryDataModule):
     """``train_size`` and ``val_size`` sequences of ``length`` tokens from a :class:`MarkovSource`
     (its own seed ``source_seed``; the samples follow the run's ``seed``). Offline, no files."""
 
     def __init__(self, vocab: int = 64, branching: int = 3, source_seed: int = 0, length: int = 33,
                  train_size: int = 4096, val_size: int = 512, batch_size: int = 16, num_workers: int = 0,
                  seed: int = 0, root: str | None = None, download: bool = False) -> None:
-        super().__init__()
+        super().__init__(batch_size, num_workers, seed)
         self.source = MarkovSource(vocab, branching, source_seed)
         self.length, self.train_size, self.val_size = length, train_size, val_size
-        self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
 
     def setup(self, stage: str | None = None) -> None:
         g = torch.Generator().manual_seed(self.seed)
         self.train_set = TensorDataset(self.source.sample(self.train_size, self.length, g))
         self.val_set = TensorDataset(self.source.sample(self.val_size, self.length, g))
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=256, shuffle=False, num_workers=self.num_workers)
 
 
 class LanguageModel(StopOnDivergence, L.LightningModule):
@@ -121,7 +115,6 @@ class LanguageModel(StopOnDivergence, L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = TinyLM(**net)
-        self.status = "ok"
 
     def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = lm_loss(self.net, batch[0])

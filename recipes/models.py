@@ -45,7 +45,6 @@ class Classifier(StopOnDivergence, L.LightningModule):
         self.save_hyperparameters(ignore=["net"])
         self.net = net
         self.val_acc = MulticlassAccuracy(num_classes=num_classes, average="micro")
-        self.status = "ok"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

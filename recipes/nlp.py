@@ -433,7 +433,6 @@ class _FineTune(StopOnDivergence, L.LightningModule):
         self.save_hyperparameters({"name_or_path": name_or_path, "algorithm": self.algorithm, "pretrained": pretrained,
                                    "schedule": schedule, "lr_warmup": lr_warmup, **config_kwargs})
         self.model: torch.nn.Module | None = None
-        self.status = "ok"
 
     def configure_model(self) -> None:
         if self.model is not None:

@@ -196,14 +196,11 @@ def write_run_report(run_dir: Path, summary: dict[str, Any]) -> Path | None:
 
 
 def _load_summaries(sweep_dir: Path) -> list[tuple[Path, dict[str, Any]]]:
-    out = []
     def job_order(p: Path) -> tuple[int, str]:  # Hydra's job number first: 2_x before 10_x
         num = p.parent.name.split("_", 1)[0]
         return (int(num) if num.isdigit() else 1 << 30, p.parent.name)
 
-    for p in sorted(sweep_dir.glob("*/summary.json"), key=job_order):
-        out.append((p.parent, json.loads(p.read_text())))
-    return out
+    return [(p.parent, json.loads(p.read_text())) for p in sorted(sweep_dir.glob("*/summary.json"), key=job_order)]
 
 
 def _best_per_variant(runs: Sequence[dict[str, Any]], primary: str, goal: str) -> list[dict[str, Any]]:

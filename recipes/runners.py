@@ -20,7 +20,6 @@ import json
 import math
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_onebit import CommunicationMonitor
@@ -36,7 +35,7 @@ from lightning_onebit.comm import ring_allreduce_bytes
 from lightning_onebit.compress.kernels import set_thread_budget, thread_budget
 from lightning_onebit.optim import CompressedOptimizer, NonFiniteGradientError
 
-from .algorithms import build_optimizer, build_strategy, is_compressed
+from .algorithms import build_optimizer, build_strategy, has_warmup, is_compressed
 from .callbacks import DDPCommCounter, RankRecord
 from .common import plain
 from .data import libsvm_path, load_libsvm
@@ -71,8 +70,8 @@ def _start_method(requested: str, n_fits: int, multirun: bool) -> str:
     the ranks would each start the whole sweep, and with several fits per job they would
     run fits the launcher does not know about; spawn keeps the ranks inside this job."""
     if requested == "popen" and (multirun or n_fits > 1) and not _launched_externally():
-        warnings.warn("trainer.start_method=popen cannot run " + ("inside a Hydra multirun" if multirun else
-                      f"{n_fits} fits in one job") + "; using spawn", stacklevel=2)
+        rank_zero_warn("trainer.start_method=popen cannot run " + ("inside a Hydra multirun" if multirun else
+                       f"{n_fits} fits in one job") + "; using spawn", stacklevel=5)  # the caller's line
         return "spawn"
     return requested
 
@@ -250,11 +249,12 @@ def run_quadratic(cfg: DictConfig, out_dir: Path, *, multirun: bool = False) -> 
     if exp.compare_eps and "eps_inside_sqrt" in base:
         variants = [(f"{base['name']}-eps_outside_sqrt", {"eps_inside_sqrt": False}),
                     (f"{base['name']}-eps_inside_sqrt", {"eps_inside_sqrt": True})]
+
+    def grads(x: torch.Tensor) -> torch.Tensor:  # every worker sees the full gradient
+        return prob.grad(x).expand(exp.workers, -1)
+
     records = []
     for label, change in variants:
-        def grads(x: torch.Tensor) -> torch.Tensor:
-            return prob.grad(x).expand(exp.workers, -1)
-
         with _threads(exp.get("threads")):
             rec, hist = _simulate({**base, **change}, label, prob.init(), grads, lambda x: {"loss": prob.loss(x)},
                                   exp.steps, exp.workers, exp.log_every, out_dir)
@@ -281,7 +281,7 @@ def _closing_summary(summary: dict[str, Any], out_dir: Path) -> str:
              runs_table(runs, summary["primary"], summary["goal"])]
     for r in runs:
         notes = []
-        if r.get("switch_step") and r["algorithm"] not in ("cd_adam", "ef21", "ef_amsgrad", "naive_amsgrad"):
+        if r.get("switch_step") and has_warmup(r):  # the others compress from the first step
             notes.append(f"compressed from step {r['switch_step']}")
         if "ranks_reported" in r:
             notes.append(f"{r['ranks_reported']}/{r['world_size']} ranks reported, replicas "
