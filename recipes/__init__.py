@@ -6,8 +6,7 @@ Layering (docs/design.md): recipes import lightning_onebit, never the other way 
 Imports between the modules form no cycle (``tests/test_recipes.py`` checks it, function-level
 imports included):
 
-* leaves, importing no other recipe module: :mod:`~recipes.common` (shared helpers),
-  :mod:`~recipes.baselines`;
+* the leaf, importing no other recipe module: :mod:`~recipes.common` (shared helpers);
 * :mod:`~recipes.algorithms` (config entry -> optimizer and strategy), :mod:`~recipes.callbacks`,
   :mod:`~recipes.report`;
 * the experiments' data and models: :mod:`~recipes.data`, :mod:`~recipes.models`,

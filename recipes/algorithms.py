@@ -8,7 +8,7 @@ a misspelt key fails at construction instead of being ignored.
 
 The PyTorch comm-hook baselines (``ddp_fp16``, ``ddp_bf16``, ``powersgd_r1``, ``powersgd_r4``) are
 ``strategy: ddp`` + AdamW like ``adam``, plus ``comm_hook`` (and PowerSGD's ``powersgd_rank``,
-``powersgd_start_iter``): :func:`build_strategy` gives them :func:`recipes.baselines.hook_strategy`.
+``powersgd_start_iter``): :func:`build_strategy` gives them :func:`lightning_onebit.strategies.ddp_hooks.hook_strategy`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from hydra.utils import get_class
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 
-from lightning_onebit import CompressedDDPStrategy, OnebitAdam
+from lightning_onebit import CompressedDDPStrategy
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategies.ddp_hooks import hook_strategy
 
@@ -42,8 +42,9 @@ def is_compressed(alg: Mapping[str, Any]) -> bool:
 
 
 def has_warmup(alg: Mapping[str, Any]) -> bool:
-    """The warm-up algorithms (1-bit Adam, QAdam, 1-bit LAMB) share OnebitAdam's phases."""
-    return issubclass(optimizer_class(alg), OnebitAdam)
+    """The entry's optimizer has an uncompressed warm-up (each optimizer says so itself)."""
+    cls = optimizer_class(alg)
+    return issubclass(cls, CompressedOptimizer) and cls.has_warmup
 
 
 def optimizer_kwargs(alg: Mapping[str, Any]) -> dict[str, Any]:
@@ -83,7 +84,7 @@ def build_optimizer(alg: Mapping[str, Any], params: Iterable, *, total_steps: in
     if simulate_workers is not None and alg.get("comm_hook"):  # else it would be charged as fp32 DDP
         raise ValueError(f"algorithm {alg.get('name')!r}: the comm hook {alg['comm_hook']!r} needs real DDP ranks "
                          "(experiment.runner=lightning), not simulated workers")
-    if issubclass(cls, OnebitAdam):
+    if has_warmup(alg):
         kw["warmup_steps"] = None if total_steps is None else resolve_warmup(alg.get("warmup"), total_steps)
     if simulate_workers is not None and issubclass(cls, CompressedOptimizer):
         kw["simulate_workers"] = simulate_workers

@@ -23,7 +23,7 @@ __all__ = ["DDPCommCounter", "RankRecord"]
 
 class DDPCommCounter(L.Callback):
     """What DDP sends per rank: one fp32 ring allreduce of every trainable gradient per optimizer step, or,
-    with a comm hook of :mod:`recipes.baselines` (``HookDDPStrategy``), what that hook sends
+    with a comm hook of :mod:`lightning_onebit.strategies.ddp_hooks` (``HookDDPStrategy``), what that hook sends
     (``hook_step_bytes``: fp16/bf16 half of it, PowerSGD its P and Q factors after its vanilla steps). Logs
     the keys :class:`lightning_onebit.CommunicationMonitor` logs for the compressed strategies, so plots and
     tables treat the baselines like any algorithm."""

@@ -336,7 +336,7 @@ def test_multirun_writes_one_table_and_one_overlay_plot(tmp_path):
     assert sorted(p.name for p in sweep.glob("*/summary.json")) == ["summary.json"] * 3
 
 
-# -- the PyTorch comm-hook baselines (recipes/baselines.py) ---------------------------------
+# -- the PyTorch comm-hook baselines (lightning_onebit.strategies.ddp_hooks) ----------------
 
 
 class _CensusNet(torch.nn.Module):
