@@ -23,7 +23,7 @@ from _common import add_out_argument, header, repo_on_path, tee_stdout
 from torch import nn
 
 from lightning_onebit import OnebitAdam
-from lightning_onebit.comm import CompressedAllreduce, ring_allreduce_bytes
+from lightning_onebit.comm import TwoStageRank, ring_allreduce_bytes
 from lightning_onebit.compress import SignCodec
 
 
@@ -59,7 +59,7 @@ def step_bytes(model: nn.Module, world: int, per_tensor: bool) -> tuple[int, int
     total = fp32 = tensors = 0
     buckets = opt._build_buckets()
     for b in buckets:
-        car = CompressedAllreduce(SignCodec(), groups=b.offsets if per_tensor else None, _virtual=(0, world))
+        car = TwoStageRank(SignCodec(), "error_feedback", 0, world, groups=b.offsets if per_tensor else None)
         total += car.bytes_per_call(b.numel)
         fp32 += ring_allreduce_bytes(b.numel, world)
         tensors += len(b.params)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm import ByteCounter, CompressedAllreduce, SimulatedCluster, ring_allreduce_bytes
+from lightning_onebit.comm import ByteCounter, CompressedAllreduce, SimulatedCluster, TwoStageRank, ring_allreduce_bytes
 from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec, TopKCodec
 
 from dist_utils import run_ranks, values
@@ -251,17 +251,17 @@ def test_pieces_do_not_change_the_result(cname):
 
 
 def test_pipeline_plan():
-    car = CompressedAllreduce(SignCodec(), "error_feedback", _virtual=(0, 2))
+    car = TwoStageRank(SignCodec(), "error_feedback", 0, 2)
     car.bind(25_000_000, "cpu")
     plan = car.plan
     assert len(plan) == 4  # automatic: MAX_PIECES pieces of >= MIN_PIECE elements
     assert plan[0].lo == 0 and plan[-1].hi == car.seg_len
     assert all(p.hi == q.lo and p.lo % 32 == 0 for p, q in zip(plan, plan[1:], strict=False))
     assert sum(p.rb for p in plan) == car.row_bytes
-    small = CompressedAllreduce(SignCodec(), "error_feedback", _virtual=(0, 2))
+    small = TwoStageRank(SignCodec(), "error_feedback", 0, 2)
     small.bind(100_000, "cpu")
     assert small.num_pieces == 1  # pieces shorter than MIN_PIECE would cost more latency than they hide
-    blocked = CompressedAllreduce(SignCodec(block_size=1000), "plain", pieces=8, _virtual=(0, 1))
+    blocked = TwoStageRank(SignCodec(block_size=1000), "plain", 0, 1, pieces=8)
     blocked.bind(10_000, "cpu")
     # pieces may cut scale blocks (every piece uses the whole row's scales): only 4-byte packing counts
     assert blocked.num_pieces == 8 and all(p.lo % 32 == 0 for p in blocked.plan)

@@ -1,11 +1,13 @@
-"""Compressed collectives over a ProcessGroup, byte accounting and the simulated cluster."""
+"""Compressed collectives over a ProcessGroup, their two-stage arithmetic, byte accounting and the
+simulated cluster."""
 
 from .accounting import ByteCounter, StepStats, ring_allreduce_bytes
-from .allreduce import MODES, CompressedAllreduce
+from .allreduce import CompressedAllreduce
 from .ddp_hook import CompressionHookState, compression_hook, register_compression_hook
 from .dense import any_across, any_across_bytes, group_size, mean_allreduce
 from .simulated import SimulatedCluster
+from .two_stage import MODES, TwoStageRank
 
 __all__ = ["MODES", "ByteCounter", "CompressedAllreduce", "CompressionHookState", "SimulatedCluster", "StepStats",
-           "any_across", "any_across_bytes", "compression_hook", "group_size", "mean_allreduce",
+           "TwoStageRank", "any_across", "any_across_bytes", "compression_hook", "group_size", "mean_allreduce",
            "register_compression_hook", "ring_allreduce_bytes"]

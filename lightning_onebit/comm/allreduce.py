@@ -1,83 +1,41 @@
 """Two-stage compressed allreduce over a torch.distributed process group.
 
-World size n; rank r is the "server" for chunk r of the (padded) flat input:
+:class:`CompressedAllreduce` is a :class:`~lightning_onebit.comm.two_stage.TwoStageRank` (the
+arithmetic, the state and the pipeline pieces: see :mod:`lightning_onebit.comm.two_stage`) whose
+two exchanges are collectives: ``all_to_all_single`` after stage 1 (row j to rank j) and
+``all_gather_into_tensor`` of the server rows after stage 3. With several pieces, the
+collectives of piece k run asynchronously while piece k+1 is encoded, or piece k-1 decoded.
 
-1. worker: encode the input chunk-wise (one row per destination rank), optionally with
-   error feedback (``error_feedback``) or against a Markov estimate (``markov``);
-2. ``all_to_all_single``: row j goes to rank j, so rank r receives every worker's chunk r;
-3. server r: average the n decoded rows (+ server error feedback), re-encode one row
-   (``markov``: fold the workers' deltas into the server's running mean, then encode
-   its difference to the shared estimate g_tilde);
-4. ``all_gather_into_tensor`` of the server rows; every rank decodes the same bytes, so
-   replicas stay bit-identical.
-
-Scales follow tensor boundaries: ``groups`` (the offsets of the parameter tensors in a flat
-bucket) start a new scale block, so every row (rank r's chunk) carries one scale per piece of a
-tensor inside it in both stages (``block_size`` cuts each piece further), and a tensor with
-small gradients never shares a scale with a large one. DeepSpeed's 1-bit Adam scales each
-tensor on its own too (one worker scale per tensor, a server scale per chunk of it). Every row
-carries the same number of scales (the most any chunk needs; the others pad with empty
-blocks), so rows keep one size on the wire. The padding (zeros up to n equal chunks of a multiple
-of 8) does not count in a scale, decodes to 0 and keeps a zero state (the layout knows where it
-starts).
-
-Codes and scales travel in one packed uint8 row (``Codec.empty(..., packed=...)``), so a
-call is exactly two data collectives, plus one tiny ``all_gather`` that checks that the
+A call is exactly those two data collectives, plus one tiny ``all_gather`` that checks that the
 ranks agree on the tensor size, codec and mode and that every rank's input is finite,
 before any state is written. A mismatch or a NaN on any rank raises ``ValueError`` on
-*every* rank instead of a hang or garbage. The servers' re-encoded rows are finite unless a
-server's mean (+ error) overflows fp32, which takes inputs near its limit (~3e38; Adam's second
-moment overflows at gradients of ~2e19, long before): every rank gathers the same server scales
-and checks them before stage 4 decodes. On the CPU that check is free, and every rank raises
+*every* rank instead of a hang or garbage. A server's mean that overflows fp32 (see
+:mod:`~lightning_onebit.comm.two_stage`) shows in the gathered server scales, which every rank
+checks before stage 4 decodes. On the CPU that check is free, and every rank raises
 there with the result untouched and the error state reset; on a GPU reading it would make the
 host wait for the whole call, so the flag stays on the device and the next call's agreement
 (the one host wait per call) raises on every rank - the overflowing call's result then holds
 non-finite values. That check costs one small-message latency
 per call; pass ``verify="first"`` where the caller guarantees agreement (DDP buckets are
 verified by DDP itself), trading it for a process-group timeout if a rank goes astray.
-
-Pipelining: a row is cut into column pieces (``pieces``; automatic: one per ``MIN_PIECE``
-elements of a row, at most ``MAX_PIECES``; on CUDA one piece, since every piece costs n encode
-and n decode launches, each with Python dispatch, and the kernels share torch's one stream).
-Piece k is encoded and its ``all_to_all`` started before piece k+1 is encoded; the server
-decodes each piece as it arrives; the server row is encoded and gathered piece by piece while
-earlier pieces are decoded. Only the scale
-reductions need a whole row (the workers' before any piece, the server's after the last
-piece arrived); everything that is split is elementwise, so the result is bit-identical for
-every piece count, backend included. Piece 0 carries the row's scales; the other pieces are
-bare codes, so the bytes on the wire do not change.
-
-Bytes per rank and call: 2 (n-1) * row_bytes, with row_bytes ~ d / (8 n) + 4 * (scales per row)
-for 1-bit codes: ~ 2 (n-1)/n * d/8, against 2 (n-1)/n * 4d for an fp32 ring allreduce (32x).
-
-Trade-offs worth knowing: inputs are padded to n * seg elements (seg a multiple of 8) and
-copied once unless the caller hands in a tensor of ``padded_numel`` elements; state is
-fp32 whatever the input dtype; with n = 1 both stages still run (no communication), so
-the compression error of the algorithm exists in one process exactly as in many.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..compress import Codec, Encoded
-from ..compress.kernels.layout import Layout, code_bytes_per_row, is_sign, scale_width
+from ..compress import Codec
 from .accounting import ByteCounter
 from .dense import collective_device
+from .two_stage import MODES, TwoStageRank
 
-__all__ = ["CompressedAllreduce", "MODES", "MAX_PIECES", "MIN_PIECE"]
+__all__ = ["CompressedAllreduce"]
 
-# Pieces shorter than this gain less from the overlap than a collective's latency costs.
-MIN_PIECE = 1 << 20
-MAX_PIECES = 4
-
-MODES = ("plain", "error_feedback", "markov")
 _MODE_ID = {m: i for i, m in enumerate(MODES)}
 _DTYPE_ID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 
@@ -91,16 +49,6 @@ def all_gather_rows(out: torch.Tensor, row: torch.Tensor, group=None, async_op: 
     return _all_gather_single(out.view(-1), row.reshape(-1), group=group, async_op=async_op)
 
 
-class _Piece(NamedTuple):
-    """Columns [lo, hi) of every row and where they sit in the piece's packed buffer."""
-
-    lo: int
-    hi: int
-    cb: int  # code bytes
-    cb4: int  # code bytes padded to 4: piece 0 puts the row's scales there
-    rb: int  # packed bytes of one row of this piece
-
-
 def _group_rank_size(group) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
@@ -109,7 +57,7 @@ def _group_rank_size(group) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-class CompressedAllreduce:
+class CompressedAllreduce(TwoStageRank):
     """Compressed estimate of the mean of a 1-D tensor over a process group.
 
     Args:
@@ -120,8 +68,9 @@ class CompressedAllreduce:
             torch.distributed is not initialized).
         counter: a :class:`ByteCounter` to report bytes to (e.g. shared by all buckets).
         verify: ``"always"`` (default) or ``"first"``: see the module docstring.
-        pieces: column pieces per row for the pipeline (``None``: automatic, see the module
-            docstring; codecs that are not elementwise, e.g. top-k, always use one).
+        pieces: column pieces per row for the pipeline (``None``: automatic, see
+            :mod:`~lightning_onebit.comm.two_stage`; codecs that are not elementwise, e.g. top-k,
+            always use one).
         groups: offsets where the tensors of a flat multi-tensor input start (e.g. a bucket's
             parameters): no scale spans two of them. ``None``: one tensor.
 
@@ -130,334 +79,27 @@ class CompressedAllreduce:
 
     def __init__(self, codec: Codec, mode: str = "error_feedback", group=None,
                  counter: ByteCounter | None = None, verify: str = "always",
-                 pieces: int | None = None, groups: Sequence[int] | None = None,
-                 _virtual: tuple[int, int] | None = None) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+                 pieces: int | None = None, groups: Sequence[int] | None = None) -> None:
         if verify not in ("always", "first"):
             raise ValueError(f"verify must be 'always' or 'first', got {verify!r}")
-        if not isinstance(codec, Codec):
-            raise TypeError(f"codec must be a lightning_onebit.compress.Codec, got {type(codec).__name__}")
-        if pieces is not None and (not isinstance(pieces, int) or pieces < 1):
-            raise ValueError(f"pieces must be a positive int or None, got {pieces!r}")
-        self.codec = codec
-        self.pieces = pieces
-        self.groups = tuple(sorted({int(g) for g in groups})) if groups is not None else ()
-        self.mode = mode
+        super().__init__(codec, mode, *_group_rank_size(group), counter=counter, pieces=pieces, groups=groups)
         self.group = group
         self.verify = verify
-        self.counter = counter if counter is not None else ByteCounter()
-        # _virtual = (rank, world_size): a worker of SimulatedCluster, which moves the rows itself
-        self._virtual = _virtual
-        self.rank, self.world_size = _virtual if _virtual is not None else _group_rank_size(group)
-        self.numel: int | None = None
-        self.worker: torch.Tensor | None = None  # worker error, or worker Markov estimate g_hat_i
-        self.server: torch.Tensor | None = None  # server error, or server running mean g_hat
-        self.tilde: torch.Tensor | None = None  # markov: the shared estimate g_tilde
-        self.plan: list[_Piece] = []  # pipeline pieces of a row, set when a size is bound
-        self.layout: Layout | None = None  # rows (chunks) and scale blocks of the padded input
+        self._recv: list[torch.Tensor] | None = None  # all_to_all_single receives piece k in _recv[k]
+        self._gathered: list[torch.Tensor] | None = None  # all_gather of the server rows, per piece
         self._verified = False
         self._sig_host: torch.Tensor | None = None  # pinned staging of the agreement (CUDA)
         self._gathered_ok: torch.Tensor | None = None  # GPU: server scales finite, read at the next agreement
         self.any_flag = False  # the OR over ranks of the last call's flag (see __call__)
-        self.bytes_sent = 0
-        self.calls = 0
 
-    # -- geometry ------------------------------------------------------------------------
-    def padded_numel(self, numel: int) -> int:
-        """Elements after padding: world_size equal chunks, each a multiple of 8."""
-        n = self.world_size
-        seg = -(-numel // n)
-        seg = -(-seg // 8) * 8
-        return seg * n
-
-    @property
-    def seg_len(self) -> int:
-        return self.padded_numel(self.numel) // self.world_size
-
-    @property
-    def row_bytes(self) -> int:
-        return self.codec.row_bytes(self.layout)
-
-    def make_layout(self, numel: int) -> Layout:
-        """Chunks of the padded input, cut at the groups; the padding does not count in scales."""
-        if self.groups and (self.groups[0] < 0 or self.groups[-1] > numel):
-            raise ValueError(f"groups must lie in [0, {numel}] for a tensor of {numel} elements, "
-                             f"got {self.groups[0]}..{self.groups[-1]}")
-        return self.codec.layout(self.padded_numel(numel), self.world_size, (0, *self.groups), valid=numel)
-
-    def _plan(self, seg: int) -> list[_Piece]:
-        """Cut a row of ``seg`` elements into pipeline pieces (see the module docstring)."""
-        codec, rb = self.codec, self.codec.row_bytes(self.layout)
-        cb = code_bytes_per_row(codec.kind, seg)
-        whole = [_Piece(0, seg, cb, -(-cb // 4) * 4, rb)]  # one piece: the codec's own packing
-        if not codec.elementwise or seg == 0:
-            return whole
-        # boundaries on 4-byte code boundaries (packing); scale blocks may be cut anywhere, since
-        # every piece carries (piece 0) or uses the whole row's scales
-        unit = 32
-        if self.pieces is not None:
-            k = self.pieces
-        elif self.worker_device.type == "cuda":
-            k = 1  # on a GPU each piece costs n kernel launches with Python dispatch (see above)
-        else:
-            k = min(MAX_PIECES, seg // MIN_PIECE)
-        k = max(1, min(k, seg // unit))
-        bounds = sorted({round(i * seg / k / unit) * unit for i in range(k)} | {seg})
-        if len(bounds) <= 2:
-            return whole
-        scale_bytes = self.layout.blocks_per_seg * scale_width(codec.kind) * 4
-        plan = []
-        for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-            cb = code_bytes_per_row(codec.kind, hi - lo)
-            cb4 = -(-cb // 4) * 4
-            plan.append(_Piece(lo, hi, cb, cb4, cb4 + (scale_bytes if i == 0 else 0)))
-        assert sum(p.rb for p in plan) == rb
-        return plan
-
-    @property
-    def num_pieces(self) -> int:
-        """Pipeline pieces per call (0 until the first call binds a tensor size)."""
-        return len(self.plan)
-
-    def _row_scales(self, piece0: torch.Tensor) -> torch.Tensor:
-        """The scales of every row of a pieced buffer: they travel in piece 0, after its codes."""
-        b = piece0[:, self.plan[0].cb4 :].view(torch.float32)
-        return b.view(b.shape[0], -1) if is_sign(self.codec.kind) else b.view(b.shape[0], -1, 2)
-
-    def _piece(self, buf: torch.Tensor, k: int, rows: slice, row_scales: torch.Tensor, layout: Layout) -> Encoded:
-        """Piece ``k`` of ``rows`` of a piece buffer as an Encoded: its codes, the rows' whole-row
-        scales, and ``layout``: those rows' blocks clipped to the piece."""
-        return Encoded(buf[rows, : self.plan[k].cb], row_scales[rows], layout, self.codec.kind)
-
-    def bytes_per_call(self, numel: int) -> int:
-        """Bytes this rank sends per call for a tensor of ``numel`` elements."""
-        return 2 * (self.world_size - 1) * self.codec.row_bytes(self.make_layout(numel))
-
-    # -- state ---------------------------------------------------------------------------
     def bind(self, numel: int, device: torch.device | str) -> None:
-        """Allocate the state and buffers for tensors of ``numel`` elements on ``device`` (the
-        first call does this too); binding again to another size or device raises."""
-        device = torch.device(device)
-        if self.numel is not None:
-            if numel != self.numel:
-                raise ValueError(
-                    f"this CompressedAllreduce reduces tensors of {self.numel} elements (its error "
-                    f"state is sized for them); got {numel}. Use one object per tensor."
-                )
-            if device != self.worker_device:
-                raise ValueError(f"state lives on {self.worker_device}, input is on {device}")
-            return
-        self.layout = self.make_layout(numel)
-        self.numel = numel
-        self.worker_device = device
-        D, seg, dev = self.padded_numel(self.numel), self.seg_len, device
-        f32 = dict(dtype=torch.float32, device=dev)
-        if self.mode != "plain":
-            self.worker = torch.zeros(D, **f32)
-            self.server = torch.zeros(seg, **f32)
-        if self.mode == "markov":
-            self.tilde = torch.zeros(D, **f32)
-        n, r = self.world_size, self.rank
-        self.plan = self._plan(seg)
-        # the layouts of the three messages: the chunks (sent, and gathered back), every worker's
-        # chunk r (received by server r), server r's own row; and each clipped to each piece
-        self._srv_layout = self.layout.row(r)
-        self._recv_layout = self.layout.repeat_row(r, n)
-        self._win_rows = [[self.layout.row(q).window(p.lo, p.hi) for q in range(n)] for p in self.plan]
-        self._win_recv = [self._recv_layout.window(p.lo, p.hi) for p in self.plan]
-        u8 = dict(dtype=torch.uint8, device=dev)
-        self._send = [torch.zeros(n, p.rb, **u8) for p in self.plan]
-        self._recv = [torch.zeros(n, p.rb, **u8) for p in self.plan]
-        self._srv = [torch.zeros(1, p.rb, **u8) for p in self.plan]
-        self._gathered = [torch.zeros(n, p.rb, **u8) for p in self.plan]
-        self._xpad = torch.zeros(D, **f32) if D != self.numel else None
-        # the server's mean of the workers' chunk (1/n of the tensor), reused every call:
-        # a fresh buffer per call pays first-touch page faults (see Codec.server_step)
-        self._mean = torch.empty(seg, **f32) if self.mode != "markov" else None
-        self._outpad = torch.empty(D, **f32) if D != self.numel else None
+        super().bind(numel, device)
+        if self._recv is None:  # the first bind: the buffers the collectives receive into
+            u8 = dict(dtype=torch.uint8, device=self.worker_device)
+            self._recv = [torch.zeros(self.world_size, p.rb, **u8) for p in self.plan]
+            self._gathered = [torch.zeros(self.world_size, p.rb, **u8) for p in self.plan]
 
-    def reset_state(self) -> None:
-        """Zero the error / Markov state (e.g. at a phase switch)."""
-        for t in (self.worker, self.server, self.tilde):
-            if t is not None:
-                t.zero_()
-
-    def state_views(self, lo: int, hi: int) -> list[torch.Tensor]:
-        """Views of every per-element state buffer where it covers input elements ``[lo, hi)``
-        (worker error / estimate, g_tilde, and the part of this rank's server chunk inside it)."""
-        if self.numel is None:
-            return []
-        out = [t[lo:hi] for t in (self.worker, self.tilde) if t is not None]
-        if self.server is not None:
-            seg, r = self.seg_len, self.rank
-            a, b = max(lo, r * seg), min(hi, (r + 1) * seg)
-            if b > a:
-                out.append(self.server[a - r * seg : b - r * seg])
-        return out
-
-    def zero_state_at(self, idx: torch.Tensor) -> None:
-        """Zero the per-element state at input positions ``idx`` (int64): worker error / estimate,
-        g_tilde, and this rank's server state where its chunk holds them."""
-        if self.numel is None:
-            return
-        for t in (self.worker, self.tilde):
-            if t is not None:
-                t[idx] = 0.0
-        if self.server is not None:
-            seg, r = self.seg_len, self.rank
-            mine = idx[(idx >= r * seg) & (idx < (r + 1) * seg)]
-            self.server[mine - r * seg] = 0.0
-
-    def state_dict(self) -> dict:
-        return {
-            "mode": self.mode, "codec": repr(self.codec), "numel": self.numel, "groups": list(self.groups),
-            "world_size": self.world_size, "rank": self.rank,
-            "worker": None if self.worker is None else self.worker.clone(),
-            "server": None if self.server is None else self.server.clone(),
-            "tilde": None if self.tilde is None else self.tilde.clone(),
-            "bytes_sent": self.bytes_sent, "calls": self.calls,
-        }
-
-    def load_state_dict(self, sd: dict, device: torch.device | str | None = None) -> None:
-        """Restore a :meth:`state_dict`. The state goes to ``device`` (default: where this object's
-        state already lives, else the CPU): the device of the tensors it will reduce, which a
-        fresh object cannot know, so callers on a GPU pass it."""
-        for key, mine in (("mode", self.mode), ("codec", repr(self.codec)), ("world_size", self.world_size)):
-            if sd[key] != mine:
-                raise ValueError(f"state was saved with {key}={sd[key]!r}, this object has {key}={mine!r}")
-        if sd["numel"] is not None:
-            if device is None:
-                device = self.worker_device if self.numel is not None else "cpu"
-            if self.numel is not None and torch.device(device) != self.worker_device:
-                raise ValueError(f"state lives on {self.worker_device}, cannot load it onto {device}")
-            self.bind(sd["numel"], device)
-            for name in ("worker", "server", "tilde"):
-                if getattr(self, name) is not None:
-                    getattr(self, name).copy_(sd[name])
-        self.bytes_sent, self.calls = sd["bytes_sent"], sd["calls"]
-
-    # -- the three local stages ----------------------------------------------------------
-    def _padded_input(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.reshape(-1)
-        if self._xpad is None:
-            return x
-        self._xpad[: self.numel].copy_(x)
-        return self._xpad
-
-    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Check ``x`` and compute the worker scales; nothing is written yet.
-
-        Returns (padded input, scales) - scales is ``None`` if the input is not finite.
-        """
-        xp, scales, ok = self._prepare(x)
-        return xp, scales if bool(ok) else None
-
-    def _prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(padded input, worker scales, ok): ``ok`` a 0-d bool device tensor (no host sync)."""
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-            raise TypeError("CompressedAllreduce expects a floating-point tensor")
-        self.bind(x.numel(), x.device)
-        xp = self._padded_input(x)
-        return (xp, *self.codec.compute_scales_unchecked(xp, self.worker, self.mode, layout=self.layout))
-
-    def encode_stage(self, xp: torch.Tensor, scales: torch.Tensor, k: int = 0) -> torch.Tensor:
-        """Stage 1 (worker): encode piece ``k`` of every chunk into its send buffer ``[n, rb_k]``."""
-        n, seg, send = self.world_size, self.seg_len, self._send
-        if self.num_pieces == 1:
-            outs = [(xp, self.worker, self.codec.empty(self.layout, xp.device, packed=send[0]), scales)]
-        else:
-            if k == 0:  # piece 0 may go on the wire before the others are encoded: all scales now
-                self._row_scales(send[0]).copy_(scales)
-            p = self.plan[k]
-            outs = []
-            for r in range(n):
-                cols = slice(r * seg + p.lo, r * seg + p.hi)
-                # out.scales views `scales` itself, not piece 0 (maybe in flight): the encode ops'
-                # copy of their scales into out.scales is then a no-op
-                enc = self._piece(send[k], k, slice(r, r + 1), scales, self._win_rows[k][r])
-                outs.append((xp[cols], None if self.worker is None else self.worker[cols], enc, enc.scales))
-        for x, state, enc, sc in outs:
-            if self.mode == "error_feedback":
-                self.codec.encode_error_feedback(x, state, out=enc, scales=sc, layout=enc.layout)
-            elif self.mode == "markov":
-                self.codec.encode_markov(x, state, out=enc, scales=sc, layout=enc.layout)
-            else:
-                self.codec.encode(x, out=enc, scales=sc, layout=enc.layout)
-        return send[k]
-
-    def server_receive(self, recv: torch.Tensor, k: int = 0) -> None:
-        """Stage 3a (server r): take in piece ``k`` of the n workers' chunk r.
-
-        With one piece this is the whole server step; otherwise piece k of the workers'
-        mean (``markov``: of the server's running mean) is decoded now, and the encode waits
-        for the last piece, because the server scales need the whole chunk."""
-        if self.num_pieces == 1:
-            msgs = self.codec.empty(self._recv_layout, recv.device, packed=recv)
-            out = self.codec.empty(self._srv_layout, recv.device, packed=self._srv[0])
-            if self.mode in ("error_feedback", "plain"):
-                self.codec.server_step(msgs, self.server if self.mode == "error_feedback" else None,
-                                       out=out, mean=self._mean, check_finite=False)
-            else:
-                self.codec.decode_mean(msgs, out=self.server, accumulate=True)
-                self.codec.encode_diff(self.server, self._my_tilde(), out=out, layout=self._srv_layout,
-                                       check_finite=False)
-            return
-        p = self.plan[k]
-        if k == 0:  # the workers' scales travel in piece 0
-            self._recv_scales = self._row_scales(recv).clone()
-        msgs = self._piece(recv, k, slice(None), self._recv_scales, self._win_recv[k])
-        if self.mode == "markov":
-            self.codec.decode_mean(msgs, out=self.server[p.lo : p.hi], accumulate=True)
-        else:
-            self.codec.decode_mean(msgs, out=self._mean[p.lo : p.hi])
-
-    def _my_tilde(self) -> torch.Tensor:
-        seg = self.seg_len
-        return self.tilde[self.rank * seg : (self.rank + 1) * seg]
-
-    def server_send(self, k: int = 0) -> torch.Tensor:
-        """Stage 3b (server r): piece ``k`` of the re-encoded server row ``[1, rb_k]``."""
-        if self.num_pieces == 1:
-            return self._srv[0]
-        if k == 0:  # every piece has arrived: the server scales need the whole row
-            lay, scales = self._srv_layout, self.codec.compute_scales_unchecked  # checked in stage 4
-            if self.mode == "markov":
-                self._srv_scales = scales(self.server, self._my_tilde(), "diff", layout=lay)[0]
-            elif self.mode == "error_feedback":
-                self._srv_scales = scales(self._mean, self.server, "error_feedback", layout=lay)[0]
-            else:
-                self._srv_scales = scales(self._mean, layout=lay)[0]
-            self._row_scales(self._srv[0]).copy_(self._srv_scales)
-        p = self.plan[k]
-        cols = slice(p.lo, p.hi)
-        # as in encode_stage
-        enc = self._piece(self._srv[k], k, slice(0, 1), self._srv_scales, self._win_rows[k][self.rank])
-        sc, lay = enc.scales, enc.layout
-        if self.mode == "markov":
-            self.codec.encode_diff(self.server[cols], self._my_tilde()[cols], out=enc, scales=sc, layout=lay)
-        elif self.mode == "error_feedback":
-            self.codec.encode_error_feedback(self._mean[cols], self.server[cols], out=enc, scales=sc, layout=lay)
-        else:
-            self.codec.encode(self._mean[cols], out=enc, scales=sc, layout=lay)
-        return self._srv[k]
-
-    # -- stage 4 ---------------------------------------------------------------------------
-    def result_buffer(self, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """The fp32 buffer of ``padded_numel`` elements that stage 4 decodes into.
-
-        ``out`` itself when it is fp32, contiguous and padded already (no copy), the Markov
-        estimate g_tilde in ``markov`` mode, else a reused (or, for an unpadded fp32 result
-        without ``out``, a fresh) buffer."""
-        d, D, dev = self.numel, self.padded_numel(self.numel), self.worker_device
-        if self.mode == "markov":
-            return self.tilde
-        if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == D:
-            return out.view(-1)
-        if out is None and D == d and dtype == torch.float32:
-            return torch.empty(d, dtype=torch.float32, device=dev)
-        return self._outpad if self._outpad is not None else torch.empty(D, dtype=torch.float32, device=dev)
-
+    # -- the server-overflow check -------------------------------------------------------
     def check_gathered(self, piece0: torch.Tensor) -> None:
         """Before stage 4: the gathered server scales (piece 0, the same bytes on every rank) are
         finite - raises on the CPU, flags the next agreement on a GPU (see the module docstring)."""
@@ -467,53 +109,12 @@ class CompressedAllreduce:
         elif not bool(ok):
             self._server_overflowed()
 
-    def gathered_finite(self, piece0: torch.Tensor) -> torch.Tensor:
-        """0-d bool device tensor: the server scales in gathered piece 0 are all finite."""
-        if self.num_pieces > 1:
-            scales = self._row_scales(piece0)
-        else:
-            scales = self.codec.empty(self.layout, piece0.device, packed=piece0).scales
-        return torch.isfinite(scales).all()
-
     def _server_overflowed(self) -> None:
         self.reset_state()  # every rank resets alike, so replicas and Markov estimates stay in step
         raise ValueError("CompressedAllreduce: a server's mean overflowed fp32, so the result is not finite "
                          "(inputs near the fp32 limit); every rank raised and reset its error/estimate state")
 
-    def finish_piece(self, gathered: torch.Tensor, dst: torch.Tensor, k: int = 0) -> None:
-        """Stage 4 (every rank): decode piece ``k`` of the gathered server rows into ``dst``."""
-        n, seg, acc = self.world_size, self.seg_len, self.mode == "markov"
-        if self.num_pieces == 1:
-            self.codec.decode(self.codec.empty(self.layout, gathered.device, packed=gathered), out=dst,
-                              accumulate=acc)
-            return
-        if k == 0:
-            self._gathered_scales = self._row_scales(gathered)
-        p = self.plan[k]
-        for r in range(n):
-            enc = self._piece(gathered, k, slice(r, r + 1), self._gathered_scales, self._win_rows[k][r])
-            self.codec.decode(enc, out=dst[r * seg + p.lo : r * seg + p.hi], accumulate=acc)
-
-    def finish(self, dst: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """The result from the decoded buffer: padding dropped, cast to ``dtype`` or into ``out``."""
-        d = self.numel
-        if out is not None and dst.data_ptr() == out.data_ptr():
-            return out  # decoded in place
-        if (out is None and dtype == torch.float32 and dst.numel() == d
-                and dst is not self.tilde and dst is not self._outpad):
-            return dst  # a fresh buffer of exactly the result
-        if out is None:
-            return dst[:d].to(dtype=dtype, copy=True)
-        out.view(-1)[:d].copy_(dst[:d])
-        return out
-
-    def _account(self) -> None:
-        nbytes = 2 * (self.world_size - 1) * self.row_bytes
-        self.bytes_sent += nbytes
-        self.calls += 1
-        self.counter.add(nbytes, self.numel, self.world_size)
-
-    # -- the collective ------------------------------------------------------------------
+    # -- the agreement -------------------------------------------------------------------
     def _signature(self, x: torch.Tensor, flag: bool, ok: bool) -> list[int]:
         bs = self.codec.block_size or 0
         groups = zlib.crc32(np.asarray(self.groups, np.int64).tobytes())
@@ -567,6 +168,7 @@ class CompressedAllreduce:
                              "(NaN or inf); every rank skipped this call and no state was changed")
         self._verified = True
 
+    # -- the collective ------------------------------------------------------------------
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, flag: bool | None = None) -> torch.Tensor:
         """Return the compressed mean of ``x`` over the group (bit-identical on all ranks).
 
@@ -574,8 +176,6 @@ class CompressedAllreduce:
         call ``any_flag`` is their OR (e.g. "some rank has a gradient where the optimizer masks").
         Needs ``verify="always"`` (with "first" later calls have no agreement round).
         """
-        if self._virtual is not None:
-            raise RuntimeError("a simulated worker is driven by SimulatedCluster, not called directly")
         if flag is not None and self.verify != "always" and self.world_size > 1:
             raise ValueError("CompressedAllreduce: flag= needs verify='always' (the flag rides in the "
                              "per-call agreement round)")
@@ -583,7 +183,7 @@ class CompressedAllreduce:
             if self.world_size > 1:
                 self._agree(x, True)  # ranks that disagree all raise here instead of hanging
             self.bind(x.numel(), x.device)  # every rank made the same mistake: raise the local explanation
-        xp, scales, ok = self._prepare(x)
+        xp, scales, ok = self.prepare(x)
         self._agree(x, ok, flag)
         if self.numel == 0:
             return x.detach().clone() if out is None else out
@@ -614,5 +214,5 @@ class CompressedAllreduce:
                 self.check_gathered(self._gathered[0] if remote else self._srv[0])
             self.finish_piece(self._gathered[k] if remote else self._srv[k], dst, k)
         result = self.finish(dst, out, x.dtype)
-        self._account()
+        self.account()
         return result

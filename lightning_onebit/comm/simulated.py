@@ -1,8 +1,9 @@
 """An in-process n-worker cluster with exactly the arithmetic of the distributed path.
 
-Each simulated worker is a :class:`CompressedAllreduce` driven stage by stage (piece by
-piece, like the pipelined distributed call); this module only moves the packed rows between
-them the way ``all_to_all_single`` and ``all_gather_into_tensor`` would. Same kernels, same
+Each simulated worker is a :class:`~lightning_onebit.comm.two_stage.TwoStageRank` driven stage
+by stage (piece by piece, like the pipelined distributed call); this module only moves the packed
+rows between them the way ``all_to_all_single`` and ``all_gather_into_tensor`` would. No process
+group is involved. Same kernels, same
 chunking, same packed bytes, same order of summation: the result for n simulated workers is
 bit-identical to a real n-process run on the same inputs, so algorithms can be studied with
 20 workers on a laptop and tests can compare one process against many.
@@ -16,7 +17,7 @@ import torch
 
 from ..compress import Codec
 from .accounting import ByteCounter
-from .allreduce import CompressedAllreduce
+from .two_stage import TwoStageRank
 
 __all__ = ["SimulatedCluster"]
 
@@ -37,8 +38,8 @@ class SimulatedCluster:
         # every worker reports to its own counter; the cluster's counter gets rank 0's view
         self.any_flag = False  # the OR of the last call's flags (see allreduce)
         self.workers = [
-            CompressedAllreduce(codec, mode, counter=self.counter if r == 0 else None, pieces=pieces,
-                                groups=groups, _virtual=(r, world_size))
+            TwoStageRank(codec, mode, r, world_size, counter=self.counter if r == 0 else None, pieces=pieces,
+                         groups=groups)
             for r in range(world_size)
         ]
 
@@ -52,7 +53,7 @@ class SimulatedCluster:
         if len(sizes) != 1:
             raise ValueError(f"workers disagree on numel: {[x.numel() for x in xs]}")
         prepared = [w.prepare(x) for w, x in zip(self.workers, xs, strict=True)]
-        bad = [r for r, (_, sc) in enumerate(prepared) if sc is None]
+        bad = [r for r, (_, _, ok) in enumerate(prepared) if not bool(ok)]
         if bad:
             raise ValueError(f"SimulatedCluster: the input of worker(s) {bad} is not finite (NaN or inf); "
                              "every worker skipped this call and no state was changed")
@@ -60,7 +61,7 @@ class SimulatedCluster:
             return [x.detach().clone() for x in xs]
         workers = self.workers
         for k in range(workers[0].num_pieces):
-            sends = [w.encode_stage(xp, sc, k) for w, (xp, sc) in zip(workers, prepared, strict=True)]
+            sends = [w.encode_stage(xp, sc, k) for w, (xp, sc, _) in zip(workers, prepared, strict=True)]
             for w in workers:  # all_to_all_single: server r receives row r of every worker, in worker order
                 w.server_receive(torch.stack([s[w.rank] for s in sends]), k)
         dsts = [w.result_buffer(None, x.dtype) for w, x in zip(workers, xs, strict=True)]
@@ -75,11 +76,11 @@ class SimulatedCluster:
                 w.finish_piece(gathered, dst, k)
         outs = [w.finish(dst, None, x.dtype) for w, dst, x in zip(workers, dsts, xs, strict=True)]
         for w in self.workers:
-            w._account()
+            w.account()
         return outs
 
     def bind(self, numel: int, device: torch.device | str) -> None:
-        """Allocate every worker's state for tensors of ``numel`` elements (see CompressedAllreduce)."""
+        """Allocate every worker's state for tensors of ``numel`` elements (see TwoStageRank)."""
         for w in self.workers:
             w.bind(numel, device)
 
@@ -88,7 +89,7 @@ class SimulatedCluster:
             w.zero_state_at(idx)
 
     def state_views(self, lo: int, hi: int) -> list[torch.Tensor]:
-        """Every worker's state views covering input elements ``[lo, hi)`` (see CompressedAllreduce)."""
+        """Every worker's state views covering input elements ``[lo, hi)`` (see TwoStageRank)."""
         return [v for w in self.workers for v in w.state_views(lo, hi)]
 
     def state_dict(self) -> dict:
