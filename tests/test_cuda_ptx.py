@@ -22,7 +22,7 @@ def _nvvm_or_skip():
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0)])
 def test_every_kernel_compiles_to_ptx(cc):
     _nvvm_or_skip()
-    from lightning_onebit.compress.kernels import cuda as kc
+    from lightning_onebit.compress.kernels import numba_cuda as kc
 
     ptx = kc.compile_ptx(cc)
     assert set(ptx) == set(kc.kernel_signatures()) == {

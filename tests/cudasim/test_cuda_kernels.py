@@ -101,7 +101,7 @@ def test_launch_arguments_match_the_compiled_signatures(monkeypatch):
 
     from lightning_onebit.comm import SimulatedCluster
     from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
-    from lightning_onebit.compress.kernels import cuda as kc
+    from lightning_onebit.compress.kernels import numba_cuda as kc
 
     seen: dict[str, set] = {}
 

@@ -1,8 +1,8 @@
-"""Kernel backends behind one dispatch.
+"""Kernel backends behind one dispatch; each is a module with ``reduce``, ``encode`` and ``decode``.
 
-``torch``  plain-torch reference (any device),
-``numba``  ``njit(parallel=True)`` kernels for CPU tensors,
-``cuda``   numba-cuda kernels for CUDA tensors (zero-copy, on torch's current stream).
+``torch``  :mod:`.torch_reference`: plain-torch reference (any device),
+``numba``  :mod:`.numba_cpu`: ``njit(parallel=True)`` kernels for CPU tensors,
+``cuda``   :mod:`.numba_cuda`: numba-cuda kernels for CUDA tensors (zero-copy, on torch's current stream).
 
 ``auto`` (the default) picks ``cuda`` for CUDA tensors and ``numba`` for CPU tensors. If
 numba-cuda cannot load its compiler (NVVM: ``pip install lightning_onebit[cuda13]``, or
@@ -34,7 +34,7 @@ BACKENDS = ("torch", "numba", "cuda")
 ENV_VAR = "LIGHTNING_ONEBIT_BACKEND"
 
 _modules: dict[str, ModuleType] = {}
-_MODULE_NAMES = {"torch": "reference", "numba": "cpu", "cuda": "cuda"}
+_MODULE_NAMES = {"torch": "torch_reference", "numba": "numba_cpu", "cuda": "numba_cuda"}
 
 
 def _load(name: str) -> ModuleType:
