@@ -1,8 +1,8 @@
 """Byte accounting for collectives: what a rank put on the wire, per step and in total.
 
 A :class:`ByteCounter` is cheap (plain Python ints) and can be shared: every collective of
-an optimizer or strategy adds to the same counter, and the Lightning layer reads
-``step_stats()`` once per optimizer step to log it.
+an optimizer or strategy adds to the same counter; the optimizer closes each step with
+:meth:`ByteCounter.end_step`, and the Lightning layer logs the closed step (``last``).
 """
 
 from __future__ import annotations
@@ -31,13 +31,6 @@ class StepStats:
     def ratio_vs_fp32(self) -> float:
         """fp32 ring-allreduce bytes / bytes actually sent (32 ~ the 1-bit ideal)."""
         return self.fp32_ring_bytes / self.bytes_sent if self.bytes_sent else 0.0
-
-    def as_dict(self, prefix: str = "") -> dict[str, float]:
-        return {
-            f"{prefix}bytes_sent": float(self.bytes_sent),
-            f"{prefix}bits_per_param": self.bits_per_param,
-            f"{prefix}ratio_vs_fp32": self.ratio_vs_fp32,
-        }
 
 
 @dataclass

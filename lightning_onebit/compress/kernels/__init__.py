@@ -24,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from . import threads  # noqa: F401  (chooses numba's threading layer before any parallel kernel runs)
+# importing .threads chooses numba's threading layer before any parallel kernel runs
 from .threads import apply_thread_budget, set_thread_budget, thread_budget
 
 __all__ = ["BACKENDS", "ENV_VAR", "apply_thread_budget", "cuda_compiler_available", "get_backend",

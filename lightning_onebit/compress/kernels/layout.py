@@ -37,8 +37,6 @@ ERROR_FEEDBACK = 1  # v = s + b;  b <- v - decode(encode(v))
 MARKOV = 2  # v = s - b;  b <- b + decode(encode(v))
 DIFF = 3  # v = s - b;  b untouched (server side of a Markov sequence)
 
-MODE_NAMES = {"plain": PLAIN, "error_feedback": ERROR_FEEDBACK, "markov": MARKOV, "diff": DIFF}
-
 # The summation order of a block's scale, shared by the numba and CUDA backends so that they give
 # the same bits on any machine and any thread or GPU-block count: the block is cut into tiles of
 # REDUCE_TILE elements from its first element; in a tile, lane j (of REDUCE_LANES) sums elements

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .layout import DIFF, ERROR_FEEDBACK, MARKOV, MINMAX_U8, PLAIN, SIGN_L2, Layout, is_sign
+from .layout import DIFF, ERROR_FEEDBACK, MARKOV, PLAIN, SIGN_L2, Layout, is_sign
 
 
 def _unpack_bits(codes: torch.Tensor, seg_len: int) -> torch.Tensor:
@@ -130,4 +130,4 @@ def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows
         target.copy_(dec)
 
 
-__all__ = ["reduce", "encode", "decode", "MINMAX_U8", "MARKOV", "DIFF"]
+__all__ = ["reduce", "encode", "decode"]
