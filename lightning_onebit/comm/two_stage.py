@@ -65,7 +65,7 @@ from typing import NamedTuple
 import torch
 
 from ..compress import Codec, Encoded
-from ..compress.kernels.layout import Layout, code_bytes_per_row, is_sign, scale_width
+from ..compress.kernels.layout import Layout, code_bytes_padded, code_bytes_per_row, is_sign
 from .accounting import ByteCounter
 
 __all__ = ["MAX_PIECES", "MIN_PIECE", "MODES", "TwoStageRank"]
@@ -167,7 +167,7 @@ class TwoStageRank:
         """Cut a row of ``seg`` elements into pipeline pieces (see the module docstring)."""
         codec, rb = self.codec, self.codec.row_bytes(self.layout)
         cb = code_bytes_per_row(codec.kind, seg)
-        whole = [_Piece(0, seg, cb, -(-cb // 4) * 4, rb)]  # one piece: the codec's own packing
+        whole = [_Piece(0, seg, cb, code_bytes_padded(codec.kind, seg), rb)]  # one piece: the codec's own packing
         if not codec.elementwise or seg == 0:
             return whole
         # boundaries on 4-byte code boundaries (packing); scale blocks may be cut anywhere, since
@@ -183,11 +183,10 @@ class TwoStageRank:
         bounds = sorted({round(i * seg / k / unit) * unit for i in range(k)} | {seg})
         if len(bounds) <= 2:
             return whole
-        scale_bytes = self.layout.blocks_per_seg * scale_width(codec.kind) * 4
+        scale_bytes = rb - whole[0].cb4  # the row's scales, after its codes
         plan = []
         for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-            cb = code_bytes_per_row(codec.kind, hi - lo)
-            cb4 = -(-cb // 4) * 4
+            cb, cb4 = code_bytes_per_row(codec.kind, hi - lo), code_bytes_padded(codec.kind, hi - lo)
             plan.append(_Piece(lo, hi, cb, cb4, cb4 + (scale_bytes if i == 0 else 0)))
         assert sum(p.rb for p in plan) == rb
         return plan

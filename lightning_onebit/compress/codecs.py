@@ -33,6 +33,7 @@ from .kernels.layout import (
     SIGN_L1,
     SIGN_L2,
     Layout,
+    code_bytes_padded,
     code_bytes_per_row,
     is_sign,
     make_layout,
@@ -161,8 +162,7 @@ class Codec:
 
     def row_bytes(self, layout: Layout) -> int:
         """Bytes of one packed row of ``layout``: codes padded to 4 bytes, then the fp32 scales."""
-        cb = -(-code_bytes_per_row(self.kind, layout.seg_len) // 4) * 4
-        return cb + layout.blocks_per_seg * scale_width(self.kind) * 4
+        return code_bytes_padded(self.kind, layout.seg_len) + layout.blocks_per_seg * scale_width(self.kind) * 4
 
     def empty(self, layout: Layout, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
               packed: torch.Tensor | None = None) -> Encoded:
@@ -182,7 +182,7 @@ class Codec:
             if packed.dtype != torch.uint8 or tuple(packed.shape) != (nseg, rb) or not packed.is_contiguous():
                 raise ValueError(f"packed buffer must be contiguous uint8 [{nseg}, {rb}], got "
                                  f"{packed.dtype} {tuple(packed.shape)}")
-            cb4 = -(-cb // 4) * 4
+            cb4 = code_bytes_padded(self.kind, layout.seg_len)
             codes = packed[:, :cb]
             scales = packed[:, cb4:].view(torch.float32).view(shape)
         return Encoded(codes, scales, layout, self.kind, dtype)
@@ -191,20 +191,13 @@ class Codec:
         return get_backend(device, None if self.backend in (None, "auto") else self.backend)
 
     # -- scales --------------------------------------------------------------------------
-    def _scales(self, totals: torch.Tensor, lay: Layout) -> torch.Tensor:
-        """fp32 block scales from the per-block fp64 totals ``[nblocks, width]`` of a reduction;
-        raises ``ValueError`` if the input was not finite."""
-        scales, ok = self._scales_unchecked(totals, lay)
-        if not bool(ok):
-            raise self._not_finite()
-        return scales
-
     def _not_finite(self) -> ValueError:
         return ValueError(f"{type(self).__name__}: the input is not finite (it contains NaN or inf); "
                           "nothing was encoded and no error/estimate state was changed")
 
     def _scales_unchecked(self, totals: torch.Tensor, lay: Layout) -> tuple[torch.Tensor, torch.Tensor]:
-        """(scales, ok): ``ok`` a 0-d bool tensor on the totals' device, so no host sync here.
+        """fp32 block scales from the per-block fp64 totals ``[nblocks, width]`` of a reduction, and
+        ``ok``: a 0-d bool tensor on the totals' device (the input was finite), so no host sync here.
         An empty block gets scale 0, which decodes to zeros; padding does not count in a length."""
         lens = torch.from_numpy(lay.scale_lengths.reshape(-1)).to(totals.device)
         live = lens > 0
@@ -237,7 +230,9 @@ class Codec:
         backend = self._backend(device)
         if scales is None:
             totals = backend.reduce(self.kind, mode, lay, x, state)
-            scales = self._scales(totals, lay) if check else self._scales_unchecked(totals, lay)[0]
+            scales, ok = self._scales_unchecked(totals, lay)
+            if check and not bool(ok):
+                raise self._not_finite()
         out.scales.copy_(scales)
         backend.encode(self.kind, mode, lay, x, state, out.scales, out.codes)
         return out

@@ -77,22 +77,22 @@ class TopKCodec(Codec):
                        nseg: int = 1, *, groups: Sequence[int] | None = None,
                        layout: Layout | None = None) -> torch.Tensor:
         x = _as_fp32_vector(x, "x")
-        m = MODES[mode]
-        nseg = layout.nseg if layout is not None else nseg
-        if m != PLAIN:
+        self._check_finite(x, state, MODES[mode], layout.nseg if layout is not None else nseg)
+        return torch.empty(0)  # nothing to precompute; the check is what callers need
+
+    def _check_finite(self, x: torch.Tensor, state: torch.Tensor | None, mode: int, nseg: int) -> None:
+        if mode != PLAIN:
             _check_state(state, x.numel(), x.device, "state buffer")
-        if x.numel() and not bool(torch.isfinite(self._value(x, state, m, nseg)).all()):
+        if x.numel() and not bool(torch.isfinite(self._value(x, state, mode, nseg)).all()):
             raise ValueError("TopKCodec: the input is not finite (it contains NaN or inf); "
                              "nothing was encoded and no error/estimate state was changed")
-        return torch.empty(0)  # nothing to precompute; the check is what callers need
 
     def _run(self, x, state, mode, lay, dtype=torch.float32, out=None, scales=None, check=True) -> Encoded:
         nseg = lay.nseg
         if state is not None:
             _check_state(state, x.numel(), x.device, "state buffer")
         if scales is None and check:  # unchecked: a non-finite value travels as one of the "scales"
-
-            self.compute_scales(x, state, {v: k for k, v in MODES.items()}[mode], nseg)
+            self._check_finite(x, state, mode, nseg)
         v = self._value(x, state, mode, nseg)
         device = x.device
         seg = v.shape[1]
@@ -135,8 +135,8 @@ class TopKCodec(Codec):
             dec = (acc / enc.nseg).float()
         else:
             dec = rows.view(-1)
-        if accumulate or out is None:
-            buf.add_(dec) if accumulate else buf.copy_(dec)
+        if accumulate:
+            buf.add_(dec)
         else:
             buf.copy_(dec)
         if out is None and enc.dtype != torch.float32:

@@ -59,6 +59,11 @@ def code_bytes_per_row(kind: int, seg_len: int) -> int:
     return (seg_len + 7) // 8 if is_sign(kind) else seg_len
 
 
+def code_bytes_padded(kind: int, seg_len: int) -> int:
+    """Code bytes of a packed row padded to 4, where the row's fp32 scales start."""
+    return -(-code_bytes_per_row(kind, seg_len) // 4) * 4
+
+
 @dataclass(frozen=True, eq=False)
 class Layout:
     """``nseg`` rows of ``seg_len`` elements; block j of row r is ``[starts[r, j], starts[r, j + 1])``.
