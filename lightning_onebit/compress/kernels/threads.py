@@ -1,6 +1,6 @@
 """Threads of the numba CPU kernels: a threading layer that leaves torch alone, one budget per rank.
 
-Two things made results depend on numba's thread count, and both are handled here:
+Two things would make results depend on numba's thread count; both are handled here:
 
 * numba's OpenMP threading layer shares the OpenMP runtime with PyTorch, and starting numba's
   thread pool sets that runtime's thread count to numba's (all cores by default). torch's
@@ -9,11 +9,12 @@ Two things made results depend on numba's thread count, and both are handled her
   model's gradients - depend on numba's thread count, and a resumed process, whose first step
   runs before any kernel, computes differently from an uninterrupted one. Unless the user chose
   a layer (``NUMBA_THREADING_LAYER[_PRIORITY]``), numba tries TBB (where its library loads, e.g.
-  conda's ``tbb``), then its own ``workqueue`` layer, before OpenMP. The kernels run as fast on
-  ``workqueue`` as on OpenMP (16M-element sign encode + error feedback: 9.8 vs 9.6 ms on 2
-  threads). ``workqueue`` must not be entered from two threads at once; the package launches
-  kernels only from the thread that calls it. If the OpenMP layer is active anyway, torch's
-  thread count is put back after every launch.
+  conda's ``tbb``), then its own ``workqueue`` layer, before OpenMP. The kernels run about as fast
+  on ``workqueue`` as on OpenMP (``benchmarks/codecs.py`` measures them; run it with
+  ``NUMBA_THREADING_LAYER=workqueue`` and ``=omp`` to compare). ``workqueue`` must not be
+  entered from two threads at once; the package launches kernels only from the thread that
+  calls it. If the OpenMP layer is active anyway, torch's thread count is put back after every
+  launch.
 * The kernels' own reductions sum in a fixed order (:mod:`.layout`), whatever the thread count.
 
 Budget: ranks that share a host each start numba with all cores and oversubscribe it. The
