@@ -40,9 +40,9 @@ same bytes on every rank, and the driver decides when to read it and how to rais
 Pipelining: a row is cut into column pieces (``pieces``; automatic: one per ``MIN_PIECE``
 elements of a row, at most ``MAX_PIECES``; on CUDA one piece, since every piece costs n encode
 and n decode launches, each with Python dispatch, and the kernels share torch's one stream).
-Piece k is encoded and its exchange started before piece k+1 is encoded; the server
-decodes each piece as it arrives; the server row is encoded and exchanged piece by piece while
-earlier pieces are decoded. Only the scale
+Every stage works piece by piece, so a driver can put piece k on the wire while piece k+1 is
+encoded, let the server decode each piece as it arrives, and encode and exchange the server row
+piece by piece while earlier pieces are decoded (``CompressedAllreduce`` does). Only the scale
 reductions need a whole row (the workers' before any piece, the server's after the last
 piece arrived); everything that is split is elementwise, so the result is bit-identical for
 every piece count, backend included. Piece 0 carries the row's scales; the other pieces are
