@@ -202,14 +202,20 @@ def _minmax_run(mode, a, xs, ss, cs, sc0, sc1):
             ss[i] += dec
 
 
+@njit(cache=True, inline="always")
+def _tile_span(t, per_row, seg_len):
+    """Row and element range [lo, hi) of work item ``t`` (``per_row`` tiles of TILE per row)."""
+    r = t // per_row
+    lo = (t - r * per_row) * TILE
+    return r, lo, min(lo + TILE, seg_len)
+
+
 @njit(parallel=True, nogil=True, cache=True)
 def _encode(kind, mode, a, x, st, seg_len, starts, ends, scales, codes):
     nseg, nb = starts.shape[0], starts.shape[1] - 1
     per_row = (seg_len + TILE - 1) // TILE
     for t in prange(nseg * per_row):
-        r = t // per_row
-        lo = (t - r * per_row) * TILE
-        hi = min(lo + TILE, seg_len)
+        r, lo, hi = _tile_span(t, per_row, seg_len)
         base = r * seg_len
         xs = x[base + lo : base + hi]
         ss = st[base + lo : base + hi]
@@ -282,9 +288,7 @@ def _decode_rows(kind, codes, scales, seg_len, starts, ends, out, accumulate):
     nseg, nb = starts.shape[0], starts.shape[1] - 1
     per_row = (seg_len + TILE - 1) // TILE
     for t in prange(nseg * per_row):
-        r = t // per_row
-        lo = (t - r * per_row) * TILE
-        hi = min(lo + TILE, seg_len)
+        r, lo, hi = _tile_span(t, per_row, seg_len)
         dst = out[r * seg_len + lo : r * seg_len + hi]
         buf = np.empty(hi - lo, np.float32) if accumulate else dst
         end = max(lo, min(hi, ends[r]))

@@ -76,6 +76,13 @@ def _value(mode, x, st, j):
 
 
 @cuda.jit(device=True, inline=True)
+def _tile_element(t, tiles):
+    """(row, element) of this thread in tile ``t``: tiles of THREADS elements, ``tiles`` per row."""
+    r = t // tiles
+    return r, (t - r * tiles) * THREADS + cuda.threadIdx.x
+
+
+@cuda.jit(device=True, inline=True)
 def _round_half_even(t):
     f = math.floor(t)
     d = t - f
@@ -173,9 +180,8 @@ def _encode_sign_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
     tiles = (seg_len + THREADS - 1) // THREADS  # per row; a tile starts on a byte
     t = cuda.blockIdx.x
     while t < starts.shape[0] * tiles:  # grid-stride over tiles; uniform per block
-        r = t // tiles
-        i0 = (t - r * tiles) * THREADS
-        i = i0 + tid
+        r, i = _tile_element(t, tiles)
+        i0 = i - tid
         bit = 0
         if i < seg_len:
             e = r * seg_len + i
@@ -208,8 +214,7 @@ def _encode_minmax_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
     tiles = (seg_len + THREADS - 1) // THREADS  # a tile of one row per block: its row found once
     t = cuda.blockIdx.x
     while t < starts.shape[0] * tiles:
-        r = t // tiles
-        i = (t - r * tiles) * THREADS + cuda.threadIdx.x
+        r, i = _tile_element(t, tiles)
         t += cuda.gridDim.x
         if i >= seg_len:
             continue
@@ -238,8 +243,7 @@ def _decode_kernel(kind, codes, scales, seg_len, starts, ends, out, accumulate, 
     tiles = (seg_len + THREADS - 1) // THREADS  # as in the encode kernels
     t = cuda.blockIdx.x
     while t < nrows * tiles:
-        r = t // tiles
-        i = (t - r * tiles) * THREADS + cuda.threadIdx.x
+        r, i = _tile_element(t, tiles)
         t += cuda.gridDim.x
         if i >= seg_len:
             continue
