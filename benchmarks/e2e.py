@@ -77,7 +77,7 @@ from netns_cluster import (
     run_torchrun,
 )
 
-repo_on_path()  # the repository's `recipes` (hook baselines), when run from a checkout
+repo_on_path()  # lightning_onebit from this checkout, also when it is not installed
 
 RESULT_TAG = "LOBE2E "
 PROFILE_TAG = "LOBPROF "
