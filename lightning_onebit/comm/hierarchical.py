@@ -1,0 +1,256 @@
+"""Two-level compressed allreduce: full precision inside a node, compressed between nodes.
+
+A cluster has ``N`` nodes of ``L`` ranks; ranks of one node share a fast link (NVLink, PCIe, a
+host's loopback), nodes a slow one. A flat compressed allreduce over all ``N L`` ranks compresses
+traffic between two ranks of the same node (error for no gain), and each node pushes ``L`` ranks'
+rows over its slow link. The two-level call instead:
+
+1. **reduce-scatter inside the node** (fp32): the padded input is cut into ``L`` shards;
+   ``all_to_all_single`` hands local rank ``j`` every node-mate's shard ``j``, which it sums in
+   local-rank order (fp64, then / L, then fp32: a fixed order, so a simulation reproduces it, and a
+   mean of finite fp32 values cannot overflow);
+2. **compressed allreduce between nodes**: the two-stage :class:`~.allreduce.CompressedAllreduce`
+   of that shard among the ``N`` ranks with local rank ``j`` (one per node), with its own
+   error/Markov state, which covers one shard: ``L`` times less than the flat call's;
+3. **all_gather inside the node** (fp32) of the ``L`` reduced shards.
+
+Every rank ends with the same bits. A node sends ``L`` rows of a ``1/L``-size shard's collective
+between nodes where the flat call sends ``L`` rows of the whole tensor's: about ``L`` times fewer
+inter-node bytes (:meth:`HierarchicalAllreduce.inter_node_bytes_per_call`), for one fp32
+reduce-scatter + all_gather on the fast link.
+
+Ranks are laid out as launchers lay them out: global rank ``node * L + local_rank``
+(:func:`node_groups` builds the two kinds of groups). A call starts with one agreement round over
+the whole group (size, dtype, codec, mode, ranks per node, finiteness, the caller's flag), so
+ranks that disagree - also on the layout - raise together instead of hanging.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..compress import Codec
+from .accounting import ByteCounter
+from .allreduce import CompressedAllreduce, _all_gather_single, _group_rank_size
+from .simulated import SimulatedCluster
+from .two_stage import TwoStageRank
+
+__all__ = ["HierarchicalAllreduce", "SimulatedHierarchicalCluster", "node_groups", "shard_groups"]
+
+
+def node_groups(ranks_per_node: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """(this rank's node group, this rank's cross-node group) of the default group, for ranks laid
+    out ``node * ranks_per_node + local_rank``. Every rank must call it (group creation is
+    collective); raises if the world size is not a multiple of ``ranks_per_node``."""
+    world = dist.get_world_size()
+    # agree first: ranks that enumerate different groups would wait in group creation forever
+    mine = torch.tensor([ranks_per_node], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    seen = [int(t) for t in every]
+    if len(set(seen)) > 1:
+        raise ValueError(f"ranks disagree on ranks_per_node: {seen} (by rank)")
+    if ranks_per_node < 1 or world % ranks_per_node:
+        raise ValueError(f"ranks_per_node={ranks_per_node} does not divide the world size {world}")
+    nodes = world // ranks_per_node
+    local, _ = dist.new_subgroups_by_enumeration(
+        [[k * ranks_per_node + j for j in range(ranks_per_node)] for k in range(nodes)])
+    cross, _ = dist.new_subgroups_by_enumeration(
+        [[k * ranks_per_node + j for k in range(nodes)] for j in range(ranks_per_node)])
+    return local, cross
+
+
+def _shard_len(numel: int, ranks_per_node: int) -> int:
+    return -(-numel // ranks_per_node)
+
+
+def shard_groups(numel: int, ranks_per_node: int, local_rank: int, groups: Sequence[int]) -> list[int]:
+    """The tensor starts (``groups`` offsets of the flat input) that fall inside shard
+    ``local_rank``, relative to the shard: its collective keeps one scale per piece of a tensor."""
+    s = _shard_len(numel, ranks_per_node)
+    lo = local_rank * s
+    return sorted({0} | {g - lo for g in groups if lo < g < lo + s})
+
+
+class HierarchicalAllreduce:
+    """Compressed estimate of the mean of a 1-D tensor over ``N`` nodes of ``L`` ranks.
+
+    Args:
+        codec, mode, verify, pieces, groups: as :class:`~.allreduce.CompressedAllreduce` (``groups``
+            are the flat input's tensor offsets; each shard keeps those inside it).
+        local_group: this rank's node (its ``L`` ranks), e.g. from :func:`node_groups`.
+        cross_group: the ranks with this rank's local rank, one per node.
+        group: the whole group, for the agreement round (``None``: the default group).
+        counter: gets the inter-node bytes (the compressed collective's); ``intra_counter`` the
+            fp32 bytes inside the node.
+    """
+
+    def __init__(self, codec: Codec, mode: str = "error_feedback", *, local_group, cross_group, group=None,
+                 counter: ByteCounter | None = None, intra_counter: ByteCounter | None = None,
+                 verify: str = "always", pieces: int | None = None, groups: Sequence[int] | None = None) -> None:
+        self.local_rank, self.ranks_per_node = _group_rank_size(local_group)
+        self.node, self.nodes = _group_rank_size(cross_group)
+        self.local_group, self.cross_group = local_group, cross_group
+        self.codec, self.mode, self.pieces = codec, mode, pieces
+        self.groups = tuple(sorted({int(g) for g in groups})) if groups is not None else ()
+        self.counter = counter if counter is not None else ByteCounter()
+        self.intra_counter = intra_counter if intra_counter is not None else ByteCounter()
+        # the agreement round over the whole group; no data goes through this collective
+        self._agreement = CompressedAllreduce(codec, mode, group=group, verify=verify, groups=self.groups)
+        if self._agreement.world_size != self.nodes * self.ranks_per_node:
+            raise ValueError(f"the group has {self._agreement.world_size} ranks, the node groups describe "
+                             f"{self.nodes} nodes x {self.ranks_per_node} ranks")
+        self.cross: CompressedAllreduce | None = None  # the shard's collective, made by bind()
+        self.numel: int | None = None
+        self._send: torch.Tensor | None = None
+        self._recv: torch.Tensor | None = None
+        self._gathered: torch.Tensor | None = None
+
+    @property
+    def any_flag(self) -> bool:
+        return self._agreement.any_flag
+
+    @property
+    def shard_len(self) -> int:
+        return _shard_len(self.numel, self.ranks_per_node)
+
+    def bind(self, numel: int, device: torch.device | str) -> None:
+        """Allocate the shard's collective (its error state) and the fp32 buffers for ``numel`` elements."""
+        if self.numel is not None:
+            if numel != self.numel:
+                raise ValueError(f"HierarchicalAllreduce is bound to {self.numel} elements, got {numel}")
+            return
+        self.numel = numel
+        L, s = self.ranks_per_node, self.shard_len
+        sg = shard_groups(numel, L, self.local_rank, self.groups)
+        self.cross = CompressedAllreduce(self.codec, self.mode, group=self.cross_group, counter=self.counter,
+                                         verify="first", pieces=self.pieces, groups=sg)
+        self.cross.bind(s, device)
+        f32 = dict(dtype=torch.float32, device=device)
+        self._send = torch.zeros(L * s, **f32)
+        self._recv = torch.zeros(L, s, **f32)
+        self._gathered = torch.zeros(L * s, **f32)
+
+    def inter_node_bytes_per_call(self, numel: int) -> int:
+        """Bytes this rank sends between nodes per call (its shard's compressed collective)."""
+        sg = shard_groups(numel, self.ranks_per_node, self.local_rank, self.groups)
+        probe = TwoStageRank(self.codec, self.mode, self.node, self.nodes, pieces=self.pieces, groups=sg)
+        return probe.bytes_per_call(_shard_len(numel, self.ranks_per_node))
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, flag: bool | None = None) -> torch.Tensor:
+        """The compressed mean of ``x`` over every rank of every node (bit-identical on all ranks)."""
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            raise TypeError("HierarchicalAllreduce expects a floating-point tensor")
+        ok = torch.isfinite(x).all() if x.numel() else torch.ones((), dtype=torch.bool, device=x.device)
+        self._agreement._agree(x, ok, flag)  # every rank raises together on a mismatch or NaN
+        self.bind(x.numel(), x.device)
+        d, L, s = self.numel, self.ranks_per_node, self.shard_len
+        if d == 0:
+            return x.detach().clone() if out is None else out
+        self._send[:d].copy_(x.reshape(-1))
+        if L > 1:
+            dist.all_to_all_single(self._recv.view(-1), self._send, group=self.local_group)
+            recv = self._recv
+            self.intra_counter.add(2 * (L - 1) * s * 4, d, L)
+        else:
+            recv = self._send.view(1, s)
+        acc = recv[0].double()
+        for j in range(1, L):  # local-rank order
+            acc += recv[j]
+        shard = (acc / L).float()
+        reduced = self.cross(shard)
+        if L > 1:
+            _all_gather_single(self._gathered, reduced, group=self.local_group)
+            full = self._gathered
+        else:
+            full = reduced
+        if out is None:
+            return full[:d].to(x.dtype, copy=True).view_as(x) if x.dim() else full[:d].to(x.dtype, copy=True)
+        out.view(-1).copy_(full[:d])
+        return out
+
+    # -- state ------------------------------------------------------------------------------
+    def state_views(self, lo: int, hi: int) -> list[torch.Tensor]:
+        """The shard collective's state where it covers input elements ``[lo, hi)``."""
+        if self.cross is None:
+            return []
+        s0 = self.local_rank * self.shard_len
+        a, b = max(lo, s0), min(hi, s0 + self.shard_len)
+        return self.cross.state_views(a - s0, b - s0) if a < b else []
+
+    def reset_state(self) -> None:
+        if self.cross is not None:
+            self.cross.reset_state()
+
+    def state_dict(self) -> dict:
+        return {"hierarchical": True, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+                "numel": self.numel, "cross": None if self.cross is None else self.cross.state_dict()}
+
+    def load_state_dict(self, sd: dict, device: torch.device | str | None = None) -> None:
+        if not sd.get("hierarchical"):
+            raise ValueError("state was saved by a flat collective; this one is hierarchical")
+        mine = (self.nodes, self.ranks_per_node)
+        if (sd["nodes"], sd["ranks_per_node"]) != mine:
+            raise ValueError(f"state was saved on {sd['nodes']} nodes x {sd['ranks_per_node']} ranks, this "
+                             f"collective runs on {mine[0]} x {mine[1]}")
+        if sd["numel"] is not None:
+            self.bind(sd["numel"], device or "cpu")
+            self.cross.load_state_dict(sd["cross"], device)
+
+
+class SimulatedHierarchicalCluster:
+    """``nodes`` x ``ranks_per_node`` simulated ranks with exactly the arithmetic of
+    :class:`HierarchicalAllreduce` (worker ``node * ranks_per_node + local_rank``)."""
+
+    def __init__(self, codec: Codec, mode: str, nodes: int, ranks_per_node: int,
+                 counter: ByteCounter | None = None, pieces: int | None = None,
+                 groups: Sequence[int] | None = None) -> None:
+        if nodes < 1 or ranks_per_node < 1:
+            raise ValueError(f"need nodes >= 1 and ranks_per_node >= 1, got {nodes} x {ranks_per_node}")
+        self.codec, self.mode, self.pieces = codec, mode, pieces
+        self.nodes, self.ranks_per_node = nodes, ranks_per_node
+        self.world_size = nodes * ranks_per_node
+        self.groups = tuple(sorted({int(g) for g in groups})) if groups is not None else ()
+        self.counter = counter if counter is not None else ByteCounter()  # local rank 0's inter-node bytes
+        self.clusters: list[SimulatedCluster] | None = None  # one per local rank (its shard)
+        self.numel: int | None = None
+
+    def allreduce(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        if len(xs) != self.world_size:
+            raise ValueError(f"expected {self.world_size} tensors (one per rank), got {len(xs)}")
+        sizes = {x.numel() for x in xs}
+        if len(sizes) != 1:
+            raise ValueError(f"ranks disagree on numel: {[x.numel() for x in xs]}")
+        bad = [r for r, x in enumerate(xs) if not bool(torch.isfinite(x).all())]
+        if bad:
+            raise ValueError(f"SimulatedHierarchicalCluster: the input of rank(s) {bad} is not finite")
+        d, L, N = xs[0].numel(), self.ranks_per_node, self.nodes
+        if self.numel is None:
+            self.numel = d
+            self.clusters = [SimulatedCluster(self.codec, self.mode, N, pieces=self.pieces,
+                                              counter=self.counter if j == 0 else None,
+                                              groups=shard_groups(d, L, j, self.groups)) for j in range(L)]
+        elif d != self.numel:
+            raise ValueError(f"bound to {self.numel} elements, got {d}")
+        if d == 0:
+            return [x.detach().clone() for x in xs]
+        s = _shard_len(d, L)
+        padded = []
+        for x in xs:
+            p = torch.zeros(L * s, dtype=torch.float32, device=x.device)
+            p[:d].copy_(x.reshape(-1))
+            padded.append(p.view(L, s))
+        full = []
+        for j in range(L):
+            shards = []
+            for k in range(N):
+                acc = padded[k * L][j].double()
+                for i in range(1, L):
+                    acc += padded[k * L + i][j]
+                shards.append((acc / L).float())
+            full.append(self.clusters[j].allreduce(shards)[0])
+        result = torch.cat(full)[:d]
+        return [result.to(x.dtype, copy=True).view_as(x) for x in xs]
