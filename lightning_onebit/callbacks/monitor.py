@@ -16,6 +16,8 @@ class CommunicationMonitor(Callback):
     ``comm/bits_per_param`` (of the last step), ``comm/ratio_vs_fp32`` (fp32 ring-allreduce bytes
     of the same tensors / bytes sent: ~1 in warm-up, ~32 with 1-bit, ~4 with 8-bit) and
     ``comm/compressing`` (0/1). ``ratio_vs_fp32`` and ``compressing`` also go to the progress bar.
+    With the two-level collective the compressed bytes are those between nodes, and
+    ``comm/intra_node_bytes_step`` adds the fp32 bytes inside the node.
     """
 
     def __init__(self, prog_bar: bool = True) -> None:
@@ -32,6 +34,8 @@ class CommunicationMonitor(Callback):
             "comm/bytes_total": float(total.bytes_sent),
             "comm/bits_per_param": last.bits_per_param,
         }
+        if opt.intra_node_counter.total.bytes_sent:
+            metrics["comm/intra_node_bytes_step"] = float(opt.intra_node_counter.last.bytes_sent)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
         pl_module.log_dict({"comm/ratio_vs_fp32": last.ratio_vs_fp32, "comm/compressing": float(opt.compressing)},
                            on_step=True, on_epoch=False, prog_bar=self.prog_bar, rank_zero_only=True)

@@ -185,6 +185,13 @@ class HierarchicalAllreduce:
         if self.cross is not None:
             self.cross.reset_state()
 
+    def zero_state_at(self, idx: torch.Tensor) -> None:
+        """Zero the shard collective's state at input positions ``idx`` that fall in this rank's shard."""
+        if self.cross is None:
+            return
+        s0, s = self.local_rank * self.shard_len, self.shard_len
+        self.cross.zero_state_at(idx[(idx >= s0) & (idx < s0 + s)] - s0)
+
     def state_dict(self) -> dict:
         return {"hierarchical": True, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
                 "numel": self.numel, "cross": None if self.cross is None else self.cross.state_dict()}

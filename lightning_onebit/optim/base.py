@@ -43,10 +43,12 @@ from torch.optim import Optimizer
 from ..comm import (
     ByteCounter,
     CompressedAllreduce,
+    HierarchicalAllreduce,
     SimulatedCluster,
     any_across,
     group_size,
     mean_allreduce,
+    node_groups,
     ring_allreduce_bytes,
 )
 from ..compress import Codec
@@ -185,6 +187,50 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
         #: with DDP, synchronise in step() instead of the backward hook (fp16 + GradScaler:
         #: the hook would see scaled gradients; also lets clipping act before compression)
         self.defer_sync_to_step = False
+        #: two-level collective (fp32 inside a node, compressed between nodes): None = automatic,
+        #: on with several nodes of several ranks each; see set_topology
+        self.hierarchical: bool | None = None
+        self.ranks_per_node: int | None = None  # None: the launcher's LOCAL_WORLD_SIZE
+        self._node_groups: tuple | None = None
+        #: fp32 bytes inside the node of the two-level collective (comm_counter: between nodes)
+        self.intra_node_counter = ByteCounter()
+
+    def set_topology(self, *, hierarchical: bool | None = None, ranks_per_node: int | None = None) -> None:
+        """Choose the flat or the two-level collective before the first compressed step.
+
+        ``hierarchical=None`` (automatic) uses the two-level one when the default group spans several
+        nodes of several ranks each; ``ranks_per_node`` defaults to the launcher's ``LOCAL_WORLD_SIZE``
+        (ranks laid out ``node * ranks_per_node + local_rank``, as torchrun and Lightning lay them out).
+        A layout whose ranks per node do not divide the world size falls back to flat, logged."""
+        if (hierarchical, ranks_per_node) == (self.hierarchical, self.ranks_per_node):
+            return
+        if any(b.comm is not None for b in self._buckets):
+            raise RuntimeError(f"{type(self).__name__}.set_topology: the collectives exist already; call it "
+                               "before the first compressed step (or before loading a state_dict)")
+        if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node must be a positive int or None, got {ranks_per_node!r}")
+        self.hierarchical, self.ranks_per_node = hierarchical, ranks_per_node
+
+    def _ranks_per_node(self) -> int | None:
+        """Ranks per node when buckets use the two-level collective, else None (flat)."""
+        if self.hierarchical is False or self.simulate_workers is not None:
+            return None
+        local = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
+        n = self.world_size
+        why = None
+        if not _spans_the_world(self.process_group):
+            why = "it runs on a group of every rank only (node groups are cut from the default group)"
+        elif local is None:
+            why = "the ranks per node are unknown (set_topology(ranks_per_node=...) or LOCAL_WORLD_SIZE)"
+        elif n % local:
+            why = f"{local} ranks per node do not divide the world size {n}"
+        elif self.hierarchical is None and (local == 1 or local == n):
+            return None  # one node, or one rank per node: nothing to gain
+        if why is not None:
+            if self.hierarchical:
+                log.warning(f"{type(self).__name__}: the two-level collective falls back to flat: {why}")
+            return None
+        return local
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (as torch does). Its parameters get buckets of their own at the next step;
@@ -278,6 +324,13 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
             if self.simulate_workers is not None:
                 b.comm = SimulatedCluster(codec, self.comm_mode, self.simulate_workers, counter=self.comm_counter,
                                           groups=b.offsets)
+            elif (local := self._ranks_per_node()) is not None:
+                if self._node_groups is None:
+                    self._node_groups = node_groups(local)
+                lg, cg = self._node_groups
+                b.comm = HierarchicalAllreduce(codec, self.comm_mode, local_group=lg, cross_group=cg,
+                                               counter=self.comm_counter, intra_counter=self.intra_node_counter,
+                                               groups=b.offsets)
             else:
                 # verify="always": the per-call agreement is also how every rank learns that
                 # some rank's gradient was not finite, so they all skip the step together
@@ -444,6 +497,7 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
                 self._update_warmup(b, grad, group, has)
             self._restore(saved)
         self.comm_counter.end_step()
+        self.intra_node_counter.end_step()
 
     def _synchronise(self, buckets: list[Bucket], worker_grads) -> list[tuple]:
         """Pass 1 of a step: every bucket's gradient synchronised (a NaN anywhere raises before any
@@ -537,6 +591,26 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
                           stacklevel=2)
             return
         for b, csd in zip(buckets, extra["comm"], strict=False):
-            if csd is not None:
-                self._comm_for(b).load_state_dict(csd, device=b.device)
+            if csd is None:
+                continue
+            comm = self._comm_for(b)
+            saved, now = _collective_layout(csd), _collective_layout(comm.state_dict())
+            if saved != now:  # per-rank state of another layout does not carry over
+                warnings.warn(f"{type(self).__name__}: the checkpoint's collectives ran {saved}, this run's {now}; "
+                              "moments and phase are kept, the compression error state was reset", stacklevel=2)
+                continue
+            comm.load_state_dict(csd, device=b.device)
 
+
+def _collective_layout(sd: dict) -> str:
+    """How a collective's state is cut across ranks, from its state_dict."""
+    if sd.get("hierarchical"):
+        return f"two-level on {sd['nodes']} nodes x {sd['ranks_per_node']} ranks"
+    return f"flat on {sd['world_size']} ranks"
+
+
+def _spans_the_world(group) -> bool:
+    """``group`` holds every rank in rank order (the default group, or DDP's handle of it)."""
+    if group is None:
+        return True
+    return dist.get_process_group_ranks(group) == list(range(dist.get_world_size()))

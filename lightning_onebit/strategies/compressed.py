@@ -120,6 +120,8 @@ class CompressedDDPStrategy(DDPStrategy):
             :class:`~lightning_onebit.callbacks.PhaseSwitch` callback unless one is present.
         optimizer_kwargs: extra arguments for the converted optimizer (e.g.
             ``eps_inside_sqrt``, ``block_size``, ``bucket_cap_mb``).
+        hierarchical: the two-level collective (fp32 inside a node, compressed between nodes);
+            ``None`` = on with several nodes of several ranks each (``num_nodes`` > 1, devices > 1).
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
             ``gradient_as_bucket_view`` defaults to ``True`` here.
     """
@@ -127,7 +129,8 @@ class CompressedDDPStrategy(DDPStrategy):
     algorithm: str = "onebit_adam"
 
     def __init__(self, algorithm: str | None = None, warmup: int | float | str | None = 0.15,
-                 optimizer_kwargs: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+                 optimizer_kwargs: Mapping[str, Any] | None = None, hierarchical: bool | None = None,
+                 **kwargs: Any) -> None:
         algorithm = algorithm or type(self).algorithm
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {sorted(ALGORITHMS)}")
@@ -142,6 +145,7 @@ class CompressedDDPStrategy(DDPStrategy):
         self.optimizer_cls = ALGORITHMS[algorithm]
         self.warmup = warmup
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
+        self.hierarchical = hierarchical
         self._converted_from: str | None = None
 
     # -- setup ---------------------------------------------------------------------------
@@ -165,6 +169,7 @@ class CompressedDDPStrategy(DDPStrategy):
         if fp16:
             self._install_agreeing_scaler()
         opt.defer_sync_to_step = fp16
+        opt.set_topology(hierarchical=self.hierarchical, ranks_per_node=self.num_processes)
         opt.attach(self.model)
         self._ensure_phase_switch(trainer, opt)
 
