@@ -159,3 +159,61 @@ def test_optimizer_on_two_levels(via_ddp):
     assert torch.isfinite(hier[0][0]).all()  # the arithmetic itself is checked bit for bit above
     for run in (hier, flat):
         assert run[0][4] and "two-level" in run[0][4][0] and "flat" in run[0][4][0]
+
+
+def _dense_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.LayerNorm(16), torch.nn.ReLU(),
+                               torch.nn.Linear(16, 8))
+
+
+def _dense_batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(8, 12, generator=g), torch.randint(0, 8, (8,), generator=g)
+
+
+def _train_plain(rank, world_size):
+    from lightning_onebit import OnebitAdam
+
+    model = _dense_model()
+    opt = OnebitAdam(model.parameters(), lr=1e-2, warmup_steps=2)
+    opt.set_topology(ranks_per_node=2)
+    for step in range(5):
+        x, y = _dense_batch(_who(rank, step), step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _who(rank: int, step: int) -> int:
+    # gloo's fp32 allreduce of 4 ranks sums in its own order, which only equal inputs make exact: the
+    # warm-up runs on one batch everywhere, the compressed steps (the two-level arithmetic) on each
+    # rank's own. A dense model: an embedding's unseen rows would start to train through such an
+    # fp32 allreduce too (the masked coordinates of OnebitAdam).
+    return rank if step >= 2 else 0
+
+
+def test_simulated_optimizer_equals_two_levels_of_real_ranks():
+    """simulate_workers=4 with 2 ranks per node: the same parameters, bit for bit, as 4 gloo ranks."""
+    from lightning_onebit import OnebitAdam
+
+    real = values(run_ranks(_train_plain, 4))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks run: the gradients' matmuls round alike
+    try:
+        model = _dense_model()
+        opt = OnebitAdam(model.parameters(), lr=1e-2, warmup_steps=2, simulate_workers=4)
+        opt.set_topology(ranks_per_node=2)
+        for step in range(5):
+            grads = []
+            for r in range(4):
+                model.zero_grad()
+                x, y = _dense_batch(_who(r, step), step)
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                grads.append([None if p.grad is None else p.grad.clone() for p in opt.params_in_order()])
+            opt.step_workers(grads)
+    finally:
+        torch.set_num_threads(threads)
+    assert {type(b.comm).__name__ for b in opt._buckets} == {"SimulatedHierarchicalCluster"}
+    assert torch.equal(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), real[0])

@@ -210,22 +210,45 @@ class HierarchicalAllreduce:
 
 class SimulatedHierarchicalCluster:
     """``nodes`` x ``ranks_per_node`` simulated ranks with exactly the arithmetic of
-    :class:`HierarchicalAllreduce` (worker ``node * ranks_per_node + local_rank``)."""
+    :class:`HierarchicalAllreduce` (worker ``node * ranks_per_node + local_rank``): the node means
+    are formed as the real call forms them, and local rank ``j``'s shard goes through a
+    :class:`~.simulated.SimulatedCluster` of the ``nodes`` ranks with that local rank."""
 
     def __init__(self, codec: Codec, mode: str, nodes: int, ranks_per_node: int,
-                 counter: ByteCounter | None = None, pieces: int | None = None,
-                 groups: Sequence[int] | None = None) -> None:
+                 counter: ByteCounter | None = None, intra_counter: ByteCounter | None = None,
+                 pieces: int | None = None, groups: Sequence[int] | None = None) -> None:
         if nodes < 1 or ranks_per_node < 1:
             raise ValueError(f"need nodes >= 1 and ranks_per_node >= 1, got {nodes} x {ranks_per_node}")
         self.codec, self.mode, self.pieces = codec, mode, pieces
         self.nodes, self.ranks_per_node = nodes, ranks_per_node
         self.world_size = nodes * ranks_per_node
         self.groups = tuple(sorted({int(g) for g in groups})) if groups is not None else ()
-        self.counter = counter if counter is not None else ByteCounter()  # local rank 0's inter-node bytes
+        self.counter = counter if counter is not None else ByteCounter()  # rank 0's inter-node bytes
+        self.intra_counter = intra_counter if intra_counter is not None else ByteCounter()
         self.clusters: list[SimulatedCluster] | None = None  # one per local rank (its shard)
         self.numel: int | None = None
+        self.any_flag = False
 
-    def allreduce(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    @property
+    def shard_len(self) -> int:
+        return _shard_len(self.numel, self.ranks_per_node)
+
+    def bind(self, numel: int, device: torch.device | str) -> None:
+        if self.numel is not None:
+            if numel != self.numel:
+                raise ValueError(f"bound to {self.numel} elements, got {numel}")
+            return
+        self.numel = numel
+        L = self.ranks_per_node
+        self.clusters = [SimulatedCluster(self.codec, self.mode, self.nodes, pieces=self.pieces,
+                                          counter=self.counter if j == 0 else None,
+                                          groups=shard_groups(numel, L, j, self.groups)) for j in range(L)]
+        for c in self.clusters:
+            c.bind(self.shard_len, device)
+
+    def allreduce(self, xs: Sequence[torch.Tensor], flags: Sequence[bool] | None = None) -> list[torch.Tensor]:
+        """The two-level compressed mean of ``xs`` (one per rank); ``flags``: their OR becomes ``any_flag``."""
+        self.any_flag = bool(flags is not None and any(flags))
         if len(xs) != self.world_size:
             raise ValueError(f"expected {self.world_size} tensors (one per rank), got {len(xs)}")
         sizes = {x.numel() for x in xs}
@@ -233,23 +256,19 @@ class SimulatedHierarchicalCluster:
             raise ValueError(f"ranks disagree on numel: {[x.numel() for x in xs]}")
         bad = [r for r, x in enumerate(xs) if not bool(torch.isfinite(x).all())]
         if bad:
-            raise ValueError(f"SimulatedHierarchicalCluster: the input of rank(s) {bad} is not finite")
-        d, L, N = xs[0].numel(), self.ranks_per_node, self.nodes
-        if self.numel is None:
-            self.numel = d
-            self.clusters = [SimulatedCluster(self.codec, self.mode, N, pieces=self.pieces,
-                                              counter=self.counter if j == 0 else None,
-                                              groups=shard_groups(d, L, j, self.groups)) for j in range(L)]
-        elif d != self.numel:
-            raise ValueError(f"bound to {self.numel} elements, got {d}")
+            raise ValueError(f"SimulatedHierarchicalCluster: the input of rank(s) {bad} is not finite (NaN or "
+                             "inf); every rank skipped this call and no state was changed")
+        self.bind(xs[0].numel(), xs[0].device)
+        d, L, N, s = self.numel, self.ranks_per_node, self.nodes, self.shard_len
         if d == 0:
             return [x.detach().clone() for x in xs]
-        s = _shard_len(d, L)
         padded = []
         for x in xs:
             p = torch.zeros(L * s, dtype=torch.float32, device=x.device)
             p[:d].copy_(x.reshape(-1))
             padded.append(p.view(L, s))
+        if L > 1:
+            self.intra_counter.add(2 * (L - 1) * s * 4, d, L)
         full = []
         for j in range(L):
             shards = []
@@ -261,3 +280,43 @@ class SimulatedHierarchicalCluster:
             full.append(self.clusters[j].allreduce(shards)[0])
         result = torch.cat(full)[:d]
         return [result.to(x.dtype, copy=True).view_as(x) for x in xs]
+
+    # -- state: cluster j holds the state of shard j of every node ----------------------------
+    def _shard_range(self, j: int, lo: int, hi: int) -> tuple[int, int]:
+        s0 = j * self.shard_len
+        return max(lo, s0) - s0, min(hi, s0 + self.shard_len) - s0
+
+    def state_views(self, lo: int, hi: int) -> list[torch.Tensor]:
+        if self.clusters is None:
+            return []
+        out = []
+        for j, c in enumerate(self.clusters):
+            a, b = self._shard_range(j, lo, hi)
+            if a < b:
+                out += c.state_views(a, b)
+        return out
+
+    def zero_state_at(self, idx: torch.Tensor) -> None:
+        if self.clusters is None:
+            return
+        s = self.shard_len
+        for j, c in enumerate(self.clusters):
+            c.zero_state_at(idx[(idx >= j * s) & (idx < (j + 1) * s)] - j * s)
+
+    def reset_state(self) -> None:
+        for c in self.clusters or ():
+            for w in c.workers:
+                w.reset_state()
+
+    def state_dict(self) -> dict:
+        return {"hierarchical": True, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
+                "numel": self.numel, "clusters": [c.state_dict() for c in self.clusters or ()]}
+
+    def load_state_dict(self, sd: dict, device: torch.device | str | None = None) -> None:
+        if (sd["nodes"], sd["ranks_per_node"]) != (self.nodes, self.ranks_per_node):
+            raise ValueError(f"state is for {sd['nodes']} x {sd['ranks_per_node']} ranks, this cluster has "
+                             f"{self.nodes} x {self.ranks_per_node}")
+        if sd["numel"] is not None:
+            self.bind(sd["numel"], device or "cpu")
+            for c, csd in zip(self.clusters, sd["clusters"], strict=True):
+                c.load_state_dict(csd, device)

@@ -45,6 +45,7 @@ from ..comm import (
     CompressedAllreduce,
     HierarchicalAllreduce,
     SimulatedCluster,
+    SimulatedHierarchicalCluster,
     any_across,
     group_size,
     mean_allreduce,
@@ -213,12 +214,14 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
 
     def _ranks_per_node(self) -> int | None:
         """Ranks per node when buckets use the two-level collective, else None (flat)."""
-        if self.hierarchical is False or self.simulate_workers is not None:
+        if self.hierarchical is False:
             return None
-        local = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
+        local = self.ranks_per_node
+        if local is None and self.simulate_workers is None:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
         n = self.world_size
         why = None
-        if not _spans_the_world(self.process_group):
+        if self.simulate_workers is None and not _spans_the_world(self.process_group):
             why = "it runs on a group of every rank only (node groups are cut from the default group)"
         elif local is None:
             why = "the ranks per node are unknown (set_topology(ranks_per_node=...) or LOCAL_WORLD_SIZE)"
@@ -321,7 +324,11 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
         if b.comm is None:
             codec = self._make_codec(b)
             # groups: one scale never spans two parameter tensors of the bucket
-            if self.simulate_workers is not None:
+            if self.simulate_workers is not None and (local := self._ranks_per_node()) is not None:
+                b.comm = SimulatedHierarchicalCluster(codec, self.comm_mode, self.simulate_workers // local, local,
+                                                      counter=self.comm_counter,
+                                                      intra_counter=self.intra_node_counter, groups=b.offsets)
+            elif self.simulate_workers is not None:
                 b.comm = SimulatedCluster(codec, self.comm_mode, self.simulate_workers, counter=self.comm_counter,
                                           groups=b.offsets)
             elif (local := self._ranks_per_node()) is not None:
