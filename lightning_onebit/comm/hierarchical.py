@@ -75,6 +75,20 @@ def shard_groups(numel: int, ranks_per_node: int, local_rank: int, groups: Seque
     return sorted({0} | {g - lo for g in groups if lo < g < lo + s})
 
 
+def _node_mean(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The fp32 mean of one shard over a node's ranks: summed in local-rank order in fp64, then / L.
+    The real call and the simulation both use it, so their node means are the same bits."""
+    acc = rows[0].double()
+    for row in rows[1:]:
+        acc += row
+    return (acc / len(rows)).float()
+
+
+def _intra_node_bytes(ranks_per_node: int, shard_len: int) -> int:
+    """fp32 bytes a rank sends inside its node per call: reduce-scatter + all_gather of its shards."""
+    return 2 * (ranks_per_node - 1) * shard_len * 4
+
+
 class HierarchicalAllreduce:
     """Compressed estimate of the mean of a 1-D tensor over ``N`` nodes of ``L`` ranks.
 
@@ -154,21 +168,17 @@ class HierarchicalAllreduce:
         if L > 1:
             dist.all_to_all_single(self._recv.view(-1), self._send, group=self.local_group)
             recv = self._recv
-            self.intra_counter.add(2 * (L - 1) * s * 4, d, L)
+            self.intra_counter.add(_intra_node_bytes(L, s), d, L)
         else:
             recv = self._send.view(1, s)
-        acc = recv[0].double()
-        for j in range(1, L):  # local-rank order
-            acc += recv[j]
-        shard = (acc / L).float()
-        reduced = self.cross(shard)
+        reduced = self.cross(_node_mean(recv))
         if L > 1:
             _all_gather_single(self._gathered, reduced, group=self.local_group)
             full = self._gathered
         else:
             full = reduced
         if out is None:
-            return full[:d].to(x.dtype, copy=True).view_as(x) if x.dim() else full[:d].to(x.dtype, copy=True)
+            return full[:d].to(x.dtype, copy=True).view_as(x)
         out.view(-1).copy_(full[:d])
         return out
 
@@ -268,15 +278,10 @@ class SimulatedHierarchicalCluster:
             p[:d].copy_(x.reshape(-1))
             padded.append(p.view(L, s))
         if L > 1:
-            self.intra_counter.add(2 * (L - 1) * s * 4, d, L)
+            self.intra_counter.add(_intra_node_bytes(L, s), d, L)
         full = []
         for j in range(L):
-            shards = []
-            for k in range(N):
-                acc = padded[k * L][j].double()
-                for i in range(1, L):
-                    acc += padded[k * L + i][j]
-                shards.append((acc / L).float())
+            shards = [_node_mean([padded[k * L + i][j] for i in range(L)]) for k in range(N)]
             full.append(self.clusters[j].allreduce(shards)[0])
         result = torch.cat(full)[:d]
         return [result.to(x.dtype, copy=True).view_as(x) for x in xs]

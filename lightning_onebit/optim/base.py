@@ -212,6 +212,12 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
             raise ValueError(f"ranks_per_node must be a positive int or None, got {ranks_per_node!r}")
         self.hierarchical, self.ranks_per_node = hierarchical, ranks_per_node
 
+    def _groups_of_nodes(self, ranks_per_node: int) -> tuple:
+        """(node group, cross-node group) of this rank, created once (creation is collective)."""
+        if self._node_groups is None:
+            self._node_groups = node_groups(ranks_per_node)
+        return self._node_groups
+
     def _ranks_per_node(self) -> int | None:
         """Ranks per node when buckets use the two-level collective, else None (flat)."""
         if self.hierarchical is False:
@@ -332,9 +338,7 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
                 b.comm = SimulatedCluster(codec, self.comm_mode, self.simulate_workers, counter=self.comm_counter,
                                           groups=b.offsets)
             elif (local := self._ranks_per_node()) is not None:
-                if self._node_groups is None:
-                    self._node_groups = node_groups(local)
-                lg, cg = self._node_groups
+                lg, cg = self._groups_of_nodes(local)
                 b.comm = HierarchicalAllreduce(codec, self.comm_mode, local_group=lg, cross_group=cg,
                                                counter=self.comm_counter, intra_counter=self.intra_node_counter,
                                                groups=b.offsets)

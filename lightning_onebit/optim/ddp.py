@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 
 from ..comm.dense import mean_allreduce_future
-from ..comm.hierarchical import node_groups
 
 __all__ = ["DDPHookPath"]
 
@@ -48,9 +47,9 @@ class DDPHookPath:
                                    "it does not; attach before loading a state_dict or taking a step")
             b.via_ddp = inside.pop()
         self._build_buckets()
-        if self._node_groups is None and (local := self._ranks_per_node()) is not None:
+        if (local := self._ranks_per_node()) is not None:
             # group creation is collective: here every rank is at the same point, in the hook it might not be
-            self._node_groups = node_groups(local)
+            self._groups_of_nodes(local)
         register_compression_hook(ddp_model, self)
         self._ddp_attached = True
 
