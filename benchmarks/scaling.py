@@ -382,15 +382,16 @@ EMULATION_THREADS = 1  # NUMBA_NUM_THREADS per rank (benchmarks/netns_cluster.py
 EMULATION_INTRA_BPS = 1e9  # loopback between ranks of one emulated node (assumed; TCP on the shared host)
 
 
-def emulation_alpha(nodes: int) -> float:
-    """Per-message latency on the emulated links, fitted to the '1-bit bytes only' cells of 1M elements
-    (one all_to_all + one all_gather: 2 (n-1) messages): what is left after the wire time. It is mostly
-    scheduling: 4 ranks on 2 cores wait for each other."""
+def emulation_alpha(ranks: int) -> float:
+    """Per-message latency among ``ranks`` emulated ranks (one per node in the measurements), fitted
+    to the '1-bit bytes only' cells of 1M elements (one all_to_all + one all_gather: 2 (n-1) messages):
+    what is left after the wire time. It is mostly scheduling: 4 ranks on 2 cores wait for each other."""
     fits = []
     for r in COLLECTIVES_REF:
-        if r["nodes"] == nodes and r["numel"] == 1_000_000:
-            wire = 2 * (nodes - 1) * -(-r["numel"] // (8 * nodes)) / (r["gbit"] * GBIT * TCP_EFFICIENCY)
-            fits.append(max(0.0, r["wire"] - wire) / (2 * (nodes - 1)))
+        if r["nodes"] == ranks and r["numel"] == 1_000_000:
+            n = r["nodes"]
+            wire = 2 * (n - 1) * -(-r["numel"] // (8 * n)) / (r["gbit"] * GBIT * TCP_EFFICIENCY)
+            fits.append(max(0.0, r["wire"] - wire) / (2 * (n - 1)))
     return statistics.mean(fits) if fits else 0.0
 
 
