@@ -43,14 +43,18 @@ from _common import (
 from netns_cluster import EmulatedCluster, cleanup_stale, parse_rate, report_failures, run_torchrun
 
 RESULT_TAG = "LOBRESULT "
-METHODS = ("fp32", "onebit", "onebit_serial", "int8", "wire1bit")
-COMPRESSED = ("onebit", "onebit_serial", "int8")
+METHODS = ("fp32", "onebit", "onebit_serial", "int8", "wire1bit", "onebit_hier", "int8_hier")
+COMPRESSED = ("onebit", "onebit_serial", "int8", "onebit_hier", "int8_hier")
+HIER = ("onebit_hier", "int8_hier")
+"""Two-level methods (fp32 inside a node, compressed between nodes): they need ``--ranks-per-node`` >= 2."""
 METHOD_LABEL = {"fp32": "fp32 all_reduce", "onebit": "1-bit EF (SignCodec l2)",
                 "onebit_serial": "1-bit EF, not pipelined (pieces=1)", "int8": "8-bit (MinMaxUInt8)",
-                "wire1bit": "1-bit bytes only (no codec)"}
+                "wire1bit": "1-bit bytes only (no codec)", "onebit_hier": "1-bit EF, two-level",
+                "int8_hier": "8-bit, two-level"}
 FULL = {"nodes": [2, 4], "rates": ["1gbit", "10gbit"], "sizes": ["1M", "25M", "100M"], "iters": 5,
-        "warmup": 2}
-QUICK = {"nodes": [2, 4], "rates": ["1gbit", "10gbit"], "sizes": ["1M", "25M"], "iters": 3, "warmup": 1}
+        "warmup": 2, "ranks_per_node": [1]}
+QUICK = {"nodes": [2, 4], "rates": ["1gbit", "10gbit"], "sizes": ["1M", "25M"], "iters": 3, "warmup": 1,
+         "ranks_per_node": [1]}
 
 
 def parse_size(text: str) -> int:
@@ -73,8 +77,13 @@ def fmt_size(numel: int) -> str:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _make_op(method: str, world: int) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
-    """Return (op(x) -> mean, bytes_counter(), description) for ``method``."""
+def _make_op(method: str, world: int, ranks_per_node: int = 1,
+             node_groups: tuple[Any, Any] | None = None) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
+    """Return (op(x) -> mean, inter-node bytes counter(), description) for ``method``.
+
+    The counter counts what this rank sends *between nodes*: the flat calls' rows to ranks of other
+    nodes (with one rank per node: all of them), the two-level calls' shard collective.
+    """
     import torch
     import torch.distributed as dist
 
@@ -94,29 +103,44 @@ def _make_op(method: str, world: int) -> tuple[Callable[[Any], Any], Callable[[]
         sent = {"n": 0}
 
         def fp32_counted(x: Any) -> Any:
-            sent["n"] += int(2 * (world - 1) / world * 4 * x.numel())
+            # a ring's 2 (n-1) chunks of d/n leave a node through its link twice per node boundary
+            sent["n"] += int(2 * (world - 1) / world * 4 * x.numel() / ranks_per_node)
             return fp32(x)
 
         return fp32_counted, lambda: sent["n"], "torch.distributed.all_reduce (gloo); counted = ring formula"
     if method == "wire1bit":
-        return _wire1bit_op(world)
-    from lightning_onebit.comm import CompressedAllreduce
+        return _wire1bit_op(world, ranks_per_node)
+    from lightning_onebit.comm import CompressedAllreduce, HierarchicalAllreduce
     from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
     from lightning_onebit.compress.kernels import resolve_backend_name
 
     pieces = None  # automatic pipeline
-    if method == "onebit":
+    if method in ("onebit", "onebit_hier"):
         codec, mode = SignCodec("l2"), "error_feedback"
     elif method == "onebit_serial":  # the same collective without the pipeline, for the ratio
         codec, mode, pieces = SignCodec("l2"), "error_feedback", 1
-    elif method == "int8":
+    elif method in ("int8", "int8_hier"):
         codec, mode = MinMaxUInt8Codec(), "plain"
     else:
         raise ValueError(f"unknown method {method!r}")
-    car = CompressedAllreduce(codec, mode=mode, group=None, pieces=pieces)
     backend = resolve_backend_name(torch.device("cpu"), codec.backend)
-    desc = (f"CompressedAllreduce({codec!r}, mode={mode!r}, pieces={pieces}), kernels: {backend}, "
-            "out= preallocated")
+    car: Any
+    if method in HIER:
+        if node_groups is None:
+            raise ValueError(f"{method} needs --ranks-per-node >= 2")
+        car = HierarchicalAllreduce(codec, mode, local_group=node_groups[0], cross_group=node_groups[1],
+                                    pieces=pieces)
+        counter = car.counter.total  # the shard collective between nodes; the fp32 inside is not counted
+        inter = 1.0
+        desc = (f"HierarchicalAllreduce({codec!r}, mode={mode!r}, {ranks_per_node} ranks per node), kernels: "
+                f"{backend}, out= preallocated")
+    else:
+        car = CompressedAllreduce(codec, mode=mode, group=None, pieces=pieces)
+        counter = car.counter.total
+        # of a rank's rows to its n-1 peers, those to the n-L ranks of other nodes cross a link
+        inter = (world - ranks_per_node) / (world - 1)
+        desc = (f"CompressedAllreduce({codec!r}, mode={mode!r}, pieces={pieces}), kernels: {backend}, "
+                "out= preallocated")
     outs: dict[int, Any] = {}
 
     def op(x: Any) -> Any:
@@ -126,10 +150,10 @@ def _make_op(method: str, world: int) -> tuple[Callable[[Any], Any], Callable[[]
             outs[x.numel()] = torch.empty(x.numel(), dtype=torch.float32)
         return car(x, out=outs[x.numel()])
 
-    return op, lambda: int(car.bytes_sent), desc
+    return op, lambda: int(counter.bytes_sent * inter), desc
 
 
-def _wire1bit_op(world: int) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
+def _wire1bit_op(world: int, ranks_per_node: int = 1) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
     """The two collectives of the 1-bit scheme on d/8 bytes of uint8, without encoding or decoding.
 
     A lower bound for the 1-bit allreduce: what is left of its time is codec (CPU) cost. Same
@@ -153,7 +177,7 @@ def _wire1bit_op(world: int) -> tuple[Callable[[Any], Any], Callable[[], int], s
                         out=torch.empty(world * chunk, dtype=torch.uint8))
         dist.all_to_all_single(bufs["recv"], bufs["send"])
         all_gather(bufs["out"], bufs["recv"][:chunk])
-        sent["n"] += 2 * (world - 1) * chunk
+        sent["n"] += 2 * (world - ranks_per_node) * chunk  # the rows to other nodes' ranks
         return bufs["out"]
 
     return op, lambda: sent["n"], "all_to_all_single + all_gather of d/8 uint8 bytes"
@@ -169,6 +193,12 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     iface = os.environ["GLOO_SOCKET_IFNAME"]
     methods = args.methods
+    L = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    groups = None
+    if L > 1:
+        from lightning_onebit.comm import node_groups
+
+        groups = node_groups(L)  # collective: every rank, once
     for numel in [parse_size(s) for s in args.sizes]:
         gen = torch.Generator().manual_seed(1000 + rank)
         x = torch.randn(numel, generator=gen)
@@ -178,7 +208,7 @@ def worker(args: argparse.Namespace) -> None:
             dist.all_reduce(exact)
             exact.div_(world)
         for method in methods:
-            op, counter, desc = _make_op(method, world)
+            op, counter, desc = _make_op(method, world, L, groups)
             rel_err = float("nan")
             for i in range(args.warmup):
                 y = op(x)
@@ -206,12 +236,14 @@ def worker(args: argparse.Namespace) -> None:
                 # a call is done when the slowest rank is done
                 per_iter = [max(r["times"][i] for r in everyone) for i in range(args.iters)]
                 row = {
-                    "nodes": world, "rate": args.rate, "numel": numel, "method": method, "desc": desc,
+                    "nodes": world // L, "ranks_per_node": L, "rate": args.rate, "numel": numel,
+                    "method": method, "desc": desc,
                     "median_s": statistics.median(per_iter), "min_s": min(per_iter), "max_s": max(per_iter),
                     "iters": args.iters,
                     "link_tx_per_call": statistics.mean(r["tx"] for r in everyone) / args.iters,
                     "link_rx_per_call": statistics.mean(r["rx"] for r in everyone) / args.iters,
-                    "counted_per_call": statistics.mean(r["counted"] for r in everyone) / args.iters,
+                    # the ranks of a node share its link: bytes per node
+                    "counted_per_call": statistics.mean(r["counted"] for r in everyone) * L / args.iters,
                     "rel_err": max(r["rel_err"] for r in everyone),
                 }
                 emit_tagged(RESULT_TAG, row)
@@ -227,7 +259,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def estimate_timeout(
-    nodes: int, rate: str, sizes: Sequence[int], methods: Sequence[str], calls: int
+    nodes: int, rate: str, sizes: Sequence[int], methods: Sequence[str], calls: int, ranks_per_node: int = 1
 ) -> float:
     """Generous wall-clock limit for one torchrun: 3x (fp32 wire time + codec CPU time) + startup.
 
@@ -238,38 +270,44 @@ def estimate_timeout(
     bps = parse_rate(rate)
     n_codec = sum(m in COMPRESSED for m in methods)
     wire = sum(2 * (nodes - 1) / nodes * 4 * d * 8 / bps for d in sizes)
-    cpu = sum(n_codec * d * 100e-9 * max(1.0, nodes / 2) for d in sizes)
+    cpu = sum(n_codec * d * 100e-9 * max(1.0, nodes * ranks_per_node / 2) for d in sizes)
     return 120.0 + 3.0 * (calls * (wire + cpu) + wire)
 
 
 def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One cluster per node count, re-shaped for each rate; one torchrun per (nodes, rate)."""
+    """One cluster per node count, re-shaped for each rate; one torchrun per (nodes, ranks per node, rate).
+
+    The two-level methods run only where a node has several ranks."""
     cleanup_stale()
     rows: list[dict[str, Any]] = []
     sizes = [parse_size(s) for s in args.sizes]
     port = 29500
     for nodes in args.nodes:
         with EmulatedCluster(nodes, rate=args.rates[0]) as cluster:
-            for rate in args.rates:
-                cluster.set_rate(rate)
-                timeout = args.timeout or estimate_timeout(
-                    nodes, rate, sizes, args.methods, args.iters + args.warmup + 2)
-                wargs = ["--worker", "--rate", rate, "--iters", str(args.iters), "--warmup",
-                         str(args.warmup), "--pg-timeout", str(int(timeout)), "--sizes", *args.sizes,
-                         "--methods", *args.methods]
-                print(f"[{nodes} nodes, {rate}] running (timeout {timeout:.0f} s) ...", file=sys.stderr,
-                      flush=True)
-                t0 = time.monotonic()
-                tx0 = [cluster.tx_bytes(k) for k in range(nodes)]
-                results = run_torchrun(cluster, str(Path(__file__).resolve()), wargs, master_port=port,
-                                       timeout=timeout)
-                port += 1
-                total_tx = sum(cluster.tx_bytes(k) - tx0[k] for k in range(nodes))
-                got = parse_tagged(results[0].stdout, RESULT_TAG)
-                rows.extend(got)
-                print(f"[{nodes} nodes, {rate}] {len(got)} results in {time.monotonic() - t0:.0f} s, "
-                      f"{total_tx / 1e6:.0f} MB sent on all links", file=sys.stderr, flush=True)
-                report_failures(results, f"{nodes} nodes at {rate}", keep_going=args.keep_going)
+            for L in args.ranks_per_node:
+                methods = [m for m in args.methods if L > 1 or m not in HIER]
+                if not methods:
+                    continue
+                what = f"{nodes} nodes x {L} ranks" if L > 1 else f"{nodes} nodes"
+                for rate in args.rates:
+                    cluster.set_rate(rate)
+                    timeout = args.timeout or estimate_timeout(
+                        nodes, rate, sizes, methods, args.iters + args.warmup + 2, L)
+                    wargs = ["--worker", "--rate", rate, "--iters", str(args.iters), "--warmup",
+                             str(args.warmup), "--pg-timeout", str(int(timeout)), "--sizes", *args.sizes,
+                             "--methods", *methods]
+                    print(f"[{what}, {rate}] running (timeout {timeout:.0f} s) ...", file=sys.stderr, flush=True)
+                    t0 = time.monotonic()
+                    tx0 = [cluster.tx_bytes(k) for k in range(nodes)]
+                    results = run_torchrun(cluster, str(Path(__file__).resolve()), wargs, master_port=port,
+                                           timeout=timeout, nproc_per_node=L)
+                    port += 1
+                    total_tx = sum(cluster.tx_bytes(k) - tx0[k] for k in range(nodes))
+                    got = parse_tagged(results[0].stdout, RESULT_TAG)
+                    rows.extend(got)
+                    print(f"[{what}, {rate}] {len(got)} results in {time.monotonic() - t0:.0f} s, "
+                          f"{total_tx / 1e6:.0f} MB sent on all links", file=sys.stderr, flush=True)
+                    report_failures(results, f"{what} at {rate}", keep_going=args.keep_going)
     return rows
 
 
@@ -277,10 +315,15 @@ def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.3f}" if nbytes < 1e6 else f"{nbytes / 1e6:.1f}"
 
 
-def _grid_key(r: dict[str, Any] | tuple[int, str, int]) -> tuple[int, float, int]:
-    """Sort key (nodes, rate in bit/s, numel): '10gbit' must come after '1gbit'."""
-    nodes, rate, numel = (r["nodes"], r["rate"], r["numel"]) if isinstance(r, dict) else r
-    return nodes, parse_rate(rate), numel
+def _grid_key(r: dict[str, Any] | tuple[int, int, str, int]) -> tuple[int, int, float, int]:
+    """Sort key (nodes, ranks per node, rate in bit/s, numel): '10gbit' must come after '1gbit'."""
+    nodes, L, rate, numel = ((r["nodes"], r.get("ranks_per_node", 1), r["rate"], r["numel"])
+                             if isinstance(r, dict) else r)
+    return nodes, L, parse_rate(rate), numel
+
+
+def _layout(nodes: int, L: int) -> str:
+    return f"{nodes} x {L}" if L > 1 else str(nodes)
 
 
 def _err(value: float) -> str:
@@ -291,38 +334,58 @@ def _cell(times: dict[str, float], method: str) -> str:
     return f"{times[method]:.4f}" if method in times else "-"
 
 
-def _ratio(times: dict[str, float], method: str) -> str:
-    return f"{times['fp32'] / times[method]:.1f}x" if method in times and "fp32" in times else "-"
+def _ratio(times: dict[str, float], method: str, base: str = "fp32") -> str:
+    return f"{times[base] / times[method]:.1f}x" if method in times and base in times else "-"
 
 
 def tables(rows: list[dict[str, Any]]) -> str:
-    """Markdown: one detail table and one speedup table (fp32 time / compressed time)."""
-    order = {m: i for i, m in enumerate(("fp32", "wire1bit", "onebit", "onebit_serial", "int8"))}
+    """Markdown: one detail table, one speedup table (fp32 time / compressed time) and, for nodes of
+    several ranks, flat against two-level (time and bytes between nodes)."""
+    order = {m: i for i, m in enumerate(("fp32", "wire1bit", "onebit", "onebit_serial", "onebit_hier", "int8",
+                                         "int8_hier"))}
     rows = sorted(rows, key=lambda r: (*_grid_key(r), order.get(r["method"], 9)))
-    by_key: dict[tuple[int, str, int], dict[str, float]] = {}
+    by_key: dict[tuple[int, int, str, int], dict[str, dict[str, Any]]] = {}
     for r in rows:
-        by_key.setdefault((r["nodes"], r["rate"], r["numel"]), {})[r["method"]] = r["median_s"]
+        by_key.setdefault((r["nodes"], r.get("ranks_per_node", 1), r["rate"], r["numel"]), {})[r["method"]] = r
     lines = [
-        "| nodes | rate | numel | method | median s | min-max s | link tx MB/call/rank | "
-        "counted MB/call/rank | rel err (1st call) | fp32 / this |",
+        "| nodes (x ranks) | rate | numel | method | median s | min-max s | link tx MB/call/node | "
+        "counted inter-node MB/call/node | rel err (1st call) | fp32 / this |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        times = by_key[(r["nodes"], r["rate"], r["numel"])]
+        L = r.get("ranks_per_node", 1)
+        times = {m: x["median_s"] for m, x in by_key[(r["nodes"], L, r["rate"], r["numel"])].items()}
         label = METHOD_LABEL.get(r["method"], r["method"])
         lines.append(
-            f"| {r['nodes']} | {r['rate']} | {fmt_size(r['numel'])} | {label} | {r['median_s']:.4f} | "
+            f"| {_layout(r['nodes'], L)} | {r['rate']} | {fmt_size(r['numel'])} | {label} | {r['median_s']:.4f} | "
             f"{r['min_s']:.4f}-{r['max_s']:.4f} | {_mb(r['link_tx_per_call'])} | "
             f"{_mb(r['counted_per_call'])} | {_err(r['rel_err'])} | {_ratio(times, r['method'])} |"
         )
-    if any(len(t) > 1 and "fp32" in t for t in by_key.values()):
+    grid = sorted(by_key.items(), key=lambda kv: _grid_key(kv[0]))
+    flat = [(k, {m: x["median_s"] for m, x in v.items()}) for k, v in grid if k[1] == 1]
+    if any(len(t) > 1 and "fp32" in t for _, t in flat):
         lines += ["", "| nodes | rate | numel | fp32 s | 1-bit s | 8-bit s | 1-bit bytes only s | "
                   "fp32/1-bit | fp32/8-bit | fp32/1-bit bytes only |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
-        for (nodes, rate, numel), t in sorted(by_key.items(), key=lambda kv: _grid_key(kv[0])):
+        for (nodes, _, rate, numel), t in flat:
             lines.append(f"| {nodes} | {rate} | {fmt_size(numel)} | {_cell(t, 'fp32')} | "
                          f"{_cell(t, 'onebit')} | {_cell(t, 'int8')} | {_cell(t, 'wire1bit')} | "
                          f"{_ratio(t, 'onebit')} | {_ratio(t, 'int8')} | {_ratio(t, 'wire1bit')} |")
+    multi = [(k, v) for k, v in grid if k[1] > 1]
+    if multi:
+        lines += ["", "Flat vs two-level on nodes of several ranks (inter-node bytes: each node's link counter):", "",
+                  "| nodes x ranks | rate | numel | codec | fp32 s | flat s | two-level s | flat / two-level time | "
+                  "flat MB/call/node | two-level MB/call/node | flat / two-level bytes | fp32 / two-level |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for (nodes, L, rate, numel), v in multi:
+            t = {m: x["median_s"] for m, x in v.items()}
+            for name, fl, hi in (("1-bit", "onebit", "onebit_hier"), ("8-bit", "int8", "int8_hier")):
+                if fl not in v or hi not in v:
+                    continue
+                bf, bh = v[fl]["link_tx_per_call"], v[hi]["link_tx_per_call"]
+                lines.append(f"| {nodes} x {L} | {rate} | {fmt_size(numel)} | {name} | {_cell(t, 'fp32')} | "
+                             f"{_cell(t, fl)} | {_cell(t, hi)} | {_ratio(t, hi, fl)} | {_mb(bf)} | {_mb(bh)} | "
+                             f"{bf / bh:.2f}x | {_ratio(t, hi)} |")
     descs = {r["method"]: r["desc"] for r in rows}
     lines += ["", *(f"- {METHOD_LABEL.get(m, m)}: `{d}`" for m, d in descs.items())]
     return "\n".join(lines)
@@ -331,8 +394,11 @@ def tables(rows: list[dict[str, Any]]) -> str:
 SETUP = ("Each node is a network namespace behind a tc-tbf shaped veth (both directions); one torchrun per "
          "node, gloo, 1 thread per process. Times: median over iterations of the slowest rank, after warm-up. "
          "Link bytes: tx counter of each node's veth (frames incl. TCP/IP headers and ACKs, and a barrier per "
-         "call), per call, averaged over ranks. Counted bytes: `CompressedAllreduce.bytes_sent` (fp32: ring "
-         "formula 2(n-1)/n*4d). Compare ratios, not absolute times.")
+         "call), per call and node (the ranks of a node share its link). Counted bytes: the inter-node share of "
+         "what the collective counts, per node (flat: the rows to other nodes' ranks; two-level: the shard "
+         "collective; fp32: ring formula 2(n-1)/n*4d per node). Nodes of several ranks (--ranks-per-node): "
+         "one torchrun per node starts them; they reach each other over the node's loopback, unshaped. "
+         "Compare ratios, not absolute times.")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -345,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rates", nargs="+", help=f"tc rates, default {FULL['rates']}")
     ap.add_argument("--sizes", nargs="+", help=f"fp32 elements (k/M/G decimal), default {FULL['sizes']}")
     ap.add_argument("--methods", nargs="+", choices=METHODS, help=f"default {list(METHODS)}")
+    ap.add_argument("--ranks-per-node", type=int, nargs="+",
+                    help="ranks per emulated node (default 1); >= 2 adds the two-level methods")
     ap.add_argument("--iters", type=int, help="timed iterations (median reported)")
     ap.add_argument("--warmup", type=int, help="untimed iterations first (>= 1; numba compiles here)")
     ap.add_argument("--timeout", type=float, help="seconds per torchrun (default: estimated)")
@@ -356,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pg-timeout", type=int, default=600, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     preset = QUICK if args.quick else FULL
-    for name in ("nodes", "rates", "sizes", "iters", "warmup"):
+    for name in ("nodes", "rates", "sizes", "iters", "warmup", "ranks_per_node"):
         if getattr(args, name) is None:
             setattr(args, name, preset[name])
     args.warmup = max(1, args.warmup)

@@ -462,8 +462,13 @@ def run_torchrun(
     timeout: float = 600.0,
     extra_env: Mapping[str, str] | None = None,
     fail_grace: float = 20.0,
+    nproc_per_node: int = 1,
 ) -> list[NodeResult]:
-    """Run ``torchrun --nnodes=N --node_rank=k --nproc_per_node=1 script args`` in every namespace.
+    """Run ``torchrun --nnodes=N --node_rank=k --nproc_per_node=L script args`` in every namespace.
+
+    With ``L > 1`` the ranks of a node reach each other over the node's own addresses (the kernel
+    delivers those on the namespace's loopback, unshaped), and other nodes over the shaped link: a
+    node of several GPUs on a fast local interconnect, behind one slow NIC.
 
     Returns one ``NodeResult`` per node (stdout/stderr captured to temp files, so full pipes cannot
     deadlock us). Everything is killed when ``timeout`` seconds pass, or ``fail_grace`` seconds after
@@ -471,7 +476,7 @@ def run_torchrun(
     """
     argv_base = [
         sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={cluster.nodes}", "--nproc_per_node=1", "--max_restarts=0",
+        f"--nnodes={cluster.nodes}", f"--nproc_per_node={nproc_per_node}", "--max_restarts=0",
         f"--master_addr={cluster.node_ip(0)}", f"--master_port={master_port}",
     ]
     procs: list[subprocess.Popen[bytes]] = []

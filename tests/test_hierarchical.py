@@ -215,3 +215,29 @@ def test_simulated_optimizer_equals_two_levels_of_real_ranks():
         torch.set_num_threads(threads)
     assert {type(b.comm).__name__ for b in opt._buckets} == {"SimulatedHierarchicalCluster"}
     assert torch.equal(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), real[0])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_node_mean_kernel_is_the_fp64_formula(rows):
+    """The numba node mean is the fp64 sum in local-rank order, / L, rounded once (any magnitudes)."""
+    from lightning_onebit.comm.hierarchical import _node_mean
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 20_011, generator=g) * torch.logspace(-30, 30, 20_011)
+    x[:, :5] = torch.tensor([3.4e38, -3.4e38, 1e-45, 0.0, -0.0])
+    acc = x[0].double()
+    for r in x[1:]:
+        acc += r
+    assert torch.equal(_node_mean(x), (acc / rows).float())
+
+
+def test_all_finite_sees_every_nan_and_infinity():
+    from lightning_onebit.comm.hierarchical import _all_finite
+
+    x = torch.randn(1001)
+    assert bool(_all_finite(x)) and bool(_all_finite(torch.empty(0)))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            y = x.clone()
+            y[777] = bad
+            assert not bool(_all_finite(y.to(dtype)))

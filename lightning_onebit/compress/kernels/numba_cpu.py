@@ -418,6 +418,31 @@ def _decode_mean(kind, codes, scales, seg_len, starts_r, end_r, out, accumulate)
                 dst[i] += buf[i]
 
 
+# --- mean of full-precision rows (a node's shards in the two-level collective) ---------
+
+
+@njit(parallel=True, nogil=True, cache=True)
+def _mean_rows(x, out):
+    """out[i] = fp32((x[0, i] + x[1, i] + ...) / L), summed in fp64 in row order: the same bits as
+    the torch formulation, in one pass over memory. Row-major loops over a tile so LLVM vectorises
+    the adds and the divide (a per-element scalar fp64 divide alone costs ~50 ms at 12.5M)."""
+    nrows, n = x.shape
+    for t in prange((n + TILE - 1) // TILE):
+        lo = t * TILE
+        m = min(lo + TILE, n) - lo
+        acc = np.empty(m, np.float64)
+        x0 = x[0, lo:lo + m]
+        for i in range(m):
+            acc[i] = x0[i]
+        for r in range(1, nrows):
+            xr = x[r, lo:lo + m]
+            for i in range(m):
+                acc[i] += xr[i]
+        o = out[lo:lo + m]
+        for i in range(m):
+            o[i] = np.float32(acc[i] / nrows)
+
+
 # --- torch-facing wrappers ------------------------------------------------------------
 
 
@@ -469,4 +494,10 @@ def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows
         _decode_rows(kind, mc, ms, layout.seg_len, layout.starts, layout.data_ends, out.numpy(), accumulate)
 
 
-__all__ = ["reduce", "encode", "decode"]
+@parallel_kernel
+def mean_rows(x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` = the fp32 mean of the rows of the 2-D fp32 ``x`` (fp64 sum in row order, / rows)."""
+    _mean_rows(x.numpy(), out.numpy())
+
+
+__all__ = ["reduce", "encode", "decode", "mean_rows"]
