@@ -37,10 +37,13 @@ from _common import (
     load_text,
     parse_tagged,
     read_link_counter,
+    repo_on_path,
     require_root,
     write_out,
 )
 from netns_cluster import EmulatedCluster, cleanup_stale, parse_rate, report_failures, run_torchrun
+
+repo_on_path()  # lightning_onebit from this checkout, also when it is not installed
 
 RESULT_TAG = "LOBRESULT "
 METHODS = ("fp32", "onebit", "onebit_serial", "int8", "wire1bit", "onebit_hier", "int8_hier")

@@ -2,8 +2,11 @@
 
 Every emulated node is a network namespace behind a ``tc tbf``-shaped veth (``benchmarks/netns_cluster.py``;
 ``docs/design.md``, "Emulated cluster benchmarks"); one ``torchrun`` per namespace runs a Lightning
-``Trainer(accelerator="cpu", devices=1, num_nodes=N)`` (torchrun's environment makes Lightning pick
-``TorchElasticEnvironment``). For each (nodes, rate, workload) *one* torchrun measures every method in turn,
+``Trainer(accelerator="cpu", devices=L, num_nodes=N)`` (torchrun's environment makes Lightning pick
+``TorchElasticEnvironment``); with ``--ranks-per-node L`` > 1 the L ranks of a node reach each other over
+its loopback (unshaped) and the other nodes over the shaped link, and the ``*_hier`` methods run the
+two-level collective (``hierarchical=True``) next to the flat one (the plain names, ``hierarchical=False``).
+For each (nodes, rate, workload) *one* torchrun measures every method in turn,
 each with a fresh model (same seed, same data), so the methods share the machine's conditions.
 
 Methods: DDP + AdamW (fp32 allreduce), DDP + fp16 / bf16 compress hooks, DDP + PowerSGD (rank 1 and 4),
@@ -21,7 +24,8 @@ median over phase 1 (steps ``skip .. switch-1``: the fp32 warm-up of the warm-up
 (steps ``switch+skip .. end``: the compression phase); ``switch`` is the step the optimizer actually started
 compressing (``W`` for the others; ``cd_adam`` compresses from step 0, and the hooks have one regime, so for
 them both phases measure the same thing). Bytes on the link: each node's veth tx counter (frames incl.
-TCP/IP headers, read from sysfs inside the node's namespace) diffed over the same windows, per step and rank.
+TCP/IP headers, read from sysfs inside the node's namespace) diffed over the same windows, per step and node (the
+ranks of a node share its link; with one rank per node that is per rank).
 
 The ideal for a setting: the compute time of one worker alone + the fp32 communication time / 32.
 Compute alone = the same model and batch under ``Trainer(devices=1)`` with AdamW and no DDP, measured with N
@@ -38,6 +42,7 @@ Usage (as root)::
     python benchmarks/e2e.py --quick                          # 2 nodes, 1gbit, the MLP only
     python benchmarks/e2e.py --out e2e.md --chart e2e.png     # full grid: tables to e2e.md, bar chart
     python benchmarks/e2e.py --quick --methods ddp_adamw onebit_adam --profile onebit_adam
+    python benchmarks/e2e.py --quick --ranks-per-node 2 --methods ddp_adamw onebit_adam onebit_adam_hier
 
 The same file is the worker (``--worker`` under torchrun, ``--local`` for the compute-alone runs).
 """
@@ -83,8 +88,12 @@ RESULT_TAG = "LOBE2E "
 PROFILE_TAG = "LOBPROF "
 
 METHODS = ("ddp_adamw", "ddp_fp16", "ddp_bf16", "powersgd_r1", "powersgd_r4",
-           "onebit_adam", "onebit_lamb", "qadam", "cd_adam")
-COMPRESSED = ("onebit_adam", "onebit_lamb", "qadam", "cd_adam")
+           "onebit_adam", "onebit_lamb", "qadam", "cd_adam",
+           "onebit_adam_hier", "onebit_lamb_hier", "qadam_hier", "cd_adam_hier")
+HIER = ("onebit_adam_hier", "onebit_lamb_hier", "qadam_hier", "cd_adam_hier")
+"""The two-level collective (``hierarchical=True``); the plain names run flat (``hierarchical=False``)."""
+COMPRESSED = ("onebit_adam", "onebit_lamb", "qadam", "cd_adam", *HIER)
+DEFAULT_METHODS = METHODS[:9]
 HOOKS = ("ddp_fp16", "ddp_bf16", "powersgd_r1", "powersgd_r4")
 LABEL = {
     "ddp_adamw": "DDP + AdamW (fp32)",
@@ -96,6 +105,7 @@ LABEL = {
     "onebit_lamb": "onebit_lamb",
     "qadam": "qadam",
     "cd_adam": "cd_adam",
+    **{m: f"{m[:-5]} two-level" for m in HIER},
 }
 WORKLOADS = ("mlp", "transformer")
 WORKLOAD_DESC = {
@@ -217,6 +227,7 @@ def _step_timer(iface: str | None, profile_window: tuple[int, int] | None = None
             self.loss: list[float] = []
             self.compressing: list[bool] = []
             self.counted: list[int] = []
+            self.intra: list[int] = []
             self.profiler: Any = None
             self.profile_text = ""
 
@@ -244,6 +255,8 @@ def _step_timer(iface: str | None, profile_window: tuple[int, int] | None = None
             self.compressing.append(bool(getattr(opt, "compressing", False)))
             counter = getattr(opt, "comm_counter", None)
             self.counted.append(int(counter.total.bytes_sent) if counter is not None else 0)
+            intra = getattr(opt, "intra_node_counter", None)
+            self.intra.append(int(intra.total.bytes_sent) if intra is not None else 0)
 
         def step_times(self) -> list[float]:
             prev = [self.t_start, *self.ends[:-1]]
@@ -325,14 +338,15 @@ def make_strategy(method: str, warmup: int) -> Any:
     if method in COMPRESSED:
         from lightning_onebit import CompressedDDPStrategy
 
-        return CompressedDDPStrategy(method, warmup=warmup, **views)
+        hier = method in HIER
+        return CompressedDDPStrategy(method[:-5] if hier else method, warmup=warmup, hierarchical=hier, **views)
     raise ValueError(f"unknown method {method!r}")
 
 
-def _trainer(strategy: Any, steps: int, callbacks: list[Any], num_nodes: int = 1) -> Any:
+def _trainer(strategy: Any, steps: int, callbacks: list[Any], num_nodes: int = 1, devices: int = 1) -> Any:
     import lightning as L
 
-    return L.Trainer(accelerator="cpu", devices=1, num_nodes=num_nodes, strategy=strategy, max_steps=steps,
+    return L.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, max_steps=steps,
                      max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                      use_distributed_sampler=False, callbacks=callbacks)
@@ -384,14 +398,15 @@ def run_method(method: str, args: argparse.Namespace, rank: int, world: int, ifa
     window = (start, min(stop, start + args.profile_steps)) if profile and rank == 0 else None
     timer = _step_timer(iface, window)
     module = build_module(args.workload, args.lr)
-    trainer = _trainer(make_strategy(method, W), S, [timer], num_nodes=world)
+    L = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    trainer = _trainer(make_strategy(method, W), S, [timer], num_nodes=world // L, devices=L)
     t0 = time.perf_counter()
     trainer.fit(module, train_dataloaders=make_loader(args.workload, S, rank))
     fit_s = time.perf_counter() - t0
     if len(timer.ends) != S:
         raise RuntimeError(f"{method}: expected {S} steps, timed {len(timer.ends)}")
     mine = {"times": timer.step_times(), "tx": timer.tx, "rx": timer.rx, "loss": timer.loss,
-            "compressing": timer.compressing, "counted": timer.counted, "tx0": timer.tx0,
+            "compressing": timer.compressing, "counted": timer.counted, "intra": timer.intra, "tx0": timer.tx0,
             "profile": timer.profile_text}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -409,7 +424,7 @@ def run_method(method: str, args: argparse.Namespace, rank: int, world: int, ifa
     per_step = [max(r["times"][i] for r in everyone) for i in range(S)]
     phases = {"warmup": (skip, boundary), "compress": (boundary + skip, S)}
     row: dict[str, Any] = {
-        "nodes": world, "rate": args.rate, "workload": args.workload, "method": method,
+        "nodes": world // L, "ranks_per_node": L, "rate": args.rate, "workload": args.workload, "method": method,
         "batch_per_worker": batch_size(args.workload), "steps": S, "switch_step": switch,
         "boundary": boundary, "fit_s": fit_s, "step_times": per_step,
         "loss_first": statistics.mean(r["loss"][0] for r in everyone),
@@ -422,8 +437,11 @@ def run_method(method: str, args: argparse.Namespace, rank: int, world: int, ifa
             n = hi - lo
             row[f"{name}_tx_per_step"] = statistics.mean(r["tx"][hi - 1] - r["tx"][lo - 1] for r in everyone) / n
             row[f"{name}_rx_per_step"] = statistics.mean(r["rx"][hi - 1] - r["rx"][lo - 1] for r in everyone) / n
+            # counters are per rank; a node's L ranks share its link
             row[f"{name}_counted_per_step"] = statistics.mean(
-                r["counted"][hi - 1] - r["counted"][lo - 1] for r in everyone) / n
+                r["counted"][hi - 1] - r["counted"][lo - 1] for r in everyone) * L / n
+            row[f"{name}_intra_per_step"] = statistics.mean(
+                r["intra"][hi - 1] - r["intra"][lo - 1] for r in everyone) * L / n
     return row
 
 
@@ -442,8 +460,9 @@ def worker(args: argparse.Namespace) -> None:
     iface = os.environ["GLOO_SOCKET_IFNAME"]
     numel = model_numel(args.workload)
     t_fp32 = measure_fp32_allreduce(numel)
+    L = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if rank == 0:
-        emit_tagged(RESULT_TAG, {"kind": "fp32_allreduce", "nodes": world, "rate": args.rate,
+        emit_tagged(RESULT_TAG, {"kind": "fp32_allreduce", "nodes": world // L, "ranks_per_node": L, "rate": args.rate,
                                  "workload": args.workload, "numel": numel, "seconds": t_fp32})
     for method in args.methods:
         row = run_method(method, args, rank, world, iface)
@@ -484,12 +503,13 @@ def _worker_args(args: argparse.Namespace, workload: str) -> list[str]:
             "--profile-phase", args.profile_phase]
 
 
-def run_compute_alone(cluster: EmulatedCluster, args: argparse.Namespace, workload: str) -> dict[str, Any]:
-    """``nodes`` concurrent single-device Trainers (one per namespace, no torchrun): compute per worker."""
+def run_compute_alone(cluster: EmulatedCluster, args: argparse.Namespace, workload: str,
+                      ranks_per_node: int = 1) -> dict[str, Any]:
+    """``nodes x ranks_per_node`` concurrent single-device Trainers (no torchrun): compute per worker."""
     procs, files = [], []
     argv = [sys.executable, str(Path(__file__).resolve()), "--local", *_worker_args(args, workload)]
     try:
-        for k in range(cluster.nodes):
+        for k in [k for k in range(cluster.nodes) for _ in range(ranks_per_node)]:
             out = tempfile.TemporaryFile()
             files.append(out)
             procs.append(cluster.popen(k, argv, node_env(cluster, k), stdout=out, stderr=subprocess.STDOUT))
@@ -509,22 +529,23 @@ def run_compute_alone(cluster: EmulatedCluster, args: argparse.Namespace, worklo
             raise SystemExit(f"compute-alone run failed on node {k} (rc={p.returncode}):\n{text[-4000:]}")
         rows.extend(got)
     meds = [r["median_s"] for r in rows]
-    return {"kind": "compute_alone", "workload": workload, "nodes": cluster.nodes,
+    return {"kind": "compute_alone", "workload": workload, "nodes": cluster.nodes, "ranks_per_node": ranks_per_node,
             "median_s": statistics.mean(meds), "per_process": meds}
 
 
-def estimate_timeout(nodes: int, rate: str, workload: str, args: argparse.Namespace) -> float:
+def estimate_timeout(nodes: int, rate: str, workload: str, args: argparse.Namespace, ranks_per_node: int = 1) -> float:
     """Generous limit for one torchrun (only so that a wedged run gets killed)."""
     numel = 25.2e6 if workload == "mlp" else 3.7e6
     wire = 2 * (nodes - 1) / nodes * 4 * numel * 8 / parse_rate(rate)
-    compute = {"mlp": 0.5, "transformer": 0.8}[workload] * max(1.0, nodes / 2)
+    compute = {"mlp": 0.5, "transformer": 0.8}[workload] * max(1.0, nodes * ranks_per_node / 2)
     steps = args.warmup + args.skip + args.compress_steps + 4  # + DDP's initial broadcast etc.
     runs = len(args.methods) + len(args.profile or [])
     return 180.0 + 3.0 * (runs * steps * (wire + 3 * compute) + 5 * wire)
 
 
 def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
-    """One cluster per node count; compute-alone per workload; one torchrun per (rate, workload)."""
+    """One cluster per node count; per ranks-per-node layout: compute alone per workload, one torchrun per
+    (rate, workload). The two-level methods run only on nodes of several ranks."""
     cleanup_stale()
     rows: list[dict[str, Any]] = []
     refs: list[dict[str, Any]] = []
@@ -532,44 +553,49 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
     port = 29600
     for nodes in args.nodes:
         with EmulatedCluster(nodes, rate=args.rates[0]) as cluster:
-            alone = {}
-            for workload in args.workloads:
-                print(f"[{nodes} nodes] compute alone, {workload} ...", file=sys.stderr, flush=True)
-                alone[workload] = run_compute_alone(cluster, args, workload)
-                refs.append(alone[workload])
-                print(f"[{nodes} nodes] compute alone, {workload}: {alone[workload]['median_s']:.4f} s/step",
-                      file=sys.stderr, flush=True)
-            for rate in args.rates:
-                cluster.set_rate(rate)
+            for L in args.ranks_per_node:
+                methods = [m for m in args.methods if L > 1 or m not in HIER]
+                if not methods:
+                    continue
+                what = _layout(nodes, L)
+                alone = {}
                 for workload in args.workloads:
-                    timeout = args.timeout or estimate_timeout(nodes, rate, workload, args)
-                    wargs = ["--worker", "--rate", rate, "--pg-timeout", str(int(timeout)),
-                             *_worker_args(args, workload), "--methods", *args.methods]
-                    if args.profile:
-                        wargs += ["--profile", *args.profile]
-                    print(f"[{nodes} nodes, {rate}, {workload}] {len(args.methods)} methods (timeout "
-                          f"{timeout:.0f} s) ...", file=sys.stderr, flush=True)
-                    t0 = time.monotonic()
-                    results = run_torchrun(cluster, str(Path(__file__).resolve()), wargs, master_port=port,
-                                           timeout=timeout)
-                    port += 1
-                    got = parse_tagged(results[0].stdout, RESULT_TAG)
-                    for r in got:
-                        if r.get("kind") == "fp32_allreduce":
-                            r["compute_alone_s"] = alone[workload]["median_s"]
-                            refs.append(r)
-                        else:
-                            rows.append(r)
-                            print(f"  {r['method']:<12} phase1 {_fmt_s(r['warmup_median_s'])} s  "
-                                  f"phase2 {_fmt_s(r['compress_median_s'])} s", file=sys.stderr, flush=True)
-                    for p in parse_tagged(results[0].stdout, PROFILE_TAG):
-                        profiles.append(f"### profile: {p['method']}, {args.profile_phase} phase, {nodes} nodes, "
-                                        f"{rate}, {workload}, rank 0\n\n"
-                                        f"```\n{p['profile']}```\n")
-                    print(f"[{nodes} nodes, {rate}, {workload}] done in {time.monotonic() - t0:.0f} s",
+                    print(f"[{what}] compute alone, {workload} ...", file=sys.stderr, flush=True)
+                    alone[workload] = run_compute_alone(cluster, args, workload, L)
+                    refs.append(alone[workload])
+                    print(f"[{what}] compute alone, {workload}: {alone[workload]['median_s']:.4f} s/step",
                           file=sys.stderr, flush=True)
-                    report_failures(results, f"{nodes} nodes at {rate} ({workload})", keep_going=args.keep_going,
-                                    stdout_tail=2000, stderr_tail=6000)
+                for rate in args.rates:
+                    cluster.set_rate(rate)
+                    for workload in args.workloads:
+                        timeout = args.timeout or estimate_timeout(nodes, rate, workload, args, L)
+                        wargs = ["--worker", "--rate", rate, "--pg-timeout", str(int(timeout)),
+                                 *_worker_args(args, workload), "--methods", *methods]
+                        if args.profile:
+                            wargs += ["--profile", *args.profile]
+                        print(f"[{what}, {rate}, {workload}] {len(methods)} methods (timeout "
+                              f"{timeout:.0f} s) ...", file=sys.stderr, flush=True)
+                        t0 = time.monotonic()
+                        results = run_torchrun(cluster, str(Path(__file__).resolve()), wargs, master_port=port,
+                                               timeout=timeout, nproc_per_node=L)
+                        port += 1
+                        got = parse_tagged(results[0].stdout, RESULT_TAG)
+                        for r in got:
+                            if r.get("kind") == "fp32_allreduce":
+                                r["compute_alone_s"] = alone[workload]["median_s"]
+                                refs.append(r)
+                            else:
+                                rows.append(r)
+                                print(f"  {r['method']:<16} phase1 {_fmt_s(r['warmup_median_s'])} s  "
+                                      f"phase2 {_fmt_s(r['compress_median_s'])} s", file=sys.stderr, flush=True)
+                        for p in parse_tagged(results[0].stdout, PROFILE_TAG):
+                            profiles.append(f"### profile: {p['method']}, {args.profile_phase} phase, {what}, "
+                                            f"{rate}, {workload}, rank 0\n\n"
+                                            f"```\n{p['profile']}```\n")
+                        print(f"[{what}, {rate}, {workload}] done in {time.monotonic() - t0:.0f} s",
+                              file=sys.stderr, flush=True)
+                        report_failures(results, f"{what} at {rate} ({workload})", keep_going=args.keep_going,
+                                        stdout_tail=2000, stderr_tail=6000)
     return rows, refs, profiles
 
 
@@ -586,13 +612,23 @@ def _mb(v: float | None) -> str:
     return f"{v / 1e6:.2f}" if v < 10e6 else f"{v / 1e6:.1f}"
 
 
-def _key(r: dict[str, Any]) -> tuple[int, int, float]:
-    return (WORKLOADS.index(r["workload"]), r["nodes"], parse_rate(r["rate"]))
+def _layout(nodes: int, L: int) -> str:
+    return f"{nodes} nodes x {L} ranks" if L > 1 else f"{nodes} nodes"
 
 
-def ideal_of(refs: list[dict[str, Any]], nodes: int, rate: str, workload: str) -> dict[str, float] | None:
+def _setting(r: dict[str, Any]) -> tuple[str, int, int, str]:
+    """(workload, nodes, ranks per node, rate) of a row (rows without a layout are one rank per node)."""
+    return r["workload"], r["nodes"], r.get("ranks_per_node", 1), r["rate"]
+
+
+def _setting_key(k: tuple[str, int, int, str]) -> tuple[int, int, int, float]:
+    return WORKLOADS.index(k[0]), k[1], k[2], parse_rate(k[3])
+
+
+def ideal_of(refs: list[dict[str, Any]], nodes: int, rate: str, workload: str,
+             ranks_per_node: int = 1) -> dict[str, float] | None:
     for r in refs:
-        if r.get("kind") == "fp32_allreduce" and (r["nodes"], r["rate"], r["workload"]) == (nodes, rate, workload):
+        if r.get("kind") == "fp32_allreduce" and _setting(r) == (workload, nodes, ranks_per_node, rate):
             return {"compute": r["compute_alone_s"], "fp32": r["seconds"],
                     "ideal": r["compute_alone_s"] + r["seconds"] / 32}
     return None
@@ -601,24 +637,23 @@ def ideal_of(refs: list[dict[str, Any]], nodes: int, rate: str, workload: str) -
 def tables(rows: list[dict[str, Any]], refs: list[dict[str, Any]]) -> str:
     """Markdown: one table per (workload, nodes, rate), then the target check."""
     out = []
-    settings = sorted({(r["workload"], r["nodes"], r["rate"]) for r in rows},
-                      key=lambda k: (WORKLOADS.index(k[0]), k[1], parse_rate(k[2])))
-    for workload, nodes, rate in settings:
-        sub = [r for r in rows if (r["workload"], r["nodes"], r["rate"]) == (workload, nodes, rate)]
+    settings = sorted({_setting(r) for r in rows}, key=_setting_key)
+    for workload, nodes, L, rate in settings:
+        sub = [r for r in rows if _setting(r) == (workload, nodes, L, rate)]
         sub.sort(key=lambda r: METHODS.index(r["method"]))
-        ideal = ideal_of(refs, nodes, rate, workload)
+        ideal = ideal_of(refs, nodes, rate, workload, L)
         base = next((r["compress_median_s"] for r in sub if r["method"] == "ddp_adamw"), None)
-        out.append(f"### {workload}, {nodes} nodes, {rate}\n")
+        out.append(f"### {workload}, {_layout(nodes, L)}, {rate}\n")
         if ideal:
             out.append(f"Ideal step: compute alone {ideal['compute']:.3f} s + fp32 all_reduce "
                        f"{ideal['fp32']:.3f} s / 32 = **{ideal['ideal']:.3f} s**\n")
         out.append("| method | phase 1 (warm-up) s | phase 2 (compression) s | samples/s (phase 2) | "
-                   "link MB/step/rank phase 1 | phase 2 | speedup vs DDP+AdamW (phase 2) | phase 2 / ideal | "
+                   "link MB/step/node phase 1 | phase 2 | speedup vs DDP+AdamW (phase 2) | phase 2 / ideal | "
                    "loss first -> last |")
         out.append("|---|---|---|---|---|---|---|---|---|")
         for r in sub:
             c = r["compress_median_s"]
-            sps = r["batch_per_worker"] * nodes / c if c else None
+            sps = r["batch_per_worker"] * nodes * L / c if c else None
             speed = f"{base / c:.2f}x" if base and c else "-"
             vs_ideal = f"{c / ideal['ideal']:.2f}" if ideal and c else "-"
             out.append(f"| {LABEL[r['method']]} | {_fmt_s(r['warmup_median_s'])} | {_fmt_s(c)} | "
@@ -626,13 +661,60 @@ def tables(rows: list[dict[str, Any]], refs: list[dict[str, Any]]) -> str:
                        f"{_mb(r.get('compress_tx_per_step'))} | {speed} | {vs_ideal} | "
                        f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
         out.append("")
+        out.append(_flat_vs_two_level(sub))
     out.append(target_check(rows, refs))
     return "\n".join(out)
 
 
+def _flat_vs_two_level(sub: list[dict[str, Any]]) -> str:
+    """For nodes of several ranks: each algorithm flat against two-level, compression phase."""
+    by = {r["method"]: r for r in sub}
+    pairs = [(m[:-5], m) for m in HIER if m in by and m[:-5] in by]
+    if not pairs:
+        return ""
+    lines = ["Flat vs two-level, compression phase (inter-node bytes: each node's link counter):\n",
+             "| algorithm | flat s | two-level s | flat / two-level time | flat link MB/step/node | "
+             "two-level link MB/step/node | flat / two-level bytes | two-level fp32 MB/step/node inside the node |",
+             "|---|---|---|---|---|---|---|---|"]
+    for flat, hier in pairs:
+        f, h = by[flat], by[hier]
+        tf, th = f["compress_median_s"], h["compress_median_s"]
+        bf, bh = f.get("compress_tx_per_step"), h.get("compress_tx_per_step")
+        lines.append(f"| {flat} | {_fmt_s(tf)} | {_fmt_s(th)} | {f'{tf / th:.2f}x' if tf and th else '-'} | "
+                     f"{_mb(bf)} | {_mb(bh)} | {f'{bf / bh:.2f}x' if bf and bh else '-'} | "
+                     f"{_mb(h.get('compress_intra_per_step'))} |")
+    return "\n".join(lines) + "\n"
+
+
 def target_check(rows: list[dict[str, Any]], refs: list[dict[str, Any]]) -> str:
-    """The targets (see the module docstring) on the communication-bound model, 2 nodes, 1 Gbit/s."""
-    sub = {r["method"]: r for r in rows if (r["workload"], r["nodes"], r["rate"]) == ("mlp", 2, "1gbit")}
+    """The targets (see the module docstring): on the communication-bound model, 2 nodes, 1 Gbit/s; and
+    two-level against flat wherever nodes have 2 ranks."""
+    return _flat_targets(rows, refs) + _two_level_targets(rows)
+
+
+def _two_level_targets(rows: list[dict[str, Any]]) -> str:
+    lines = []
+    for workload, nodes, L, rate in sorted({_setting(r) for r in rows if r.get("ranks_per_node", 1) == 2},
+                                           key=_setting_key):
+        by = {r["method"]: r for r in rows if _setting(r) == (workload, nodes, L, rate)}
+        for hier in HIER:
+            flat = hier[:-5]
+            if hier not in by or flat not in by:
+                continue
+            f, h = by[flat], by[hier]
+            bf, bh = f.get("compress_tx_per_step"), h.get("compress_tx_per_step")
+            tf, th = f["compress_median_s"], h["compress_median_s"]
+            if not (bf and bh and tf and th):
+                continue
+            lines.append(f"- {workload}, {_layout(nodes, L)}, {rate}, {flat}: inter-node bytes flat / two-level "
+                         f"{bf / bh:.2f}x (>= 1.8x: {'met' if bf / bh >= 1.8 else 'MISSED'}); step flat / two-level "
+                         f"{tf / th:.2f}x (not slower: {'met' if th <= tf else 'MISSED'})")
+    return ("Targets (two-level vs flat, compression phase, 2 ranks per node):\n" + "\n".join(lines) + "\n"
+            if lines else "")
+
+
+def _flat_targets(rows: list[dict[str, Any]], refs: list[dict[str, Any]]) -> str:
+    sub = {r["method"]: r for r in rows if _setting(r) == ("mlp", 2, 1, "1gbit")}
     ob = sub.get("onebit_adam")
     if not ob or not ob["compress_median_s"]:
         return "Targets (mlp, 2 nodes, 1gbit): not measured in this run.\n"
@@ -641,7 +723,7 @@ def target_check(rows: list[dict[str, Any]], refs: list[dict[str, Any]]) -> str:
     if "ddp_adamw" in sub:
         s = sub["ddp_adamw"]["compress_median_s"] / t
         lines.append(f"- >= 5x faster than DDP + AdamW: {s:.2f}x -> {'met' if s >= 5 else 'MISSED'}")
-    ideal = ideal_of(refs, 2, "1gbit", "mlp")
+    ideal = ideal_of(refs, 2, "1gbit", "mlp", 1)
     if ideal:
         q = t / ideal["ideal"]
         lines.append(f"- within 1.3x of the ideal ({ideal['ideal']:.3f} s): {q:.2f}x -> "
@@ -661,13 +743,12 @@ def chart(rows: list[dict[str, Any]], refs: list[dict[str, Any]], path: Path) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    settings = sorted({(r["workload"], r["nodes"], r["rate"]) for r in rows},
-                      key=lambda k: (WORKLOADS.index(k[0]), k[1], parse_rate(k[2])))
+    settings = sorted({_setting(r) for r in rows}, key=_setting_key)
     ncol = min(4, len(settings))
     nrow = -(-len(settings) // ncol)
     fig, axes = plt.subplots(nrow, ncol, figsize=(max(7.0, 4.6 * ncol), 4.2 * nrow + 0.6), squeeze=False)
-    for ax, (workload, nodes, rate) in zip(axes.flat, settings, strict=False):
-        sub = sorted((r for r in rows if (r["workload"], r["nodes"], r["rate"]) == (workload, nodes, rate)),
+    for ax, (workload, nodes, L, rate) in zip(axes.flat, settings, strict=False):
+        sub = sorted((r for r in rows if _setting(r) == (workload, nodes, L, rate)),
                      key=lambda r: METHODS.index(r["method"]))
         xs = range(len(sub))
         p1 = [r["warmup_median_s"] or 0 for r in sub]
@@ -676,7 +757,7 @@ def chart(rows: list[dict[str, Any]], refs: list[dict[str, Any]], path: Path) ->
                   else "tab:blue" for r in sub]
         ax.bar([x - 0.2 for x in xs], p1, 0.4, color=colors, alpha=0.35)
         ax.bar([x + 0.2 for x in xs], p2, 0.4, color=colors)
-        ideal = ideal_of(refs, nodes, rate, workload)
+        ideal = ideal_of(refs, nodes, rate, workload, L)
         if ideal:
             ax.axhline(ideal["ideal"], color="k", ls="--", lw=1, label=f"ideal {ideal['ideal']:.3f} s")
             ax.legend(fontsize=7, loc="lower left", framealpha=0.9)
@@ -684,7 +765,7 @@ def chart(rows: list[dict[str, Any]], refs: list[dict[str, Any]], path: Path) ->
         ax.set_xticklabels([LABEL[r["method"]].replace("DDP + ", "") for r in sub], rotation=60, ha="right",
                            fontsize=8)
         ax.set_ylabel("median step time (s)")
-        ax.set_title(f"{workload}, {nodes} nodes, {rate}", fontsize=10)
+        ax.set_title(f"{workload}, {_layout(nodes, L)}, {rate}", fontsize=10)
     for ax in list(axes.flat)[len(settings):]:
         ax.axis("off")
     fig.suptitle("Training step time on emulated links (median, slowest rank; lower is better)\n"
@@ -702,13 +783,13 @@ def setup_text(args: argparse.Namespace, chart_path: Path | None) -> str:
     return (
         f"Workloads:\n{wl}\n\n"
         f"One torchrun per node (network namespace behind a tc-tbf shaped veth), Lightning Trainer(accelerator="
-        f"'cpu', devices=1, num_nodes=N), gloo, 1 thread per process, all methods in the same torchrun one "
+        f"'cpu', devices=L, num_nodes=N), gloo, 1 thread per process, all methods in the same torchrun one "
         f"after another. {S} steps per method: warm-up switch at step {args.warmup} "
         f"(CompressedDDPStrategy(warmup={args.warmup}), PowerSGD start_powerSGD_iter={args.warmup}); "
         f"medians skip the first {args.skip} steps of each phase. Step time = interval between consecutive "
         "on_train_batch_end calls, slowest rank per step. Phase 1 = steps before the switch (for the fp16/bf16 "
         "hooks and cd_adam, which have one regime, both phases measure the same thing). Link MB = veth tx "
-        "counter per step and rank (incl. TCP/IP headers). Ideal = compute alone (same model, Trainer(devices=1),"
+        "counter per step and node (incl. TCP/IP headers). Ideal = compute alone (same model, Trainer(devices=1),"
         " AdamW, N such processes at once since the nodes share the machine's cores) + measured fp32 all_reduce "
         "of all parameters / 32. Loss: mean over ranks, first step -> mean of the last 3 steps (a sanity check "
         f"only: {S} steps say nothing about final quality)."
@@ -722,7 +803,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, nargs="+", help=f"default {FULL['nodes']}")
     ap.add_argument("--rates", nargs="+", help=f"tc rates, default {FULL['rates']}")
     ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, help=f"default {FULL['workloads']}")
-    ap.add_argument("--methods", nargs="+", choices=METHODS, help=f"default {list(METHODS)}")
+    ap.add_argument("--methods", nargs="+", choices=METHODS, help=f"default {list(DEFAULT_METHODS)}")
+    ap.add_argument("--ranks-per-node", type=int, nargs="+", default=[1],
+                    help="ranks per emulated node (default 1); the *_hier methods need >= 2")
     ap.add_argument("--warmup", type=int, help="warm-up steps before compression starts (default 6, quick 5)")
     ap.add_argument("--compress-steps", type=int, help="timed compression-phase steps (default 10, quick 6)")
     ap.add_argument("--skip", type=int, help="untimed steps at the start of each phase (default 2)")
@@ -749,7 +832,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in ("nodes", "rates", "workloads", "warmup", "compress_steps", "skip"):
         if getattr(args, name) is None:
             setattr(args, name, preset[name])
-    args.methods = args.methods or list(METHODS)
+    args.methods = args.methods or list(DEFAULT_METHODS)
     args.skip = max(1, args.skip)
     args.warmup = max(2, args.warmup)
     if args.worker:
