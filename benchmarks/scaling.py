@@ -102,11 +102,13 @@ E2E_REF = [  # compute: 'compute alone' of the ideal column (an input); ddp: DDP
     dict(workload="transformer", nodes=4, gbit=10, compute=0.548, ddp=0.626, onebit=0.667),
 ]
 
-# Two-level emulations (N nodes x L ranks), once measured: add one dict per cell, e.g.
-#   dict(nodes=2, ranks_per_node=2, gbit=1, numel=25_000_000, flat=..., hierarchical=..., fp32=...,
-#        source="benchmarks/RESULTS.md, '<section>': run <date>, commit <sha>")
-# Every key among fp32 / flat / hierarchical that is present is compared with its prediction.
-HIERARCHICAL_REF: list[dict] = []
+# Two-level emulations (N nodes x L ranks), one dict per cell; every key among fp32 / flat /
+# hierarchical that is present is compared with its prediction. Source: benchmarks/RESULTS.md,
+# "Compressed allreduce on emulated links", nodes of 2 ranks (2026-11-23, torch 2.14.1).
+HIERARCHICAL_REF: list[dict] = [
+    dict(nodes=2, ranks_per_node=2, gbit=1, numel=25_000_000, fp32=1.3086, flat=0.2272, hierarchical=0.4360),
+    dict(nodes=2, ranks_per_node=2, gbit=0.1, numel=25_000_000, fp32=12.7102, flat=0.5664, hierarchical=0.5847),
+]
 
 
 def _linear(i: int, o: int) -> list[int]:
@@ -213,15 +215,17 @@ def node_link_bytes(method: str, numel: int, nodes: int, ranks_per_node: int, gr
     """Bytes one node sends over its link per call of ``numel`` elements.
 
     DDP: a node-aware ring crosses each node boundary once per step, so the link carries one rank's
-    ring traffic. Flat: each of the L ranks sends 2 (n-L) rows to ranks of other nodes. Hierarchical:
-    each of the L ranks sends its shard's two-stage traffic, all of it between nodes."""
+    ring traffic. Flat: stage 1 (all_to_all, direct) sends L (n-L) rows to ranks of other nodes; stage 2
+    (all_gather) is a ring in gloo and NCCL, which crosses each node boundary once per row: n-1 rows
+    (measured on the 2 x 2 emulation: 7 rows per node, not the 8 a direct all_gather would send).
+    Hierarchical: each of the L ranks sends its shard's two-stage traffic, all of it between nodes."""
     n, L = nodes * ranks_per_node, ranks_per_node
     if nodes == 1:
         return 0
     if method == "ddp":
         return ring_allreduce_bytes(numel, n, grad_bytes)
     if method == "flat":
-        return L * 2 * (n - L) * row_bytes(numel, n)
+        return (L * (n - L) + n - 1) * row_bytes(numel, n)
     if method == "hier":
         return sum(hier_rank_bytes(numel, nodes, L, j) for j in range(L))
     raise ValueError(method)

@@ -241,3 +241,27 @@ def test_all_finite_sees_every_nan_and_infinity():
             y = x.clone()
             y[777] = bad
             assert not bool(_all_finite(y.to(dtype)))
+
+
+@pytest.mark.parametrize("hierarchical,ranks_per_node,world,chosen,logged", [
+    (None, 2, 4, 2, None),  # several nodes of several ranks: two levels
+    (None, 4, 4, None, None),  # one node: flat, nothing to say
+    (None, 1, 4, None, None),  # one rank per node: flat
+    (None, 3, 4, None, None),  # uneven: flat (automatic choice, no complaint)
+    (True, 3, 4, None, "do not divide the world size 4"),  # asked for, impossible: flat, logged
+    (True, None, 4, None, "ranks per node are unknown"),
+    (False, 2, 4, None, None),
+    (True, 2, 8, 2, None),
+])
+def test_automatic_choice_of_the_layout(caplog, hierarchical, ranks_per_node, world, chosen, logged):
+    from lightning_onebit import OnebitAdam
+
+    opt = OnebitAdam(_dense_model().parameters(), lr=1e-3, warmup_steps=1, simulate_workers=world)
+    opt.set_topology(hierarchical=hierarchical, ranks_per_node=ranks_per_node)
+    with caplog.at_level("WARNING", logger="lightning_onebit.optim.base"):
+        assert opt._ranks_per_node() == chosen
+    msgs = [r.getMessage() for r in caplog.records]
+    if logged is None:
+        assert not msgs
+    else:
+        assert any(logged in m and "falls back to flat" in m for m in msgs), msgs
