@@ -12,6 +12,7 @@ from lit_models import DigitsMLP, SaveParams
 
 import lightning_onebit  # noqa: F401  (registers the strategy names)
 from lightning_onebit import CommunicationMonitor, CompressedDDPStrategy, OnebitAdamStrategy, PhaseSwitch
+from lightning_onebit.strategies.compressed import SHARD_DIR, shard_path
 
 HERE = Path(__file__).parent
 
@@ -69,27 +70,77 @@ def test_every_strategy_fits_and_replicas_agree(tmp_path, name, ratio):
         assert all(c for _, b, c, _ in ranks[0]["steps"])
 
 
-def test_exact_resume_across_the_switch(tmp_path):
-    """Checkpoint mid-compression (epoch 2 of 4), resume: the same parameters as the uninterrupted run."""
+@pytest.mark.parametrize("devices", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_exact_resume_across_the_switch(tmp_path, devices):
+    """Checkpoint mid-compression, resume (from a path, and with ckpt_path="last"): the same parameters
+    as the uninterrupted run. The main file holds no error state; each rank's is in its own shard, and
+    ModelCheckpoint's deletions take the shards with the files."""
     ck = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_epochs=1)
 
     def strategy():
         return OnebitAdamStrategy(warmup=5, start_method="spawn")
 
-    full, _ = _fit(tmp_path / "a", strategy(), max_epochs=4, callbacks=[ck], enable_checkpointing=True)
+    full, _ = _fit(tmp_path / "a", strategy(), devices=devices, max_epochs=4, callbacks=[ck],
+                   enable_checkpointing=True)
     path = sorted((tmp_path / "ck").glob("epoch=1*.ckpt"))[0]
     saved = torch.load(path, weights_only=False)["optimizer_states"][0]["onebit"]
-    assert saved["compressing"] and saved["world_size"] == 2 and len(saved["comm_per_rank"]) == 2
-    w0, w1 = (saved["comm_per_rank"][r][0]["worker"] for r in range(2))
+    assert saved["compressing"] and saved["world_size"] == devices and saved["error_state"] == "shards"
+    assert all(c is None for c in saved["comm"]) and "comm_per_rank" not in saved
+    shards = [torch.load(shard_path(path, r, devices), weights_only=True) for r in range(devices)]
+    assert [s["rank"] for s in shards] == list(range(devices))
+    w0, w1 = (s["optimizers"][0][0]["worker"] for s in shards[:2])
     assert not torch.equal(w0, w1), "each rank's own error state must be saved"
-    resumed, _ = _fit(tmp_path / "b", strategy(), max_epochs=4, ckpt_path=str(path))
+    resumed, _ = _fit(tmp_path / "b", strategy(), devices=devices, max_epochs=4, ckpt_path=str(path))
     for p, q in zip(full[0]["params"], resumed[0]["params"], strict=True):
+        assert torch.equal(p, q)
+    if devices != 2:
+        return
+    # ckpt_path="last": 2 epochs with save_last and save_top_k=1, then on to 4 from "last"
+    ck2 = tmp_path / "ck2"
+    _fit(tmp_path / "c", strategy(), max_epochs=2, enable_checkpointing=True,
+         callbacks=[ModelCheckpoint(dirpath=ck2, save_last=True, save_top_k=1, every_n_epochs=1)])
+    files = sorted(p.name for p in ck2.glob("*.ckpt"))
+    assert len(files) == 2 and "last.ckpt" in files  # epoch 0's file was deleted ...
+    assert sorted(p.name for p in (ck2 / SHARD_DIR).iterdir()) == files  # ... and its shards with it
+    last, _ = _fit(tmp_path / "d", strategy(), max_epochs=4, ckpt_path="last", enable_checkpointing=True,
+                   callbacks=[ModelCheckpoint(dirpath=ck2, save_last=True, save_top_k=1, every_n_epochs=1)])
+    for p, q in zip(full[0]["params"], last[0]["params"], strict=True):
         assert torch.equal(p, q)
     # another world size: moments and phase kept, per-rank error state reset, with a warning
     with pytest.warns(UserWarning, match="written on 2 ranks, resuming on 1"):
-        _, trainer = _fit(tmp_path / "c", OnebitAdamStrategy(warmup=5), devices=1, max_epochs=3,
+        _, trainer = _fit(tmp_path / "e", OnebitAdamStrategy(warmup=5), devices=1, max_epochs=3,
                           ckpt_path=str(path))
     assert trainer.optimizers[0].compressing
+
+
+def test_missing_shard_resets_with_a_warning_or_stops_when_strict(tmp_path):
+    """A shard that is missing or truncated: a warning naming it and the error state reset (or an error
+    with strict_resume=True); a truncated main file: an error naming it; the main file alone loads
+    into the LightningModule."""
+    ck = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_epochs=1)
+    _fit(tmp_path / "a", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=2, callbacks=[ck],
+         enable_checkpointing=True)
+    path = sorted((tmp_path / "ck").glob("epoch=1*.ckpt"))[0]
+    shard = Path(shard_path(path, 0, 1))
+    assert shard.exists()
+    _, trainer = _fit(tmp_path / "b", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=3, ckpt_path=str(path))
+    assert trainer.optimizers[0]._buckets[0].comm.worker.abs().sum() > 0  # the shard came back
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated
+    with pytest.warns(UserWarning, match=f"shard {shard} cannot be read.*error state is reset"):
+        _fit(tmp_path / "c", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=3, ckpt_path=str(path))
+    shard.unlink()
+    with pytest.warns(UserWarning, match=f"shard {shard} is missing"):
+        _, trainer = _fit(tmp_path / "d", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=3,
+                          ckpt_path=str(path))
+    assert trainer.optimizers[0].compressing  # phase kept
+    with pytest.raises(RuntimeError, match="is missing.*strict_resume=True"):
+        _fit(tmp_path / "e", OnebitAdamStrategy(warmup=3, strict_resume=True), devices=1, max_epochs=3,
+             ckpt_path=str(path))
+    model = DigitsMLP.load_from_checkpoint(path)  # the main file alone
+    assert torch.equal(model.net[0].weight, torch.load(path, weights_only=False)["state_dict"]["net.0.weight"])
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(RuntimeError, match=f"cannot read the checkpoint file '{path}'"):
+        _fit(tmp_path / "f", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=3, ckpt_path=str(path))
 
 
 def test_resume_with_other_algorithm_fails(tmp_path):

@@ -549,11 +549,17 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
             "switch_at": self._switch_at,
             "layout": [b.ids for b in buckets],
             "phases": [{"compressing": b.compressing, "switch_step": b.switch_step} for b in buckets],
-            "comm": [None if b.comm is None else b.comm.state_dict() for b in buckets],
+            "comm": self.error_state_dict(),
             "bytes": self.comm_counter.state_dict(),
             "extra": self._extra_state(),
         }
         return sd
+
+    def error_state_dict(self) -> list[dict | None]:
+        """This rank's compression state per bucket (error feedback, Markov reference; ``None`` for a
+        bucket without a collective yet): the part of :meth:`state_dict` that differs between ranks,
+        as large as the model in fp32. Checkpoints keep it per rank (see the strategies)."""
+        return [None if b.comm is None else b.comm.state_dict() for b in self._buckets]
 
     def _extra_state(self) -> dict:
         return {}

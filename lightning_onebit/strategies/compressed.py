@@ -10,10 +10,19 @@
    Anything else fails at setup with a message that says what to do.
 2. **Communication**: the optimizer is attached to the DDP model through a comm hook, on
    CPU (gloo) as on GPU (Lightning registers hooks only on CUDA; we always do).
-3. **Checkpoints**: every rank's error-feedback state goes into the checkpoint (DeepSpeed
-   drops it); a resume on the same world size continues bit for bit, a resume on another
-   world size keeps the (replicated) moments and resets the per-rank error state with a
-   warning.
+3. **Checkpoints**: the main file holds what every rank shares (model, moments, phase); each
+   rank writes its own error-feedback state (as large as the model in fp32; DeepSpeed drops it)
+   to a shard next to it and reads back only its own, so saving moves no error state between
+   ranks and needs no memory beyond the rank's own state::
+
+       <dir>/epoch=3-step=400.ckpt                                       # rank 0: the main file
+       <dir>/.onebit-error-state/epoch=3-step=400.ckpt/rank00002-of-00004.pt  # rank 2's shard
+
+   A resume on the same world size and layout continues bit for bit. On another world size, or
+   with a shard that is missing, unreadable or from another save, it keeps the moments and phase
+   and resets the error state with a warning naming the reason (``strict_resume=True``: an error
+   instead). The main file alone serves ``load_from_checkpoint`` and single-process use.
+   ``ModelCheckpoint``'s deletions remove the shards with the file.
 
 Precision: ``32`` and ``bf16-mixed`` need nothing special (state and compression are fp32).
 With ``16-mixed`` the compressed sync moves from the backward hook to ``step()`` (after the
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import os
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -37,6 +47,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
@@ -45,13 +56,31 @@ from ..compress.kernels import apply_thread_budget
 from ..optim import CompressedOptimizer
 from ..optim.base import _is_lamb
 
-__all__ = ["ALGORITHMS", "CompressedDDPStrategy", "destroy_process_group_at_exit"]
+__all__ = ["ALGORITHMS", "SHARD_DIR", "CompressedDDPStrategy", "destroy_process_group_at_exit", "shard_path"]
 
 #: strategy name -> optimizer class (each optimizer names its strategy, see CompressedOptimizer)
 ALGORITHMS: dict[str, type[CompressedOptimizer]] = CompressedOptimizer.algorithms()
 
 
 _CLEANUP_REGISTERED = False
+
+SHARD_DIR = ".onebit-error-state"
+"""Directory, next to a checkpoint file, of the per-rank error-state shards (one sub-directory per
+checkpoint file). Hidden and without ``.ckpt`` or ``last`` in its name, so that Lightning's search
+for checkpoints (``ckpt_path="last"``) never takes it for one."""
+
+
+def shard_path(checkpoint: str | os.PathLike, rank: int, world_size: int) -> str:
+    """Where rank ``rank`` of ``world_size`` keeps its error state for ``checkpoint``."""
+    head, name = os.path.split(os.fspath(checkpoint))
+    return os.path.join(head, SHARD_DIR, name, f"rank{rank:05d}-of-{world_size:05d}.pt")
+
+
+def _save_id(checkpoint: Mapping[str, Any]) -> list:
+    """What ties a shard to its main file without a collective: the same on every rank of one save."""
+    return [checkpoint.get("epoch"), checkpoint.get("global_step"),
+            [st.get("onebit", {}).get("step") for st in checkpoint.get("optimizer_states", [])
+             if isinstance(st, dict)]]
 
 
 def _destroy_process_group() -> None:
@@ -122,6 +151,8 @@ class CompressedDDPStrategy(DDPStrategy):
             ``eps_inside_sqrt``, ``block_size``, ``bucket_cap_mb``).
         hierarchical: the two-level collective (fp32 inside a node, compressed between nodes);
             ``None`` = on with several nodes of several ranks each (``num_nodes`` > 1, devices > 1).
+        strict_resume: raise, instead of resetting the error state with a warning, when a resume on
+            the same world size finds this rank's error-state shard missing, unreadable or stale.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
             ``gradient_as_bucket_view`` defaults to ``True`` here.
     """
@@ -130,7 +161,7 @@ class CompressedDDPStrategy(DDPStrategy):
 
     def __init__(self, algorithm: str | None = None, warmup: int | float | str | None = 0.15,
                  optimizer_kwargs: Mapping[str, Any] | None = None, hierarchical: bool | None = None,
-                 **kwargs: Any) -> None:
+                 strict_resume: bool = False, **kwargs: Any) -> None:
         algorithm = algorithm or type(self).algorithm
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {sorted(ALGORITHMS)}")
@@ -146,6 +177,7 @@ class CompressedDDPStrategy(DDPStrategy):
         self.warmup = warmup
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         self.hierarchical = hierarchical
+        self.strict_resume = strict_resume
         self._converted_from: str | None = None
 
     # -- setup ---------------------------------------------------------------------------
@@ -235,14 +267,85 @@ class CompressedDDPStrategy(DDPStrategy):
 
     # -- checkpoints ---------------------------------------------------------------------
     def optimizer_state(self, optimizer: Optimizer) -> dict:
+        """The optimizer's state without its per-rank error state (which goes to this rank's shard)."""
         sd = super().optimizer_state(optimizer)
         opt = getattr(optimizer, "_optimizer", optimizer)
         if isinstance(opt, CompressedOptimizer) and "onebit" in sd:
-            comm = sd["onebit"]["comm"]
-            per_rank = [None] * self.world_size
-            dist.all_gather_object(per_rank, comm)  # every rank's error state, not only rank 0's
-            sd["onebit"] = dict(sd["onebit"], comm_per_rank=per_rank, world_size=self.world_size)
+            section = dict(sd["onebit"])
+            section["comm"] = [None] * len(section["comm"])
+            section["world_size"] = self.world_size
+            section["error_state"] = "shards"
+            sd["onebit"] = section
         return sd
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Every rank writes its error-state shard, then rank 0 the main file."""
+        shards = {i: opt.error_state_dict() for i, opt in enumerate(self.optimizers)
+                  if isinstance(opt, CompressedOptimizer)} if "optimizer_states" in checkpoint else {}
+        if shards:
+            path = shard_path(filepath, self.global_rank, self.world_size)
+            fs = get_filesystem(path)
+            fs.makedirs(os.path.dirname(path), exist_ok=True)
+            _atomic_save({"rank": self.global_rank, "world_size": self.world_size, "save_id": _save_id(checkpoint),
+                          "optimizers": shards}, path)
+            if self.is_global_zero:  # shards of an earlier save at this path on another world size
+                suffix = f"-of-{self.world_size:05d}.pt"
+                for old in fs.ls(os.path.dirname(path), detail=False):
+                    if not str(old).endswith(suffix):
+                        fs.rm(old)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove the file (rank 0) and the shards with it (every rank its own, rank 0 the directory)."""
+        super().remove_checkpoint(filepath)
+        own = shard_path(filepath, self.global_rank, self.world_size)
+        fs = get_filesystem(own)
+        directory = os.path.dirname(own)
+        for target, recursive in ((own, False), *([(directory, True)] if self.is_global_zero else [])):
+            try:
+                fs.rm(target, recursive=recursive)
+            except FileNotFoundError:  # another rank removed it first (shared filesystem)
+                pass
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read the main file (a clear error if it is unreadable) and this rank's error-state shard."""
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except FileNotFoundError:
+            raise
+        except Exception as e:  # truncated, corrupted, not a checkpoint
+            raise RuntimeError(f"cannot read the checkpoint file {os.fspath(checkpoint_path)!r} (truncated or "
+                               f"corrupted?): {type(e).__name__}: {e}") from e
+        self._attach_shard(checkpoint, checkpoint_path)
+        return checkpoint
+
+    def _attach_shard(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
+        sections = [st.get("onebit") if isinstance(st, dict) else None
+                    for st in checkpoint.get("optimizer_states", [])]
+        wanted = [i for i, sec in enumerate(sections) if sec is not None and sec.get("error_state") == "shards"]
+        if not wanted or sections[wanted[0]].get("world_size") != self.world_size:
+            return  # nothing per rank, or another world size (load_optimizer_state_dict says so)
+        path = shard_path(checkpoint_path, self.global_rank, self.world_size)
+        why, shard = None, None
+        try:
+            with get_filesystem(path).open(path, "rb") as f:
+                shard = torch.load(f, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            why = "is missing"
+        except Exception as e:  # truncated or corrupted
+            why = f"cannot be read ({type(e).__name__}: {e})"
+        if shard is not None and (shard.get("save_id") != _save_id(checkpoint)
+                                  or set(shard.get("optimizers", {})) != set(wanted)):
+            why = "belongs to another save of this path"
+        if why is not None:
+            msg = (f"rank {self.global_rank}: the error-state shard {path} {why}; moments and phase are kept, "
+                   "the compression error state is reset")
+            if self.strict_resume:
+                raise RuntimeError(msg + " (strict_resume=True: stopping instead)")
+            warnings.warn(msg, stacklevel=2)
+            return
+        for i in wanted:
+            sections[i]["comm"] = shard["optimizers"][i]
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = list(checkpoint["optimizer_states"])
@@ -258,15 +361,15 @@ class CompressedDDPStrategy(DDPStrategy):
                                  f"runs {type(self.optimizers[i]).__name__}. Resume with the same algorithm.")
             section = dict(section)
             saved_ws = section.pop("world_size", None)
-            per_rank = section.pop("comm_per_rank", None)
-            if per_rank is not None:
-                if saved_ws == self.world_size:
-                    section["comm"] = per_rank[self.global_rank]
-                else:
-                    warnings.warn(f"checkpoint was written on {saved_ws} ranks, resuming on {self.world_size}: "
-                                  "moments and phase are kept, the per-rank error-feedback state is reset",
-                                  stacklevel=2)
-                    section["comm"] = [None for _ in section["comm"]]
+            section.pop("error_state", None)
+            per_rank = section.pop("comm_per_rank", None)  # checkpoints that held every rank's state
+            if saved_ws is not None and saved_ws != self.world_size:
+                warnings.warn(f"checkpoint was written on {saved_ws} ranks, resuming on {self.world_size}: "
+                              "moments and phase are kept, the per-rank error-feedback state is reset",
+                              stacklevel=2)
+                section["comm"] = [None for _ in section["comm"]]
+            elif per_rank is not None:
+                section["comm"] = per_rank[self.global_rank]
             states[i] = dict(st, onebit=section)
         super().load_optimizer_state_dict(dict(checkpoint, optimizer_states=states))
 
