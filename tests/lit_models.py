@@ -19,7 +19,8 @@ def digits_loaders(batch_size: int = 32, n: int = 512):
 
 class DigitsMLP(L.LightningModule):
     def __init__(self, optimizer: str = "adamw", lr: float = 3e-3, weight_decay: float = 0.01,
-                 scheduler: bool = False, opt_kwargs: dict | None = None) -> None:
+                 scheduler: bool = False, opt_kwargs: dict | None = None, rank_kwargs: dict | None = None) -> None:
+        """``rank_kwargs``: optimizer arguments that differ by rank, ``{name: [value of rank 0, ...]}``."""
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
@@ -46,7 +47,9 @@ class DigitsMLP(L.LightningModule):
         else:
             import lightning_onebit
 
-            opt = getattr(lightning_onebit, hp.optimizer)(params, lr=hp.lr, **(hp.opt_kwargs or {}))
+            kwargs = dict(hp.opt_kwargs or {})
+            kwargs.update({k: v[self.global_rank] for k, v in (hp.rank_kwargs or {}).items()})
+            opt = getattr(lightning_onebit, hp.optimizer)(params, lr=hp.lr, **kwargs)
         if hp.scheduler:
             return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)}
         return opt

@@ -143,6 +143,18 @@ def test_missing_shard_resets_with_a_warning_or_stops_when_strict(tmp_path):
         _fit(tmp_path / "f", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=3, ckpt_path=str(path))
 
 
+@pytest.mark.parametrize("rank_kwargs,needle", [
+    ({"warmup_steps": [5, 7]}, "warmup_steps: rank 0 5, rank 1 7"),
+    ({"block_size": [None, 16]}, "param group 0: block_size: rank 0 None, rank 1 16"),
+])
+def test_ranks_that_disagree_fail_at_setup_on_every_rank(tmp_path, rank_kwargs, needle):
+    """Settings that differ between ranks fail before the first collective, on every rank, naming them."""
+    model = DigitsMLP(optimizer="OnebitAdam", rank_kwargs=rank_kwargs)
+    with pytest.raises(Exception, match="disagree on the training setup") as info:
+        _fit(tmp_path, OnebitAdamStrategy(warmup=None, start_method="spawn"), model=model, max_epochs=1)
+    assert needle in str(info.value)
+
+
 def test_resume_with_other_algorithm_fails(tmp_path):
     ck = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_epochs=1)
     _fit(tmp_path / "a", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=1, callbacks=[ck],

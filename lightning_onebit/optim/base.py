@@ -555,6 +555,22 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
         }
         return sd
 
+    def settings(self) -> dict[str, str]:
+        """What every data-parallel rank must share, as text: algorithm, codec and mode, phases,
+        bucketing, layout, the hyperparameters of each param group and the parameter shapes. The
+        strategies compare it across ranks at setup, so a mismatch fails there on every rank."""
+        out = {"algorithm": type(self).__name__, "codec": getattr(getattr(self, "codec_cls", None), "__name__", "-"),
+               "comm_mode": str(self.comm_mode),
+               "warmup_steps": repr(self.warmup_steps), "bucket_cap_mb": repr(self.bucket_cap_mb),
+               "hierarchical": repr(self.hierarchical), "ranks_per_node": repr(self.ranks_per_node),
+               "param groups": str(len(self.param_groups))}
+        for i, g in enumerate(self.param_groups):
+            for k, v in g.items():
+                if k != "params":
+                    out[f"param group {i}: {k}"] = repr(v)
+            out[f"param group {i}: shapes"] = repr([tuple(p.shape) for p in g["params"]])
+        return out
+
     def error_state_dict(self) -> list[dict | None]:
         """This rank's compression state per bucket (error feedback, Markov reference; ``None`` for a
         bucket without a collective yet): the part of :meth:`state_dict` that differs between ranks,

@@ -202,8 +202,26 @@ class CompressedDDPStrategy(DDPStrategy):
             self._install_agreeing_scaler()
         opt.defer_sync_to_step = fp16
         opt.set_topology(hierarchical=self.hierarchical, ranks_per_node=self.num_processes)
+        self._agree_on_settings(opt, fp16)
         opt.attach(self.model)
         self._ensure_phase_switch(trainer, opt)
+
+    def _agree_on_settings(self, opt: CompressedOptimizer, fp16: bool) -> None:
+        """Compare the settings every rank must share before the first collective: ranks that differ
+        (say, in warm-up length or codec) would otherwise hang or silently diverge. Raises on every
+        rank, naming each setting that differs and its value per rank."""
+        if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
+            return
+        mine = dict(opt.settings(), strategy=self.algorithm, warmup=repr(self.warmup), fp16_scaler=repr(fp16),
+                    num_nodes=repr(self.num_nodes), devices_per_node=repr(self.num_processes))
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)  # a few hundred bytes per rank, once
+        keys = sorted(set().union(*every), key=lambda k: (k not in mine, k))
+        diff = [k for k in keys if len({r.get(k) for r in every}) > 1]
+        if diff:
+            lines = [f"  {k}: " + ", ".join(f"rank {r} {every[r].get(k, '(unset)')}" for r in range(self.world_size))
+                     for k in diff]
+            raise ValueError(f"{type(self).__name__}: the ranks disagree on the training setup:\n" + "\n".join(lines))
 
     def _convert_optimizers(self, trainer) -> None:
         opts = self.optimizers
