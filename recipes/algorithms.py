@@ -113,4 +113,5 @@ def build_strategy(alg: Mapping[str, Any], start_method: str = "spawn",
     if hook:
         raise ValueError(f"algorithm {alg.get('name')!r}: comm_hook needs strategy: ddp, not {alg['strategy']!r}")
     warmup = alg.get("warmup") if has_warmup(alg) else None
-    return CompressedDDPStrategy(algorithm=alg["strategy"], warmup=warmup, **common)
+    # the recipes report a divergence at the step it happens (StopOnDivergence) rather than skip steps
+    return CompressedDDPStrategy(algorithm=alg["strategy"], warmup=warmup, on_nonfinite="raise", **common)

@@ -19,8 +19,10 @@ def digits_loaders(batch_size: int = 32, n: int = 512):
 
 class DigitsMLP(L.LightningModule):
     def __init__(self, optimizer: str = "adamw", lr: float = 3e-3, weight_decay: float = 0.01,
-                 scheduler: bool = False, opt_kwargs: dict | None = None, rank_kwargs: dict | None = None) -> None:
-        """``rank_kwargs``: optimizer arguments that differ by rank, ``{name: [value of rank 0, ...]}``."""
+                 scheduler: bool = False, opt_kwargs: dict | None = None, rank_kwargs: dict | None = None,
+                 nan_at: list | None = None) -> None:
+        """``rank_kwargs``: optimizer arguments that differ by rank, ``{name: [value of rank 0, ...]}``;
+        ``nan_at``: ``[rank, global step]`` pairs whose loss (so gradient) is NaN on that rank only."""
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
@@ -30,6 +32,8 @@ class DigitsMLP(L.LightningModule):
     def training_step(self, batch, batch_idx):
         x, y = batch
         loss = nn.functional.cross_entropy(self.net(x), y)
+        if [self.global_rank, self.global_step] in [list(p) for p in self.hparams.nan_at or []]:
+            loss = loss * float("nan")
         self.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -82,5 +86,6 @@ class SaveParams(L.Callback):
         payload = sum(b.comm.bytes_per_call(b.numel) for b in getattr(opt, "_buckets", []) if b.comm is not None)
         torch.save({"params": params, "steps": self.steps, "global_step": trainer.global_step, "payload": payload,
                     "comm_steps": counter.steps if counter else None,
-                    "bytes_total": counter.total.bytes_sent if counter else None},
+                    "bytes_total": counter.total.bytes_sent if counter else None,
+                    "skipped_steps": getattr(opt, "skipped_steps", None)},
                    os.path.join(self.outdir, f"rank{trainer.global_rank}.pt"))

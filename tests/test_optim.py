@@ -376,3 +376,71 @@ def test_onebit_lamb_compression_step_matches_the_formulas(wd, inside):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
     for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
         assert opts[0].state[p]["last_factor"] == pytest.approx(opts[1].state[q]["last_factor"], rel=1e-5)
+
+
+@pytest.mark.parametrize("cls,kw", [(OnebitAdam, dict(warmup_steps=3)), (CDAdam, {})])
+def test_skip_policy_leaves_every_state_alone_and_raises_after_a_run(cls, kw):
+    """on_nonfinite="skip": a NaN step changes no parameter, moment or error state and is counted;
+    max_consecutive skips in a row raise with their step numbers."""
+    m = _mlp()
+    opt = cls(m.parameters(), lr=1e-2, **kw)
+    opt.set_nonfinite_policy("skip", max_consecutive=3)
+    x, y = _data()
+    _train(m, opt, 6, x, y)  # into the compression phase
+    params = [p.detach().clone() for p in m.parameters()]
+    sd = opt.state_dict()
+    errors = [c["worker"].clone() for c in sd["onebit"]["comm"] if c is not None and "worker" in c]
+    for k in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        next(m.parameters()).grad[0, 0] = float("inf") if k else float("nan")
+        opt.step()
+    assert opt.skipped_steps == 2 and opt._step == sd["onebit"]["step"]
+    assert all(torch.equal(p, q) for p, q in zip(params, m.parameters(), strict=True))
+    after = opt.state_dict()
+    for k, v in sd["state"][0].items():
+        assert not torch.is_tensor(v) or torch.equal(v, after["state"][0][k])
+    now = [c["worker"] for c in after["onebit"]["comm"] if c is not None and "worker" in c]
+    assert all(torch.equal(a, b) for a, b in zip(errors, now, strict=True))
+    _train(m, opt, 1, x, y)  # a good step ends the run of skips ...
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        next(m.parameters()).grad[0, 0] = float("nan")
+        opt.step()
+    opt.zero_grad()
+    nn.functional.cross_entropy(m(x), y).backward()
+    next(m.parameters()).grad[0, 0] = float("nan")
+    with pytest.raises(NonFiniteGradientError, match=r"3 consecutive steps .* \[8, 8, 8\]"):
+        opt.step()  # ... the third in a row raises (skipped steps keep the step number)
+    assert opt.skipped_steps == 5
+
+
+def _skip_on_one_rank(rank, world_size):
+    from lightning_onebit import OnebitAdam
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(30, 8), nn.LayerNorm(8), nn.Flatten(), nn.Linear(32, 5))
+    opt = OnebitAdam(m.parameters(), lr=1e-2, warmup_steps=2)
+    opt.set_nonfinite_policy("skip")
+    g = torch.Generator().manual_seed(rank)
+    for step in range(6):
+        x, y = torch.randint(0, 30, (8, 4), generator=g), torch.randint(0, 5, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        if step in (1, 4) and rank == 1:  # warm-up and compression, on one rank only
+            m[3].weight.grad[0, 0] = float("nan")
+        before = [p.detach().clone() for p in m.parameters()]
+        opt.step()
+        if step in (1, 4):
+            assert all(torch.equal(p, q) for p, q in zip(before, m.parameters(), strict=True))
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()]), opt.skipped_steps
+
+
+def test_skip_policy_agrees_across_ranks():
+    """A NaN on one of 2 gloo ranks: both skip the same steps (warm-up and compression) and stay identical."""
+    from dist_utils import run_ranks, values
+
+    out = values(run_ranks(_skip_on_one_rank, 2))
+    assert out[0][1] == out[1][1] == 2
+    assert torch.equal(out[0][0], out[1][0])

@@ -155,6 +155,20 @@ def test_ranks_that_disagree_fail_at_setup_on_every_rank(tmp_path, rank_kwargs, 
     assert needle in str(info.value)
 
 
+def test_nonfinite_step_is_skipped_on_every_rank(tmp_path):
+    """The strategies' default: a NaN gradient on one rank (DDP, compression phase) skips that step on
+    both ranks; the fit goes on and the replicas stay identical. on_nonfinite="raise" stops instead."""
+    model = DigitsMLP(nan_at=[[1, 10]])
+    ranks, trainer = _fit(tmp_path / "a", OnebitAdamStrategy(warmup=5, start_method="spawn"), model=model,
+                          max_epochs=2)
+    for p, q in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
+        assert torch.equal(p, q)
+    assert ranks[0]["skipped_steps"] == ranks[1]["skipped_steps"] == 1
+    with pytest.raises(Exception, match="NaN or inf"):
+        _fit(tmp_path / "b", OnebitAdamStrategy(warmup=5, on_nonfinite="raise", start_method="spawn"),
+             model=DigitsMLP(nan_at=[[1, 10]]), max_epochs=2)
+
+
 def test_resume_with_other_algorithm_fails(tmp_path):
     ck = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_epochs=1)
     _fit(tmp_path / "a", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=1, callbacks=[ck],

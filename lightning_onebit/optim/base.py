@@ -195,6 +195,25 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
         self._node_groups: tuple | None = None
         #: fp32 bytes inside the node of the two-level collective (comm_counter: between nodes)
         self.intra_node_counter = ByteCounter()
+        self.on_nonfinite = "raise"  # see set_nonfinite_policy
+        self.max_consecutive_skips = 10
+        self.skipped_steps = 0  #: steps skipped for a non-finite gradient (policy "skip")
+        self._skip_run: list[int] = []  # optimizer steps of the current run of skips
+
+    def set_nonfinite_policy(self, policy: str = "raise", *, max_consecutive: int = 10) -> None:
+        """What a NaN/inf gradient on any rank does: ``"raise"`` :class:`NonFiniteGradientError` on every
+        rank, or ``"skip"`` the step on every rank - no parameter, moment or error state changes, the skip
+        is counted (``skipped_steps``) and logged - until ``max_consecutive`` steps in a row were skipped,
+        which raises with their step numbers. "skip" checks every gradient before the first collective
+        (one tiny OR across ranks per step), so with DDP the compressed sync moves from the backward hook
+        to ``step()`` (``defer_sync_to_step``), as GradScaler needs too."""
+        if policy not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {policy!r}")
+        if not isinstance(max_consecutive, int) or max_consecutive < 1:
+            raise ValueError(f"max_consecutive must be a positive int, got {max_consecutive!r}")
+        self.on_nonfinite, self.max_consecutive_skips = policy, max_consecutive
+        if policy == "skip":
+            self.defer_sync_to_step = True
 
     def set_topology(self, *, hierarchical: bool | None = None, ranks_per_node: int | None = None) -> None:
         """Choose the flat or the two-level collective before the first compressed step.
@@ -483,9 +502,40 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
                 has[i], agreed = agreed[: len(has[i])], agreed[len(has[i]) :]
         return has
 
+    def _nonfinite_anywhere(self, buckets: list[Bucket], worker_grads) -> bool:
+        """Does any rank (or simulated worker) hold a NaN/inf gradient? One OR across ranks."""
+        if worker_grads is not None:
+            grads = [g for w in worker_grads for g in w if g is not None]
+        else:
+            grads = [p.grad for b in buckets for p in b.params if p.grad is not None]
+        # min and max propagate NaN and show an infinity: exact, with no gradient-sized temporaries
+        bad = any(g.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(g.detach()))).all())
+                  for g in grads)
+        if worker_grads is None and self.world_size > 1:
+            flag = torch.tensor([bad], device=buckets[0].device if buckets else "cpu")
+            bad = bool(any_across(flag, self.process_group)[0])
+        return bad
+
+    def _skip_step(self, buckets: list[Bucket]) -> None:
+        for b in buckets:
+            b.done, b.ready, b.pending = False, 0, []
+        self.skipped_steps += 1
+        self._skip_run.append(self._step + 1)
+        if len(self._skip_run) >= self.max_consecutive_skips:
+            steps, self._skip_run = self._skip_run, []
+            raise NonFiniteGradientError(
+                f"{type(self).__name__}: {len(steps)} consecutive steps had a NaN/inf gradient on some rank and "
+                f"were skipped (optimizer steps {steps}); lower the learning rate, clip gradients, or check the data")
+        log.warning(f"{type(self).__name__}: a gradient contains NaN or inf on some rank; optimizer step "
+                    f"{self._step + 1} skipped on every rank, no state changed ({self.skipped_steps} skipped so far)")
+
     def _run_step(self, worker_grads) -> None:
         buckets = self._build_buckets()
         self._update_phase()
+        if self.on_nonfinite == "skip" and self._nonfinite_anywhere(buckets, worker_grads):
+            self._skip_step(buckets)
+            return
+        self._skip_run = []
         try:
             plan = self._synchronise(buckets, worker_grads)
         except BaseException:
@@ -552,6 +602,7 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
             "comm": self.error_state_dict(),
             "bytes": self.comm_counter.state_dict(),
             "extra": self._extra_state(),
+            "skipped_steps": self.skipped_steps,
         }
         return sd
 
@@ -607,6 +658,7 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
         self._compressing = extra["compressing"]
         self._switch_at = extra.get("switch_at")
         self.comm_counter.load_state_dict(extra["bytes"])
+        self.skipped_steps = extra.get("skipped_steps", 0)
         self._load_extra_state(extra["extra"])
         self._buckets, self._nbucketed, self._param_bucket = [], 0, {}
         compressing = self._compressing

@@ -29,10 +29,14 @@ With ``16-mixed`` the compressed sync moves from the backward hook to ``step()``
 GradScaler has unscaled the local gradients), and the scaler's overflow check is agreed
 across ranks so that every rank skips the same steps.
 
-Gradient clipping: during warm-up it clips the averaged gradient, as with plain DDP. In
-the compression phase the synchronisation happens inside backward, before Lightning clips,
-so clipping sees this rank's local gradient and does not affect the update (with
-``16-mixed`` it does clip the local gradient before compression).
+Non-finite gradients (``on_nonfinite``): by default a step with a NaN/inf gradient on any rank
+is skipped on every rank without any state change, like GradScaler's skips; ``"raise"`` stops.
+
+Gradient clipping: during warm-up it clips the averaged gradient, as with plain DDP. In the
+compression phase the synchronisation runs in ``step()`` (``on_nonfinite="skip"`` or
+``16-mixed``), so clipping acts on this rank's local gradient before compression; with
+``on_nonfinite="raise"`` and 32/bf16 it runs inside backward, before Lightning clips, and
+clipping does not affect the update.
 """
 
 from __future__ import annotations
@@ -153,6 +157,11 @@ class CompressedDDPStrategy(DDPStrategy):
             ``None`` = on with several nodes of several ranks each (``num_nodes`` > 1, devices > 1).
         strict_resume: raise, instead of resetting the error state with a warning, when a resume on
             the same world size finds this rank's error-state shard missing, unreadable or stale.
+        on_nonfinite: ``"skip"`` (default, like GradScaler): a step whose gradient holds NaN/inf on
+            any rank is skipped on every rank with no state change, counted and logged, and
+            ``max_consecutive_skips`` skips in a row raise; ``"raise"``: the first one raises
+            :class:`~lightning_onebit.optim.NonFiniteGradientError`. "skip" synchronises in
+            ``step()`` rather than in the backward hook (see the optimizer's ``set_nonfinite_policy``).
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
             ``gradient_as_bucket_view`` defaults to ``True`` here.
     """
@@ -161,7 +170,8 @@ class CompressedDDPStrategy(DDPStrategy):
 
     def __init__(self, algorithm: str | None = None, warmup: int | float | str | None = 0.15,
                  optimizer_kwargs: Mapping[str, Any] | None = None, hierarchical: bool | None = None,
-                 strict_resume: bool = False, **kwargs: Any) -> None:
+                 strict_resume: bool = False, on_nonfinite: str = "skip", max_consecutive_skips: int = 10,
+                 **kwargs: Any) -> None:
         algorithm = algorithm or type(self).algorithm
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {sorted(ALGORITHMS)}")
@@ -178,6 +188,9 @@ class CompressedDDPStrategy(DDPStrategy):
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         self.hierarchical = hierarchical
         self.strict_resume = strict_resume
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self._converted_from: str | None = None
 
     # -- setup ---------------------------------------------------------------------------
@@ -201,6 +214,7 @@ class CompressedDDPStrategy(DDPStrategy):
         if fp16:
             self._install_agreeing_scaler()
         opt.defer_sync_to_step = fp16
+        opt.set_nonfinite_policy(self.on_nonfinite, max_consecutive=self.max_consecutive_skips)
         opt.set_topology(hierarchical=self.hierarchical, ranks_per_node=self.num_processes)
         self._agree_on_settings(opt, fp16)
         opt.attach(self.model)
@@ -213,6 +227,7 @@ class CompressedDDPStrategy(DDPStrategy):
         if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
             return
         mine = dict(opt.settings(), strategy=self.algorithm, warmup=repr(self.warmup), fp16_scaler=repr(fp16),
+                    on_nonfinite=self.on_nonfinite,
                     num_nodes=repr(self.num_nodes), devices_per_node=repr(self.num_processes))
         every: list[Any] = [None] * self.world_size
         dist.all_gather_object(every, mine)  # a few hundred bytes per rank, once
