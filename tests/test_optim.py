@@ -444,3 +444,43 @@ def test_skip_policy_agrees_across_ranks():
     out = values(run_ranks(_skip_on_one_rank, 2))
     assert out[0][1] == out[1][1] == 2
     assert torch.equal(out[0][0], out[1][0])
+
+
+def _lost_rank(rank, world_size, how):
+    import time
+
+    from lightning_onebit import OnebitAdam
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(30, 8), nn.LayerNorm(8), nn.Flatten(), nn.Linear(32, 5))
+    opt = OnebitAdam(m.parameters(), lr=1e-2, warmup_steps=2)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(6):
+        x, y = torch.randint(0, 30, (8, 4), generator=g), torch.randint(0, 5, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        if step == 3 and rank == 1:  # compression phase: rank 1 is lost before its collectives
+            if how == "dies":
+                raise SystemExit(1)  # the process ends, its sockets close
+            time.sleep(15)  # stalls past the 5 s timeout
+            return None
+        t0 = time.monotonic()
+        try:
+            opt.step()
+        except Exception as exc:
+            return type(exc).__name__, str(exc), time.monotonic() - t0
+    return None
+
+
+@pytest.mark.parametrize("how", ["dies", "stalls"])
+def test_lost_rank_fails_the_others_with_the_collective_and_step(how):
+    """A rank that dies or stalls mid-compression: the others raise (not hang) within the process
+    group's timeout, naming the collective, the bucket and the optimizer step."""
+    from dist_utils import run_ranks
+
+    results = run_ranks(_lost_rank, 2, how, timeout_s=5)
+    status, got = results[0]
+    assert status == "ok" and got is not None, got
+    name, msg, elapsed = got
+    assert name == "CollectiveError" and "optimizer step 4" in msg and "rank 0" in msg, msg
+    assert elapsed < 5 + 10, elapsed

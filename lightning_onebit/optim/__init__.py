@@ -2,7 +2,7 @@
 
 Each optimizer class registers its strategy name (``CompressedOptimizer.algorithms()``)."""
 
-from .base import CompressedOptimizer, NonFiniteGradientError, check_hyperparameters
+from .base import CollectiveError, CompressedOptimizer, NonFiniteGradientError, check_hyperparameters
 from .baselines import EF21, ErrorFeedbackAMSGrad, NaiveCompressedAMSGrad
 from .cd_adam import CDAdam
 from .onebit_adam import OnebitAdam
@@ -10,4 +10,4 @@ from .onebit_lamb import OnebitLamb
 from .qadam import QAdam
 
 __all__ = ["CDAdam", "CompressedOptimizer", "EF21", "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad",
-           "NonFiniteGradientError", "OnebitAdam", "OnebitLamb", "QAdam", "check_hyperparameters"]
+           "CollectiveError", "NonFiniteGradientError", "OnebitAdam", "OnebitLamb", "QAdam", "check_hyperparameters"]

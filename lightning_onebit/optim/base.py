@@ -30,10 +30,11 @@ directly; it goes through the comm layer.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -59,7 +60,7 @@ from .ddp import DDPHookPath
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CompressedOptimizer", "NonFiniteGradientError"]
+__all__ = ["CollectiveError", "CompressedOptimizer", "NonFiniteGradientError"]
 
 
 def _thread_budget_from_launcher() -> None:
@@ -74,6 +75,11 @@ def _thread_budget_from_launcher() -> None:
 
 class NonFiniteGradientError(ValueError):
     """A gradient contained NaN/inf; every rank skipped the step and no state changed."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the optimizer failed (another rank died, stalled past the process group's
+    timeout, or the network broke); the message names the collective, the bucket and the step."""
 
 
 def check_hyperparameters(*, lr: float | None = None, betas: Sequence[float] | None = None,
@@ -338,8 +344,25 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
             n = len(worker_grads)  # counted as the real path counts its fp32 allreduce
             self.comm_counter.add(ring_allreduce_bytes(b.numel, n), b.numel, n)
         elif not b.via_ddp:
-            mean_allreduce(b.grad, self.process_group, self.comm_counter)
+            with self._collective("fp32 allreduce (warm-up)", b):
+                mean_allreduce(b.grad, self.process_group, self.comm_counter)
         return b.grad
+
+    @contextlib.contextmanager
+    def _collective(self, what: str, b: Bucket | None = None) -> Iterator[None]:
+        """Name the collective, bucket and step in a failure of the process group (a rank that died
+        fails its peers' next collective at once, one that stalls after the group's timeout)."""
+        try:
+            yield
+        except (ValueError, CollectiveError):  # agreement mismatches and non-finite inputs say it already
+            raise
+        except RuntimeError as exc:
+            where = "" if b is None else f" of bucket {self._buckets.index(b)} ({b.numel} elements)"
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            raise CollectiveError(
+                f"{type(self).__name__}: the {what}{where} failed at optimizer step {self._step + 1} on rank "
+                f"{rank}: {exc}. Another rank has probably died or stalled; the process group's timeout bounds "
+                "the wait") from exc
 
     # -- the compressed synchronisation of one bucket ------------------------------------
     def _make_codec(self, b: Bucket) -> Codec:
@@ -413,7 +436,8 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
             payload = b.payload
             self._payload(b, b.grad, payload)
             try:
-                comm(payload, out=target, flag=self._flag(b, b.grad))
+                with self._collective(f"compressed allreduce ({type(comm).__name__})", b):
+                    comm(payload, out=target, flag=self._flag(b, b.grad))
             except ValueError as exc:
                 if "not finite" in str(exc):
                     raise NonFiniteGradientError(
@@ -497,7 +521,8 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
         local = [i for i, b in enumerate(buckets) if not b.via_ddp]
         if local and self.world_size > 1:
             flags = torch.tensor([h for i in local for h in has[i]], dtype=torch.bool)
-            agreed = any_across(flags, self.process_group).tolist()
+            with self._collective("agreement on which parameters have gradients"):
+                agreed = any_across(flags, self.process_group).tolist()
             for i in local:
                 has[i], agreed = agreed[: len(has[i])], agreed[len(has[i]) :]
         return has
@@ -513,7 +538,8 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
                   for g in grads)
         if worker_grads is None and self.world_size > 1:
             flag = torch.tensor([bad], device=buckets[0].device if buckets else "cpu")
-            bad = bool(any_across(flag, self.process_group)[0])
+            with self._collective("agreement on finite gradients"):
+                bad = bool(any_across(flag, self.process_group)[0])
         return bad
 
     def _skip_step(self, buckets: list[Bucket]) -> None:
