@@ -74,7 +74,9 @@ def _thread_budget_from_launcher() -> None:
 
 
 class NonFiniteGradientError(ValueError):
-    """A gradient contained NaN/inf; every rank skipped the step and no state changed."""
+    """A gradient contained NaN/inf on some rank; every rank raises at the same step. Parameters and
+    moments are untouched; in the DDP hook path with the policy "raise", buckets synchronised earlier
+    in that backward have already updated their error state (the policy "skip" checks first)."""
 
 
 class CollectiveError(RuntimeError):
