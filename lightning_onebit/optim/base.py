@@ -535,14 +535,16 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
             grads = [g for w in worker_grads for g in w if g is not None]
         else:
             grads = [p.grad for b in buckets for p in b.params if p.grad is not None]
-        # min and max propagate NaN and show an infinity: exact, with no gradient-sized temporaries
-        bad = any(g.numel() and not bool(torch.isfinite(torch.stack(torch.aminmax(g.detach()))).all())
-                  for g in grads)
+        # min and max propagate NaN and show an infinity: exact, with no gradient-sized temporaries;
+        # the flags stay on the device until the one host read below (no sync per tensor on a GPU)
+        extremes = [torch.stack(torch.aminmax(g.detach().reshape(-1))) for g in grads if g.numel()]
+        device = extremes[0].device if extremes else (buckets[0].device if buckets else torch.device("cpu"))
+        bad = (~torch.isfinite(torch.cat(extremes)).all() if extremes
+               else torch.zeros((), dtype=torch.bool, device=device)).reshape(1)
         if worker_grads is None and self.world_size > 1:
-            flag = torch.tensor([bad], device=buckets[0].device if buckets else "cpu")
             with self._collective("agreement on finite gradients"):
-                bad = bool(any_across(flag, self.process_group)[0])
-        return bad
+                bad = any_across(bad, self.process_group)
+        return bool(bad[0])
 
     def _skip_step(self, buckets: list[Bucket]) -> None:
         for b in buckets:
