@@ -232,7 +232,7 @@ def test_node_mean_kernel_is_the_fp64_formula(rows):
 
 
 def test_all_finite_sees_every_nan_and_infinity():
-    from lightning_onebit.comm.hierarchical import _all_finite
+    from lightning_onebit.comm import all_finite as _all_finite
 
     x = torch.randn(1001)
     assert bool(_all_finite(x)) and bool(_all_finite(torch.empty(0)))

@@ -4,12 +4,12 @@ simulated cluster."""
 from .accounting import ByteCounter, StepStats, ring_allreduce_bytes
 from .allreduce import CompressedAllreduce
 from .ddp_hook import CompressionHookState, compression_hook, register_compression_hook
-from .dense import any_across, any_across_bytes, group_size, mean_allreduce
+from .dense import all_finite, any_across, any_across_bytes, group_size, mean_allreduce
 from .hierarchical import HierarchicalAllreduce, SimulatedHierarchicalCluster, node_groups
 from .simulated import SimulatedCluster
 from .two_stage import MODES, TwoStageRank
 
 __all__ = ["MODES", "ByteCounter", "CompressedAllreduce", "CompressionHookState", "HierarchicalAllreduce",
-           "SimulatedCluster", "SimulatedHierarchicalCluster", "StepStats", "TwoStageRank", "any_across",
+           "SimulatedCluster", "SimulatedHierarchicalCluster", "StepStats", "TwoStageRank", "all_finite", "any_across",
            "any_across_bytes", "compression_hook", "group_size", "mean_allreduce", "node_groups",
            "register_compression_hook", "ring_allreduce_bytes"]

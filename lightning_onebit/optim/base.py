@@ -47,6 +47,7 @@ from ..comm import (
     HierarchicalAllreduce,
     SimulatedCluster,
     SimulatedHierarchicalCluster,
+    all_finite,
     any_across,
     group_size,
     mean_allreduce,
@@ -82,6 +83,14 @@ class NonFiniteGradientError(ValueError):
 class CollectiveError(RuntimeError):
     """A collective of the optimizer failed (another rank died, stalled past the process group's
     timeout, or the network broke); the message names the collective, the bucket and the step."""
+
+
+def check_nonfinite_policy(policy: str, max_consecutive: int) -> None:
+    """Validate an ``on_nonfinite`` policy and its bound (the optimizers' and the strategies')."""
+    if policy not in ("raise", "skip"):
+        raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {policy!r}")
+    if not isinstance(max_consecutive, int) or max_consecutive < 1:
+        raise ValueError(f"max_consecutive must be a positive int, got {max_consecutive!r}")
 
 
 def check_hyperparameters(*, lr: float | None = None, betas: Sequence[float] | None = None,
@@ -215,10 +224,7 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
         which raises with their step numbers. "skip" checks every gradient before the first collective
         (one tiny OR across ranks per step), so with DDP the compressed sync moves from the backward hook
         to ``step()`` (``defer_sync_to_step``), as GradScaler needs too."""
-        if policy not in ("raise", "skip"):
-            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {policy!r}")
-        if not isinstance(max_consecutive, int) or max_consecutive < 1:
-            raise ValueError(f"max_consecutive must be a positive int, got {max_consecutive!r}")
+        check_nonfinite_policy(policy, max_consecutive)
         self.on_nonfinite, self.max_consecutive_skips = policy, max_consecutive
         if policy == "skip":
             self.defer_sync_to_step = True
@@ -535,12 +541,11 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
             grads = [g for w in worker_grads for g in w if g is not None]
         else:
             grads = [p.grad for b in buckets for p in b.params if p.grad is not None]
-        # min and max propagate NaN and show an infinity: exact, with no gradient-sized temporaries;
         # the flags stay on the device until the one host read below (no sync per tensor on a GPU)
-        extremes = [torch.stack(torch.aminmax(g.detach().reshape(-1))) for g in grads if g.numel()]
-        device = extremes[0].device if extremes else (buckets[0].device if buckets else torch.device("cpu"))
-        bad = (~torch.isfinite(torch.cat(extremes)).all() if extremes
-               else torch.zeros((), dtype=torch.bool, device=device)).reshape(1)
+        if grads:
+            bad = ~torch.stack([all_finite(g) for g in grads]).all().reshape(1)
+        else:
+            bad = torch.zeros(1, dtype=torch.bool, device=buckets[0].device if buckets else "cpu")
         if worker_grads is None and self.world_size > 1:
             with self._collective("agreement on finite gradients"):
                 bad = any_across(bad, self.process_group)

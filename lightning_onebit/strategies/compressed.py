@@ -58,7 +58,7 @@ from torch.optim import Optimizer
 
 from ..compress.kernels import apply_thread_budget
 from ..optim import CompressedOptimizer
-from ..optim.base import _is_lamb
+from ..optim.base import _is_lamb, check_nonfinite_policy
 
 __all__ = ["ALGORITHMS", "SHARD_DIR", "CompressedDDPStrategy", "destroy_process_group_at_exit", "shard_path"]
 
@@ -188,8 +188,7 @@ class CompressedDDPStrategy(DDPStrategy):
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         self.hierarchical = hierarchical
         self.strict_resume = strict_resume
-        if on_nonfinite not in ("raise", "skip"):
-            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        check_nonfinite_policy(on_nonfinite, max_consecutive_skips)  # at construction, before any rank starts
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self._converted_from: str | None = None
 
