@@ -143,6 +143,28 @@ def test_missing_shard_resets_with_a_warning_or_stops_when_strict(tmp_path):
         _fit(tmp_path / "f", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=3, ckpt_path=str(path))
 
 
+def test_save_killed_before_the_main_file_resumes_from_the_previous_shard(tmp_path, recwarn):
+    """A save killed after the new shards but before the main file was replaced leaves the old main
+    file next to new shards: the resume takes the shard kept from the save before (``.prev``), bit for
+    bit, without a warning."""
+    ck = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_epochs=1, save_last=True)
+    _fit(tmp_path / "a", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=2, callbacks=[ck],
+         enable_checkpointing=True)
+    last, first = tmp_path / "ck" / "last.ckpt", sorted((tmp_path / "ck").glob("epoch=0*.ckpt"))[0]
+    shard = Path(shard_path(last, 0, 1))
+    assert Path(str(shard) + ".prev").exists()  # the epoch-0 save's shard of last.ckpt
+    last.write_bytes(first.read_bytes())  # the epoch-1 save of last.ckpt died before its main file
+    ref, _ = _fit(tmp_path / "b", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=3, ckpt_path=str(first))
+    got, _ = _fit(tmp_path / "c", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=3, ckpt_path=str(last))
+    assert not [w for w in recwarn if "shard" in str(w.message)]
+    for p, q in zip(ref[0]["params"], got[0]["params"], strict=True):
+        assert torch.equal(p, q)
+    shard.unlink()  # and without the new shard too (the kill came before it was complete)
+    got, _ = _fit(tmp_path / "d", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=3, ckpt_path=str(last))
+    for p, q in zip(ref[0]["params"], got[0]["params"], strict=True):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("rank_kwargs,needle", [
     ({"warmup_steps": [5, 7]}, "warmup_steps: rank 0 5, rank 1 7"),
     ({"block_size": [None, 16]}, "param group 0: block_size: rank 0 None, rank 1 16"),

@@ -80,6 +80,20 @@ def shard_path(checkpoint: str | os.PathLike, rank: int, world_size: int) -> str
     return os.path.join(head, SHARD_DIR, name, f"rank{rank:05d}-of-{world_size:05d}.pt")
 
 
+_PREVIOUS = ".prev"  # a rank's shard of the save before, kept until its new shard is complete
+
+
+def _read_shard(path: str) -> tuple[str | None, dict | None]:
+    """(why it cannot be used, None) or (None, the shard)."""
+    try:
+        with get_filesystem(path).open(path, "rb") as f:
+            return None, torch.load(f, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        return "is missing", None
+    except Exception as e:  # truncated or corrupted
+        return f"cannot be read ({type(e).__name__}: {e})", None
+
+
 def _save_id(checkpoint: Mapping[str, Any]) -> list:
     """What ties a shard to its main file without a collective: the same on every rank of one save."""
     return [checkpoint.get("epoch"), checkpoint.get("global_step"),
@@ -311,20 +325,29 @@ class CompressedDDPStrategy(DDPStrategy):
         return sd
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Every rank writes its error-state shard, then rank 0 the main file."""
+        """Every rank writes its error-state shard; once all have (a barrier), rank 0 writes the main file.
+
+        A save killed part way must leave a resumable pair. Each rank keeps its previous shard
+        (``.prev``) until its new one is complete, and the main file is replaced only after every
+        new shard exists: an old main file finds its shards in ``.prev``, a new one in the current
+        files (:meth:`_attach_shard` picks by save id).
+        """
         shards = {i: opt.error_state_dict() for i, opt in enumerate(self.optimizers)
                   if isinstance(opt, CompressedOptimizer)} if "optimizer_states" in checkpoint else {}
         if shards:
             path = shard_path(filepath, self.global_rank, self.world_size)
             fs = get_filesystem(path)
             fs.makedirs(os.path.dirname(path), exist_ok=True)
+            if fs.exists(path):
+                fs.mv(path, path + _PREVIOUS)
             _atomic_save({"rank": self.global_rank, "world_size": self.world_size, "save_id": _save_id(checkpoint),
                           "optimizers": shards}, path)
             if self.is_global_zero:  # shards of an earlier save at this path on another world size
-                suffix = f"-of-{self.world_size:05d}.pt"
+                mine = f"-of-{self.world_size:05d}.pt"
                 for old in fs.ls(os.path.dirname(path), detail=False):
-                    if not str(old).endswith(suffix):
+                    if not str(old).removesuffix(_PREVIOUS).endswith(mine):
                         fs.rm(old)
+            self.barrier("lightning_onebit: error-state shards written")
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -333,7 +356,8 @@ class CompressedDDPStrategy(DDPStrategy):
         own = shard_path(filepath, self.global_rank, self.world_size)
         fs = get_filesystem(own)
         directory = os.path.dirname(own)
-        for target, recursive in ((own, False), *([(directory, True)] if self.is_global_zero else [])):
+        for target, recursive in ((own, False), (own + _PREVIOUS, False),
+                                  *([(directory, True)] if self.is_global_zero else [])):
             try:
                 fs.rm(target, recursive=recursive)
             except FileNotFoundError:  # another rank removed it first (shared filesystem)
@@ -358,18 +382,16 @@ class CompressedDDPStrategy(DDPStrategy):
         if not wanted or sections[wanted[0]].get("world_size") != self.world_size:
             return  # nothing per rank, or another world size (load_optimizer_state_dict says so)
         path = shard_path(checkpoint_path, self.global_rank, self.world_size)
-        why, shard = None, None
-        try:
-            with get_filesystem(path).open(path, "rb") as f:
-                shard = torch.load(f, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            why = "is missing"
-        except Exception as e:  # truncated or corrupted
-            why = f"cannot be read ({type(e).__name__}: {e})"
+        why, shard = _read_shard(path)
         if shard is not None and (shard.get("save_id") != _save_id(checkpoint)
                                   or set(shard.get("optimizers", {})) != set(wanted)):
-            why = "belongs to another save of this path"
-        if why is not None:
+            why, shard = "belongs to another save of this path", None
+        if shard is None:  # a save killed before it replaced the main file leaves the matching shard here
+            _, prev = _read_shard(path + _PREVIOUS)
+            if prev is not None and prev.get("save_id") == _save_id(checkpoint) and set(prev.get("optimizers", {})) \
+                    == set(wanted):
+                shard = prev
+        if shard is None:
             msg = (f"rank {self.global_rank}: the error-state shard {path} {why}; moments and phase are kept, "
                    "the compression error state is reset")
             if self.strict_resume:
