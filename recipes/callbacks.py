@@ -1,15 +1,19 @@
-"""Lightning callbacks of the recipes: byte accounting for the DDP baselines, and a
-per-rank record that reaches the summary whatever launched the ranks."""
+"""Lightning callbacks of the recipes: byte accounting for the DDP baselines, a per-rank record
+that reaches the summary whatever launched the ranks, and what a resume needs beyond Lightning's
+own checkpoint (the run's identity, every rank's random number generators)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+import random
+import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -18,7 +22,7 @@ from lightning_onebit.comm import ring_allreduce_bytes
 from lightning_onebit.strategies import destroy_process_group_at_exit
 from lightning_onebit.strategies.ddp_hooks import HookDDPStrategy
 
-__all__ = ["DDPCommCounter", "RankRecord"]
+__all__ = ["DDPCommCounter", "RNGStates", "RankRecord", "RunIdentity"]
 
 
 class DDPCommCounter(L.Callback):
@@ -55,6 +59,15 @@ class DDPCommCounter(L.Callback):
                             "comm/bits_per_param": 8.0 * per_step / numel if numel else 0.0},
                            on_step=True, on_epoch=False, rank_zero_only=True)
 
+    def state_dict(self) -> dict[str, Any]:  # a resumed run goes on counting from the checkpoint
+        return {"bytes_total": self.bytes_total, "fp32_ring_total": self.fp32_ring_total,
+                "last_ratio": self.last_ratio, "last_step": self._last_step, "step_bytes": self._step_bytes}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.bytes_total, self.fp32_ring_total = state_dict["bytes_total"], state_dict["fp32_ring_total"]
+        self.last_ratio, self._last_step = state_dict["last_ratio"], state_dict["last_step"]
+        self._step_bytes = state_dict["step_bytes"]
+
 
 def _param_digest(module: torch.nn.Module) -> str:
     h = hashlib.sha256()
@@ -87,6 +100,12 @@ class RankRecord(L.Callback):
         if self.switch_step is None and opt is not None and opt.compressing:
             self.switch_step = trainer.global_step  # 1-based index of the first compressed step
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"switch_step": self.switch_step}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.switch_step = state_dict["switch_step"]
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         opt = find_compressed_optimizer(trainer)
         if opt is not None:
@@ -111,3 +130,67 @@ class RankRecord(L.Callback):
         if trainer.global_rank == 0:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             Path(self.path).write_text(json.dumps(records, indent=1))
+
+
+class RunIdentity(L.Callback):
+    """Stamps checkpoints with the experiment and algorithm that wrote them; resuming one with
+    another fails before any state is loaded, on every rank (they all read the same file), saying
+    which run wrote it."""
+
+    KEY = "lightning_onebit_recipe"
+
+    def __init__(self, experiment: str, algorithm: str) -> None:
+        self.identity = {"experiment": experiment, "algorithm": algorithm}
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint[self.KEY] = dict(self.identity)
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        saved = checkpoint.get(self.KEY)
+        if saved is not None and saved != self.identity:
+            raise ValueError(
+                f"checkpoint {trainer.ckpt_path} was written by experiment={saved['experiment']} "
+                f"algorithm={saved['algorithm']}; this run is experiment={self.identity['experiment']} "
+                f"algorithm={self.identity['algorithm']}. Resume with the same experiment and algorithm, "
+                "or start without ckpt_path.")
+
+
+class RNGStates(L.Callback):
+    """Saves every rank's random number generators (python, numpy, torch, CUDA) with the checkpoint and
+    restores this rank's on resume; Lightning saves none. Dropout and data augmentation (whose loader
+    workers are seeded from torch's generator) then draw what the uninterrupted run drew.
+
+    Each rank's state is a few kB; they are gathered when saving (every rank builds the checkpoint,
+    rank 0 writes it). A resume on another world size keeps the generators as seeded, with a warning.
+    """
+
+    KEY = "rng_states_per_rank"
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        np_state = np.random.get_state(legacy=False)  # tensors and ints only: checkpoints load with weights_only
+        np_state["state"]["key"] = torch.from_numpy(np_state["state"]["key"].astype(np.int64))
+        state = {"python": random.getstate(), "numpy": np_state, "torch": torch.get_rng_state(),
+                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        states = [state]
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            states = [None] * trainer.world_size
+            dist.all_gather_object(states, state)
+        checkpoint[self.KEY] = states
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        states = checkpoint.get(self.KEY)
+        if states is None:
+            return
+        if len(states) != trainer.world_size:
+            warnings.warn(f"checkpoint holds the random generators of {len(states)} ranks, this run has "
+                          f"{trainer.world_size}: they stay as seeded, so random draws differ from the saved run",
+                          stacklevel=2)
+            return
+        state = states[trainer.global_rank]
+        random.setstate(state["python"])
+        np_state = dict(state["numpy"], state=dict(state["numpy"]["state"]))
+        np_state["state"]["key"] = np_state["state"]["key"].numpy().astype(np.uint32)
+        np.random.set_state(np_state)
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])

@@ -26,8 +26,9 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from lightning_onebit import CommunicationMonitor
@@ -36,7 +37,7 @@ from lightning_onebit.compress.kernels import set_thread_budget, thread_budget
 from lightning_onebit.optim import CompressedOptimizer, NonFiniteGradientError
 
 from .algorithms import build_optimizer, build_strategy, has_warmup, is_compressed
-from .callbacks import DDPCommCounter, RankRecord
+from .callbacks import DDPCommCounter, RankRecord, RNGStates, RunIdentity
 from .common import plain
 from .data import libsvm_path, load_libsvm
 from .models import NonconvexLogReg, Quadratic
@@ -68,8 +69,12 @@ def _launched_externally() -> bool:
 def _start_method(requested: str, n_fits: int, multirun: bool) -> str:
     """Lightning's popen launcher re-runs the whole script per rank. Inside a Hydra multirun
     the ranks would each start the whole sweep, and with several fits per job they would
-    run fits the launcher does not know about; spawn keeps the ranks inside this job."""
-    if requested == "popen" and (multirun or n_fits > 1) and not _launched_externally():
+    run fits the launcher does not know about; spawn keeps the ranks inside this job.
+    Under torchrun/SLURM the ranks exist already: Lightning's spawn launcher would start more
+    from each of them, its popen launcher starts none."""
+    if _launched_externally():
+        return "popen"
+    if requested == "popen" and (multirun or n_fits > 1):
         rank_zero_warn("trainer.start_method=popen cannot run " + ("inside a Hydra multirun" if multirun else
                        f"{n_fits} fits in one job") + "; using spawn", stacklevel=5)  # the caller's line
         return "spawn"
@@ -89,7 +94,47 @@ def _scoped_environ() -> Iterator[None]:
             os.environ.update(saved)
 
 
-def _fit(cfg: DictConfig, out_dir: Path, start_method: str) -> Record | None:
+def _checkpoint_callback(cfg: DictConfig, ckpt_dir: Path) -> ModelCheckpoint:
+    """ModelCheckpoint from the ``checkpoint`` block: last.ckpt and the best ``save_top_k`` by
+    ``report.primary``. Epoch-end files resume exactly; a file saved every n train steps ends inside
+    an epoch, from which Lightning resumes without a resumable data loader's position."""
+    ck = plain(cfg.checkpoint)
+    monitor = cfg.report.primary
+    steps = ck.get("every_n_train_steps")
+    name = "{epoch}-{step}" + (f"-{{{monitor}:.4f}}" if monitor and "/" not in monitor else "")
+    return ModelCheckpoint(dirpath=str(ckpt_dir), filename=name, monitor=monitor,
+                           mode="max" if cfg.report.goal == "max" else "min", save_last=ck.get("save_last", True),
+                           save_top_k=ck.get("save_top_k", 1), every_n_train_steps=steps,
+                           every_n_epochs=None if steps else ck.get("every_n_epochs", 1))
+
+
+def last_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest ``last*.ckpt`` in ``ckpt_dir`` (what Lightning's ``ckpt_path="last"`` takes)."""
+    found = [p for p in ckpt_dir.glob("*last*.ckpt") if p.is_file()] if ckpt_dir.is_dir() else []
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def _resume_from(cfg: DictConfig, ckpt_dir: Path, primary: bool) -> Path | None:
+    """The file this fit resumes from. ``ckpt_path=<file>`` is the chosen algorithm's; the others of
+    the job (the quickstart's baseline) and ``ckpt_path=last`` take their own last checkpoint."""
+    want = cfg.get("ckpt_path")
+    if want is None:
+        return None
+    if want != "last" and primary:
+        return Path(want)
+    found = last_checkpoint(ckpt_dir)
+    rank_zero_info(f"{cfg.algorithm.name}: " + (f"resuming from {found}" if found else
+                                                 f"no last checkpoint in {ckpt_dir}, starting from the beginning"))
+    return found
+
+
+def _batches_that_stepped(ckpt: Path) -> int:
+    """The logging step a checkpoint resumes at: the CSV rows logged after it are dropped."""
+    state = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)
+    return int(state["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"])
+
+
+def _fit(cfg: DictConfig, out_dir: Path, start_method: str, *, primary: bool = True) -> Record | None:
     alg = plain(cfg.algorithm)
     label = alg["name"]
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -104,13 +149,18 @@ def _fit(cfg: DictConfig, out_dir: Path, start_method: str) -> Record | None:
     ranks_file = out_dir / "ranks" / f"{label}.json"
     if rank_zero_only.rank == 0:
         ranks_file.unlink(missing_ok=True)
+    ckpt_dir = out_dir / "checkpoints" / label
+    resume = _resume_from(cfg, ckpt_dir, primary)
     comm_cb = CommunicationMonitor(prog_bar=False) if is_compressed(alg) else DDPCommCounter()
+    callbacks = [comm_cb, RankRecord(ranks_file), RunIdentity(cfg.experiment.name, label), RNGStates()]
+    if tkw.get("enable_checkpointing"):
+        callbacks.append(_checkpoint_callback(cfg, ckpt_dir))
     trainer = L.Trainer(strategy=build_strategy(alg, start_method, backend),
                         logger=CSVLogger(save_dir=str(out_dir), name="metrics", version=label),
-                        callbacks=[comm_cb, RankRecord(ranks_file)], default_root_dir=str(out_dir), **tkw)
+                        callbacks=callbacks, default_root_dir=str(out_dir), **tkw)
     t0 = time.perf_counter()
     with _scoped_environ():
-        trainer.fit(module, datamodule=datamodule)
+        trainer.fit(module, datamodule=datamodule, ckpt_path=None if resume is None else str(resume))
     wall = time.perf_counter() - t0
     if not trainer.is_global_zero:
         return None
@@ -128,6 +178,7 @@ def _fit(cfg: DictConfig, out_dir: Path, start_method: str) -> Record | None:
             "metrics_csv": f"metrics/{label}/metrics.csv", "wall_s": round(wall, 1),
             "world_size": trainer.world_size, "ranks_reported": len(records),
             "replicas_identical": len({r["param_digest"] for r in records}) == 1,
+            "param_digest": r0["param_digest"], "resumed_from": None if resume is None else str(resume),
             "switch_step": r0["switch_step"], "last_step_ratio_vs_fp32": r0["last_step_ratio_vs_fp32"],
             "status": r0["status"]}
 
@@ -138,8 +189,8 @@ def run_lightning(cfg: DictConfig, out_dir: Path, *, multirun: bool = False) -> 
         cfgs.append(with_algorithm(cfg, "adam"))
     start_method = _start_method(cfg.trainer.start_method, len(cfgs), multirun)
     records = []
-    for c in cfgs:
-        rec = _fit(c, out_dir, start_method)
+    for i, c in enumerate(cfgs):
+        rec = _fit(c, out_dir, start_method, primary=i == 0)
         if rec is None:  # a rank > 0 that runs this script (popen, torchrun): rank 0 reports
             return None
         records.append(rec)
@@ -306,6 +357,44 @@ def _closing_summary(summary: dict[str, Any], out_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def check_resume(cfg: DictConfig) -> None:
+    """Fail before any rank starts when ``ckpt_path`` cannot work."""
+    want = cfg.get("ckpt_path")
+    if want is None:
+        return
+    if cfg.experiment.runner != "lightning":
+        raise ValueError(f"ckpt_path: experiment {cfg.experiment.name} runs in one process without Lightning "
+                         "checkpoints (it takes seconds); run it without ckpt_path")
+    if want == "last":
+        if not cfg.trainer.get("enable_checkpointing"):
+            raise ValueError("ckpt_path=last resumes from <run dir>/checkpoints/<algorithm>/last.ckpt, which only "
+                             "trainer.enable_checkpointing=true writes; enable it (and keep the same hydra.run.dir)")
+    elif not Path(want).is_file():
+        raise FileNotFoundError(f"ckpt_path: no checkpoint file at {Path(want).resolve()}")
+
+
+def environment() -> dict[str, Any]:
+    """What else a run depends on: package versions, the machine's threads, the source revision."""
+    import importlib.metadata as md
+    import platform
+    import subprocess
+
+    versions = {}
+    for name in ("lightning_onebit", "torch", "lightning", "numba", "numba-cuda", "numpy", "hydra-core",
+                 "torchmetrics", "torchvision", "transformers", "datasets", "scikit-learn"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            versions[name] = md.version(name)
+    root = Path(__file__).resolve().parents[1]
+    try:
+        rev = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"], capture_output=True,
+                             text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        rev = None
+    return {"python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "git": rev, "packages": versions}
+
+
 def run(cfg: DictConfig, out_dir: str | Path, *, multirun: bool = False, overrides: Sequence[str] = ()) -> (
         dict[str, Any] | None):
     """Run ``cfg.experiment`` and write its outputs under ``out_dir``; returns the summary on
@@ -314,9 +403,11 @@ def run(cfg: DictConfig, out_dir: str | Path, *, multirun: bool = False, overrid
     runner = RUNNERS.get(cfg.experiment.runner)
     if runner is None:
         raise ValueError(f"unknown experiment.runner {cfg.experiment.runner!r}; choose one of {sorted(RUNNERS)}")
+    check_resume(cfg)
     if rank_zero_only.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "resolved_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        (out_dir / "environment.json").write_text(json.dumps(environment(), indent=1))
     t0 = time.perf_counter()
     runs = runner(cfg, out_dir, multirun=multirun)
     if runs is None or rank_zero_only.rank != 0:

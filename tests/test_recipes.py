@@ -208,6 +208,7 @@ def test_popen_launcher_falls_back_to_spawn_where_it_cannot_work(monkeypatch):
         assert _start_method("popen", n_fits=1, multirun=True) == "spawn"
     monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun started the ranks: nothing is launched
     assert _start_method("popen", n_fits=2, multirun=True) == "popen"
+    assert _start_method("spawn", n_fits=1, multirun=False) == "popen"  # spawning from each rank: 4 ranks
 
 
 def test_quickstart_end_to_end_two_processes(tmp_path):
