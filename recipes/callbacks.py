@@ -22,7 +22,7 @@ from lightning_onebit.comm import ring_allreduce_bytes
 from lightning_onebit.strategies import destroy_process_group_at_exit
 from lightning_onebit.strategies.ddp_hooks import HookDDPStrategy
 
-__all__ = ["DDPCommCounter", "RNGStates", "RankRecord", "RunIdentity"]
+__all__ = ["DDPCommCounter", "RNGStates", "RankRecord", "RunIdentity", "TorchThreads"]
 
 
 class DDPCommCounter(L.Callback):
@@ -194,3 +194,17 @@ class RNGStates(L.Callback):
         torch.set_rng_state(state["torch"])
         if state["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class TorchThreads(L.Callback):
+    """Sets torch's intra-op threads in every rank, after Lightning's launcher has set its own
+    (cores / ranks, unless OMP_NUM_THREADS is set) and whatever started the ranks (spawn, popen,
+    torchrun). MKL's GEMM splits its sums by thread count, so the bits of a fit depend on it."""
+
+    def __init__(self, threads: int) -> None:
+        if threads < 1:
+            raise ValueError(f"trainer.threads_per_rank must be >= 1 or null, got {threads}")
+        self.threads = threads
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        torch.set_num_threads(self.threads)

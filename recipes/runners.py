@@ -37,10 +37,12 @@ from lightning_onebit.compress.kernels import set_thread_budget, thread_budget
 from lightning_onebit.optim import CompressedOptimizer, NonFiniteGradientError
 
 from .algorithms import build_optimizer, build_strategy, has_warmup, is_compressed
-from .callbacks import DDPCommCounter, RankRecord, RNGStates, RunIdentity
+from .callbacks import DDPCommCounter, RankRecord, RNGStates, RunIdentity, TorchThreads
 from .common import plain
 from .data import libsvm_path, load_libsvm
+from .loggers import build_loggers
 from .models import NonconvexLogReg, Quadratic
+from .progress import progress_callbacks
 from .registry import MODULES, build_datamodule
 from .report import compare_bytes, format_bytes, runs_table, write_run_report
 
@@ -128,13 +130,14 @@ def _resume_from(cfg: DictConfig, ckpt_dir: Path, primary: bool) -> Path | None:
     return found
 
 
-def _batches_that_stepped(ckpt: Path) -> int:
-    """The logging step a checkpoint resumes at: the CSV rows logged after it are dropped."""
-    state = torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)
-    return int(state["loops"]["fit_loop"]["epoch_loop.state_dict"]["_batches_that_stepped"])
+def _resume_step(ckpt: Path) -> int:
+    """The global step a checkpoint resumes at. Lightning logs the rows of optimizer step k at step k-1,
+    so the CSV rows of the earlier run at this step or later came after the checkpoint and go."""
+    return int(torch.load(ckpt, map_location="cpu", weights_only=False, mmap=True)["global_step"])
 
 
-def _fit(cfg: DictConfig, out_dir: Path, start_method: str, *, primary: bool = True) -> Record | None:
+def _fit(cfg: DictConfig, out_dir: Path, start_method: str, *, primary: bool = True,
+         multirun: bool = False) -> Record | None:
     alg = plain(cfg.algorithm)
     label = alg["name"]
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -146,18 +149,28 @@ def _fit(cfg: DictConfig, out_dir: Path, start_method: str, *, primary: bool = T
     tkw = plain(cfg.trainer)
     backend = tkw.pop("process_group_backend", None)
     tkw.pop("start_method", None)
+    tkw.pop("enable_progress_bar", None)  # the progress block decides
+    threads = tkw.pop("threads_per_rank", None)
     ranks_file = out_dir / "ranks" / f"{label}.json"
     if rank_zero_only.rank == 0:
         ranks_file.unlink(missing_ok=True)
     ckpt_dir = out_dir / "checkpoints" / label
     resume = _resume_from(cfg, ckpt_dir, primary)
+    need_csv = bool(cfg.report.plot) or multirun  # the run's curves and the multirun table read it
+    loggers = build_loggers(cfg.get("logger"), out_dir, label, need_csv=need_csv,
+                            resume_step=None if resume is None else _resume_step(resume))
+    progress = plain(cfg.get("progress")) or {}
+    if progress.get("mode", "auto") == "auto" and (multirun or _launched_externally()):
+        progress["mode"] = "log"  # jobs and ranks share one output: lines, not bars
+    shown, bar = progress_callbacks(progress)
+    # the comm callbacks log before the progress callbacks read what they logged
     comm_cb = CommunicationMonitor(prog_bar=False) if is_compressed(alg) else DDPCommCounter()
-    callbacks = [comm_cb, RankRecord(ranks_file), RunIdentity(cfg.experiment.name, label), RNGStates()]
+    callbacks = [comm_cb, RankRecord(ranks_file), RunIdentity(cfg.experiment.name, label), RNGStates(), *shown,
+                 *([TorchThreads(threads)] if threads else [])]
     if tkw.get("enable_checkpointing"):
         callbacks.append(_checkpoint_callback(cfg, ckpt_dir))
-    trainer = L.Trainer(strategy=build_strategy(alg, start_method, backend),
-                        logger=CSVLogger(save_dir=str(out_dir), name="metrics", version=label),
-                        callbacks=callbacks, default_root_dir=str(out_dir), **tkw)
+    trainer = L.Trainer(strategy=build_strategy(alg, start_method, backend), logger=loggers or False,
+                        callbacks=callbacks, default_root_dir=str(out_dir), enable_progress_bar=bar, **tkw)
     t0 = time.perf_counter()
     with _scoped_environ():
         trainer.fit(module, datamodule=datamodule, ckpt_path=None if resume is None else str(resume))
@@ -175,8 +188,8 @@ def _fit(cfg: DictConfig, out_dir: Path, start_method: str, *, primary: bool = T
     return {"label": label, "algorithm": label, "strategy": alg["strategy"], "optimizer": alg["optimizer"],
             "steps": r0["global_step"], "bytes_sent": r0["bytes_sent"], "fp32_ring_bytes": r0["fp32_ring_bytes"],
             "final": {k: r0["metrics"][k] for k in dict.fromkeys(keep) if k in r0["metrics"]},
-            "metrics_csv": f"metrics/{label}/metrics.csv", "wall_s": round(wall, 1),
-            "world_size": trainer.world_size, "ranks_reported": len(records),
+            "metrics_csv": f"metrics/{label}/metrics.csv" if any(isinstance(lg, CSVLogger) for lg in loggers)
+            else None, "wall_s": round(wall, 1), "world_size": trainer.world_size, "ranks_reported": len(records),
             "replicas_identical": len({r["param_digest"] for r in records}) == 1,
             "param_digest": r0["param_digest"], "resumed_from": None if resume is None else str(resume),
             "switch_step": r0["switch_step"], "last_step_ratio_vs_fp32": r0["last_step_ratio_vs_fp32"],
@@ -190,7 +203,7 @@ def run_lightning(cfg: DictConfig, out_dir: Path, *, multirun: bool = False) -> 
     start_method = _start_method(cfg.trainer.start_method, len(cfgs), multirun)
     records = []
     for i, c in enumerate(cfgs):
-        rec = _fit(c, out_dir, start_method, primary=i == 0)
+        rec = _fit(c, out_dir, start_method, primary=i == 0, multirun=multirun)
         if rec is None:  # a rank > 0 that runs this script (popen, torchrun): rank 0 reports
             return None
         records.append(rec)
@@ -220,7 +233,7 @@ def _threads(n: int | None) -> Iterator[None]:
 
 def _simulate(alg: dict[str, Any], label: str, x0: torch.Tensor, worker_grads: Callable[[torch.Tensor], torch.Tensor],
               evaluate: Callable[[torch.Tensor], dict[str, float]], steps: int, workers: int, log_every: int,
-              out_dir: Path) -> tuple[Record, list[tuple[int, dict[str, float]]]]:
+              out_dir: Path, logger_cfg: Any = None) -> tuple[Record, list[tuple[int, dict[str, float]]]]:
     """Run ``alg`` for ``steps`` steps on n simulated workers (``worker_grads(x)`` -> (n, d)).
 
     Compressed algorithms go through ``simulate_workers`` + ``step_workers`` (one worker: a
@@ -231,7 +244,7 @@ def _simulate(alg: dict[str, Any], label: str, x0: torch.Tensor, worker_grads: C
     opt = build_optimizer(alg, [x], total_steps=steps, simulate_workers=workers if workers > 1 else None)
     compressed = isinstance(opt, CompressedOptimizer)
     fp32_step = ring_allreduce_bytes(x.numel(), workers)
-    logger = CSVLogger(save_dir=str(out_dir), name="metrics", version=label)
+    loggers = build_loggers({"csv": {}} if logger_cfg is None else logger_cfg, out_dir, label, need_csv=True)
     sent = fp32 = 0
     switch_step = None
     status = "ok"
@@ -240,7 +253,8 @@ def _simulate(alg: dict[str, Any], label: str, x0: torch.Tensor, worker_grads: C
     def log(step: int) -> dict[str, float]:
         m = evaluate(x)
         history.append((step, m))
-        logger.log_metrics({**m, "comm/bytes_total": float(sent)}, step=step)
+        for lg in loggers:
+            lg.log_metrics({**m, "comm/bytes_total": float(sent)}, step=step)
         return m
 
     log(0)
@@ -270,7 +284,8 @@ def _simulate(alg: dict[str, Any], label: str, x0: torch.Tensor, worker_grads: C
             if not all(math.isfinite(v) for v in m.values()):
                 status = f"diverged at step {step} (non-finite loss)"
                 break
-    logger.save()
+    for lg in loggers:
+        lg.finalize("success")
     rec = {"label": label, "algorithm": alg["name"], "strategy": alg["strategy"], "optimizer": alg["optimizer"],
            "steps": history[-1][0], "bytes_sent": sent, "fp32_ring_bytes": fp32, "final": dict(history[-1][1]),
            "metrics_csv": f"metrics/{label}/metrics.csv", "wall_s": round(time.perf_counter() - t0, 2),
@@ -287,7 +302,7 @@ def run_logreg(cfg: DictConfig, out_dir: Path, *, multirun: bool = False) -> lis
     with _threads(exp.get("threads")):
         rec, _ = _simulate(alg, alg["name"], torch.zeros(prob.dim), prob.worker_grads,
                            lambda x: {"loss": prob.loss(x), "grad_norm": float(prob.grad(x).norm())},
-                           exp.steps, exp.workers, exp.log_every, out_dir)
+                           exp.steps, exp.workers, exp.log_every, out_dir, cfg.get("logger"))
     rec["data"] = {"path": str(path), "samples": X.shape[0], "features": X.shape[1]}
     return [rec]
 
@@ -308,7 +323,7 @@ def run_quadratic(cfg: DictConfig, out_dir: Path, *, multirun: bool = False) -> 
     for label, change in variants:
         with _threads(exp.get("threads")):
             rec, hist = _simulate({**base, **change}, label, prob.init(), grads, lambda x: {"loss": prob.loss(x)},
-                                  exp.steps, exp.workers, exp.log_every, out_dir)
+                                  exp.steps, exp.workers, exp.log_every, out_dir, cfg.get("logger"))
         rec["eps_inside_sqrt"] = {**base, **change}.get("eps_inside_sqrt")
         switch = rec["switch_step"]
         pre = [m["loss"] for s, m in hist if switch is not None and s == switch - 1]
@@ -392,7 +407,9 @@ def environment() -> dict[str, Any]:
         rev = None
     return {"python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "git": rev, "packages": versions}
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(), "git": rev, "packages": versions,
+            "env": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "OMP_NUM_THREADS",
+                                                "NUMBA_NUM_THREADS") if k in os.environ}}
 
 
 def run(cfg: DictConfig, out_dir: str | Path, *, multirun: bool = False, overrides: Sequence[str] = ()) -> (

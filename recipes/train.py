@@ -16,6 +16,8 @@ A multirun adds ``comparison.md`` and ``comparison.png`` to its sweep directory.
 
 from __future__ import annotations
 
+import os
+import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,25 @@ from omegaconf import DictConfig
 # `python recipes/train.py` puts recipes/ on sys.path, not the repository root; spawned DDP
 # ranks re-import this file and inherit sys.path, so they find the `recipes` package too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _pin_cpu_kernels() -> None:
+    """ATen picks its CPU kernels by instruction set at import (AVX2, AVX-512, ...), and they give
+    different bits, from the initial weights on. Pin AVX2 where the CPU has it, before torch is
+    imported (ranks inherit it); MKL_CBWR does the same for MKL's GEMM on Intel CPUs. Set either
+    variable yourself to choose otherwise."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return
+    if " avx2" in flags:
+        os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
+        os.environ.setdefault("MKL_CBWR", "AVX2")
+
+
+_pin_cpu_kernels()
 
 from recipes.runners import run  # noqa: E402
 

@@ -21,9 +21,23 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 def test_example_runs(tmp_path, script, args, expect):
     if script == "plain_ddp.py":
         args = [*args, "--port", str(free_port())]
+    out = _run(script, args, tmp_path)
+    assert expect in out, out[-3000:]
+
+
+def _run(script, args, cwd):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "LOCAL_RANK", "WORLD_SIZE", "RANK"))}
-    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert expect in out, out[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("script", ["strategy_string.py", "strategy_object.py"])
+def test_lightning_examples_resume_from_their_last_checkpoint(tmp_path, script):
+    """With --ckpt-dir a second run (what a torchrun --max-restarts restart is) goes on from last.ckpt."""
+    first = _run(script, ["--epochs", "1", "--ckpt-dir", "ck"], tmp_path)
+    assert "Restoring states" not in first and (tmp_path / "ck" / "last.ckpt").exists()
+    second = _run(script, ["--epochs", "2", "--ckpt-dir", "ck"], tmp_path)
+    assert f"Restoring states from the checkpoint path at {tmp_path / 'ck' / 'last.ckpt'}" in second, second[-3000:]

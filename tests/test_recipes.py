@@ -212,9 +212,10 @@ def test_popen_launcher_falls_back_to_spawn_where_it_cannot_work(monkeypatch):
 
 
 def test_quickstart_end_to_end_two_processes(tmp_path):
-    """`python recipes/train.py` with no experiment arguments: both fits run on 2 gloo ranks."""
+    """`python recipes/train.py` with no experiment arguments: both fits run on 2 gloo ranks, logging to
+    CSV and TensorBoard, with progress lines (the output is a pipe, not a terminal)."""
     out = tmp_path / "run"
-    proc = _train([f"hydra.run.dir={out}", "trainer.max_epochs=4"], cwd=tmp_path)
+    proc = _train([f"hydra.run.dir={out}", "trainer.max_epochs=4", "logger=[csv,tensorboard]"], cwd=tmp_path)
     summary = json.loads((out / "summary.json").read_text())
     runs = {r["algorithm"]: r for r in summary["runs"]}
     assert set(runs) == {"onebit_adam", "adam"}
@@ -231,6 +232,13 @@ def test_quickstart_end_to_end_two_processes(tmp_path):
     assert (out / "curves.png").stat().st_size > 10_000
     assert (out / "resolved_config.yaml").exists() and (out / ".hydra" / "config.yaml").exists()
     assert "x less" in proc.stdout and "2/2 ranks reported, replicas identical" in proc.stdout
+    for alg in runs:  # every selected logger got the comm figures too
+        (events,) = (out / "tensorboard" / alg).glob("events.out.tfevents.*")
+        assert events.stat().st_size > 1000
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("epoch ")]
+    assert any("phase warm-up" in ln for ln in lines) and any("phase compressing" in ln for ln in lines)
+    assert any("bits/param 1" in ln for ln in lines)  # ~1.03 bits per parameter once compressing
+    assert json.loads((out / "environment.json").read_text())["packages"]["lightning"]
 
 
 def test_divergence_is_reported_not_raised(tmp_path):
@@ -259,7 +267,8 @@ def test_logreg_runs_on_a_libsvm_file(tmp_path, algorithm, batch_size):
     X, y = load_libsvm(f)
     assert X.shape == (240, 12) and set(y.tolist()) == {-1.0, 1.0}
     cfg = _compose("experiment=logreg_nonconvex", f"algorithm={algorithm}", f"data.path={f}",
-                   "experiment.steps=40", "experiment.log_every=5", f"experiment.batch_size={batch_size or 'null'}")
+                   "experiment.steps=40", "experiment.log_every=5", f"experiment.batch_size={batch_size or 'null'}",
+                   "logger=[csv,tensorboard]" if algorithm == "adam" else "logger=none")  # none: the plot keeps the CSV
     summary = run(cfg, tmp_path / "out")
     (r,) = summary["runs"]
     assert r["steps"] == 40 and r["world_size"] == 20 and r["status"] == "ok"
@@ -275,6 +284,7 @@ def test_logreg_runs_on_a_libsvm_file(tmp_path, algorithm, batch_size):
     else:
         assert r["bytes_sent"] > 0 and r["switch_step"] == 1
     assert (tmp_path / "out" / "curves.png").exists()
+    assert bool(list((tmp_path / "out" / "tensorboard").glob("*/events.out.tfevents.*"))) == (algorithm == "adam")
 
 
 def test_logreg_offline_default_writes_a_real_libsvm_file(tmp_path):

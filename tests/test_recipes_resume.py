@@ -31,9 +31,9 @@ def _compose(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
-def _train(args, cwd, *, ok=True, launcher=(sys.executable,)):
-    proc = subprocess.run([*launcher, str(ROOT / "recipes" / "train.py"), *ARGS, *args], cwd=cwd, text=True,
-                          capture_output=True, timeout=400, env={**ENV, "HYDRA_FULL_ERROR": "1"})
+def _train(args, cwd, *, ok=True, env=()):
+    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), *ARGS, *args], cwd=cwd, text=True,
+                          capture_output=True, timeout=400, env={**ENV, "HYDRA_FULL_ERROR": "1", **dict(env)})
     assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -56,10 +56,14 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.slow
 def test_two_epochs_and_a_resume_to_four_equal_four_epochs(tmp_path, uninterrupted):
     """`ckpt_path=last` in the same run directory continues across the warm-up switch bit for bit,
-    the metrics CSV included; a checkpoint of another algorithm fails on every rank naming both."""
+    the metrics CSV included; a checkpoint of another algorithm fails on every rank naming both.
+    The two parts run with other thread settings than the uninterrupted run (OMP_NUM_THREADS=2 would
+    make Lightning give each rank 2 torch threads, whose GEMMs sum in another order): the preset's
+    threads_per_rank keeps the bits."""
     out = tmp_path / "run"
-    _train([f"hydra.run.dir={out}", "trainer.max_epochs=2"], cwd=tmp_path)
-    proc = _train([f"hydra.run.dir={out}", "trainer.max_epochs=4", "ckpt_path=last"], cwd=tmp_path)
+    _train([f"hydra.run.dir={out}", "trainer.max_epochs=2"], cwd=tmp_path, env={"OMP_NUM_THREADS": "2"})
+    proc = _train([f"hydra.run.dir={out}", "trainer.max_epochs=4", "ckpt_path=last"], cwd=tmp_path,
+                  env={"NUMBA_NUM_THREADS": "2", "OMP_NUM_THREADS": "2"})
     assert "resuming from" in proc.stdout + proc.stderr
     got = _result(out)
     assert got == uninterrupted
@@ -106,11 +110,12 @@ def _rank_pid(torchrun_pid: int, rank: int) -> int | None:
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's process in /proc")
 def test_rank_killed_under_torchrun_restarts_and_ends_like_the_uninterrupted_run(tmp_path, uninterrupted):
-    """torchrun --max-restarts=1 with ckpt_path=last: rank 1 is killed (SIGKILL) once during the
-    compression phase, after the epoch-2 checkpoint; torchrun restarts both ranks, which resume from
-    last.ckpt and end with the parameters, metrics and bytes of the run that was never interrupted."""
+    """torchrun --max-restarts with ckpt_path=last: rank 1 is killed (SIGKILL) once during the
+    compression phase, after the first checkpoint; torchrun restarts both ranks, which resume from
+    last.ckpt and end with the parameters, metrics and bytes of the run that was never interrupted.
+    (Two restarts are allowed: a restarted gloo rank has once failed to connect to its peer.)"""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
            str(ROOT / "recipes" / "train.py"), *ARGS, f"hydra.run.dir={out}", "trainer.max_epochs=4", "ckpt_path=last"]
     agent = subprocess.Popen(cmd, cwd=tmp_path, env={**ENV, "HYDRA_FULL_ERROR": "1"}, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -124,7 +129,7 @@ def test_rank_killed_under_torchrun_restarts_and_ends_like_the_uninterrupted_run
                 step = torch.load(last, map_location="cpu", weights_only=False)["global_step"]
             except Exception:  # not there yet, or being replaced
                 continue
-            if step >= 46:  # two epochs done, compressing since step 21: kill during the third
+            if step >= 23:  # an epoch done, compressing since step 21: kill during the next
                 pid = _rank_pid(agent.pid, 1)
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
@@ -133,8 +138,9 @@ def test_rank_killed_under_torchrun_restarts_and_ends_like_the_uninterrupted_run
     finally:
         if agent.poll() is None:
             agent.kill()
+    (tmp_path / "torchrun.log").write_text(log)
     assert killed is not None, "rank 1 was not killed (the job ended first?)"
-    assert agent.returncode == 0, log[-4000:]
+    assert agent.returncode == 0, f"{tmp_path / 'torchrun.log'}\n" + log[-4000:]
     assert "resuming from" in log, log[-4000:]  # the restarted ranks found last.ckpt
     got = _result(out)
     assert {k: v for k, v in got.items() if k != "csv"} == {k: v for k, v in uninterrupted.items() if k != "csv"}
