@@ -9,7 +9,7 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from lightning_onebit.optim import NonFiniteGradientError
 
@@ -70,5 +70,6 @@ class StopOnDivergence:
 
 
 def plain(node: Any) -> Any:
-    """A config node as plain, resolved Python containers; anything else as it is."""
-    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+    """A config node (mapping or list) as plain, resolved Python containers; anything else as it is.
+    Config objects must not reach checkpoints: they only load with weights_only=False."""
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node

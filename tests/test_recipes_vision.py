@@ -302,3 +302,22 @@ def test_one_process(cifar_root, tmp_path, experiment):
     _short_run(experiment, root, out, "trainer.devices=1", "trainer.start_method=popen", "report.plot=false",
                batch_size=8)
     _check_run(out, experiment, world_size=1, steps=2 * 2)
+
+
+@pytest.mark.slow
+def test_resume_with_random_augmentation_matches_the_uninterrupted_run(cifar_root, tmp_path):
+    """ResNet-18 with random crops and flips drawn from torch's generator (in the main process:
+    num_workers=0): 1 epoch + a resume (ckpt_path=last) to 2 ends with the parameters and metrics of
+    2 epochs, because every rank's generators travel with the checkpoint (recipes.callbacks.RNGStates);
+    the main-file-only hyperparameters load with weights_only (no OmegaConf objects in them)."""
+    root, _ = cifar_root
+    common = ["trainer.devices=1", "trainer.start_method=popen", "report.plot=false", "data.num_workers=0",
+              "trainer.enable_checkpointing=true"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    _short_run("resnet18_cifar10", root, full, *common, batch_size=8)
+    _short_run("resnet18_cifar10", root, part, *common, "trainer.max_epochs=1", batch_size=8)
+    _short_run("resnet18_cifar10", root, part, *common, "ckpt_path=last", batch_size=8)
+    a, b = (json.loads((d / "summary.json").read_text())["runs"][0] for d in (full, part))
+    assert b["resumed_from"] == str(part / "checkpoints" / "onebit_adam" / "last.ckpt")
+    assert (a["param_digest"], a["final"], a["steps"]) == (b["param_digest"], b["final"], b["steps"])
+    assert (full / a["metrics_csv"]).read_text() == (part / b["metrics_csv"]).read_text()
