@@ -16,6 +16,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from lightning_onebit.callbacks import find_compressed_optimizer
 from lightning_onebit.comm import ring_allreduce_bytes
@@ -160,11 +161,19 @@ class RNGStates(L.Callback):
     restores this rank's on resume; Lightning saves none. Dropout and data augmentation (whose loader
     workers are seeded from torch's generator) then draw what the uninterrupted run drew.
 
+    A resumed fit also gets its first training iterator made again at ``on_train_start``: Lightning
+    makes it before it gives the samplers the epoch, and with DataLoader workers the indices are
+    fetched at once, in epoch 0's order. The iterator is made again with the samplers at the resumed
+    epoch and the generators back at the checkpoint's state (making it draws the workers' seeds).
+
     Each rank's state is a few kB; they are gathered when saving (every rank builds the checkpoint,
     rank 0 writes it). A resume on another world size keeps the generators as seeded, with a warning.
     """
 
     KEY = "rng_states_per_rank"
+
+    def __init__(self) -> None:
+        self._restored: dict | None = None  # this rank's state from the checkpoint, until training starts
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         np_state = np.random.get_state(legacy=False)  # tensors and ints only: checkpoints load with weights_only
@@ -186,7 +195,22 @@ class RNGStates(L.Callback):
                           f"{trainer.world_size}: they stay as seeded, so random draws differ from the saved run",
                           stacklevel=2)
             return
-        state = states[trainer.global_rank]
+        self._restored = states[trainer.global_rank]
+        self._apply(self._restored)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        state, self._restored = self._restored, None
+        fit_loop = trainer.fit_loop
+        fetcher, loader = getattr(fit_loop, "_data_fetcher", None), getattr(fit_loop, "_combined_loader", None)
+        if state is None or fetcher is None or loader is None:
+            return
+        for dl in loader.flattened:
+            _set_sampler_epoch(dl, fit_loop.epoch_progress.current.processed)
+        self._apply(state)
+        iter(fetcher)  # the epoch's iterator again: this epoch's order, the checkpoint's worker seeds
+
+    @staticmethod
+    def _apply(state: dict) -> None:
         random.setstate(state["python"])
         np_state = dict(state["numpy"], state=dict(state["numpy"]["state"]))
         np_state["state"]["key"] = np_state["state"]["key"].numpy().astype(np.uint32)

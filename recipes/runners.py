@@ -103,8 +103,9 @@ def _checkpoint_callback(cfg: DictConfig, ckpt_dir: Path) -> ModelCheckpoint:
     ck = plain(cfg.checkpoint)
     monitor = cfg.report.primary
     steps = ck.get("every_n_train_steps")
-    name = "{epoch}-{step}" + (f"-{{{monitor}:.4f}}" if monitor and "/" not in monitor else "")
-    return ModelCheckpoint(dirpath=str(ckpt_dir), filename=name, monitor=monitor,
+    # no "=" in the names (Lightning's default has them): a Hydra override ckpt_path=<file> cannot hold one
+    name = "epoch{epoch}-step{step}" + (f"-{monitor}{{{monitor}:.4f}}" if monitor and "/" not in monitor else "")
+    return ModelCheckpoint(dirpath=str(ckpt_dir), filename=name, monitor=monitor, auto_insert_metric_name=False,
                            mode="max" if cfg.report.goal == "max" else "min", save_last=ck.get("save_last", True),
                            save_top_k=ck.get("save_top_k", 1), every_n_train_steps=steps,
                            every_n_epochs=None if steps else ck.get("every_n_epochs", 1))

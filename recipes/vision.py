@@ -126,8 +126,12 @@ class CIFAR10DataModule(L.LightningDataModule):
         self.val_set = _first(val, self.val_subset)
 
     def _loader(self, dataset: Dataset, shuffle: bool) -> DataLoader:
+        # Workers start again every epoch, seeded from torch's generator: an epoch's crops and flips
+        # then depend only on the generator's state at its start, which checkpoints carry
+        # (recipes.callbacks.RNGStates). Persistent workers carry their streams across epochs, which a
+        # resumed run cannot reproduce; the price is one worker start-up per epoch.
         return DataLoader(dataset, batch_size=self.batch_size, shuffle=shuffle, num_workers=self.num_workers,
-                          pin_memory=torch.cuda.is_available(), persistent_workers=self.num_workers > 0)
+                          pin_memory=torch.cuda.is_available())
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)

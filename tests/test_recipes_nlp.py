@@ -445,3 +445,22 @@ def test_other_recipes_never_import_the_nlp_recipes_and_a_missing_extra_says_wha
     monkeypatch.delitem(sys.modules, "recipes.nlp", raising=False)
     with pytest.raises(ImportError, match=r"pip install -e '\.\[nlp\]'"):
         DATAMODULES["glue"](task="sst2", tokenizer="unused")
+
+
+@pytest.mark.slow
+def test_bert_glue_resume_matches_the_uninterrupted_run(nlp, tmp_path):
+    """Tiny BERT (dropout on) on MRPC, 2 processes: resumed from the epoch-0 checkpoint of a 2-epoch run,
+    a new run ends with that run's parameters and metrics; every rank's dropout continues from its
+    saved generator. (The resume keeps max_epochs: the linear LR decay is laid out over all steps.)"""
+    common = ["experiment=bert_glue", "algorithm=onebit_adam", "data.task=mrpc", f"data.path={nlp.glue('mrpc')}",
+              f"model.name_or_path={nlp.bert}", "data.global_batch_size=16", "trainer.log_every_n_steps=1",
+              "optim.warmup=2", "optim.lr=1e-3", "report.plot=false", "trainer.enable_checkpointing=true",
+              "trainer.max_epochs=2"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _train([*common, f"hydra.run.dir={full}", "checkpoint.save_top_k=-1"], cwd=tmp_path)
+    (first,) = (full / "checkpoints" / "onebit_adam").glob("epoch0-step4-val_score*.ckpt")
+    _train([*common, f"hydra.run.dir={resumed}", f"ckpt_path={first}"], cwd=tmp_path)
+    a, b = (json.loads((d / "summary.json").read_text())["runs"][0] for d in (full, resumed))
+    assert b["resumed_from"] == str(first)
+    assert (a["param_digest"], a["final"], a["steps"], a["bytes_sent"], a["switch_step"]) == \
+        (b["param_digest"], b["final"], b["steps"], b["bytes_sent"], b["switch_step"])

@@ -253,7 +253,7 @@ def _short_run(experiment, root, out, *extra, batch_size=4):
     """Two epochs of the experiment on the tiny data (16 training images) with 1-bit Adam,
     2 warm-up steps and the MultiStepLR milestone at epoch 1."""
     return _train([f"experiment={experiment}", "algorithm=onebit_adam", f"data.root={root}", "data.verify=false",
-                   "data.num_workers=0", f"data.batch_size={batch_size}", "data.train_subset=16", "data.val_subset=8",
+                   "data.num_workers=2", f"data.batch_size={batch_size}", "data.train_subset=16", "data.val_subset=8",
                    "optim.warmup=2", "trainer.max_epochs=2", "optim.milestones=[1]", "trainer.log_every_n_steps=1",
                    f"hydra.run.dir={out}", *extra], cwd=out.parent)
 
@@ -311,7 +311,7 @@ def test_resume_with_random_augmentation_matches_the_uninterrupted_run(cifar_roo
     2 epochs, because every rank's generators travel with the checkpoint (recipes.callbacks.RNGStates);
     the main-file-only hyperparameters load with weights_only (no OmegaConf objects in them)."""
     root, _ = cifar_root
-    common = ["trainer.devices=1", "trainer.start_method=popen", "report.plot=false", "data.num_workers=0",
+    common = ["trainer.devices=1", "trainer.start_method=popen", "report.plot=false", "data.num_workers=2",
               "trainer.enable_checkpointing=true"]
     full, part = tmp_path / "full", tmp_path / "part"
     _short_run("resnet18_cifar10", root, full, *common, batch_size=8)
