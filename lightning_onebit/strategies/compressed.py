@@ -382,15 +382,18 @@ class CompressedDDPStrategy(DDPStrategy):
         if not wanted or sections[wanted[0]].get("world_size") != self.world_size:
             return  # nothing per rank, or another world size (load_optimizer_state_dict says so)
         path = shard_path(checkpoint_path, self.global_rank, self.world_size)
+        save_id = _save_id(checkpoint)
+
+        def of_this_save(candidate: dict | None) -> bool:
+            return candidate is not None and candidate.get("save_id") == save_id \
+                and set(candidate.get("optimizers", {})) == set(wanted)
+
         why, shard = _read_shard(path)
-        if shard is not None and (shard.get("save_id") != _save_id(checkpoint)
-                                  or set(shard.get("optimizers", {})) != set(wanted)):
+        if shard is not None and not of_this_save(shard):
             why, shard = "belongs to another save of this path", None
         if shard is None:  # a save killed before it replaced the main file leaves the matching shard here
             _, prev = _read_shard(path + _PREVIOUS)
-            if prev is not None and prev.get("save_id") == _save_id(checkpoint) and set(prev.get("optimizers", {})) \
-                    == set(wanted):
-                shard = prev
+            shard = prev if of_this_save(prev) else None
         if shard is None:
             msg = (f"rank {self.global_rank}: the error-state shard {path} {why}; moments and phase are kept, "
                    "the compression error state is reset")
