@@ -1,6 +1,7 @@
-"""Phase switching and communication monitoring callbacks."""
+"""Phase switching, replica synchronisation and communication monitoring callbacks."""
 
 from .monitor import CommunicationMonitor
 from .phase import PhaseSwitch, find_compressed_optimizer
+from .replicas import ReplicaSync
 
-__all__ = ["CommunicationMonitor", "PhaseSwitch", "find_compressed_optimizer"]
+__all__ = ["CommunicationMonitor", "PhaseSwitch", "ReplicaSync", "find_compressed_optimizer"]

@@ -3,6 +3,10 @@
 A :class:`ByteCounter` is cheap (plain Python ints) and can be shared: every collective of
 an optimizer or strategy adds to the same counter; the optimizer closes each step with
 :meth:`ByteCounter.end_step`, and the Lightning layer logs the closed step (``last``).
+
+It also counts communication *rounds*: steps (or out-of-step synchronisations, closed with
+:meth:`ByteCounter.end_round`) in which anything was sent. Most algorithms communicate in every
+step; 0/1 Adam's local steps send nothing, and the rounds are what its latency bill depends on.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class ByteCounter:
     current: StepStats = field(default_factory=StepStats)
     last: StepStats = field(default_factory=StepStats)  # the most recently closed step
     steps: int = 0
+    rounds: int = 0  # closed steps and out-of-step synchronisations that sent anything
+    _round_open: bool = False
 
     def add(self, bytes_sent: int, numel: int, world_size: int) -> None:
         fp32 = ring_allreduce_bytes(numel, world_size)
@@ -48,9 +54,16 @@ class ByteCounter:
             s.bytes_sent += bytes_sent
             s.numel += numel
             s.fp32_ring_bytes += fp32
+        self._round_open = self._round_open or world_size > 1
+
+    def end_round(self) -> None:
+        """Close a round of communication outside a step (e.g. a synchronisation before validation)."""
+        self.rounds += self._round_open
+        self._round_open = False
 
     def end_step(self) -> StepStats:
-        """Close the current step and return its figures."""
+        """Close the current step (and its round, if it communicated) and return its figures."""
+        self.end_round()
         self.last, self.current = self.current, StepStats()
         self.steps += 1
         return self.last
@@ -62,9 +75,11 @@ class ByteCounter:
     def state_dict(self) -> dict:
         t = self.total
         return {"bytes_sent": t.bytes_sent, "numel": t.numel, "fp32_ring_bytes": t.fp32_ring_bytes,
-                "steps": self.steps}
+                "steps": self.steps, "rounds": self.rounds}
 
     def load_state_dict(self, sd: dict) -> None:
         self.total = StepStats(sd["bytes_sent"], sd["numel"], sd["fp32_ring_bytes"])
         self.current = StepStats()
         self.steps = sd["steps"]
+        self.rounds = sd.get("rounds", 0)
+        self._round_open = False

@@ -84,6 +84,11 @@ class SimulatedCluster:
         for w in self.workers:
             w.bind(numel, device)
 
+    def reset_state(self) -> None:
+        """Zero every worker's error / Markov state (e.g. at a phase switch)."""
+        for w in self.workers:
+            w.reset_state()
+
     def zero_state_at(self, idx: torch.Tensor) -> None:
         for w in self.workers:
             w.zero_state_at(idx)

@@ -1,4 +1,4 @@
-"""The compressed optimizers: 1-bit Adam, 1-bit LAMB, QAdam, CD-Adam and baselines.
+"""The compressed optimizers: 1-bit Adam, 0/1 Adam, 1-bit LAMB, QAdam, CD-Adam and baselines.
 
 Each optimizer class registers its strategy name (``CompressedOptimizer.algorithms()``)."""
 
@@ -8,6 +8,8 @@ from .cd_adam import CDAdam
 from .onebit_adam import OnebitAdam
 from .onebit_lamb import OnebitLamb
 from .qadam import QAdam
+from .zero_one_adam import ZeroOneAdam, ZeroOneSchedule
 
 __all__ = ["CDAdam", "CompressedOptimizer", "EF21", "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad",
-           "CollectiveError", "NonFiniteGradientError", "OnebitAdam", "OnebitLamb", "QAdam", "check_hyperparameters"]
+           "CollectiveError", "NonFiniteGradientError", "OnebitAdam", "OnebitLamb", "QAdam", "ZeroOneAdam",
+           "ZeroOneSchedule", "check_hyperparameters"]

@@ -129,6 +129,8 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
     from_adam: ClassVar[dict[str, str]] = {"lr": "lr", "betas": "betas", "eps": "eps", "weight_decay": "weight_decay"}
     #: besides Adam and AdamW, a LAMB optimizer converts to this one
     converts_lamb: ClassVar[bool] = False
+    #: the ranks take local steps, so their replicas differ between rounds (see sync_replicas)
+    has_local_steps: ClassVar[bool] = False
 
     _registry: ClassVar[dict[str, type[CompressedOptimizer]]] = {}
 
@@ -319,6 +321,29 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
             st["frozen_step"] = st.get("step", 0)
         self._on_switch(b)
 
+    # -- replicas ------------------------------------------------------------------------
+    def sync_replicas(self) -> bool:
+        """Make every rank hold the same model now; True if that took communication.
+
+        Every algorithm here keeps the replicas identical after each step, so this does nothing;
+        one with local steps (:class:`~lightning_onebit.optim.ZeroOneAdam`) synchronises what the
+        ranks did since their last round. The strategies call it on every rank before
+        validation, before a checkpoint is taken and at the end of fit. Collective: call it on
+        every rank at the same point."""
+        return False
+
+    def set_total_steps(self, total_steps: int) -> None:
+        """Tell the optimizer how many steps the run has (the strategies pass Lightning's
+        ``estimated_stepping_batches``): schedules given as fractions of the run resolve here."""
+
+    def worker_parameters(self, worker: int) -> contextlib.AbstractContextManager:
+        """Simulated cluster: a context in which the parameters hold simulated ``worker``'s copy, for
+        computing its gradient. Here all workers share one copy; algorithms whose workers take
+        local steps (``ZeroOneAdam``) swap theirs in."""
+        if self.simulate_workers is None or not 0 <= worker < self.simulate_workers:
+            raise ValueError(f"worker must be in [0, {self.simulate_workers}) on a simulated cluster, got {worker!r}")
+        return contextlib.nullcontext()
+
     def _on_start_compression(self) -> None:
         """Hook for subclasses: called once when the optimizer's compression phase begins."""
 
@@ -467,17 +492,18 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
 
     def _apply(self, b: Bucket, update: torch.Tensor, group: dict, has_grad: list[bool],
                decoupled_wd: float = 0.0, step_size: float | Sequence[float] | None = None,
-               denom: torch.Tensor | None = None) -> None:
+               denom: torch.Tensor | None = None, params: Sequence[torch.Tensor] | None = None) -> None:
         """p <- p * (1 - lr * wd) - step_size * update [/ denom] (step_size defaults to lr; a
         sequence gives one per parameter of the bucket), for the params that had a gradient.
         With ``denom`` the division is fused like ``torch.optim.AdamW``'s ``addcdiv_``, which
-        rounds differently from a division followed by an add."""
+        rounds differently from a division followed by an add. ``params``: other tensors of the
+        bucket's shapes to update instead (a simulated worker's own copy)."""
         lr = group["lr"]
         step_size = lr if step_size is None else step_size
         keep = [i for i, h in enumerate(has_grad) if h]
         if not keep:
             return
-        params = [b.params[i] for i in keep]
+        params = [(b.params if params is None else params)[i] for i in keep]
         ups = [b.views(update)[i] for i in keep]
         dens = [b.views(denom)[i] for i in keep] if denom is not None else None
         sizes = [step_size] * len(keep) if isinstance(step_size, float | int) else [step_size[i] for i in keep]

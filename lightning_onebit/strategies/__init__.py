@@ -32,7 +32,14 @@ class CDAdamStrategy(CompressedDDPStrategy):
     algorithm = "cd_adam"
 
 
+class ZeroOneAdamStrategy(CompressedDDPStrategy):
+    """``strategy="zero_one_adam"``: DDP + :class:`~lightning_onebit.ZeroOneAdam`."""
+
+    algorithm = "zero_one_adam"
+
+
 CompressedDDPStrategy.register_strategies(StrategyRegistry)
 
 __all__ = ["ALGORITHMS", "CDAdamStrategy", "CompressedDDPStrategy", "HookDDPStrategy", "OnebitAdamStrategy",
-           "OnebitLambStrategy", "QAdamStrategy", "destroy_process_group_at_exit", "hook_strategy"]
+           "OnebitLambStrategy", "QAdamStrategy", "ZeroOneAdamStrategy", "destroy_process_group_at_exit",
+           "hook_strategy"]

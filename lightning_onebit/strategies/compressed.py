@@ -232,6 +232,7 @@ class CompressedDDPStrategy(DDPStrategy):
         self._agree_on_settings(opt, fp16)
         opt.attach(self.model)
         self._ensure_phase_switch(trainer, opt)
+        self._ensure_replica_sync(trainer, opt)
 
     def _agree_on_settings(self, opt: CompressedOptimizer, fp16: bool) -> None:
         """Compare the settings every rank must share before the first collective: ranks that differ
@@ -311,7 +312,29 @@ class CompressedDDPStrategy(DDPStrategy):
                              "set one of them, or add a PhaseSwitch callback")
         trainer.callbacks.append(PhaseSwitch(self.warmup))
 
+    def _ensure_replica_sync(self, trainer, opt: CompressedOptimizer) -> None:
+        from ..callbacks import ReplicaSync
+
+        if opt.has_local_steps and not any(isinstance(cb, ReplicaSync) for cb in trainer.callbacks):
+            trainer.callbacks.insert(0, ReplicaSync())  # first: others' on_train_end must see one model
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        total = self.lightning_module.trainer.estimated_stepping_batches
+        if isinstance(total, int) or (isinstance(total, float) and total.is_integer()):
+            for opt in self.optimizers:
+                if isinstance(opt, CompressedOptimizer):
+                    opt.set_total_steps(int(total))
+
     # -- checkpoints ---------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model of a checkpoint: with local steps pending, the ranks synchronise first (the
+        checkpoint is then one model on every rank, and a resume continues from it exactly)."""
+        for opt in self.optimizers:
+            if isinstance(opt, CompressedOptimizer):
+                opt.sync_replicas()
+        return super().lightning_module_state_dict()
+
     def optimizer_state(self, optimizer: Optimizer) -> dict:
         """The optimizer's state without its per-rank error state (which goes to this rank's shard)."""
         sd = super().optimizer_state(optimizer)

@@ -1,0 +1,552 @@
+"""0/1 Adam (Lu, Li, Zhang, He 2022): fewer rounds, not only fewer bits."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..comm import all_finite
+from ..comm.dense import mean_allreduce_future
+from ..compress import Codec, SignCodec
+from .base import CompressedOptimizer, NonFiniteGradientError, check_hyperparameters
+from .buckets import Bucket
+from .onebit_adam import _bias_correction
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ZeroOneAdam", "ZeroOneSchedule"]
+
+#: kinds of step: the variance is refreshed (fp32 gradient mean), the gradient is synchronised
+#: 1-bit, a local step that sends nothing, a local step that ends with a 1-bit synchronisation
+STEP_KINDS = ("refresh", "onebit", "local", "sync")
+
+
+def _check_steps(name: str, value: object, *, fraction: bool) -> None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    ok = ok or (fraction and isinstance(value, float) and 0.0 < value < 1.0)
+    if not ok:
+        also = " or a float in (0, 1) (a fraction of the run)" if fraction else ""
+        raise ValueError(f"{name} must be an int >= 1{also}, got {value!r}")
+
+
+@dataclass
+class ZeroOneSchedule:
+    """Which steps refresh the variance and which synchronise, DeepSpeed's rules counted from step 1.
+
+    Up to ``var_freeze_step`` (phase A) step ``t`` refreshes the variance if ``t % var_interval == 0``
+    and synchronises a 1-bit gradient otherwise; every ``var_update_scaler`` refreshes the interval
+    doubles. After it (phase B) the variance is frozen and step ``t`` ends with a 1-bit
+    synchronisation if ``t % local_interval == 0`` and is a local step otherwise; every
+    ``local_step_scaler`` phase-B steps the interval doubles, up to ``local_step_clipper`` (H).
+    """
+
+    var_freeze_step: int
+    var_update_scaler: int
+    local_step_scaler: int
+    local_step_clipper: int
+    var_interval: int = 1
+    var_counter: int = 0
+    local_interval: int = 1
+    local_counter: int = 0
+
+    def kind(self, t: int) -> str:
+        """The kind of step ``t`` (1-based), given the steps before it were taken."""
+        if t <= self.var_freeze_step:
+            return "refresh" if t % self.var_interval == 0 else "onebit"
+        return "sync" if t % self.local_interval == 0 else "local"
+
+    def advance(self, t: int) -> None:
+        """Step ``t`` was taken."""
+        if t <= self.var_freeze_step:
+            if t % self.var_interval == 0:
+                self.var_counter += 1
+                if self.var_counter == self.var_update_scaler:
+                    self.var_counter, self.var_interval = 0, 2 * self.var_interval
+        else:
+            self.local_counter += 1
+            if self.local_counter == self.local_step_scaler:
+                self.local_counter = 0
+                self.local_interval = min(self.local_step_clipper, 2 * self.local_interval)
+
+    def kinds(self, steps: int) -> list[str]:
+        """The kinds of steps 1..``steps`` from this state (the state is not changed)."""
+        s, out = dataclasses.replace(self), []
+        for t in range(1, steps + 1):
+            out.append(s.kind(t))
+            s.advance(t)
+        return out
+
+
+class ZeroOneAdam(CompressedOptimizer):
+    r"""0/1 Adam: the variance refreshed on a thinning schedule, then frozen, with local steps.
+
+    .. math::
+       \textbf{refresh step}\ (t \le T_v,\ t \equiv 0 \bmod \text{var\_interval}):\ & \bar g = \tfrac1n
+           \textstyle\sum_i g^{(i)} \text{ (fp32)},\ m \leftarrow \beta_1 m + (1-\beta_1)\bar g,\
+           v \leftarrow \beta_2 v + (1-\beta_2)\bar g^2,\ k \leftarrow k + 1 \\
+       \textbf{1-bit step}\ (t \le T_v, \text{ otherwise}):\ & \tilde g =
+           \mathrm{CompressedAllreduce}_{\text{1-bit, EF}}(g^{(i)}),\
+           m \leftarrow \beta_1 m + (1-\beta_1)\tilde g \\
+       \textbf{both}:\ & \theta \leftarrow \theta (1-\gamma\lambda) - \frac{\gamma}{1-\beta_1^t}
+           \frac{m}{d},\quad d = \sqrt{v/(1-\beta_2^k) + \epsilon}\ (\texttt{eps\_inside\_sqrt})
+           \text{ or } \sqrt{v/(1-\beta_2^k)} + \epsilon \\
+       \textbf{local step}\ (t > T_v):\ & m^{(i)} \leftarrow \beta_1 m^{(i)} + (1-\beta_1) g^{(i)},\
+           s_t = \tfrac{\gamma_t}{1-\beta_1^t},\ \theta^{(i)} \leftarrow \theta^{(i)}(1-\gamma_t\lambda)
+           - s_t m^{(i)} / d,\ u^{(i)} \mathrel{+}= s_t m^{(i)} \\
+       \textbf{sync}\ (t > T_v,\ t \equiv 0 \bmod H_t):\ & m = \mathrm{CompressedAllreduce}_{\text{1-bit, EF}}
+           (u^{(i)} / \textstyle\sum s),\
+           \theta = \theta_a \textstyle\prod(1-\gamma\lambda) - (\sum s)\, m / d,\ \theta_a \leftarrow \theta,\
+           u \leftarrow 0
+
+    ``T_v`` is ``var_freeze_step``; ``theta_a`` (the anchor) is the model of the last
+    synchronisation, the same on every rank. Between synchronisations each rank trains its own
+    replica on its own gradients; the synchronisation sends the lr-weighted mean of each rank's
+    momenta over the interval (1-bit, error feedback in both stages, as 1-bit Adam's momentum)
+    and every rank rebuilds the same model from the anchor. :class:`ZeroOneSchedule` says which
+    step is which (DeepSpeed's ``var_freeze_step``, ``var_update_scaler`` = kappa,
+    ``local_step_scaler``, ``local_step_clipper`` = H, with their defaults).
+
+    Rounds and bytes: a refresh step is an fp32 allreduce, a 1-bit step and a synchronisation
+    one 1-bit call (~1/32 of it), a local step nothing. With DDP the local steps skip DDP's
+    allreduce entirely (the comm hook returns the local gradients, counted in ``local_steps``).
+    ``comm_counter.rounds`` counts the steps and synchronisations that sent anything.
+
+    Differences from DeepSpeed's ``ZeroOneAdam``, on purpose: Adam's bias corrections (``t`` for
+    m, the number of refreshes ``k`` for v; with the variance refreshed every step and no
+    freeze it is exactly AdamW, ``eps_inside_sqrt=False``); decoupled weight decay, applied to the
+    anchor as the product of the interval's factors (DeepSpeed folds ``lambda theta`` into the
+    synchronised momentum); the synchronised model is rebuilt from the anchor instead of subtracting
+    each rank's own update again, so the replicas are bit-identical after every synchronisation;
+    ``eps_inside_sqrt=True`` by default (the Tarasov-Ershov fix); no dummy first step; the error state
+    survives checkpoints. Fractions of the run are accepted for ``var_freeze_step`` and
+    ``local_step_scaler`` (resolved by :meth:`set_total_steps`, which the strategies call).
+
+    Coordinates whose variance is zero (no gradient at any refresh yet: an embedding row of a
+    token not seen) are masked as in :class:`OnebitAdam`: they send 0 and keep a zero momentum. In
+    phase A the next refresh that sees a gradient for them starts their training; after the freeze
+    they stay masked (logged at the freeze), so freeze after every coordinate has had a gradient.
+
+    Non-finite gradients: refresh and 1-bit steps follow ``set_nonfinite_policy`` as every
+    optimizer here. A local step has no collective to agree in, so a rank whose gradient holds
+    NaN/inf drops it (takes zero for this step), counts it (``dropped_gradients``) and tells the
+    others at the next synchronisation (the agreement's flag): with the policy "raise" every rank
+    raises there, before the synchronisation changes anything; with "skip" every rank logs it.
+
+    Memory per parameter: m, v (fp32) + worker error + 1/n server error, as 1-bit Adam, and from
+    the freeze on the anchor and the accumulated update u (8 bytes more; a simulated cluster keeps
+    a replica, a momentum and u per worker).
+
+    Args:
+        var_freeze_step: the last step that may refresh the variance (``T_v``); an int, or a float in
+            (0, 1), a fraction of the run's steps.
+        var_update_scaler: refreshes per variance interval before it doubles (kappa).
+        local_step_scaler: phase-B steps per local interval before it doubles (int, or a fraction).
+        local_step_clipper: the longest local interval (H).
+        eps_inside_sqrt, block_size, bucket_cap_mb, group, simulate_workers: as :class:`OnebitAdam`.
+    """
+
+    strategy_name = "zero_one_adam"
+    flat_state = ("exp_avg", "exp_avg_sq")
+    has_warmup = False
+    has_local_steps = True
+    comm_mode = "error_feedback"
+    codec_cls: type[Codec] = SignCodec
+    #: flat buffers of the local-step phase (allocated at the freeze)
+    local_state = ("anchor", "update_sum")
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *, var_freeze_step: int | float = 100000,
+                 var_update_scaler: int = 16, local_step_scaler: int | float = 32678, local_step_clipper: int = 16,
+                 eps_inside_sqrt: bool = True, block_size: int | None = None, bucket_cap_mb: float = 25.0,
+                 group=None, simulate_workers: int | None = None) -> None:
+        check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        _check_steps("var_freeze_step", var_freeze_step, fraction=True)
+        _check_steps("var_update_scaler", var_update_scaler, fraction=False)
+        _check_steps("local_step_scaler", local_step_scaler, fraction=True)
+        _check_steps("local_step_clipper", local_step_clipper, fraction=False)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        eps_inside_sqrt=eps_inside_sqrt, block_size=block_size)
+        self.block_size = block_size
+        super().__init__(params, defaults, warmup_steps=None, bucket_cap_mb=bucket_cap_mb, group=group,
+                         simulate_workers=simulate_workers)
+        self.schedule_args = {"var_freeze_step": var_freeze_step, "var_update_scaler": var_update_scaler,
+                              "local_step_scaler": local_step_scaler, "local_step_clipper": local_step_clipper}
+        self._total_steps: int | None = None
+        self._sched: ZeroOneSchedule | None = None
+        self._kind: str | None = None  # kind of the coming step (see _update_phase)
+        self.step_counts = dict.fromkeys(STEP_KINDS, 0)  #: steps taken of each kind
+        self.flushes = 0  #: synchronisations outside the schedule (sync_replicas: validation, checkpoints, end)
+        self.dropped_gradients = 0  #: local steps in which this rank (or a simulated worker) dropped a NaN/inf gradient
+        self._local = False  # phase B has begun (anchor and u exist, the error state was reset)
+        self._since_sync = 0  # local steps since the last synchronisation (the same on every rank)
+        self._acc: dict[int, list] = {}  # bucket index -> [per-parameter sum of step sizes, weight-decay product]
+        self._bad: torch.Tensor | None = None  # per (simulated) worker: gradients dropped since the last sync
+        self._replicas: list[dict[int, dict[str, torch.Tensor]]] = []  # simulation: workers 1.. (0 is the model)
+
+    @property
+    def local_steps(self) -> int:
+        """Steps that sent nothing (phase-B steps without a synchronisation)."""
+        return self.step_counts["local"]
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_local", False):
+            raise RuntimeError("ZeroOneAdam: a param group cannot be added after the variance froze (its variance "
+                               "was never estimated)")
+        super().add_param_group(param_group)
+        self.codec_cls(block_size=self.param_groups[-1]["block_size"])  # validate early
+
+    def _make_codec(self, b: Bucket) -> Codec:
+        return SignCodec("l2", block_size=self.param_groups[b.group_index]["block_size"])
+
+    # -- schedule ------------------------------------------------------------------------
+    def set_total_steps(self, total_steps: int) -> None:
+        if not isinstance(total_steps, int) or total_steps < 1:
+            raise ValueError(f"total_steps must be a positive int, got {total_steps!r}")
+        self._total_steps = total_steps
+
+    def schedule(self) -> ZeroOneSchedule:
+        """The schedule, with fractions of the run resolved (see :meth:`set_total_steps`)."""
+        if self._sched is None:
+            args = {}
+            for k, v in self.schedule_args.items():
+                if isinstance(v, float):
+                    if self._total_steps is None:
+                        raise ValueError(f"ZeroOneAdam: {k}={v} is a fraction of the run; call set_total_steps(n) "
+                                         "first (the strategies do) or give a number of steps")
+                    v = max(1, round(v * self._total_steps))
+                args[k] = v
+            self._sched = ZeroOneSchedule(**args)
+        return self._sched
+
+    def _update_phase(self) -> None:
+        """The kind of the coming step decides the path: refresh steps take the fp32 (warm-up) path
+        of the base class, 1-bit steps its compressed path, local steps their own."""
+        self._kind = self.schedule().kind(self._step + 1)
+        for b in self._buckets:
+            b.compressing = self._kind != "refresh"
+
+    def settings(self) -> dict[str, str]:
+        out = super().settings()
+        out.update({k: repr(v) for k, v in self.schedule_args.items()})
+        return out
+
+    # -- phase A: refresh and 1-bit steps -------------------------------------------------
+    def _step_sizes(self, b: Bucket, lr: float, beta1: float) -> list[float]:
+        return [lr / _bias_correction(beta1, t) for t in self._steps(b)]
+
+    def _mask(self, b: Bucket) -> torch.Tensor | None:
+        """The coordinates whose variance is zero (no gradient at any refresh), or None."""
+        if "mask" not in b.cache:
+            mask = b.flat["exp_avg_sq"] == 0
+            b.cache["mask"] = mask if bool(mask.any()) else None
+        return b.cache["mask"]
+
+    def _denominator(self, b: Bucket, group: dict, cache: bool = True) -> torch.Tensor:
+        """d of every coordinate from v and each parameter's refresh count (changes only at refreshes)."""
+        if cache and "denom" in b.cache:
+            return b.cache["denom"]
+        v, beta2, eps = b.flat["exp_avg_sq"], group["betas"][1], group["eps"]
+        counts = self._steps(b, "var_step")
+        d = torch.empty_like(v)
+        runs = [(0, b.numel, counts[0])] if len(set(counts)) == 1 else \
+            [(o, n, k) for o, n, k in zip(b.offsets, b.numels, counts, strict=True)]
+        for o, n, k in runs:
+            bc2 = _bias_correction(beta2, k)
+            if group["eps_inside_sqrt"]:
+                torch.div(v[o:o + n], bc2, out=d[o:o + n]).add_(eps).sqrt_()
+            else:  # op for op as torch.optim.AdamW
+                torch.div(v[o:o + n].sqrt(), bc2**0.5, out=d[o:o + n]).add_(eps)
+        if cache:
+            b.cache["denom"] = d
+        return d
+
+    def _update_warmup(self, b: Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
+        """A refresh step: Adam's moments on the fp32 mean gradient, a new denominator."""
+        beta1, beta2 = group["betas"]
+        m, v = b.flat["exp_avg"], b.flat["exp_avg_sq"]
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        for p, h in zip(b.params, has_grad, strict=True):
+            if h:
+                self.state[p]["var_step"] = self.state[p].get("var_step", 0) + 1
+        b.cache.clear()  # the mask and d follow v; params without gradient get theirs back after this step
+        self._apply(b, m, group, has_grad, decoupled_wd=group["weight_decay"],
+                    step_size=self._step_sizes(b, group["lr"], beta1), denom=self._denominator(b, group, cache=False))
+
+    def _payload(self, b: Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(grad)
+        if (mask := self._mask(b)) is not None:
+            out.masked_fill_(mask, 0.0)
+
+    def _absorb(self, b: Bucket, synced: torch.Tensor) -> None:
+        m = b.flat["exp_avg"]
+        m.lerp_(synced, 1 - self.param_groups[b.group_index]["betas"][0])
+        if (mask := self._mask(b)) is not None:
+            m.masked_fill_(mask, 0.0)
+
+    def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
+        self._apply(b, b.flat["exp_avg"], group, has_grad, decoupled_wd=group["weight_decay"],
+                    step_size=self._step_sizes(b, group["lr"], group["betas"][0]), denom=self._denominator(b, group))
+
+    # -- the step --------------------------------------------------------------------------
+    def _run_step(self, worker_grads) -> None:
+        buckets = self._build_buckets()
+        self._update_phase()
+        t, kind = self._step + 1, self._kind
+        if kind in ("refresh", "onebit"):
+            super()._run_step(worker_grads)
+            if self._step < t:  # skipped for a non-finite gradient: the schedule waits as well
+                return
+        else:
+            self._local_step(buckets, worker_grads)
+        self.step_counts[kind] += 1
+        self.schedule().advance(t)
+
+    def ddp_bucket_ready(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Refresh steps average in fp32, 1-bit steps synchronise in the optimizer's buckets, and
+        phase-B steps send nothing: the future holds the local gradients at once."""
+        self._update_phase()
+        if self._kind == "refresh":
+            return mean_allreduce_future(bucket.buffer(), self.process_group, self.comm_counter)
+        if self._kind in ("local", "sync"):
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+        return super().ddp_bucket_ready(bucket)
+
+    # -- phase B: local steps and synchronisations -------------------------------------------
+    def _enter_local(self, buckets: list[Bucket]) -> None:
+        """At the freeze (or a resume after it): the anchor and u of every bucket; at the freeze
+        itself also a fresh error state, because the collective now carries momenta, not gradients."""
+        for b in buckets:
+            if "anchor" in b.flat:
+                continue
+            loaded = all(name in self.state[p] for p in b.params for name in self.local_state)
+            for name in self.local_state:
+                b.flat[name] = torch.zeros(b.numel, dtype=torch.float32, device=b.device)
+            self._adopt_state(b)  # copies the loaded values, if any
+            if not loaded:
+                with torch.no_grad():
+                    for p, view in zip(b.params, b.views(b.flat["anchor"]), strict=True):
+                        view.copy_(p)
+            self._acc.setdefault(b.index, [[0.0] * len(b.params), 1.0])
+        if not self._local:
+            masked = 0
+            for b in buckets:
+                self._comm_for(b).reset_state()
+                masked += 0 if (mask := self._mask(b)) is None else int(mask.sum())
+            self._local = True
+            if masked:
+                log.warning(f"ZeroOneAdam: the variance froze at step {self._step} with {masked} coordinates that "
+                            "never had a gradient at a refresh; they stay where they are (a later var_freeze_step "
+                            "trains them)")
+        n = self.simulate_workers or 1
+        if self._bad is None:
+            self._bad = torch.zeros(n, dtype=torch.int64, device=buckets[0].device if buckets else "cpu")
+        if self.simulate_workers is not None and not self._replicas:
+            self._replicas = [{b.index: {"param": torch.cat([p.detach().reshape(-1) for p in b.params]),
+                                         "exp_avg": b.flat["exp_avg"].clone(),
+                                         "update_sum": b.flat["update_sum"].clone()} for b in buckets}
+                              for _ in range(n - 1)]
+
+    def _worker_state(self, b: Bucket, w: int) -> tuple[Sequence[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(parameters, m, u) of worker ``w``: this rank's own, or a simulated worker's replica."""
+        if w == 0:
+            return b.params, b.flat["exp_avg"], b.flat["update_sum"]
+        r = self._replicas[w - 1][b.index]
+        return b.views(r["param"]), r["exp_avg"], r["update_sum"]
+
+    def _local_step(self, buckets: list[Bucket], worker_grads) -> None:
+        self._enter_local(buckets)
+        # the gradients of every worker first: a NaN/inf anywhere in a worker's drops all of its step
+        grads = []
+        for b in buckets:
+            if worker_grads is None:
+                self._gather_grads(b)
+                grads.append([b.grad])
+            else:
+                grads.append(self._worker_flat(b, worker_grads))
+        if grads:
+            bad = ~torch.stack([torch.stack([all_finite(g) for g in ws]) for ws in grads]).all(0)
+            self._bad += bad
+            for ws in grads:
+                for g, x in zip(ws, bad, strict=True):
+                    g.masked_fill_(x, 0.0)  # no host sync: read at the next synchronisation
+        self._step += 1
+        for b, ws in zip(buckets, grads, strict=True):
+            group = self.param_groups[b.group_index]
+            for p in b.params:  # every parameter steps (a missing gradient is zero): counts stay equal on all ranks
+                self.state[p]["step"] = self.state[p].get("step", 0) + 1
+            sizes = self._step_sizes(b, group["lr"], group["betas"][0])
+            acc = self._acc[b.index]
+            acc[0] = [a + s for a, s in zip(acc[0], sizes, strict=True)]
+            acc[1] *= 1 - group["lr"] * group["weight_decay"]
+            for w, g in enumerate(ws):
+                params, m, u = self._worker_state(b, w)
+                self._local_update(b, params, m, u, g, group, sizes)
+            b.done, b.ready, b.pending = False, 0, []
+        self._since_sync += 1
+        if self._kind == "sync":
+            self._synchronise_local(buckets)
+        self.comm_counter.end_step()
+        self.intra_node_counter.end_step()
+
+    def _local_update(self, b: Bucket, params: Sequence[torch.Tensor], m: torch.Tensor, u: torch.Tensor,
+                      g: torch.Tensor, group: dict, sizes: list[float]) -> None:
+        m.lerp_(g, 1 - group["betas"][0])
+        if (mask := self._mask(b)) is not None:
+            m.masked_fill_(mask, 0.0)
+        if len(set(sizes)) == 1:
+            u.add_(m, alpha=sizes[0])
+        else:
+            for uv, mv, s in zip(b.views(u), b.views(m), sizes, strict=True):
+                uv.add_(mv, alpha=s)
+        self._apply(b, m, group, [True] * len(b.params), decoupled_wd=group["weight_decay"], step_size=sizes,
+                    denom=self._denominator(b, group), params=params)
+
+    def _synchronise_local(self, buckets: list[Bucket]) -> None:
+        """The 1-bit synchronisation that ends a local interval: every rank gets the same momentum and
+        rebuilds the same model from the anchor."""
+        counts = self._bad.tolist()  # the one host read of the dropped-gradient counts per interval
+        self.dropped_gradients += sum(counts)
+        bad = [c > 0 for c in counts]
+        for i, b in enumerate(buckets):
+            group = self.param_groups[b.group_index]
+            sums, decay = self._acc[b.index]
+            comm = self._comm_for(b)
+            payloads = []
+            for w in range(self.simulate_workers or 1):
+                _, _, u = self._worker_state(b, w)
+                if w == 0:
+                    if b.payload is None:
+                        b.payload = torch.empty(b.numel, dtype=torch.float32, device=b.device)
+                    out = b.payload
+                else:
+                    out = torch.empty_like(u)
+                self._per_param(b, torch.div, u, sums, out)  # the lr-weighted mean momentum of the interval
+                if (mask := self._mask(b)) is not None:
+                    out.masked_fill_(mask, 0.0)
+                payloads.append(out)
+            synced = b.synced
+            try:
+                if self.simulate_workers is not None:
+                    synced.copy_(comm.allreduce(payloads, flags=bad)[0])
+                else:
+                    with self._collective("compressed allreduce (local-step synchronisation)", b):
+                        comm(payloads[0], out=synced, flag=bad[0])
+            except ValueError as exc:
+                if "not finite" in str(exc):
+                    raise NonFiniteGradientError(f"ZeroOneAdam: {exc}. Lower the learning rate or clip gradients.") \
+                        from exc
+                raise
+            if i == 0 and comm.any_flag:
+                self._report_dropped()
+            m, anchor = b.flat["exp_avg"], b.flat["anchor"]
+            m.copy_(synced)
+            if (mask := self._mask(b)) is not None:
+                m.masked_fill_(mask, 0.0)
+            anchor.mul_(decay)
+            d = self._denominator(b, group)
+            if len(set(sums)) == 1:
+                anchor.addcdiv_(m, d, value=-sums[0])
+            else:
+                for av, mv, dv, s in zip(b.views(anchor), b.views(m), b.views(d), sums, strict=True):
+                    av.addcdiv_(mv, dv, value=-s)
+            with torch.no_grad():
+                for w in range(self.simulate_workers or 1):
+                    params, wm, u = self._worker_state(b, w)
+                    for p, view in zip(params, b.views(anchor), strict=True):
+                        p.copy_(view)
+                    if wm is not m:
+                        wm.copy_(m)
+                    u.zero_()
+            self._acc[b.index] = [[0.0] * len(b.params), 1.0]
+        self._bad.zero_()
+        self._since_sync = 0
+
+    def _report_dropped(self) -> None:
+        msg = (f"ZeroOneAdam: a rank dropped a NaN/inf gradient in a local step before optimizer step {self._step} "
+               f"({self.dropped_gradients} dropped on this rank so far)")
+        if self.on_nonfinite == "raise":
+            raise NonFiniteGradientError(msg + "; every rank stops here, before this synchronisation changes the "
+                                         "model (set_nonfinite_policy('skip') goes on without those gradients)")
+        log.warning(msg + "; the step went on without it")
+
+    @staticmethod
+    def _per_param(b: Bucket, op, x: torch.Tensor, values: list[float], out: torch.Tensor) -> None:
+        if len(set(values)) == 1:
+            op(x, values[0], out=out)
+        else:
+            for xv, ov, v in zip(b.views(x), b.views(out), values, strict=True):
+                op(xv, v, out=ov)
+
+    # -- replicas --------------------------------------------------------------------------
+    def sync_replicas(self) -> bool:
+        """Synchronise the local steps since the last round now (one 1-bit round, counted in
+        ``flushes``); the schedule goes on as before. Nothing to do outside phase B or right after
+        a synchronisation. Collective."""
+        if not self._local or self._since_sync == 0:
+            return False
+        self._synchronise_local(self._build_buckets())
+        self.flushes += 1
+        self.comm_counter.end_round()
+        self.intra_node_counter.end_round()
+        return True
+
+    def worker_parameters(self, worker: int) -> contextlib.AbstractContextManager:
+        super().worker_parameters(worker)  # validates
+        return self._swapped_in(worker)
+
+    @contextlib.contextmanager
+    def _swapped_in(self, worker: int) -> Iterator[None]:
+        if worker == 0 or not self._replicas:
+            yield
+            return
+        own = [(p, p.detach().clone()) for b in self._buckets for p in b.params]
+        with torch.no_grad():
+            for b in self._buckets:
+                for p, view in zip(b.params, self._worker_state(b, worker)[0], strict=True):
+                    p.copy_(view)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, saved in own:
+                    p.copy_(saved)
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def _extra_state(self) -> dict:
+        if self._replicas and self._since_sync:
+            raise RuntimeError("ZeroOneAdam (simulated): the workers' local steps since the last round are not in a "
+                               "state_dict; call sync_replicas() first")
+        return {"schedule": None if self._sched is None else dataclasses.asdict(self._sched),
+                "total_steps": self._total_steps, "step_counts": dict(self.step_counts), "flushes": self.flushes,
+                "dropped_gradients": self.dropped_gradients, "local": self._local, "since_sync": self._since_sync,
+                "acc": {str(k): [list(v[0]), v[1]] for k, v in self._acc.items()},
+                "bad": None if self._bad is None else self._bad.tolist()}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        self._sched = None if extra["schedule"] is None else ZeroOneSchedule(**extra["schedule"])
+        self._total_steps = extra["total_steps"]
+        self.step_counts = dict(extra["step_counts"])
+        self.flushes, self.dropped_gradients = extra["flushes"], extra["dropped_gradients"]
+        self._local, self._since_sync = extra["local"], extra["since_sync"]
+        self._acc = {int(k): [list(v[0]), float(v[1])] for k, v in extra["acc"].items()}
+        self._bad = None if extra["bad"] is None else torch.tensor(extra["bad"], dtype=torch.int64)
+        self._replicas = []
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        if self._local:  # the anchor and u come back from the per-parameter state
+            self._enter_local(self._buckets)
+            if self._bad is not None and self._buckets:
+                self._bad = self._bad.to(self._buckets[0].device)
+        for b in self._buckets:  # another bucket layout (the base class warned): start the sums afresh
+            if b.index in self._acc and len(self._acc[b.index][0]) != len(b.params):
+                self._acc[b.index] = [[0.0] * len(b.params), 1.0]

@@ -1,0 +1,356 @@
+"""0/1 Adam: the schedules against a hand-computed table, the reductions to Adam, DDP == simulation
+(local steps send nothing), non-finite gradients in local steps, checkpoints."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_onebit import ZeroOneAdam
+from lightning_onebit.optim import NonFiniteGradientError, ZeroOneSchedule
+
+from dist_utils import run_ranks, values
+
+SMALL = dict(var_freeze_step=12, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+R, B, L, S = "refresh", "onebit", "local", "sync"  # B: a 1-bit step
+
+
+class TinyTransformer(nn.Module):
+    """Embedding, attention, LayerNorm and biases next to a wide layer: where compression breaks."""
+
+    def __init__(self, vocab: int = 40, dim: int = 16, classes: int = 5) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.att = nn.MultiheadAttention(dim, 2, batch_first=True)
+        self.ln = nn.LayerNorm(dim)
+        self.wide = nn.Linear(dim, 4 * dim)
+        self.head = nn.Linear(4 * dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        a, _ = self.att(h, h, h, need_weights=False)
+        return self.head(torch.relu(self.wide(self.ln(h + a)))).mean(1)
+
+
+def _batch(step: int, worker: int, vocab: int = 40):
+    g = torch.Generator().manual_seed(1000 * step + worker)
+    return torch.randint(0, vocab, (8, 6), generator=g), torch.randint(0, 5, (8,), generator=g)
+
+
+def _model(seed: int = 0) -> TinyTransformer:
+    torch.manual_seed(seed)
+    return TinyTransformer()
+
+
+# -- the schedules ----------------------------------------------------------------------------
+def test_schedule_matches_the_hand_computed_table():
+    """kappa = 2: refreshes at 1, 2 (interval 1), 4, 6 (interval 2), 8, 12 (interval 4); then, after
+    step 12, the local interval 1 for 3 steps, 2 for 3 steps (16, 18), then 4 = H (20, 24, 28)."""
+    table = [R, R, B, R, B, R, B, R, B, B, B, R,  # 1..12: phase A
+             S, S, S,  # 13..15: interval 1
+             S, L, S,  # 16..18: interval 2 (16, 18)
+             L, S, L, L, L, S, L, L, L, S]  # 19..28: interval 4, capped by H = 4
+    assert ZeroOneSchedule(**SMALL).kinds(28) == table
+
+
+def test_schedule_with_deepspeeds_defaults():
+    """var_update_scaler=16: 16 refreshes a step apart, 16 two apart, 16 four apart ...; after the freeze
+    32678 steps synchronise every step, then every 2nd, ... up to every 16th."""
+    s = ZeroOneSchedule(var_freeze_step=100000, var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16)
+    kinds = s.kinds(200)
+    refreshes = [t for t, k in enumerate(kinds, 1) if k == R]
+    assert refreshes[:16] == list(range(1, 17))
+    assert refreshes[16:32] == list(range(18, 49, 2))
+    assert refreshes[32:48] == list(range(52, 113, 4))
+    assert refreshes[48:] == list(range(120, 201, 8))
+    b = ZeroOneSchedule(var_freeze_step=10, var_update_scaler=16, local_step_scaler=4, local_step_clipper=16)
+    syncs = [t for t, k in enumerate(b.kinds(200), 1) if k == S]
+    # the interval doubles every 4 steps (steps, not synchronisations): 1 for 11-14, 2 for 15-18, 4 for 19-22
+    assert syncs[:8] == [11, 12, 13, 14, 16, 18, 20, 24]
+    gaps = {y - x for x, y in zip(syncs[-5:], syncs[-4:], strict=False)}
+    assert gaps == {16}
+
+
+def test_each_step_sends_what_its_kind_says():
+    """Simulated 2 workers on the table's schedule: a refresh step sends an fp32 allreduce, a 1-bit step
+    and a synchronisation one 1-bit call, a local step nothing; rounds count what sent anything."""
+    model = _model()
+    opt = ZeroOneAdam(model.parameters(), lr=3e-3, simulate_workers=2, **SMALL)
+    sent = []
+    for t in range(1, 29):
+        opt.step_workers(_grads(opt, model, t))
+        sent.append(opt.comm_counter.last.bytes_sent)
+    kinds = ZeroOneSchedule(**SMALL).kinds(28)
+    by_kind = {k: {b for b, kk in zip(sent, kinds, strict=True) if kk == k} for k in (R, B, L, S)}
+    d = sum(p.numel() for p in model.parameters())
+    assert by_kind[R] == {4 * d}  # 2 (n-1)/n * 4 d
+    assert by_kind[L] == {0}
+    assert by_kind[B] == by_kind[S] and len(by_kind[B]) == 1 and 0 < next(iter(by_kind[B])) < 4 * d / 20
+    assert opt.comm_counter.rounds == sum(k != L for k in kinds) == 20
+    assert opt.step_counts == {R: 6, B: 6, L: 8, S: 8} and opt.local_steps == 8
+
+
+def _grads(opt, model, step, workers=2, nan=()):
+    """Each worker's gradient at its own replica (worker_parameters), as real ranks compute them."""
+    out = []
+    for w in range(workers):
+        x, y = _batch(step, w)
+        with opt.worker_parameters(w):
+            model.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(x), y)
+            if (step, w) in nan:
+                loss = loss * float("nan")
+            loss.backward()
+            out.append([None if p.grad is None else p.grad.clone() for p in opt.params_in_order()])
+    return out
+
+
+# -- reductions to Adam -----------------------------------------------------------------------
+def test_refreshing_every_step_is_adamw_bit_for_bit():
+    """The variance refreshed at every step (the interval never grows) and never frozen: exactly
+    torch.optim.AdamW (eps outside the root, as AdamW), weight decay and bias corrections included."""
+    a, b = _model(), _model()
+    za = ZeroOneAdam(a.parameters(), lr=1e-2, weight_decay=0.1, eps_inside_sqrt=False, var_freeze_step=10**6,
+                     var_update_scaler=10**6)
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+    for t in range(1, 16):
+        x, y = _batch(t, 0)
+        for m, o in ((a, za), (b, ref)):
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.step()
+    assert za.step_counts[R] == 15
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+class _ExactMean:
+    """A collective without compression: the fp32 mean (stands in for the 1-bit one)."""
+
+    any_flag = False
+
+    def allreduce(self, xs, flags=None):
+        self.any_flag = bool(flags and any(flags))
+        return [torch.stack(xs).mean(0)] * len(xs)
+
+    def bind(self, numel, device):
+        pass
+
+    def reset_state(self):
+        pass
+
+    def state_views(self, lo, hi):
+        return []
+
+    def state_dict(self):
+        return {"world_size": 2}
+
+
+def _frozen_adam_reference(model, steps, freeze, lr, wd, syncs=(), beta=(0.9, 0.999), eps=1e-8):
+    """AdamW whose variance stops at step ``freeze``, eps inside the root; at the steps ``syncs`` the
+    momentum becomes the lr-weighted mean of the momenta since the last one (0/1 Adam's rule)."""
+    ps = list(model.parameters())
+    m = [torch.zeros_like(p) for p in ps]
+    v = [torch.zeros_like(p) for p in ps]
+    u = [torch.zeros_like(p) for p in ps]
+    total = 0.0
+    for t in range(1, steps + 1):
+        x, y = _batch(t, 0)
+        model.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        with torch.no_grad():
+            for i, p in enumerate(ps):
+                g = p.grad
+                m[i].lerp_(g, 1 - beta[0])
+                if t <= freeze:
+                    v[i].mul_(beta[1]).addcmul_(g, g, value=1 - beta[1])
+                k = min(t, freeze)
+                d = (v[i] / (1 - beta[1] ** k)).add(eps).sqrt()
+                step = lr / (1 - beta[0] ** t)
+                p.mul_(1 - lr * wd).addcdiv_(m[i], d, value=-step)
+                if t > freeze:
+                    u[i].add_(m[i], alpha=step)
+                    if t in syncs:
+                        m[i] = u[i] / (total + step)
+                        u[i].zero_()
+        if t > freeze:
+            total = 0.0 if t in syncs else total + lr / (1 - beta[0] ** t)
+
+
+@pytest.mark.parametrize("clipper,wd", [(1, 0.1), (4, 0.0)])
+def test_without_compression_it_is_adam_with_the_variance_frozen(clipper, wd, monkeypatch):
+    """The 1-bit collective replaced by an exact mean, every worker on the same data. With interval 1
+    (H = 1) every step synchronises and the run is Adam whose variance stops at var_freeze_step. With
+    H = 4 the model is rebuilt from the anchor every 4th step and the momentum becomes the interval's
+    lr-weighted mean momentum, as the paper has it. To fp32 rounding: the synchronisation divides
+    the accumulated update by the sum of step sizes (and with weight decay it applies the interval's
+    product of decay factors to the anchor, which is not the same rounding as step by step)."""
+    monkeypatch.setattr(ZeroOneAdam, "_comm_for", lambda self, b: _ExactMean())
+    a, b = _model(), _model()
+    opt = ZeroOneAdam(a.parameters(), lr=1e-2, weight_decay=wd, var_freeze_step=6, var_update_scaler=10**6,
+                      local_step_scaler=1, local_step_clipper=clipper, simulate_workers=2)
+    for t in range(1, 25):
+        x, y = _batch(t, 0)
+        a.zero_grad()
+        nn.functional.cross_entropy(a(x), y).backward()
+        opt.step_workers([[p.grad.clone() for p in opt.params_in_order()]] * 2)
+    kinds = ZeroOneSchedule(var_freeze_step=6, var_update_scaler=10**6, local_step_scaler=1,
+                            local_step_clipper=clipper).kinds(24)
+    assert opt.step_counts[L] == kinds.count(L) == (0 if clipper == 1 else 12)
+    _frozen_adam_reference(b, 24, 6, lr=1e-2, wd=wd, syncs={t for t, k in enumerate(kinds, 1) if k == S})
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+# -- DDP == simulation --------------------------------------------------------------------------
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "broadcast",
+                "all_gather_object", "barrier", "reduce_scatter_tensor")
+
+
+def _ddp_rank(rank, world_size, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    calls = [0]
+    for name in _COLLECTIVES:  # count every collective this process starts
+        real = getattr(dist, name)
+
+        def counted(*a, _real=real, **k):
+            calls[0] += 1
+            return _real(*a, **k)
+
+        setattr(dist, name, counted)
+    model = _model()
+    ddp = DDP(model)
+    opt = ZeroOneAdam(model.parameters(), lr=3e-3, **SMALL)
+    opt.attach(ddp)
+    record = []
+    for t in range(1, steps + 1):
+        x, y = _batch(t, rank)
+        before = [p.detach().clone() for p in model.parameters()]
+        local = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()))
+        start = calls[0]
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        record.append({"before": before, "grads": [g.clone() for g in local], "calls": calls[0] - start,
+                       "bytes": opt.comm_counter.last.bytes_sent})
+    return record, [p.detach().clone() for p in model.parameters()], opt.comm_counter.rounds
+
+
+def test_ddp_hook_equals_the_simulation_and_local_steps_send_nothing():
+    """2 gloo ranks with the DDP comm hook against the simulated cluster fed the ranks' own gradients:
+    every worker's replica equals its rank's before every step, bit for bit, through refresh, 1-bit,
+    local and synchronising steps; the local steps start no collective at all, DDP's included."""
+    steps = 28
+    (r0, p0, rounds0), (r1, p1, _) = values(run_ranks(_ddp_rank, 2, steps, timeout_s=120))
+    kinds = ZeroOneSchedule(**SMALL).kinds(steps)
+    assert [s["calls"] for s, k in zip(r0, kinds, strict=True) if k == L] == [0] * kinds.count(L)
+    assert all(s["calls"] > 0 for s, k in zip(r0, kinds, strict=True) if k != L)
+    assert [s["bytes"] for s in r0] == [s["bytes"] for s in r1] and rounds0 == steps - kinds.count(L)
+    model = _model()
+    sim = ZeroOneAdam(model.parameters(), lr=3e-3, simulate_workers=2, **SMALL)
+    parted = False
+    for t, (s0, s1) in enumerate(zip(r0, r1, strict=True), 1):
+        for w, rec in enumerate((s0, s1)):
+            with sim.worker_parameters(w):
+                assert all(torch.equal(p, q) for p, q in zip(model.parameters(), rec["before"], strict=True)), (t, w)
+        parted |= any(not torch.equal(p, q) for p, q in zip(s0["before"], s1["before"], strict=True))
+        sim.step_workers([s0["grads"], s1["grads"]])
+        assert sim.comm_counter.last.bytes_sent == s0["bytes"], t
+    assert parted, "the replicas never differed: no local step was taken"
+    assert kinds[-1] == S and all(torch.equal(p, q) for p, q in zip(p0, p1, strict=True))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), p0, strict=True))
+
+
+# -- non-finite gradients in local steps ----------------------------------------------------------
+@pytest.mark.parametrize("policy", ["skip", "raise"])
+def test_nonfinite_gradient_in_a_local_step(policy, caplog):
+    """A NaN in worker 1's gradient at local step 21: the worker drops it (no collective to agree in);
+    at the next synchronisation (24) every worker learns it: "skip" logs and goes on, "raise" raises
+    before the synchronisation changes the model."""
+    model = _model()
+    opt = ZeroOneAdam(model.parameters(), lr=3e-3, simulate_workers=2, **SMALL)
+    opt.set_nonfinite_policy(policy)
+    assert ZeroOneSchedule(**SMALL).kinds(24)[20:] == [L, L, L, S]
+    for t in range(1, 24):
+        opt.step_workers(_grads(opt, model, t, nan={(21, 1)}))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    anchors = [b.flat["anchor"].clone() for b in opt._buckets]
+    with caplog.at_level(logging.WARNING, logger="lightning_onebit"):
+        if policy == "raise":
+            with pytest.raises(NonFiniteGradientError, match="dropped a NaN/inf gradient in a local step"):
+                opt.step_workers(_grads(opt, model, 24))
+            # the model of the last synchronisation is intact
+            assert all(torch.equal(b.flat["anchor"], a) for b, a in zip(opt._buckets, anchors, strict=True))
+            return
+        opt.step_workers(_grads(opt, model, 24))
+    assert opt.dropped_gradients == 1 and "dropped a NaN/inf gradient" in caplog.text
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+# -- checkpoints, arguments ---------------------------------------------------------------------
+def test_state_dict_mid_local_interval_resumes_exactly():
+    """One process: a state_dict taken between two synchronisations (anchor, u, step-size sums, the
+    schedule's counters) continues bit for bit; a simulated cluster asks for sync_replicas() first."""
+    a = _model()
+    opt = ZeroOneAdam(a.parameters(), lr=3e-3, weight_decay=0.01, **SMALL)
+
+    def step(m, o, t):
+        x, y = _batch(t, 0)
+        o.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        o.step()
+
+    for t in range(1, 22):  # 21 is a local step, 20 the last synchronisation
+        step(a, opt, t)
+    assert opt._since_sync == 1
+    b = copy.deepcopy(a)
+    sd = copy.deepcopy(opt.state_dict())
+    opt2 = ZeroOneAdam(b.parameters(), lr=3e-3, weight_decay=0.01, **SMALL)
+    opt2.load_state_dict(sd)
+    for t in range(22, 31):
+        step(a, opt, t)
+        step(b, opt2, t)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert opt2.step_counts == opt.step_counts and opt2.comm_counter.rounds == opt.comm_counter.rounds
+    sim_model = _model()
+    sim = ZeroOneAdam(sim_model.parameters(), lr=3e-3, simulate_workers=2, **SMALL)
+    for t in range(1, 22):
+        sim.step_workers(_grads(sim, sim_model, t))
+    with pytest.raises(RuntimeError, match="call sync_replicas"):
+        sim.state_dict()
+    assert sim.sync_replicas() and sim.flushes == 1 and not sim.sync_replicas()
+    sim.state_dict()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"var_freeze_step": 0}, "var_freeze_step must be an int >= 1 or a float"),
+    ({"var_freeze_step": 1.5}, "var_freeze_step must be"),
+    ({"var_update_scaler": 0.5}, "var_update_scaler must be an int >= 1, got 0.5"),
+    ({"local_step_scaler": True}, "local_step_scaler must be"),
+    ({"local_step_clipper": 0}, "local_step_clipper must be an int >= 1"),
+    ({"betas": (0.9, 1.0)}, "invalid betas"),
+])
+def test_bad_arguments_name_the_problem(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ZeroOneAdam(_model().parameters(), **kwargs)
+
+
+def test_fractions_of_the_run_resolve_when_the_length_is_known():
+    model = _model()
+    opt = ZeroOneAdam(model.parameters(), var_freeze_step=0.25, local_step_scaler=0.1)
+    model(_batch(1, 0)[0]).sum().backward()
+    with pytest.raises(ValueError, match=r"var_freeze_step=0.25 is a fraction of the run; call set_total_steps"):
+        opt.step()
+    opt.set_total_steps(200)
+    assert (opt.schedule().var_freeze_step, opt.schedule().local_step_scaler) == (50, 20)
+    opt.step()
+    with pytest.raises(RuntimeError, match="cannot be added after the variance froze"):
+        opt._local = True
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
