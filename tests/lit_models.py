@@ -62,12 +62,28 @@ class DigitsMLP(L.LightningModule):
         return digits_loaders()
 
 
+class DigitsMLPWithValidation(DigitsMLP):
+    """DigitsMLP with a validation loop (the last 256 digits)."""
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self.net(x), y))
+
+    def val_dataloader(self):
+        from sklearn.datasets import load_digits
+
+        X, y = load_digits(return_X_y=True)
+        return DataLoader(TensorDataset(torch.tensor(X[-256:] / 16.0, dtype=torch.float32), torch.tensor(y[-256:])),
+                          batch_size=64)
+
+
 class SaveParams(L.Callback):
     """Every rank writes its final parameters and comm figures (spawned ranks cannot return them)."""
 
     def __init__(self, outdir: str) -> None:
         self.outdir = outdir
         self.steps: list[tuple[int, float, bool]] = []
+        self.validated: list[tuple[int, list[torch.Tensor]]] = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         opt = trainer.optimizers[0]
@@ -75,6 +91,10 @@ class SaveParams(L.Callback):
         if hasattr(opt, "comm_counter"):
             self.steps.append((trainer.global_step, opt.comm_counter.last.bytes_sent, opt.compressing,
                                getattr(opt, "activated", 0)))
+
+    def on_validation_epoch_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:  # the parameters each rank evaluates
+            self.validated.append((trainer.global_step, [p.detach().clone() for p in pl_module.parameters()]))
 
     def on_train_end(self, trainer, pl_module) -> None:
         import os
@@ -87,5 +107,6 @@ class SaveParams(L.Callback):
         torch.save({"params": params, "steps": self.steps, "global_step": trainer.global_step, "payload": payload,
                     "comm_steps": counter.steps if counter else None,
                     "bytes_total": counter.total.bytes_sent if counter else None,
-                    "skipped_steps": getattr(opt, "skipped_steps", None)},
+                    "skipped_steps": getattr(opt, "skipped_steps", None), "validated": self.validated,
+                    "rounds": counter.rounds if counter else None},
                    os.path.join(self.outdir, f"rank{trainer.global_rank}.pt"))
