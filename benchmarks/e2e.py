@@ -11,7 +11,10 @@ each with a fresh model (same seed, same data), so the methods share the machine
 
 Methods: DDP + AdamW (fp32 allreduce), DDP + fp16 / bf16 compress hooks, DDP + PowerSGD (rank 1 and 4),
 and the strategies ``onebit_adam``, ``onebit_lamb``, ``qadam``, ``cd_adam`` (``CompressedDDPStrategy`` with
-``warmup=W``). The LightningModule's ``configure_optimizers`` returns ``torch.optim.AdamW`` in all cases (the
+``warmup=W``) and ``zero_one_adam`` (0/1 Adam with ``var_freeze_step=W``, kappa 2, and the local interval
+doubling every step up to H = 4: its phase 2 is the steady state of 3 local steps and 1 synchronisation;
+its phase-2 time is the *mean* over whole intervals, not the median, which would be a local step's).
+The LightningModule's ``configure_optimizers`` returns ``torch.optim.AdamW`` in all cases (the
 compressed strategies convert it). PowerSGD gets ``start_powerSGD_iter=W`` so that it has the same warm-up.
 Hooks are registered on CPU by a small ``DDPStrategy`` subclass (Lightning does so only on CUDA); the bf16 hook
 is registered under another name (DDP refuses the name without NCCL) and PowerSGD with one bucket in flight at
@@ -88,12 +91,12 @@ RESULT_TAG = "LOBE2E "
 PROFILE_TAG = "LOBPROF "
 
 METHODS = ("ddp_adamw", "ddp_fp16", "ddp_bf16", "powersgd_r1", "powersgd_r4",
-           "onebit_adam", "onebit_lamb", "qadam", "cd_adam",
+           "onebit_adam", "onebit_lamb", "qadam", "cd_adam", "zero_one_adam",
            "onebit_adam_hier", "onebit_lamb_hier", "qadam_hier", "cd_adam_hier")
 HIER = ("onebit_adam_hier", "onebit_lamb_hier", "qadam_hier", "cd_adam_hier")
 """The two-level collective (``hierarchical=True``); the plain names run flat (``hierarchical=False``)."""
-COMPRESSED = ("onebit_adam", "onebit_lamb", "qadam", "cd_adam", *HIER)
-DEFAULT_METHODS = METHODS[:9]
+COMPRESSED = ("onebit_adam", "onebit_lamb", "qadam", "cd_adam", "zero_one_adam", *HIER)
+DEFAULT_METHODS = METHODS[:10]
 HOOKS = ("ddp_fp16", "ddp_bf16", "powersgd_r1", "powersgd_r4")
 LABEL = {
     "ddp_adamw": "DDP + AdamW (fp32)",
@@ -105,6 +108,7 @@ LABEL = {
     "onebit_lamb": "onebit_lamb",
     "qadam": "qadam",
     "cd_adam": "cd_adam",
+    "zero_one_adam": "zero_one_adam (mean over intervals)",
     **{m: f"{m[:-5]} two-level" for m in HIER},
 }
 WORKLOADS = ("mlp", "transformer")
@@ -318,6 +322,24 @@ class _Profiler:
         return s.getvalue()
 
 
+def zero_one_schedule(warmup: int) -> dict[str, int]:
+    """0/1 Adam's schedule here: phase A (refreshes and 1-bit steps) for the warm-up's ``warmup`` steps,
+    then local intervals 1, 2 and from then on 4 (H)."""
+    return {"var_freeze_step": warmup, "var_update_scaler": 2, "local_step_scaler": 1, "local_step_clipper": 4}
+
+
+def _whole_intervals(method: str, warmup: int, lo: int, hi: int) -> tuple[int, int]:
+    """0/1 Adam's phase-2 window cut to whole local intervals (from a step after a synchronisation to a
+    synchronisation), so that its mean step time and bytes are the steady state's; others unchanged."""
+    if method != "zero_one_adam":
+        return lo, hi
+    from lightning_onebit.optim import ZeroOneSchedule
+
+    kinds = ZeroOneSchedule(**zero_one_schedule(warmup)).kinds(hi)  # kinds[i]: step index i (0-based)
+    syncs = [i for i in range(lo - 1, hi) if kinds[i] == "sync"]
+    return (syncs[0] + 1, syncs[-1] + 1) if len(syncs) >= 2 else (lo, hi)
+
+
 def make_strategy(method: str, warmup: int) -> Any:
     """The Lightning strategy of ``method`` (DDP with a hook registered on CPU too, or a compressed one)."""
     from lightning.pytorch.strategies import DDPStrategy
@@ -339,6 +361,9 @@ def make_strategy(method: str, warmup: int) -> Any:
         from lightning_onebit import CompressedDDPStrategy
 
         hier = method in HIER
+        if method == "zero_one_adam":
+            return CompressedDDPStrategy(method, optimizer_kwargs=zero_one_schedule(warmup), hierarchical=False,
+                                         **views)
         return CompressedDDPStrategy(method[:-5] if hier else method, warmup=warmup, hierarchical=hier, **views)
     raise ValueError(f"unknown method {method!r}")
 
@@ -420,9 +445,10 @@ def run_method(method: str, args: argparse.Namespace, rank: int, world: int, ifa
     if method in COMPRESSED and switch is not None and switch > 0:
         boundary = switch
     else:
-        boundary = W
+        boundary = W  # also 0/1 Adam's freeze (var_freeze_step = W)
     per_step = [max(r["times"][i] for r in everyone) for i in range(S)]
-    phases = {"warmup": (skip, boundary), "compress": (boundary + skip, S)}
+    phases = {"warmup": (skip, boundary), "compress": _whole_intervals(method, W, boundary + skip, S)}
+    stat = statistics.mean if method == "zero_one_adam" else _med
     row: dict[str, Any] = {
         "nodes": world // L, "ranks_per_node": L, "rate": args.rate, "workload": args.workload, "method": method,
         "batch_per_worker": batch_size(args.workload), "steps": S, "switch_step": switch,
@@ -431,8 +457,13 @@ def run_method(method: str, args: argparse.Namespace, rank: int, world: int, ifa
         "loss_last": statistics.mean(statistics.mean(r["loss"][-3:]) for r in everyone),
     }
     for name, (lo, hi) in phases.items():
-        row[f"{name}_median_s"] = _med(_window(per_step, lo, hi))
+        window = _window(per_step, lo, hi)
+        row[f"{name}_median_s"] = (stat(window) if window else None) if name == "compress" else _med(window)
         row[f"{name}_steps"] = max(0, hi - lo)
+        # rounds: steps in which this rank's optimizer (or DDP) sent anything
+        sent = [everyone[0]["counted"][i] - (everyone[0]["counted"][i - 1] if i else 0) for i in range(lo, hi)]
+        row[f"{name}_rounds_per_step"] = (sum(b > 0 for b in sent) / len(sent) if method in COMPRESSED else 1.0) \
+            if sent else None
         if hi > lo:  # counters at the end of step lo-1 and hi-1 (lo >= 1)
             n = hi - lo
             row[f"{name}_tx_per_step"] = statistics.mean(r["tx"][hi - 1] - r["tx"][lo - 1] for r in everyone) / n
@@ -661,9 +692,27 @@ def tables(rows: list[dict[str, Any]], refs: list[dict[str, Any]]) -> str:
                        f"{_mb(r.get('compress_tx_per_step'))} | {speed} | {vs_ideal} | "
                        f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
         out.append("")
+        out.append(_zero_one_vs_onebit(sub))
         out.append(_flat_vs_two_level(sub))
     out.append(target_check(rows, refs))
     return "\n".join(out)
+
+
+def _zero_one_vs_onebit(sub: list[dict[str, Any]]) -> str:
+    """0/1 Adam's steady state (whole local intervals) against 1-bit Adam's compression phase."""
+    by = {r["method"]: r for r in sub}
+    z, o = by.get("zero_one_adam"), by.get("onebit_adam")
+    if z is None:
+        return ""
+    line = (f"zero_one_adam, phase 2: {z['compress_rounds_per_step']:.2f} rounds per step over "
+            f"{z['compress_steps']} steps of whole local intervals")
+    if o is not None and o["compress_median_s"] and z["compress_median_s"]:
+        bz, bo = z.get("compress_tx_per_step"), o.get("compress_tx_per_step")
+        ratio = o["compress_median_s"] / z["compress_median_s"]
+        line += f"; onebit_adam (compression phase) / zero_one_adam: step time {ratio:.2f}x"
+        line += f", link bytes {bo / bz:.2f}x" if bz and bo else ""
+        line += f", rounds {o['compress_rounds_per_step'] / z['compress_rounds_per_step']:.2f}x"
+    return line + ".\n"
 
 
 def _flat_vs_two_level(sub: list[dict[str, Any]]) -> str:

@@ -89,10 +89,13 @@ def build_optimizer(alg: Mapping[str, Any], params: Iterable, *, total_steps: in
     if simulate_workers is not None and issubclass(cls, CompressedOptimizer):
         kw["simulate_workers"] = simulate_workers
     try:
-        return cls(params, **kw)
+        opt = cls(params, **kw)
     except TypeError as exc:
         raise TypeError(f"algorithm {alg.get('name')!r}: {cls.__name__} does not take these settings "
                         f"({sorted(kw)}): {exc}") from exc
+    if total_steps is not None and isinstance(opt, CompressedOptimizer):
+        opt.set_total_steps(total_steps)  # schedules given as fractions of the run (the strategies do it in fits)
+    return opt
 
 
 def build_strategy(alg: Mapping[str, Any], start_method: str = "spawn",

@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
-from lightning_onebit.callbacks import find_compressed_optimizer
+from lightning_onebit.callbacks import ReplicaSync, find_compressed_optimizer
 from lightning_onebit.comm import ring_allreduce_bytes
+from lightning_onebit.optim import NonFiniteGradientError
 from lightning_onebit.strategies import destroy_process_group_at_exit
 from lightning_onebit.strategies.ddp_hooks import HookDDPStrategy
 
@@ -37,6 +38,7 @@ class DDPCommCounter(L.Callback):
         self.bytes_total = 0
         self.fp32_ring_total = 0
         self.last_ratio = 1.0  # fp32 ring bytes / bytes sent, of the last step
+        self.rounds = 0  # steps that sent anything (every step, on more than one rank)
         self._last_step = 0
         self._step_bytes: int | None = None  # of the last step
 
@@ -52,6 +54,7 @@ class DDPCommCounter(L.Callback):
             sent = hooked.step_bytes(shapes, trainer.world_size, step) if hooked else None
             self._step_bytes = fp32 if sent is None else sent
             sent_now += self._step_bytes
+            self.rounds += bool(self._step_bytes)
             self.fp32_ring_total += fp32
             self.last_ratio = fp32 / self._step_bytes if self._step_bytes else 1.0
         self.bytes_total += sent_now
@@ -62,11 +65,13 @@ class DDPCommCounter(L.Callback):
 
     def state_dict(self) -> dict[str, Any]:  # a resumed run goes on counting from the checkpoint
         return {"bytes_total": self.bytes_total, "fp32_ring_total": self.fp32_ring_total,
-                "last_ratio": self.last_ratio, "last_step": self._last_step, "step_bytes": self._step_bytes}
+                "last_ratio": self.last_ratio, "last_step": self._last_step, "step_bytes": self._step_bytes,
+                "rounds": self.rounds}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.bytes_total, self.fp32_ring_total = state_dict["bytes_total"], state_dict["fp32_ring_total"]
         self.last_ratio, self._last_step = state_dict["last_ratio"], state_dict["last_step"]
+        self.rounds = state_dict.get("rounds", 0)
         self._step_bytes = state_dict["step_bytes"]
 
 
@@ -111,17 +116,18 @@ class RankRecord(L.Callback):
         opt = find_compressed_optimizer(trainer)
         if opt is not None:
             sent, fp32 = opt.comm_counter.total.bytes_sent, opt.comm_counter.total.fp32_ring_bytes
-            last_ratio = opt.comm_counter.last.ratio_vs_fp32
+            last_ratio, rounds = opt.comm_counter.last.ratio_vs_fp32, opt.comm_counter.rounds
         else:
             counter = next((c for c in trainer.callbacks if isinstance(c, DDPCommCounter)), None)
             sent = counter.bytes_total if counter else 0
             fp32 = counter.fp32_ring_total if counter else 0
             last_ratio = counter.last_ratio if counter else 1.0
+            rounds = counter.rounds if counter else 0
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
                    if isinstance(v, torch.Tensor) and v.numel() == 1 and math.isfinite(float(v))}
         record = {"global_rank": trainer.global_rank, "world_size": trainer.world_size,
                   "global_step": trainer.global_step, "bytes_sent": sent, "fp32_ring_bytes": fp32,
-                  "last_step_ratio_vs_fp32": last_ratio, "switch_step": self.switch_step,
+                  "last_step_ratio_vs_fp32": last_ratio, "rounds": rounds, "switch_step": self.switch_step,
                   "param_digest": _param_digest(pl_module), "metrics": metrics,
                   "status": getattr(pl_module, "status", "ok")}
         records = [record]
@@ -232,3 +238,17 @@ class TorchThreads(L.Callback):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         torch.set_num_threads(self.threads)
+
+
+class ReplicaSyncOrStop(ReplicaSync):
+    """:class:`~lightning_onebit.ReplicaSync` for the recipes: a divergence found at a synchronisation
+    outside a step (before validation, at the end) is a result, as in steps (``StopOnDivergence``)."""
+
+    def _sync(self, trainer: L.Trainer) -> None:
+        try:
+            super()._sync(trainer)
+        except NonFiniteGradientError as exc:
+            diverged = getattr(trainer.lightning_module, "_diverged", None)
+            if diverged is None:
+                raise
+            diverged(exc)

@@ -148,7 +148,9 @@ def runs_table(runs: Sequence[dict[str, Any]], primary: str | None, goal: str = 
                extra_cols: Sequence[str] = ()) -> str:
     """Markdown table: one row per run with its final metrics and what it sent.
 
-    ``sent/worker`` is what one rank (worker) put on the wire over the whole run;
+    ``rounds`` (shown when a run has steps that send nothing, 0/1 Adam's local steps) counts the
+    steps and synchronisations that sent anything; ``sent/worker`` is what one rank (worker) put
+    on the wire over the whole run;
     ``fp32 / sent`` compares it with an fp32 ring allreduce of the same gradients (plain DDP);
     ``vs adam`` with the uncompressed baseline's own run when the table has one; ``status``
     (shown when a run diverged) says where it stopped.
@@ -162,7 +164,11 @@ def runs_table(runs: Sequence[dict[str, Any]], primary: str | None, goal: str = 
                 keys.append(k)
     base = next((r for r in runs if r.get("algorithm") == "adam" and r.get("bytes_sent")), None)
     with_status = any(r.get("status", "ok") != "ok" for r in runs)
-    head = ["run", *extra_cols, *keys, "steps", "sent/worker", "fp32 / sent"] + (["vs adam"] if base else [])
+    # rounds (steps that sent anything) only when some run skips rounds (0/1 Adam's local steps)
+    with_rounds = any(r.get("rounds") is not None and r.get("rounds") != r.get("steps") and r.get("bytes_sent")
+                      for r in runs)
+    head = ["run", *extra_cols, *keys, "steps", *(["rounds"] if with_rounds else []), "sent/worker", "fp32 / sent"]
+    head += ["vs adam"] if base else []
     head += ["status"] if with_status else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     best = None
@@ -178,7 +184,8 @@ def runs_table(runs: Sequence[dict[str, Any]], primary: str | None, goal: str = 
             v = r.get("final", {}).get(k)
             cell = "" if v is None else _fmt(v)
             cells.append(f"**{cell}**" if k == primary and v is not None and v == best else cell)
-        cells += [str(r.get("steps", "")), format_bytes(sent) if sent else "0",
+        cells += [str(r.get("steps", "")), *([str(r.get("rounds", ""))] if with_rounds else []),
+                  format_bytes(sent) if sent else "0",
                   f"{r['fp32_ring_bytes'] / sent:.1f}x" if sent and r.get("fp32_ring_bytes") else "-"]
         if base:
             cells.append(compare_bytes(base["bytes_sent"], sent) if sent and r is not base else "-")

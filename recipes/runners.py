@@ -36,8 +36,8 @@ from lightning_onebit.comm import ring_allreduce_bytes
 from lightning_onebit.compress.kernels import set_thread_budget, thread_budget
 from lightning_onebit.optim import CompressedOptimizer, NonFiniteGradientError
 
-from .algorithms import build_optimizer, build_strategy, has_warmup, is_compressed
-from .callbacks import DDPCommCounter, RankRecord, RNGStates, RunIdentity, TorchThreads
+from .algorithms import build_optimizer, build_strategy, has_warmup, is_compressed, optimizer_class
+from .callbacks import DDPCommCounter, RankRecord, ReplicaSyncOrStop, RNGStates, RunIdentity, TorchThreads
 from .common import plain
 from .data import libsvm_path, load_libsvm
 from .loggers import build_loggers
@@ -166,7 +166,8 @@ def _fit(cfg: DictConfig, out_dir: Path, start_method: str, *, primary: bool = T
     shown, bar = progress_callbacks(progress)
     # the comm callbacks log before the progress callbacks read what they logged
     comm_cb = CommunicationMonitor(prog_bar=False) if is_compressed(alg) else DDPCommCounter()
-    callbacks = [comm_cb, RankRecord(ranks_file), RunIdentity(cfg.experiment.name, label), RNGStates(), *shown,
+    callbacks = [*([ReplicaSyncOrStop()] if is_compressed(alg) and optimizer_class(alg).has_local_steps else []),
+                 comm_cb, RankRecord(ranks_file), RunIdentity(cfg.experiment.name, label), RNGStates(), *shown,
                  *([TorchThreads(threads)] if threads else [])]
     if tkw.get("enable_checkpointing"):
         callbacks.append(_checkpoint_callback(cfg, ckpt_dir))
@@ -187,7 +188,8 @@ def _fit(cfg: DictConfig, out_dir: Path, start_method: str, *, primary: bool = T
     # epoch-level metrics only: the last batch's train_loss is noise
     keep = [k for k in (cfg.report.primary, *cfg.report.metrics, "val_loss") if k and k.startswith("val")]
     return {"label": label, "algorithm": label, "strategy": alg["strategy"], "optimizer": alg["optimizer"],
-            "steps": r0["global_step"], "bytes_sent": r0["bytes_sent"], "fp32_ring_bytes": r0["fp32_ring_bytes"],
+            "steps": r0["global_step"], "rounds": r0["rounds"], "bytes_sent": r0["bytes_sent"],
+            "fp32_ring_bytes": r0["fp32_ring_bytes"],
             "final": {k: r0["metrics"][k] for k in dict.fromkeys(keep) if k in r0["metrics"]},
             "metrics_csv": f"metrics/{label}/metrics.csv" if any(isinstance(lg, CSVLogger) for lg in loggers)
             else None, "wall_s": round(wall, 1), "world_size": trainer.world_size, "ranks_reported": len(records),
@@ -261,7 +263,13 @@ def _simulate(alg: dict[str, Any], label: str, x0: torch.Tensor, worker_grads: C
     log(0)
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
-        g = worker_grads(x)
+        if compressed and opt.has_local_steps and workers > 1:  # each worker's gradient at its own replica
+            g = torch.empty(workers, x.numel(), dtype=x.dtype)
+            for w in range(workers):
+                with opt.worker_parameters(w):
+                    g[w] = worker_grads(x)[w].detach()
+        else:
+            g = worker_grads(x)
         try:
             if not compressed:
                 x.grad = g.mean(0)
@@ -287,8 +295,10 @@ def _simulate(alg: dict[str, Any], label: str, x0: torch.Tensor, worker_grads: C
                 break
     for lg in loggers:
         lg.finalize("success")
+    rounds = opt.comm_counter.rounds if compressed else history[-1][0] * (workers > 1)
     rec = {"label": label, "algorithm": alg["name"], "strategy": alg["strategy"], "optimizer": alg["optimizer"],
-           "steps": history[-1][0], "bytes_sent": sent, "fp32_ring_bytes": fp32, "final": dict(history[-1][1]),
+           "steps": history[-1][0], "rounds": rounds, "bytes_sent": sent, "fp32_ring_bytes": fp32,
+           "final": dict(history[-1][1]),
            "metrics_csv": f"metrics/{label}/metrics.csv", "wall_s": round(time.perf_counter() - t0, 2),
            "world_size": workers, "simulated": True, "switch_step": switch_step, "status": status}
     return rec, history
@@ -367,7 +377,8 @@ def _closing_summary(summary: dict[str, Any], out_dir: Path) -> str:
             continue
         a, b = r["final"].get(prim), base["final"].get(prim)
         cmp = f" for {prim} {a:.4g} vs {b:.4g}" if a is not None and b is not None else ""
-        lines.append(f"{r['label']} sent {format_bytes(r['bytes_sent'])} per worker, uncompressed DDP "
+        rounds = f" in {r['rounds']} rounds" if r.get("rounds") not in (None, r.get("steps")) else ""
+        lines.append(f"{r['label']} sent {format_bytes(r['bytes_sent'])} per worker{rounds}, uncompressed DDP "
                      f"{format_bytes(base['bytes_sent'])}: {compare_bytes(base['bytes_sent'], r['bytes_sent'])}{cmp}.")
     lines.append(f"outputs: {out_dir}")
     return "\n".join(lines)

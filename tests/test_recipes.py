@@ -138,7 +138,7 @@ def test_recipe_modules_import_each_other_without_cycles():
 
 def test_config_tree_has_the_experiment_algorithm_and_trainer_groups():
     assert {"quickstart", "logreg_nonconvex", "quadratic_divergence"} <= set(EXPERIMENTS)
-    assert {"adam", "onebit_adam", "onebit_lamb", "qadam", "cd_adam", "ef21", "ef_amsgrad",
+    assert {"adam", "onebit_adam", "zero_one_adam", "onebit_lamb", "qadam", "cd_adam", "ef21", "ef_amsgrad",
             "naive_amsgrad", *HOOK_BASELINES} <= set(ALGORITHMS)
     assert {"cpu", "gpu", "multinode"} <= {p.stem for p in (CONF / "trainer").glob("*.yaml")}
     cfg = _compose()  # no arguments: the quickstart with 1-bit Adam on 2 CPU processes
@@ -211,6 +211,18 @@ def test_popen_launcher_falls_back_to_spawn_where_it_cannot_work(monkeypatch):
     assert _start_method("spawn", n_fits=1, multirun=False) == "popen"  # spawning from each rank: 4 ranks
 
 
+def test_quickstart_with_zero_one_adam_takes_fewer_rounds(tmp_path):
+    """algorithm=zero_one_adam on 2 processes: local steps send nothing, the table shows the rounds, and
+    the ranks end (and were validated) with one model."""
+    out = tmp_path / "run"
+    proc = _train([f"hydra.run.dir={out}", "algorithm=zero_one_adam", "experiment.compare_baseline=false",
+                   "trainer.max_epochs=4"], cwd=tmp_path)
+    (r,) = json.loads((out / "summary.json").read_text())["runs"]
+    assert (r["ranks_reported"], r["replicas_identical"], r["status"]) == (2, True, "ok")
+    assert r["steps"] == 4 * 23 and r["rounds"] < r["steps"] * 0.6 and r["final"]["val_acc"] > 0.8
+    assert "| steps | rounds |" in proc.stdout and f"in {r['rounds']} rounds" not in proc.stdout  # no baseline
+
+
 def test_quickstart_end_to_end_two_processes(tmp_path):
     """`python recipes/train.py` with no experiment arguments: both fits run on 2 gloo ranks, logging to
     CSV and TensorBoard, with progress lines (the output is a pipe, not a terminal)."""
@@ -260,7 +272,8 @@ def _write_libsvm(path: Path, n: int = 240, d: int = 12, seed: int = 0) -> None:
     dump_svmlight_file(X, y, str(path), zero_based=False)
 
 
-@pytest.mark.parametrize("algorithm,batch_size", [("cd_adam", None), ("adam", None), ("ef_amsgrad", 4)])
+@pytest.mark.parametrize("algorithm,batch_size", [("cd_adam", None), ("adam", None), ("ef_amsgrad", 4),
+                                                  ("zero_one_adam", None)])
 def test_logreg_runs_on_a_libsvm_file(tmp_path, algorithm, batch_size):
     f = tmp_path / "tiny.libsvm"
     _write_libsvm(f)
@@ -283,6 +296,8 @@ def test_logreg_runs_on_a_libsvm_file(tmp_path, algorithm, batch_size):
         assert r["bytes_sent"] == 40 * ring_allreduce_bytes(12, 20)
     else:
         assert r["bytes_sent"] > 0 and r["switch_step"] == 1
+    if algorithm == "zero_one_adam":  # 20 simulated workers, each with its own replica in local steps
+        assert r["rounds"] < r["steps"]
     assert (tmp_path / "out" / "curves.png").exists()
     assert bool(list((tmp_path / "out" / "tensorboard").glob("*/events.out.tfevents.*"))) == (algorithm == "adam")
 

@@ -28,8 +28,8 @@ class ReplicaSync(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self._sync(trainer)
 
-    @staticmethod
-    def _sync(trainer) -> None:
+    def _sync(self, trainer) -> None:
+        """Subclasses may catch what the synchronisation raises (e.g. NonFiniteGradientError)."""
         opt = find_compressed_optimizer(trainer)
         if opt is not None:
             opt.sync_replicas()
