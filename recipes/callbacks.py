@@ -60,6 +60,7 @@ class DDPCommCounter(L.Callback):
         self.bytes_total += sent_now
         per_step = fp32 if self._step_bytes is None else self._step_bytes
         pl_module.log_dict({"comm/bytes_step": float(sent_now), "comm/bytes_total": float(self.bytes_total),
+                            "comm/rounds": float(self.rounds),
                             "comm/bits_per_param": 8.0 * per_step / numel if numel else 0.0},
                            on_step=True, on_epoch=False, rank_zero_only=True)
 

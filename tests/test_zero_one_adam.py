@@ -265,6 +265,24 @@ def test_ddp_hook_equals_the_simulation_and_local_steps_send_nothing():
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), p0, strict=True))
 
 
+def test_two_level_simulation_keeps_the_replicas_apart_until_they_meet():
+    """2 simulated nodes x 2 ranks (the two-level collective): after every synchronisation the four
+    replicas are one model; between them they differ; the 1-bit calls cross nodes, fp32 stays inside."""
+    model = _model()
+    opt = ZeroOneAdam(model.parameters(), lr=3e-3, simulate_workers=4, **SMALL)
+    opt.set_topology(hierarchical=True, ranks_per_node=2)
+    kinds = ZeroOneSchedule(**SMALL).kinds(24)
+    for t in range(1, 25):
+        opt.step_workers(_grads(opt, model, t, workers=4))
+        reps = []
+        for w in range(4):
+            with opt.worker_parameters(w):
+                reps.append([p.detach().clone() for p in model.parameters()])
+        same = all(torch.equal(p, q) for r in reps[1:] for p, q in zip(reps[0], r, strict=True))
+        assert same == (kinds[t - 1] != L), t
+    assert opt.intra_node_counter.total.bytes_sent > 0 and opt.comm_counter.rounds == 24 - kinds.count(L)
+
+
 # -- non-finite gradients in local steps ----------------------------------------------------------
 @pytest.mark.parametrize("policy", ["skip", "raise"])
 def test_nonfinite_gradient_in_a_local_step(policy, caplog):
@@ -404,11 +422,17 @@ def test_strategy_checkpoints_one_model_mid_interval_and_resumes_exactly(tmp_pat
     assert resumed[0]["rounds"] == full[0]["rounds"]
 
 
-def test_strategy_validates_one_model(tmp_path):
-    """Validation at the end of each epoch (inside a local interval): every rank evaluates the same model."""
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_strategy_validates_one_model(tmp_path, accumulate):
+    """Validation at the end of each epoch (inside a local interval): every rank evaluates the same model.
+    With gradient accumulation DDP's no_sync covers the other micro-batch and the hook runs once per step."""
     from lit_models import DigitsMLPWithValidation
 
-    ranks = _fit(tmp_path, DigitsMLPWithValidation(), 2, enable_checkpointing=False)
-    assert [s for s, _ in ranks[0]["validated"]] == [s for s, _ in ranks[1]["validated"]] == [8, 16]
+    ranks = _fit(tmp_path, DigitsMLPWithValidation(), 2, enable_checkpointing=False,
+                 accumulate_grad_batches=accumulate)
+    per_epoch = 8 // accumulate
+    assert [s for s, _ in ranks[0]["validated"]] == [s for s, _ in ranks[1]["validated"]] == [per_epoch, 2 * per_epoch]
+    kinds = ZeroOneSchedule(**STRATEGY_SCHEDULE).kinds(2 * per_epoch)
+    assert ranks[0]["rounds"] == sum(k != L for k in kinds) + sum(kinds[t - 1] == L for t in (per_epoch, 2 * per_epoch))
     for (_, a), (_, b) in zip(ranks[0]["validated"], ranks[1]["validated"], strict=True):
         assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))

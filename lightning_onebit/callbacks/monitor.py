@@ -13,7 +13,9 @@ class CommunicationMonitor(Callback):
     """Logs, every ``log_every_n_steps`` optimizer steps, to Lightning's loggers:
 
     ``comm/bytes_step`` (bytes this rank sent in the last optimizer step), ``comm/bytes_total``,
-    ``comm/bits_per_param`` (of the last step), ``comm/ratio_vs_fp32`` (fp32 ring-allreduce bytes
+    ``comm/bits_per_param`` (of the last step), ``comm/rounds`` (steps and synchronisations that sent
+    anything so far: every step for most algorithms, fewer with 0/1 Adam's local steps),
+    ``comm/ratio_vs_fp32`` (fp32 ring-allreduce bytes
     of the same tensors / bytes sent: ~1 in warm-up, ~32 with 1-bit, ~4 with 8-bit) and
     ``comm/compressing`` (0/1). ``ratio_vs_fp32`` and ``compressing`` also go to the progress bar.
     With the two-level collective the compressed bytes are those between nodes, and
@@ -33,6 +35,7 @@ class CommunicationMonitor(Callback):
             "comm/bytes_step": float(last.bytes_sent),
             "comm/bytes_total": float(total.bytes_sent),
             "comm/bits_per_param": last.bits_per_param,
+            "comm/rounds": float(opt.comm_counter.rounds),
         }
         if opt.intra_node_counter.total.bytes_sent:
             metrics["comm/intra_node_bytes_step"] = float(opt.intra_node_counter.last.bytes_sent)

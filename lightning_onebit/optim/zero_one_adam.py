@@ -342,7 +342,7 @@ class ZeroOneAdam(CompressedOptimizer):
                 self._comm_for(b).reset_state()
                 masked += 0 if (mask := self._mask(b)) is None else int(mask.sum())
             self._local = True
-            if masked:
+            if masked and (not dist.is_initialized() or dist.get_rank() == 0):
                 log.warning(f"ZeroOneAdam: the variance froze at step {self._step} with {masked} coordinates that "
                             "never had a gradient at a refresh; they stay where they are (a later var_freeze_step "
                             "trains them)")
@@ -375,9 +375,12 @@ class ZeroOneAdam(CompressedOptimizer):
         if grads:
             bad = ~torch.stack([torch.stack([all_finite(g) for g in ws]) for ws in grads]).all(0)
             self._bad += bad
-            for ws in grads:
-                for g, x in zip(ws, bad, strict=True):
-                    g.masked_fill_(x, 0.0)  # no host sync: read at the next synchronisation
+            # on a GPU without a host sync (the counts are read at the next synchronisation); on the
+            # CPU reading the flag is free and spares a pass over the gradients
+            if bad.device.type != "cpu" or bool(bad.any()):
+                for ws in grads:
+                    for g, x in zip(ws, bad, strict=True):
+                        g.masked_fill_(x, 0.0)
         self._step += 1
         for b, ws in zip(buckets, grads, strict=True):
             group = self.param_groups[b.group_index]
