@@ -360,6 +360,16 @@ def test_bad_arguments_name_the_problem(kwargs, match):
         ZeroOneAdam(_model().parameters(), **kwargs)
 
 
+def test_strategy_names_are_registered():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_onebit import ZeroOneAdamStrategy
+
+    assert {"zero_one_adam", "zero_one_adam_spawn"} <= set(StrategyRegistry)
+    assert StrategyRegistry["zero_one_adam_spawn"]["init_params"]["start_method"] == "spawn"
+    assert ZeroOneAdamStrategy().optimizer_cls is ZeroOneAdam
+
+
 def test_fractions_of_the_run_resolve_when_the_length_is_known():
     model = _model()
     opt = ZeroOneAdam(model.parameters(), var_freeze_step=0.25, local_step_scaler=0.1)
@@ -405,7 +415,8 @@ def test_strategy_checkpoints_one_model_mid_interval_and_resumes_exactly(tmp_pat
     kinds = ZeroOneSchedule(**STRATEGY_SCHEDULE).kinds(32)
     assert [kinds[t - 1] for t in (8, 16, 24, 32)] == [L, L, S, L]
     ck = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_epochs=1)
-    full = _fit(tmp_path / "a", DigitsMLP(), 4, callbacks=[ck], enable_checkpointing=True)
+    # with an LR scheduler (halving every epoch): the local steps use each step's lr
+    full = _fit(tmp_path / "a", DigitsMLP(scheduler=True), 4, callbacks=[ck], enable_checkpointing=True)
     for p, q in zip(full[0]["params"], full[1]["params"], strict=True):
         assert torch.equal(p, q)
     # nothing sent in the local steps; the checkpoint's round after step 16 is logged with step 17
@@ -416,7 +427,7 @@ def test_strategy_checkpoints_one_model_mid_interval_and_resumes_exactly(tmp_pat
     path = sorted((tmp_path / "ck").glob("epoch=1*.ckpt"))[0]
     extra = torch.load(path, weights_only=False)["optimizer_states"][0]["onebit"]["extra"]
     assert extra["since_sync"] == 0 and extra["flushes"] == 2 and extra["step_counts"]["local"] > 0
-    resumed = _fit(tmp_path / "b", DigitsMLP(), 4, ckpt_path=str(path))
+    resumed = _fit(tmp_path / "b", DigitsMLP(scheduler=True), 4, ckpt_path=str(path))
     for p, q in zip(full[0]["params"], resumed[0]["params"], strict=True):
         assert torch.equal(p, q)
     assert resumed[0]["rounds"] == full[0]["rounds"]

@@ -112,6 +112,10 @@ class ZeroOneAdam(CompressedOptimizer):
     step is which (DeepSpeed's ``var_freeze_step``, ``var_update_scaler`` = kappa,
     ``local_step_scaler``, ``local_step_clipper`` = H, with their defaults).
 
+    Between synchronisations the ranks' models differ: :meth:`sync_replicas` (collective) makes them
+    one before anything is evaluated or saved. The strategies call it before validation, before
+    checkpoints and at the end of fit; with plain DDP call it yourself on every rank.
+
     Rounds and bytes: a refresh step is an fp32 allreduce, a 1-bit step and a synchronisation
     one 1-bit call (~1/32 of it), a local step nothing. With DDP the local steps skip DDP's
     allreduce entirely (the comm hook returns the local gradients, counted in ``local_steps``).
