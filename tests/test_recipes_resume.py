@@ -107,20 +107,15 @@ def _rank_pid(torchrun_pid: int, rank: int) -> int | None:
     return None
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's process in /proc")
-def test_rank_killed_under_torchrun_restarts_and_ends_like_the_uninterrupted_run(tmp_path, uninterrupted):
-    """torchrun --max-restarts with ckpt_path=last: rank 1 is killed (SIGKILL) once during the
-    compression phase, after the first checkpoint; torchrun restarts both ranks, which resume from
-    last.ckpt and end with the parameters, metrics and bytes of the run that was never interrupted.
-    (Two restarts are allowed: a restarted gloo rank has once failed to connect to its peer.)"""
-    out = tmp_path / "run"
+def _killed_run(out: Path, cwd: Path) -> tuple[int | None, int | None, str]:
+    """One torchrun job whose rank 1 is SIGKILLed once after the first checkpoint: (killed at step,
+    the job's exit code or None if it hung, its output). The whole process group goes at the end."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=2",
            str(ROOT / "recipes" / "train.py"), *ARGS, f"hydra.run.dir={out}", "trainer.max_epochs=4", "ckpt_path=last"]
-    agent = subprocess.Popen(cmd, cwd=tmp_path, env={**ENV, "HYDRA_FULL_ERROR": "1"}, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    agent = subprocess.Popen(cmd, cwd=cwd, env={**ENV, "HYDRA_FULL_ERROR": "1"}, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     last = out / "checkpoints" / "onebit_adam" / "last.ckpt"
-    killed = None
+    killed, code, log = None, None, ""
     try:
         deadline = time.monotonic() + 300
         while killed is None and agent.poll() is None and time.monotonic() < deadline:
@@ -134,13 +129,34 @@ def test_rank_killed_under_torchrun_restarts_and_ends_like_the_uninterrupted_run
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     killed = step
-        log, _ = agent.communicate(timeout=400)
+        log, _ = agent.communicate(timeout=300)
+        code = agent.returncode
+    except subprocess.TimeoutExpired:
+        pass
     finally:
         if agent.poll() is None:
-            agent.kill()
-    (tmp_path / "torchrun.log").write_text(log)
+            os.killpg(agent.pid, signal.SIGKILL)
+            log += agent.communicate()[0] or ""
+    return killed, code, log
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's process in /proc")
+def test_rank_killed_under_torchrun_restarts_and_ends_like_the_uninterrupted_run(tmp_path, uninterrupted):
+    """torchrun --max-restarts with ckpt_path=last: rank 1 is killed (SIGKILL) once during the
+    compression phase, after the first checkpoint; torchrun restarts both ranks, which resume from
+    last.ckpt and end with the parameters, metrics and bytes of the run that was never interrupted.
+    On this machine a restarted gloo rank sometimes fails to connect to its peer, or the restarted job
+    hangs in gloo's connect, before any package code runs; such a job is run once more from scratch,
+    and the test fails if that one fails too."""
+    for attempt in range(2):
+        out = tmp_path / f"run{attempt}"
+        killed, code, log = _killed_run(out, tmp_path)
+        (tmp_path / f"torchrun{attempt}.log").write_text(log)
+        if killed is not None and code == 0:
+            break
     assert killed is not None, "rank 1 was not killed (the job ended first?)"
-    assert agent.returncode == 0, f"{tmp_path / 'torchrun.log'}\n" + log[-4000:]
+    assert code == 0, f"exit code {code} (None: hung)\n" + log[-4000:]
     assert "resuming from" in log, log[-4000:]  # the restarted ranks found last.ckpt
     got = _result(out)
     assert {k: v for k, v in got.items() if k != "csv"} == {k: v for k, v in uninterrupted.items() if k != "csv"}
