@@ -17,6 +17,7 @@ from .optim import (
     ZeroOneAdam,
 )
 from .strategies import (
+    BaseDDPStrategy,
     CDAdamStrategy,
     CompressedDDPStrategy,
     OnebitAdamStrategy,
@@ -26,7 +27,7 @@ from .strategies import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["CDAdam", "CDAdamStrategy", "CommunicationMonitor", "CompressedDDPStrategy", "EF21",
+__all__ = ["CDAdam", "CDAdamStrategy", "CommunicationMonitor", "CompressedDDPStrategy", "EF21", "BaseDDPStrategy",
            "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad", "OnebitAdam", "OnebitAdamStrategy", "OnebitLamb",
            "OnebitLambStrategy", "PhaseSwitch", "QAdam", "QAdamStrategy", "ReplicaSync", "ZeroOneAdam",
            "ZeroOneAdamStrategy"]

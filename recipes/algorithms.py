@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 from hydra.utils import get_class
-from lightning.pytorch.strategies import DDPStrategy, Strategy
+from lightning.pytorch.strategies import Strategy
 
 from lightning_onebit import CompressedDDPStrategy
 from lightning_onebit.optim import CompressedOptimizer
+from lightning_onebit.strategies import BaseDDPStrategy
 from lightning_onebit.strategies.ddp_hooks import hook_strategy
 
 __all__ = ["META_KEYS", "build_optimizer", "build_strategy", "is_compressed", "optimizer_class",
@@ -98,7 +99,7 @@ def build_optimizer(alg: Mapping[str, Any], params: Iterable, *, total_steps: in
     return opt
 
 
-def build_strategy(alg: Mapping[str, Any], start_method: str = "spawn",
+def build_strategy(alg: Mapping[str, Any], start_method: str = "forkserver",
                    process_group_backend: str | None = None) -> Strategy:
     """``ddp`` for the baselines (with ``alg['comm_hook']``: DDP with that PyTorch comm hook), else the
     package's strategy for ``alg['strategy']``.
@@ -112,7 +113,8 @@ def build_strategy(alg: Mapping[str, Any], start_method: str = "spawn",
         if hook:
             return hook_strategy(hook, rank=alg.get("powersgd_rank", 1),
                                  start_iter=alg.get("powersgd_start_iter", 1000), **common)
-        return DDPStrategy(**common)
+        # DDPStrategy with sound forkserver launches and torchrun restarts (lightning_onebit.strategies.launch)
+        return BaseDDPStrategy(**common)
     if hook:
         raise ValueError(f"algorithm {alg.get('name')!r}: comm_hook needs strategy: ddp, not {alg['strategy']!r}")
     warmup = alg.get("warmup") if has_warmup(alg) else None

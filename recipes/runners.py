@@ -72,8 +72,8 @@ def _start_method(requested: str, n_fits: int, multirun: bool) -> str:
     """Lightning's popen launcher re-runs the whole script per rank. Inside a Hydra multirun
     the ranks would each start the whole sweep, and with several fits per job they would
     run fits the launcher does not know about; spawn keeps the ranks inside this job.
-    Under torchrun/SLURM the ranks exist already: Lightning's spawn launcher would start more
-    from each of them, its popen launcher starts none."""
+    Under torchrun/SLURM the ranks exist already: Lightning's spawn or forkserver launcher would
+    start more from each of them, its popen launcher starts none."""
     if _launched_externally():
         return "popen"
     if requested == "popen" and (multirun or n_fits > 1):

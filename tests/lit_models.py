@@ -108,5 +108,6 @@ class SaveParams(L.Callback):
                     "comm_steps": counter.steps if counter else None,
                     "bytes_total": counter.total.bytes_sent if counter else None,
                     "skipped_steps": getattr(opt, "skipped_steps", None), "validated": self.validated,
+                    "probe": os.environ.get("LIGHTNING_ONEBIT_PROBE"), "rng": torch.random.initial_seed(),
                     "rounds": counter.rounds if counter else None},
                    os.path.join(self.outdir, f"rank{trainer.global_rank}.pt"))

@@ -1,5 +1,5 @@
+import datetime
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -13,6 +13,8 @@ from lit_models import DigitsMLP, SaveParams
 import lightning_onebit  # noqa: F401  (registers the strategy names)
 from lightning_onebit import CommunicationMonitor, CompressedDDPStrategy, OnebitAdamStrategy, PhaseSwitch
 from lightning_onebit.strategies.compressed import SHARD_DIR, shard_path
+
+from proc_utils import run as proc_run
 
 HERE = Path(__file__).parent
 
@@ -50,7 +52,7 @@ def _bytes_by_phase(steps):
                                         ("ef21", None), ("ef_amsgrad", None), ("naive_amsgrad", None)])
 def test_every_strategy_fits_and_replicas_agree(tmp_path, name, ratio):
     model = DigitsMLP(optimizer="adamw" if name != "ef21" else "EF21", lr=3e-3 if name != "ef21" else 0.05)
-    strategy = CompressedDDPStrategy(name, warmup=4, start_method="spawn")
+    strategy = CompressedDDPStrategy(name, warmup=4, start_method="forkserver")
     ranks, _ = _fit(tmp_path, strategy, model)
     for p, q in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(p, q)
@@ -78,7 +80,7 @@ def test_exact_resume_across_the_switch(tmp_path, devices):
     ck = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_epochs=1)
 
     def strategy():
-        return OnebitAdamStrategy(warmup=5, start_method="spawn")
+        return OnebitAdamStrategy(warmup=5, start_method="forkserver")
 
     full, _ = _fit(tmp_path / "a", strategy(), devices=devices, max_epochs=4, callbacks=[ck],
                    enable_checkpointing=True)
@@ -173,7 +175,7 @@ def test_ranks_that_disagree_fail_at_setup_on_every_rank(tmp_path, rank_kwargs, 
     """Settings that differ between ranks fail before the first collective, on every rank, naming them."""
     model = DigitsMLP(optimizer="OnebitAdam", rank_kwargs=rank_kwargs)
     with pytest.raises(Exception, match="disagree on the training setup") as info:
-        _fit(tmp_path, OnebitAdamStrategy(warmup=None, start_method="spawn"), model=model, max_epochs=1)
+        _fit(tmp_path, OnebitAdamStrategy(warmup=None, start_method="forkserver"), model=model, max_epochs=1)
     assert needle in str(info.value)
 
 
@@ -181,13 +183,13 @@ def test_nonfinite_step_is_skipped_on_every_rank(tmp_path):
     """The strategies' default: a NaN gradient on one rank (DDP, compression phase) skips that step on
     both ranks; the fit goes on and the replicas stay identical. on_nonfinite="raise" stops instead."""
     model = DigitsMLP(nan_at=[[1, 10]])
-    ranks, trainer = _fit(tmp_path / "a", OnebitAdamStrategy(warmup=5, start_method="spawn"), model=model,
+    ranks, trainer = _fit(tmp_path / "a", OnebitAdamStrategy(warmup=5, start_method="forkserver"), model=model,
                           max_epochs=2)
     for p, q in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(p, q)
     assert ranks[0]["skipped_steps"] == ranks[1]["skipped_steps"] == 1
     with pytest.raises(Exception, match="NaN or inf"):
-        _fit(tmp_path / "b", OnebitAdamStrategy(warmup=5, on_nonfinite="raise", start_method="spawn"),
+        _fit(tmp_path / "b", OnebitAdamStrategy(warmup=5, on_nonfinite="raise", start_method="forkserver"),
              model=DigitsMLP(nan_at=[[1, 10]]), max_epochs=2)
 
 
@@ -201,7 +203,7 @@ def test_resume_with_other_algorithm_fails(tmp_path):
 
 
 def test_gradient_accumulation_communicates_once_per_step(tmp_path):
-    ranks, trainer = _fit(tmp_path, OnebitAdamStrategy(warmup=2, start_method="spawn"), max_epochs=1,
+    ranks, trainer = _fit(tmp_path, OnebitAdamStrategy(warmup=2, start_method="forkserver"), max_epochs=1,
                           accumulate_grad_batches=2)
     r0 = ranks[0]
     assert r0["global_step"] == 4 and r0["comm_steps"] == 4  # 8 batches per rank / 2: one sync per step
@@ -216,7 +218,7 @@ def test_gradient_accumulation_communicates_once_per_step(tmp_path):
 
 @pytest.mark.parametrize("precision", ["bf16-mixed"])  # on CPU Lightning turns 16-mixed into bf16-mixed
 def test_mixed_precision(tmp_path, precision):
-    ranks, _ = _fit(tmp_path, OnebitAdamStrategy(warmup=4, start_method="spawn"), precision=precision)
+    ranks, _ = _fit(tmp_path, OnebitAdamStrategy(warmup=4, start_method="forkserver"), precision=precision)
     for p, q in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(p, q)
     _, comp = _bytes_by_phase(ranks[0]["steps"])
@@ -310,8 +312,7 @@ def test_strategy_string_with_the_default_launcher(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT.format(tests=str(HERE), out=str(tmp_path)))
     env = dict(os.environ, PYTHONPATH=str(HERE.parent))
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = proc_run([sys.executable, str(script)], cwd=tmp_path, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "converted AdamW to OnebitAdam" in proc.stdout + proc.stderr
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2))
@@ -336,6 +337,44 @@ def test_adam_converted_to_onebit_lamb_warns_about_the_learning_rate():
     assert type(new).__name__ == "OnebitLamb" and new.defaults["lr"] == 1e-3
 
 
+@pytest.mark.budget(40)
+def test_forkserver_launch_gives_what_spawn_gives(tmp_path, monkeypatch):
+    """Lightning's own forkserver launch hands CPU ranks the model in shared memory (every rank then
+    steps the same parameters) and the forkserver's environment and RNG; ours gives each rank its own
+    copy, the launching process's environment (set here after the forkserver started) and its seed,
+    so the fit equals a spawned one bit for bit."""
+    monkeypatch.setenv("LIGHTNING_ONEBIT_PROBE", "set by the test")
+    spawned, _ = _fit(tmp_path / "s", OnebitAdamStrategy(warmup=4, start_method="spawn"), max_epochs=1)
+    forked, _ = _fit(tmp_path / "f", OnebitAdamStrategy(warmup=4, start_method="forkserver"), max_epochs=1)
+    for a, b in zip(spawned, forked, strict=True):
+        # DigitsMLP() seeds 0 in the launching process; the forkserver's own generator has torch's default seed
+        assert (a["probe"], a["rng"]) == (b["probe"], b["rng"]) == ("set by the test", 0)
+        for p, q in zip(a["params"], b["params"], strict=True):
+            assert torch.equal(p, q)
+
+
+def test_process_group_keys_are_those_of_the_torchrun_attempt(monkeypatch):
+    """torchrun keeps its store across restarts; a restarted rank must not see the keys (gloo's
+    listening addresses) the ranks of the attempt before it wrote."""
+    from lightning_onebit.strategies.launch import attempt_store
+
+    timeout = datetime.timedelta(seconds=10)
+    server = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)
+    for k in ("TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(k, raising=False)
+    assert attempt_store(timeout) is None  # not under torchrun: env:// as usual
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(server.port))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    attempt_store(timeout).set("default_pg/0//cpu//0/rank_1", "the killed rank's address")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert not attempt_store(timeout).check(["default_pg/0//cpu//0/rank_1"])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert attempt_store(timeout).check(["default_pg/0//cpu//0/rank_1"])
+
+
 def test_gloo_process_group_is_destroyed_at_exit(tmp_path):
     """Lightning destroys the process group at exit only for NCCL; a gloo one left to interpreter
     finalisation can abort the process (SIGABRT) after a finished fit. Our hook destroys it first."""
@@ -355,7 +394,6 @@ def test_gloo_process_group_is_destroyed_at_exit(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PORT": str(port)})
+    proc = proc_run([sys.executable, "-c", script], timeout=120, env={**os.environ, "PORT": str(port)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "initialized at exit: False" in proc.stdout

@@ -1,11 +1,14 @@
 """Lightning strategies; importing this module registers the strategy names.
 
-:mod:`.ddp_hooks` holds the baselines: plain DDP with PyTorch's fp16/bf16/PowerSGD comm hooks."""
+:mod:`.ddp_hooks` holds the baselines: plain DDP with PyTorch's fp16/bf16/PowerSGD comm hooks;
+:mod:`.launch` the DDPStrategy every one of them builds on, whose process group survives
+``torchrun --max-restarts``."""
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from .compressed import ALGORITHMS, CompressedDDPStrategy, destroy_process_group_at_exit
+from .compressed import ALGORITHMS, CompressedDDPStrategy
 from .ddp_hooks import HookDDPStrategy, hook_strategy
+from .launch import BaseDDPStrategy, destroy_process_group_at_exit
 
 
 class OnebitAdamStrategy(CompressedDDPStrategy):
@@ -40,6 +43,6 @@ class ZeroOneAdamStrategy(CompressedDDPStrategy):
 
 CompressedDDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ALGORITHMS", "CDAdamStrategy", "CompressedDDPStrategy", "HookDDPStrategy", "OnebitAdamStrategy",
-           "OnebitLambStrategy", "QAdamStrategy", "ZeroOneAdamStrategy", "destroy_process_group_at_exit",
-           "hook_strategy"]
+__all__ = ["ALGORITHMS", "CDAdamStrategy", "CompressedDDPStrategy", "BaseDDPStrategy", "HookDDPStrategy",
+           "OnebitAdamStrategy", "OnebitLambStrategy", "QAdamStrategy", "ZeroOneAdamStrategy",
+           "destroy_process_group_at_exit", "hook_strategy"]

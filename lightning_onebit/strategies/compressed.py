@@ -41,7 +41,6 @@ clipping does not affect the update.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import os
 import warnings
@@ -52,21 +51,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from ..compress.kernels import apply_thread_budget
 from ..optim import CompressedOptimizer
 from ..optim.base import _is_lamb, check_nonfinite_policy
+from .launch import BaseDDPStrategy, destroy_process_group_at_exit
 
 __all__ = ["ALGORITHMS", "SHARD_DIR", "CompressedDDPStrategy", "destroy_process_group_at_exit", "shard_path"]
 
 #: strategy name -> optimizer class (each optimizer names its strategy, see CompressedOptimizer)
 ALGORITHMS: dict[str, type[CompressedOptimizer]] = CompressedOptimizer.algorithms()
 
-
-_CLEANUP_REGISTERED = False
 
 SHARD_DIR = ".onebit-error-state"
 """Directory, next to a checkpoint file, of the per-rank error-state shards (one sub-directory per
@@ -99,25 +96,6 @@ def _save_id(checkpoint: Mapping[str, Any]) -> list:
     return [checkpoint.get("epoch"), checkpoint.get("global_step"),
             [st.get("onebit", {}).get("step") for st in checkpoint.get("optimizer_states", [])
              if isinstance(st, dict)]]
-
-
-def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def destroy_process_group_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits, whatever its backend.
-
-    Lightning does this only for NCCL. With gloo, the process group's worker threads can still
-    hold finished work objects (with tensors) when the interpreter finalises; freeing them then
-    needs the GIL and aborts the process (SIGABRT, reported by ``spawn`` as "process 1 terminated
-    with signal SIGABRT" after a fit that completed; see pytorch/pytorch#179291). Idempotent.
-    """
-    global _CLEANUP_REGISTERED
-    if not _CLEANUP_REGISTERED:
-        atexit.register(_destroy_process_group)
-        _CLEANUP_REGISTERED = True
 
 
 def _mark_step_for_schedulers(opt: Optimizer) -> None:
@@ -155,7 +133,7 @@ class _AgreeingGradScaler(torch.amp.GradScaler):
                 dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
 
 
-class CompressedDDPStrategy(DDPStrategy):
+class CompressedDDPStrategy(BaseDDPStrategy):
     """DDP with compressed communication by a lightning_onebit algorithm.
 
     Args:
@@ -209,7 +187,6 @@ class CompressedDDPStrategy(DDPStrategy):
     # -- setup ---------------------------------------------------------------------------
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        destroy_process_group_at_exit()
         # ranks on one host share its cores: give the compression kernels their share (logged once)
         msg = apply_thread_budget(self.num_processes)
         if msg:
@@ -456,7 +433,7 @@ class CompressedDDPStrategy(DDPStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         for name in ALGORITHMS:
-            for suffix, start in (("", "popen"), ("_spawn", "spawn")):
+            for suffix, start in (("", "popen"), ("_spawn", "spawn"), ("_forkserver", "forkserver")):
                 strategy_registry.register(
                     name + suffix, cls, description=f"DDP with {ALGORITHMS[name].__name__} compressed communication",
                     algorithm=name, start_method=start, override=True)

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from ..comm import ring_allreduce_bytes
+from .launch import BaseDDPStrategy
 
 __all__ = ["HOOK_KINDS", "HookDDPStrategy", "bf16_hook_cpu", "hook_step_bytes", "hook_strategy", "make_comm_hook",
            "serialized"]
@@ -135,7 +135,7 @@ def _check_start_iter(start_iter: Any) -> None:
                          f"error feedback needs 2) or a fraction of all steps in (0, 1), got {start_iter!r}")
 
 
-class HookDDPStrategy(DDPStrategy):
+class HookDDPStrategy(BaseDDPStrategy):
     """DDPStrategy that registers its comm hook on CPU as well (Lightning only does on CUDA).
 
     The hook is either given as Lightning takes it (``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper``)

@@ -1,0 +1,137 @@
+"""How ranks start: the DDPStrategy every strategy of this package builds on.
+
+:class:`BaseDDPStrategy` is Lightning's ``DDPStrategy`` with two launch problems fixed.
+
+**Forkserver launches that are correct and fast.** ``start_method="spawn"`` starts a fresh
+interpreter per rank, which imports torch and Lightning again (several seconds of CPU per rank
+and fit). ``"forkserver"`` forks ranks from a server process that has imported them once, but
+Lightning treats it like ``"fork"``: on CPU the model's tensors reach the ranks in shared memory,
+so every rank updates *the same* parameters (each step is applied once per rank), and the ranks
+see the forkserver's environment and RNG state instead of the launching process's. Here a
+forkserver launch gets what a spawn launch gets: a private copy of every module, the launching
+process's environment (``PL_GLOBAL_SEED``, ``OMP_NUM_THREADS``, ...), its RNG states and its
+deterministic-algorithm flags, so both give the same bits. When the forkserver is not running
+yet and nobody chose its preload, it preloads ``__main__``, torch, Lightning and this package.
+
+**Restarts under ``torchrun --max-restarts``.** torchrun's c10d rendezvous shares one TCPStore
+between the agent and its workers and keeps it across restarts (``TORCHELASTIC_USE_AGENT_STORE``,
+the same ``MASTER_PORT`` on every attempt), while ``init_process_group("env://")`` adds no
+per-attempt prefix to its keys. Gloo's full-mesh connect publishes each rank's listening address
+under a fixed key, so a restarted rank can read the address its peer had *before* the restart and
+fail with "connectFullMesh failed ... Connection refused" (or wait in the connect); on a 2-core
+machine that happened on most restarts of a 2-rank job. The process group is started here in keys
+of ``TORCHELASTIC_RESTART_COUNT`` (what torch did before the store was shared). Outside torchrun
+nothing changes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing.forkserver
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.strategies.launchers.multiprocessing import _disable_module_memory_sharing
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot, _MultiProcessingLauncher
+
+__all__ = ["FORKSERVER_PRELOAD", "BaseDDPStrategy", "attempt_store", "destroy_process_group_at_exit"]
+
+#: what the forkserver imports once for all ranks, unless its preload was chosen elsewhere
+FORKSERVER_PRELOAD = ["__main__", "torch", "torch.distributed", "lightning.pytorch", "lightning_onebit"]
+
+_CLEANUP_REGISTERED = False
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, whatever its backend.
+
+    Lightning does this only for NCCL. With gloo, the process group's worker threads can still
+    hold finished work objects (with tensors) when the interpreter finalises; freeing them then
+    needs the GIL and aborts the process (SIGABRT, reported by ``spawn`` as "process 1 terminated
+    with signal SIGABRT" after a fit that completed; see pytorch/pytorch#179291). Idempotent.
+    """
+    global _CLEANUP_REGISTERED
+    if not _CLEANUP_REGISTERED:
+        atexit.register(_destroy_process_group)
+        _CLEANUP_REGISTERED = True
+
+
+def attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The elastic agent's store under a prefix of this restart attempt, or ``None`` when this
+    process was not started by an agent that shares its store (then ``env://`` is safe)."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
+        return None
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"/worker/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
+def _preload_forkserver() -> None:
+    server = multiprocessing.forkserver._forkserver
+    if getattr(server, "_forkserver_pid", 1) is None and getattr(server, "_preload_modules", None) == ["__main__"]:
+        multiprocessing.forkserver.set_forkserver_preload(FORKSERVER_PRELOAD)
+
+
+class _AsIfSpawned:
+    """The rank's entry point, run first in the forked rank: the launching process's environment,
+    global torch state and private copies of the modules, as a spawned rank has them."""
+
+    def __init__(self, function: Callable, cpu: bool) -> None:
+        self.function, self.cpu = function, cpu
+        self.env = dict(os.environ)
+        self.state = _GlobalStateSnapshot.capture()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        local_rank = os.environ["LOCAL_RANK"]  # set by Lightning's wrapping function, like OMP_NUM_THREADS
+        threads = os.environ.get("OMP_NUM_THREADS")
+        os.environ.clear()
+        os.environ.update(self.env, LOCAL_RANK=local_rank)
+        os.environ.setdefault("OMP_NUM_THREADS", threads or "1")
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # the forkserver's libgomp read its own env
+        self.state.restore()
+        if self.cpu:  # the tensors arrived in shared memory: one copy per rank, as spawn makes
+            args, kwargs = _disable_module_memory_sharing((args, kwargs))
+        return self.function(*args, **kwargs)
+
+
+class _ForkserverLauncher(_MultiProcessingLauncher):
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        _preload_forkserver()
+        entry = _AsIfSpawned(function, isinstance(self._strategy.accelerator, CPUAccelerator))
+        return super().launch(entry, *args, trainer=trainer, **kwargs)
+
+
+class BaseDDPStrategy(DDPStrategy):
+    """:class:`~lightning.pytorch.strategies.DDPStrategy` with sound ``start_method="forkserver"``
+    launches and process groups that survive ``torchrun --max-restarts`` (see the module
+    docstring); the base of this package's strategies, and what the recipes' plain-DDP baseline uses."""
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self._start_method == "forkserver":
+            self._launcher = _ForkserverLauncher(self, start_method="forkserver")
+
+    def setup_distributed(self) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            self.set_world_ranks()
+            store = attempt_store(self._timeout)
+            if store is not None:
+                kwargs: dict[str, Any] = {}
+                if self.root_device.type != "cpu":
+                    kwargs["device_id"] = self.root_device
+                dist.init_process_group(self._get_process_group_backend(), store=store, rank=self.global_rank,
+                                        world_size=self.world_size, timeout=self._timeout, **kwargs)
+        super().setup_distributed()  # finds the group initialised and keeps it
+        destroy_process_group_at_exit()
