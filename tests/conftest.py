@@ -1,8 +1,93 @@
+"""Suite-wide plumbing: one forkserver for every rank the tests start, no process outliving its
+test, a time limit on every test and a time budget that keeps the suite fast.
+
+Budgets: a test's setup + call may take ``DEFAULT_BUDGET_S`` seconds, or what its
+``@pytest.mark.budget(seconds)`` marker says; one over its budget fails with its duration, so a
+test that grows slow is seen on the day it lands rather than when CI runs out of time. Budgets are
+about 2-3x what a test takes on the 2-core reference machine, so a slow day does not fail them;
+``LIGHTNING_ONEBIT_BUDGETS=off`` switches the check off (a profiler run, a debugger)."""
+
+import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))  # shared helpers (codec_cases, ...)
+sys.path.insert(1, str(Path(__file__).parents[1]))  # `recipes` is run from the repository, not installed
+
+from proc_utils import descendants  # noqa: E402
+
+# Every rank the tests start (Lightning fits with start_method="forkserver", dist_utils.run_ranks)
+# is forked from one server process that imported these once, instead of a fresh interpreter that
+# imports torch and Lightning again (lightning_onebit.strategies.launch says why that is sound).
+multiprocessing.forkserver.set_forkserver_preload([
+    "torch", "torch.distributed", "lightning.pytorch", "lightning_onebit", "sklearn.datasets", "lit_models",
+    "dist_utils", "recipes.runners"])
 
 # The CUDA-simulator tests run in their own interpreter (tests/test_cuda_simulator.py).
 collect_ignore = [] if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1" else ["cudasim"]
+
+DEFAULT_BUDGET_S = 20.0
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "budget(seconds): this test's time budget (setup + call), over the default")
+
+
+def _budget(item) -> float:
+    mark = item.get_closest_marker("budget")
+    return float(mark.args[0]) if mark else DEFAULT_BUDGET_S
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    item._setup_s = time.monotonic()
+    try:
+        return (yield)
+    finally:
+        item._setup_s = time.monotonic() - item._setup_s
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    t0 = time.monotonic()
+    result = yield
+    took = getattr(item, "_setup_s", 0.0) + time.monotonic() - t0
+    if os.environ.get("LIGHTNING_ONEBIT_BUDGETS") != "off" and took > _budget(item):
+        pytest.fail(f"took {took:.1f} s (setup + call), over its budget of {_budget(item):.0f} s: make it cheaper "
+                    "(reuse a fit or the rank pool, a smaller model, fewer steps) or raise its "
+                    "@pytest.mark.budget with the reason", pytrace=False)
+    return result
+
+
+def _infrastructure() -> set[int]:
+    """The session's own helpers: the forkserver and the resource tracker (and nothing below them)."""
+    keep = {getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+            getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)}
+    return {p for p in keep if p}
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True  # gone
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test():
+    """Kill whatever a test left running (ranks below the forkserver included), and say so."""
+    yield
+    keep = _infrastructure()
+    left = [p for p in descendants(os.getpid()) if p not in keep and not _zombie(p)]
+    for pid in left:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    if left:
+        pytest.fail(f"processes {left} outlived the test and were killed", pytrace=False)

@@ -1,4 +1,5 @@
-"""Run a function on n gloo ranks (spawned processes) and collect what each returns."""
+"""Run a function on n gloo ranks (processes forked from the session's forkserver, see conftest.py)
+and collect what each returns."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import datetime
 import os
 import socket
 import tempfile
+import time
 import traceback
 
 import torch
@@ -19,8 +21,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args, timeout_s: float) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args, timeout_s: float, env: dict) -> None:
+    os.environ.clear()  # the test's environment, not the forkserver's
+    os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       NUMBA_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
@@ -43,18 +46,24 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0) -> list:
     module-level function (spawned processes import it).
     """
     with tempfile.TemporaryDirectory() as outdir:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
         port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, outdir, fn, args, timeout_s))
+        procs = [ctx.Process(target=_entry, args=(r, world_size, port, outdir, fn, args, timeout_s, dict(os.environ)))
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout_s + 120)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                raise TimeoutError(f"rank process {p.pid} did not finish")
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + timeout_s + 120
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            hung = [p.pid for p in procs if p.is_alive()]
+            if hung:
+                raise TimeoutError(f"rank processes {hung} did not finish")
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(10)
         results = []
         for r in range(world_size):
             path = os.path.join(outdir, f"rank{r}.pt")

@@ -4,11 +4,12 @@ The simulator must be switched on before numba.cuda is first imported, which thi
 process has already done for the CPU kernels, hence the separate interpreter."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from proc_utils import run as proc_run
 
 HERE = Path(__file__).parent
 
@@ -16,10 +17,10 @@ HERE = Path(__file__).parent
 @pytest.mark.cudasim
 def test_cuda_kernels_under_simulator():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", LIGHTNING_ONEBIT_BACKEND="")
-    proc = subprocess.run(
+    proc = proc_run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "cudasim"),
          "--rootdir", str(HERE.parent)],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env, timeout=900,
     )
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail

@@ -1,13 +1,13 @@
 """The examples, run as a user would: the README's three ways to use the package, and the codec demo."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from dist_utils import free_port
+from proc_utils import run as proc_run
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -27,8 +27,7 @@ def test_example_runs(tmp_path, script, args, expect):
 
 def _run(script, args, cwd):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "LOCAL_RANK", "WORLD_SIZE", "RANK"))}
-    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = proc_run([sys.executable, str(EXAMPLES / script), *args], cwd=cwd, env=env, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     return out

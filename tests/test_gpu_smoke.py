@@ -2,11 +2,12 @@
 simulator here so that it works when a GPU is lent."""
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from proc_utils import run as proc_run
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_smoke.py"
 
@@ -15,8 +16,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_smoke.py"
 @pytest.mark.cudasim
 def test_gpu_smoke_checks_pass_under_the_simulator():
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--cudasim", "--sizes", "0", "77"], capture_output=True,
-                          text=True, timeout=600, env=env)
+    proc = proc_run([sys.executable, str(SCRIPT), "--cudasim", "--sizes", "0", "77"], timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for check in ("parity n=0 | ok", "parity n=77 | ok", "SimulatedCluster pieces 1 vs 3 | ok",
                   "resume in the compression phase | ok", "0 failed check(s)"):
@@ -26,5 +26,5 @@ def test_gpu_smoke_checks_pass_under_the_simulator():
 def test_gpu_smoke_without_a_gpu_says_so():
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     env["CUDA_VISIBLE_DEVICES"] = ""
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300, env=env)
+    proc = proc_run([sys.executable, str(SCRIPT)], timeout=300, env=env)
     assert proc.returncode == 2 and "no CUDA device" in proc.stdout

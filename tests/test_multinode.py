@@ -4,15 +4,18 @@ Both torchruns run on this host (the nodes meet at 127.0.0.1); Lightning sees to
 ``num_nodes=2`` and ``devices=2``, and the strategy chooses the two-level collective by itself.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from dist_utils import free_port
+from proc_utils import started
 
 HERE = Path(__file__).parent
 NODES, RANKS = 2, 2
@@ -22,22 +25,23 @@ def _launch(out: Path, *args: str, timeout: float = 400.0) -> list[dict]:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]), OMP_NUM_THREADS="1",
                NUMBA_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    procs = []
-    for node in range(NODES):
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--nproc-per-node={RANKS}",
-               f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
-               str(HERE / "multinode_fit.py"), "--out", str(out), "--nodes", str(NODES), *args]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
+    logs = [out / f"node{node}.log" for node in range(NODES)]
+    with contextlib.ExitStack() as jobs:  # leaving it kills whatever is left of either torchrun
+        procs = []
+        for node in range(NODES):
+            cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}", f"--nproc-per-node={RANKS}",
+                   f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
+                   str(HERE / "multinode_fit.py"), "--out", str(out), "--nodes", str(NODES), *args]
+            procs.append(jobs.enter_context(started(cmd, logs[node], env=env)))
+        deadline = time.monotonic() + timeout
+        codes = []
         for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs, logs, strict=True):
-        assert p.returncode == 0, log[-4000:]
+            try:
+                codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    for code, log in zip(codes, logs, strict=True):
+        assert code == 0, f"exit code {code} (None: hung)\n" + log.read_text()[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(NODES * RANKS)]
 
 

@@ -6,7 +6,6 @@ import ast
 import json
 import math
 import os
-import subprocess
 import sys
 import urllib.request
 from itertools import product
@@ -22,6 +21,7 @@ from lightning_onebit import CompressedDDPStrategy, OnebitAdam
 from lightning_onebit.comm import ring_allreduce_bytes
 
 from dist_utils import run_ranks, values
+from proc_utils import run as proc_run
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `recipes` is run from the repository, not installed
@@ -47,8 +47,7 @@ def _compose(*overrides: str):
 
 
 def _train(args, cwd, timeout=240):
-    proc = subprocess.run([*TRAIN, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "HYDRA_FULL_ERROR": "1"})
+    proc = proc_run([*TRAIN, *args], cwd=cwd, timeout=timeout, env={**os.environ, "HYDRA_FULL_ERROR": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -161,7 +160,7 @@ def test_every_experiment_composes_with_every_algorithm(experiment, algorithm):
             build_optimizer(alg, [torch.nn.Parameter(torch.zeros(8))], total_steps=50, simulate_workers=4)
     else:
         build_optimizer(alg, [torch.nn.Parameter(torch.zeros(8))], total_steps=50, simulate_workers=4)
-    strategy = build_strategy(alg, "spawn", "gloo")
+    strategy = build_strategy(alg, "forkserver", "gloo")
     # the DDP baselines (plain, or with a PyTorch comm hook) run AdamW; everything else is compressed
     uncompressed = algorithm == "adam" or algorithm in HOOK_BASELINES
     assert isinstance(strategy, CompressedDDPStrategy) == (not uncompressed) == is_compressed(alg)
@@ -209,6 +208,7 @@ def test_popen_launcher_falls_back_to_spawn_where_it_cannot_work(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun started the ranks: nothing is launched
     assert _start_method("popen", n_fits=2, multirun=True) == "popen"
     assert _start_method("spawn", n_fits=1, multirun=False) == "popen"  # spawning from each rank: 4 ranks
+    assert _start_method("forkserver", n_fits=1, multirun=False) == "popen"
 
 
 def test_quickstart_with_zero_one_adam_takes_fewer_rounds(tmp_path):

@@ -7,12 +7,13 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from proc_utils import run as proc_run
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
@@ -346,8 +347,8 @@ def test_glue_module_logs_the_task_metrics(nlp, task, pretrained, tmp_path):
 
 # -- (c) end to end through recipes/train.py ------------------------------------------------------
 def _train(args, cwd, timeout=300):
-    proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "train.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **OFFLINE, "HYDRA_FULL_ERROR": "1"})
+    proc = proc_run([sys.executable, str(ROOT / "recipes" / "train.py"), *args], cwd=cwd, timeout=timeout,
+                    env={**os.environ, **OFFLINE, "HYDRA_FULL_ERROR": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -439,7 +440,7 @@ def test_other_recipes_never_import_the_nlp_recipes_and_a_missing_extra_says_wha
     # (torchmetrics itself imports transformers where it is installed, so that is not checked)
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import recipes.runners, recipes.registry; "
             "bad = [m for m in ('datasets', 'recipes.nlp') if m in sys.modules]; assert not bad, bad")
-    proc = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120)
+    proc = proc_run([sys.executable, "-c", code, str(ROOT)], timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
     monkeypatch.delitem(sys.modules, "recipes.nlp", raising=False)

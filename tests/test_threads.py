@@ -3,12 +3,13 @@ budget per rank; a torchrun-launched resume continues exactly."""
 
 import json
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from proc_utils import run as proc_run
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -58,8 +59,7 @@ RUN = textwrap.dedent("""
 
 
 def _run(env: dict[str, str]) -> dict:
-    proc = subprocess.run([sys.executable, "-c", RUN.format(root=str(ROOT))], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, **env})
+    proc = proc_run([sys.executable, "-c", RUN.format(root=str(ROOT))], timeout=600, env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -135,7 +135,7 @@ FIT = textwrap.dedent("""
 
 def _torchrun(script: Path, mode: str, env: dict[str, str]) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), mode]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=script.parent)
+    proc = proc_run(cmd, timeout=600, env=env, cwd=script.parent)
     assert proc.returncode == 0, (mode, proc.stdout[-2000:], proc.stderr[-4000:])
 
 

@@ -396,7 +396,7 @@ def _fit(tmp_path, model, max_epochs, ckpt_path=None, callbacks=(), **kw):
 
     out = tmp_path / "ranks"
     out.mkdir(parents=True, exist_ok=True)
-    strategy = CompressedDDPStrategy("zero_one_adam", optimizer_kwargs=STRATEGY_SCHEDULE, start_method="spawn")
+    strategy = CompressedDDPStrategy("zero_one_adam", optimizer_kwargs=STRATEGY_SCHEDULE, start_method="forkserver")
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=max_epochs, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path),
                         callbacks=[SaveParams(str(out)), *callbacks], **kw)

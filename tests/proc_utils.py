@@ -1,0 +1,106 @@
+"""Child processes that tests start: every one reaped, none waited on forever.
+
+torchrun's workers (and the ranks Lightning's spawn launcher starts) can live in process groups
+or sessions of their own, outlive the process the test started and keep its pipes open; killing
+that process's group then leaves them running and a read of its output never ends. These
+helpers mark a job's processes with an environment variable (inherited by every descendant that
+does not clear its environment; torchrun and multiprocessing keep it), kill every process so
+marked or below the job's first process, and send output to files, never to pipes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, grandchildren, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and (pp := _ppid(int(d.name))) is not None:
+            children.setdefault(pp, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+JOB_VAR = "LIGHTNING_ONEBIT_TEST_JOB"
+
+
+def marked(tag: str) -> list[int]:
+    """Live processes whose environment has ``JOB_VAR=tag`` (re-parented orphans included)."""
+    needle, out = f"{JOB_VAR}={tag}".encode(), []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if needle in (d / "environ").read_bytes().split(b"\0"):
+                    out.append(int(d.name))
+    return out
+
+
+def kill_tree(proc: subprocess.Popen, tag: str | None = None, *, wait_s: float = 30.0) -> None:
+    """SIGKILL ``proc``, everything below it and every process marked ``tag`` (their own process
+    groups too), then reap ``proc``.
+
+    The tree is read before the first kill: once the parent dies its children are re-parented
+    and can no longer be found from it (the mark still finds them)."""
+    pids = [proc.pid, *descendants(proc.pid), *(marked(tag) if tag else [])]
+    for pid in pids:
+        for kill in (lambda p: os.killpg(os.getpgid(p), signal.SIGKILL), lambda p: os.kill(p, signal.SIGKILL)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                kill(pid)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=wait_s)
+
+
+@contextlib.contextmanager
+def started(cmd: list[str], log: Path, **popen_kw) -> Iterator[subprocess.Popen]:
+    """``Popen(cmd)`` with stdout and stderr in the file ``log`` (so no read can block), in a new
+    session and marked; on leaving, whatever is still running of it is killed (see :func:`kill_tree`)."""
+    tag = uuid.uuid4().hex
+    env = {**popen_kw.pop("env", os.environ), JOB_VAR: tag}
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env, **popen_kw)
+        try:
+            yield proc
+        finally:
+            kill_tree(proc, tag)
+
+
+def run(cmd: list[str], *, timeout: float, log_dir: Path | None = None, **popen_kw) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` whose timeout
+    cannot hang: output goes to files (``subprocess.run`` reads pipes that grandchildren may hold
+    open forever after it killed the child), and on timeout or error the whole job is killed.
+    Raises ``subprocess.TimeoutExpired`` like ``subprocess.run``."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=log_dir) as d:
+        out, err = Path(d) / "stdout", Path(d) / "stderr"
+        tag = uuid.uuid4().hex
+        env = {**popen_kw.pop("env", os.environ), JOB_VAR: tag}
+        with open(out, "w") as fo, open(err, "w") as fe:
+            proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, start_new_session=True,
+                                    env=env, **popen_kw)
+            try:
+                proc.wait(timeout=timeout)
+            finally:
+                kill_tree(proc, tag)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
