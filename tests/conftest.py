@@ -38,6 +38,25 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "budget(seconds): this test's time budget (setup + call), over the default")
 
 
+def pytest_sessionstart(session):
+    """Compile the numba kernels (both paths) before the first test, so that no test's budget pays
+    for it: a fresh clone compiles for tens of seconds, later runs load numba's on-disk cache."""
+    import torch
+
+    from lightning_onebit.comm import SimulatedCluster
+    from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
+    from lightning_onebit.compress.kernels import numba_cpu
+
+    below = numba_cpu.SERIAL_BELOW
+    try:
+        for numba_cpu.SERIAL_BELOW in (below, 0):
+            for codec in (SignCodec(), MinMaxUInt8Codec()):
+                for mode in ("error_feedback", "markov"):
+                    SimulatedCluster(codec, mode, 2).allreduce([torch.ones(64), torch.ones(64)])
+    finally:
+        numba_cpu.SERIAL_BELOW = below
+
+
 def _budget(item) -> float:
     mark = item.get_closest_marker("budget")
     return float(mark.args[0]) if mark else DEFAULT_BUDGET_S

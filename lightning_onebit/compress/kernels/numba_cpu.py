@@ -18,6 +18,8 @@ on disk instead of one per combination.
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import torch
 from numba import njit, prange
@@ -40,6 +42,30 @@ TILE = 8192  # elements per encode/decode work item; a multiple of 8 so tiles st
 LANES = REDUCE_LANES
 MM_LANES = 16  # independent min/max lanes: LLVM vectorises these, not a scalar min reduction
 BATCH = 16  # reduction tiles per parallel work item
+SERIAL_BELOW = 1 << 15
+"""Inputs of fewer elements run the serial twin of a kernel: starting numba's parallel region costs
+tens of microseconds, more than the whole kernel on a small tensor (a bias, a simulated worker's
+share). The twin is the same function compiled without ``parallel``; the summation order is the
+layout's, not the threads', so both give the same bits."""
+
+
+class _Twins:
+    """A kernel compiled twice: ``parallel`` and serial (a copy of the function under another
+    name, so numba's on-disk cache keeps the two apart); called with the element count first."""
+
+    def __init__(self, fn) -> None:
+        serial = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__,
+                                    fn.__closure__)
+        serial.__qualname__ = fn.__qualname__ + "_serial"
+        self.parallel = njit(parallel=True, nogil=True, cache=True)(fn)
+        self.serial = njit(nogil=True, cache=True)(serial)
+
+    def __call__(self, numel: int, *args):
+        return (self.serial if numel < SERIAL_BELOW else self.parallel)(*args)
+
+
+def _parallel_and_serial(fn) -> _Twins:
+    return _Twins(fn)
 
 _F32 = np.float32
 
@@ -101,7 +127,7 @@ def _tile_minmax(a, xs, ss, out, t, mn, mx, probe):
     out[t, 2] = probe.sum()
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@_parallel_and_serial
 def _reduce_tiles(kind, a, x, st, seg_len, t_row, t_lo, t_hi, out):
     # work items of BATCH tiles share their scratch arrays: small blocks make many small tiles
     for bt in prange((t_row.size + BATCH - 1) // BATCH):
@@ -119,7 +145,7 @@ def _reduce_tiles(kind, a, x, st, seg_len, t_row, t_lo, t_hi, out):
                 out[t, 0] = _tile_sum(kind, a, xs, ss, acc)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@_parallel_and_serial
 def _combine(kind, ptr, partials, totals):
     """Per-block totals from the tile partials, tiles in order (minmax: min, max, probe sum)."""
     for b in prange(ptr.size - 1):
@@ -210,7 +236,7 @@ def _tile_span(t, per_row, seg_len):
     return r, lo, min(lo + TILE, seg_len)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@_parallel_and_serial
 def _encode(kind, mode, a, x, st, seg_len, starts, ends, scales, codes):
     nseg, nb = starts.shape[0], starts.shape[1] - 1
     per_row = (seg_len + TILE - 1) // TILE
@@ -283,7 +309,7 @@ def _decode_run(kind, cw, sc, g, p, q, out):
         _sign_run(cw, sc[g], p, q, out)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@_parallel_and_serial
 def _decode_rows(kind, codes, scales, seg_len, starts, ends, out, accumulate):
     nseg, nb = starts.shape[0], starts.shape[1] - 1
     per_row = (seg_len + TILE - 1) // TILE
@@ -397,7 +423,7 @@ def _mean_run(kind, mc, ms, j, p, q, out):
         o[i] = _F32(acc[i] / nw)
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@_parallel_and_serial
 def _decode_mean(kind, codes, scales, seg_len, starts_r, end_r, out, accumulate):
     nb = starts_r.size - 1
     for t in prange((seg_len + TILE - 1) // TILE):
@@ -421,7 +447,7 @@ def _decode_mean(kind, codes, scales, seg_len, starts_r, end_r, out, accumulate)
 # --- mean of full-precision rows (a node's shards in the two-level collective) ---------
 
 
-@njit(parallel=True, nogil=True, cache=True)
+@_parallel_and_serial
 def _mean_rows(x, out):
     """out[i] = fp32((x[0, i] + x[1, i] + ...) / L), summed in fp64 in row order: the same bits as
     the torch formulation, in one pass over memory. Row-major loops over a tile so LLVM vectorises
@@ -471,33 +497,35 @@ def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
     width = 1 if is_sign(kind) else 3
     partials = np.empty((t_row.size, width), np.float64)
     xa = x.numpy()
-    _reduce_tiles(kind, _mode_factor(mode), xa, xa if st is None else st.numpy(), layout.seg_len,
+    n = layout.nseg * layout.seg_len
+    _reduce_tiles(n, kind, _mode_factor(mode), xa, xa if st is None else st.numpy(), layout.seg_len,
                   t_row, t_lo, t_hi, partials)
     totals = np.empty((layout.nblocks, width), np.float64)
-    _combine(kind, ptr, partials, totals)
+    _combine(n, kind, ptr, partials, totals)
     return torch.from_numpy(totals)
 
 
 @parallel_kernel
 def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     xa = x.numpy()
-    _encode(kind, mode, _mode_factor(mode), xa, xa if st is None else st.numpy(), layout.seg_len,
-            layout.starts, layout.data_ends, scales.reshape(-1).contiguous().numpy(), _rows(codes))
+    _encode(layout.nseg * layout.seg_len, kind, mode, _mode_factor(mode), xa, xa if st is None else st.numpy(),
+            layout.seg_len, layout.starts, layout.data_ends, scales.reshape(-1).contiguous().numpy(), _rows(codes))
 
 
 @parallel_kernel
 def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False) -> None:
     mc, ms = _rows(codes), _scales2d(scales, codes.shape[0])
+    n = codes.shape[0] * layout.seg_len
     if mean_rows:
-        _decode_mean(kind, mc, ms, layout.seg_len, layout.starts[0], layout.data_ends[0], out.numpy(), accumulate)
+        _decode_mean(n, kind, mc, ms, layout.seg_len, layout.starts[0], layout.data_ends[0], out.numpy(), accumulate)
     else:
-        _decode_rows(kind, mc, ms, layout.seg_len, layout.starts, layout.data_ends, out.numpy(), accumulate)
+        _decode_rows(n, kind, mc, ms, layout.seg_len, layout.starts, layout.data_ends, out.numpy(), accumulate)
 
 
 @parallel_kernel
 def mean_rows(x: torch.Tensor, out: torch.Tensor) -> None:
     """``out`` = the fp32 mean of the rows of the 2-D fp32 ``x`` (fp64 sum in row order, / rows)."""
-    _mean_rows(x.numpy(), out.numpy())
+    _mean_rows(x.numel(), x.numpy(), out.numpy())
 
 
 __all__ = ["reduce", "encode", "decode", "mean_rows"]
