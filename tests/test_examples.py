@@ -13,8 +13,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 @pytest.mark.parametrize("script,args,expect", [
-    ("strategy_string.py", ["--epochs", "2"], "fewer than fp32 DDP"),
-    ("strategy_object.py", ["--epochs", "2"], "compressing: True"),
+    # (the two Lightning examples run below, from a checkpoint on, in the test of their resume)
     ("plain_ddp.py", ["--steps", "40"], "compressing: True"),
     ("codec_demo.py", ["--numel", "4096", "--steps", "20"], "bytes per vector: fp32 16384, 1-bit"),
 ])
@@ -33,10 +32,14 @@ def _run(script, args, cwd):
     return out
 
 
-@pytest.mark.parametrize("script", ["strategy_string.py", "strategy_object.py"])
-def test_lightning_examples_resume_from_their_last_checkpoint(tmp_path, script):
-    """With --ckpt-dir a second run (what a torchrun --max-restarts restart is) goes on from last.ckpt."""
+@pytest.mark.budget(60)
+@pytest.mark.parametrize("script,expect", [("strategy_string.py", "fewer than fp32 DDP"),
+                                           ("strategy_object.py", "compressing: True")])
+def test_lightning_examples_run_and_resume_from_their_last_checkpoint(tmp_path, script, expect):
+    """The example runs and, with --ckpt-dir, a second run (what a torchrun --max-restarts restart is)
+    goes on from last.ckpt and ends compressing."""
     first = _run(script, ["--epochs", "1", "--ckpt-dir", "ck"], tmp_path)
     assert "Restoring states" not in first and (tmp_path / "ck" / "last.ckpt").exists()
     second = _run(script, ["--epochs", "2", "--ckpt-dir", "ck"], tmp_path)
     assert f"Restoring states from the checkpoint path at {tmp_path / 'ck' / 'last.ckpt'}" in second, second[-3000:]
+    assert expect in second, second[-3000:]

@@ -1,3 +1,4 @@
+import contextlib
 import io
 
 import pytest
@@ -6,6 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_onebit import EF21, CDAdam, ErrorFeedbackAMSGrad, NaiveCompressedAMSGrad, OnebitAdam, OnebitLamb, QAdam
+from lightning_onebit.compress.kernels.threads import set_thread_budget, thread_budget
 from lightning_onebit.optim import NonFiniteGradientError
 
 from dist_utils import run_ranks, values
@@ -78,11 +80,11 @@ def _logreg_setup():
     W, lam = 20, 0.1
     wid = torch.arange(X.shape[0]) % W
     cnt = torch.bincount(wid, minlength=W).float()
+    shard_mean = torch.nn.functional.one_hot(wid, W).T.float() / cnt[:, None]  # (W, samples)
 
     def worker_grads(x):  # gradient of eq. (7.1) on each worker's shard
         coef = -y * torch.sigmoid(-y * (X @ x))
-        g = torch.zeros(W, X.shape[1]).index_add_(0, wid, coef[:, None] * X) / cnt[:, None]
-        return g + lam * 2 * x / (1 + x * x) ** 2
+        return shard_mean @ (coef[:, None] * X) + lam * 2 * x / (1 + x * x) ** 2
 
     def grad_norm(x):
         return ((worker_grads(x) * cnt[:, None]).sum(0) / cnt.sum()).norm().item()
@@ -90,10 +92,30 @@ def _logreg_setup():
     return W, X.shape[1], worker_grads, grad_norm
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """Kernels on 30 values: thread start-up is all a second thread would add."""
+    torch_threads, budget = torch.get_num_threads(), thread_budget()
+    torch.set_num_threads(1)
+    set_thread_budget(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(torch_threads)
+        set_thread_budget(budget)
+
+
 @pytest.mark.slow
+@pytest.mark.budget(90)
 def test_cdadam_nonconvex_logreg_matches_amsgrad():
     """CD-Adam paper section 7.1 (lambda = 0.1, 20 workers): CD-Adam reaches AMSGrad's
-    stationarity; naive compression stalls far above it and error feedback hovers above."""
+    stationarity; naive compression stalls far above it and error feedback hovers above.
+    (1500 steps are what the claim needs: at 600 CD-Adam is still 2x above AMSGrad.)"""
+    with _one_thread():
+        _cdadam_nonconvex_logreg_matches_amsgrad()
+
+
+def _cdadam_nonconvex_logreg_matches_amsgrad():
     W, d, worker_grads, grad_norm = _logreg_setup()
     steps, lr = 1500, 1e-2
     finals = {}
