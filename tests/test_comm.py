@@ -319,6 +319,7 @@ def _straggler(rank, world_size):
     return None, time.monotonic() - t0
 
 
+@pytest.mark.budget(40)  # waits for a timeout by design
 def test_pipelined_call_honours_the_group_timeout():
     """The async piece collectives are waited on with the process group's timeout, not forever."""
     msg, elapsed = values(run_ranks(_straggler, 2, timeout_s=4))[0]

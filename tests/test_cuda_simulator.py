@@ -15,6 +15,7 @@ HERE = Path(__file__).parent
 
 
 @pytest.mark.cudasim
+@pytest.mark.budget(180)  # the whole simulator suite in one process
 def test_cuda_kernels_under_simulator():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", LIGHTNING_ONEBIT_BACKEND="")
     proc = proc_run(

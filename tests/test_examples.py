@@ -17,6 +17,7 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
     ("plain_ddp.py", ["--steps", "40"], "compressing: True"),
     ("codec_demo.py", ["--numel", "4096", "--steps", "20"], "bytes per vector: fp32 16384, 1-bit"),
 ])
+@pytest.mark.budget(40)  # a script run as users run it
 def test_example_runs(tmp_path, script, args, expect):
     if script == "plain_ddp.py":
         args = [*args, "--port", str(free_port())]

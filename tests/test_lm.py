@@ -64,6 +64,7 @@ def _train_all(rank, world_size):
 
 
 @pytest.mark.slow
+@pytest.mark.budget(70)  # 8 algorithms x 150 steps on 2 ranks
 def test_transformer_lm_with_every_algorithm_on_two_ranks():
     r0, r1 = values(run_ranks(_train_all, 2, timeout_s=600))
     adamw = r0["adamw"]["val"]

@@ -46,6 +46,7 @@ def _launch(out: Path, *args: str, timeout: float = 400.0) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.budget(90)  # two torchruns of 2 ranks, twice
 def test_two_torchruns_fit_on_two_levels_and_resume_flat(tmp_path):
     """Automatic choice on 2 nodes x 2 ranks: every bucket two-level, replicas identical, the loss falls,
     fp32 bytes inside the nodes; the checkpoint resumes flat (hierarchical=False) with the moments and

@@ -495,6 +495,7 @@ def _lost_rank(rank, world_size, how):
 
 
 @pytest.mark.parametrize("how", ["dies", "stalls"])
+@pytest.mark.budget(40)  # waits for a timeout by design
 def test_lost_rank_fails_the_others_with_the_collective_and_step(how):
     """A rank that dies or stalls mid-compression: the others raise (not hang) within the process
     group's timeout, naming the collective, the bucket and the optimizer step."""

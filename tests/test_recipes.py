@@ -211,6 +211,7 @@ def test_popen_launcher_falls_back_to_spawn_where_it_cannot_work(monkeypatch):
     assert _start_method("forkserver", n_fits=1, multirun=False) == "popen"
 
 
+@pytest.mark.budget(40)  # a CLI run
 def test_quickstart_with_zero_one_adam_takes_fewer_rounds(tmp_path):
     """algorithm=zero_one_adam on 2 processes: local steps send nothing, the table shows the rounds, and
     the ranks end (and were validated) with one model."""
@@ -223,6 +224,7 @@ def test_quickstart_with_zero_one_adam_takes_fewer_rounds(tmp_path):
     assert "| steps | rounds |" in proc.stdout and f"in {r['rounds']} rounds" not in proc.stdout  # no baseline
 
 
+@pytest.mark.budget(45)  # the CLI quickstart and its baseline
 def test_quickstart_end_to_end_two_processes(tmp_path):
     """`python recipes/train.py` with no experiment arguments: both fits run on 2 gloo ranks, logging to
     CSV and TensorBoard, with progress lines (the output is a pipe, not a terminal)."""
@@ -439,6 +441,7 @@ def test_hook_byte_count_matches_what_the_hooks_allreduce():
         assert census["powersgd1"][0][2] < census["powersgd4"][0][2]
 
 
+@pytest.mark.budget(40)  # a CLI run
 def test_quickstart_with_a_powersgd_baseline_end_to_end(tmp_path):
     """`algorithm=powersgd_r1` through recipes/train.py on 2 gloo ranks: PowerSGD's vanilla steps follow
     optim.warmup (here a fraction: 0.2 of 23 steps = 5) and the summary charges what the hook sends."""

@@ -365,6 +365,7 @@ def _check_run(out, steps, world):
 
 
 @pytest.mark.slow
+@pytest.mark.budget(40)  # a CLI run
 def test_bert_glue_end_to_end_two_processes(nlp, tmp_path):
     out = tmp_path / "run"
     _train(["experiment=bert_glue", "algorithm=onebit_adam", f"hydra.run.dir={out}", "data.task=mrpc",
@@ -379,6 +380,7 @@ def test_bert_glue_end_to_end_two_processes(nlp, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.budget(40)  # a CLI run
 def test_bert_squad_end_to_end_two_processes(nlp, tmp_path):
     out = tmp_path / "run"
     _train(["experiment=bert_squad", "algorithm=onebit_adam", f"hydra.run.dir={out}", f"data.root={nlp.root}",
@@ -449,6 +451,7 @@ def test_other_recipes_never_import_the_nlp_recipes_and_a_missing_extra_says_wha
 
 
 @pytest.mark.slow
+@pytest.mark.budget(75)  # 3 BERT CLI runs
 def test_bert_glue_resume_matches_the_uninterrupted_run(nlp, tmp_path):
     """Tiny BERT (dropout on) on MRPC, 2 processes: resumed from the epoch-0 checkpoint of a 2-epoch run,
     a new run ends with that run's parameters and metrics; every rank's dropout continues from its

@@ -58,6 +58,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.budget(120)  # 3 CLI runs, the module's uninterrupted run included
 def test_two_epochs_and_a_resume_to_four_equal_four_epochs(tmp_path, uninterrupted):
     """`ckpt_path=last` in the same run directory continues across the warm-up switch bit for bit,
     the metrics CSV included; a checkpoint of another algorithm fails on every rank naming both.
@@ -95,6 +96,7 @@ def _rank_pid(torchrun_pid: int, rank: int) -> int | None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the rank's process in /proc")
+@pytest.mark.budget(60)  # a torchrun job, killed and restarted
 def test_rank_killed_under_torchrun_restarts_and_ends_like_the_uninterrupted_run(tmp_path, uninterrupted):
     """torchrun --max-restarts=1 with ckpt_path=last: rank 1 is killed (SIGKILL) once during the
     compression phase, after the first checkpoint; torchrun restarts both ranks once, which resume

@@ -277,6 +277,7 @@ def _check_run(out, experiment, world_size, steps):
 
 
 @pytest.mark.slow
+@pytest.mark.budget(150)  # VGG-16 (15M parameters) on 2 ranks through the CLI
 def test_vgg16_two_processes_compresses_and_follows_the_lr_schedule(cifar_root, tmp_path):
     """The plain VGG-16 on 2 gloo ranks (the cpu preset). gamma=0 makes the milestone at
     epoch 1 set the lr to 0: the second epoch must leave the (BN-free) network unchanged,
@@ -305,6 +306,7 @@ def test_one_process(cifar_root, tmp_path, experiment):
 
 
 @pytest.mark.slow
+@pytest.mark.budget(75)  # 3 ResNet-18 CLI runs
 def test_resume_with_random_augmentation_matches_the_uninterrupted_run(cifar_root, tmp_path):
     """ResNet-18 with random crops and flips drawn from torch's generator (in the main process:
     num_workers=0): 1 epoch + a resume (ckpt_path=last) to 2 ends with the parameters and metrics of

@@ -307,6 +307,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.budget(40)  # the popen launcher re-runs the script per rank
 def test_strategy_string_with_the_default_launcher(tmp_path):
     """strategy="onebit_adam" re-launches the script per rank (Lightning's popen launcher), like ddp."""
     script = tmp_path / "train.py"

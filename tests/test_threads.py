@@ -65,6 +65,7 @@ def _run(env: dict[str, str]) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.budget(50)  # one interpreter per thread count
 def test_same_bits_with_1_2_and_3_numba_threads():
     """Codecs, the collective and training steps give the same bits whatever numba's thread count,
     and numba never changes torch's (OMP_NUM_THREADS=1 stays 1: numba's OpenMP layer used to raise
@@ -140,6 +141,7 @@ def _torchrun(script: Path, mode: str, env: dict[str, str]) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.budget(70)  # torchrun jobs
 def test_torchrun_resume_is_exact_with_numba_at_its_default(tmp_path):
     """torchrun, 2 processes, numba left at its default: 1 epoch + save_checkpoint, then fit(ckpt_path)
     for the second epoch ends with the parameters of the uninterrupted 2-epoch run (it did not: the
