@@ -109,5 +109,6 @@ class SaveParams(L.Callback):
                     "bytes_total": counter.total.bytes_sent if counter else None,
                     "skipped_steps": getattr(opt, "skipped_steps", None), "validated": self.validated,
                     "probe": os.environ.get("LIGHTNING_ONEBIT_PROBE"), "rng": torch.random.initial_seed(),
+                    "start_method": __import__("multiprocessing").get_start_method(),
                     "rounds": counter.rounds if counter else None},
                    os.path.join(self.outdir, f"rank{trainer.global_rank}.pt"))

@@ -343,7 +343,8 @@ def test_forkserver_launch_gives_what_spawn_gives(tmp_path, monkeypatch):
     """Lightning's own forkserver launch hands CPU ranks the model in shared memory (every rank then
     steps the same parameters) and the forkserver's environment and RNG; ours gives each rank its own
     copy, the launching process's environment (set here after the forkserver started) and its seed,
-    so the fit equals a spawned one bit for bit."""
+    so the fit equals a spawned one bit for bit. Its DataLoader workers fork, as a torchrun rank's do,
+    instead of starting a forkserver of their own."""
     monkeypatch.setenv("LIGHTNING_ONEBIT_PROBE", "set by the test")
     spawned, _ = _fit(tmp_path / "s", OnebitAdamStrategy(warmup=4, start_method="spawn"), max_epochs=1)
     forked, _ = _fit(tmp_path / "f", OnebitAdamStrategy(warmup=4, start_method="forkserver"), max_epochs=1)
@@ -352,6 +353,7 @@ def test_forkserver_launch_gives_what_spawn_gives(tmp_path, monkeypatch):
         assert (a["probe"], a["rng"]) == (b["probe"], b["rng"]) == ("set by the test", 0)
         for p, q in zip(a["params"], b["params"], strict=True):
             assert torch.equal(p, q)
+        assert b["start_method"] == ("fork" if sys.platform.startswith("linux") else b["start_method"])
 
 
 def test_process_group_keys_are_those_of_the_torchrun_attempt(monkeypatch):

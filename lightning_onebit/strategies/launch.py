@@ -10,7 +10,8 @@ so every rank updates *the same* parameters (each step is applied once per rank)
 see the forkserver's environment and RNG state instead of the launching process's. Here a
 forkserver launch gets what a spawn launch gets: a private copy of every module, the launching
 process's environment (``PL_GLOBAL_SEED``, ``OMP_NUM_THREADS``, ...), its RNG states and its
-deterministic-algorithm flags, so both give the same bits. When the forkserver is not running
+deterministic-algorithm flags, so both give the same bits; and its DataLoader workers start as a
+torchrun rank's do (fork on Linux), not through a forkserver of their own. When the forkserver is not running
 yet and nobody chose its preload, it preloads ``__main__``, torch, Lightning and this package.
 
 **Restarts under ``torchrun --max-restarts``.** torchrun's c10d rendezvous shares one TCPStore
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import multiprocessing
 import multiprocessing.forkserver
 import os
 from collections.abc import Callable
@@ -101,6 +103,10 @@ class _AsIfSpawned:
         os.environ.setdefault("OMP_NUM_THREADS", threads or "1")
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # the forkserver's libgomp read its own env
         self.state.restore()
+        # multiprocessing made this rank's default start method the forkserver (it is a forkserver
+        # child): its DataLoader workers would each come from a new server that imports everything
+        # again. Give it the platform's default, what a rank torchrun started has (fork on Linux).
+        multiprocessing.set_start_method(None, force=True)
         if self.cpu:  # the tensors arrived in shared memory: one copy per rank, as spawn makes
             args, kwargs = _disable_module_memory_sharing((args, kwargs))
         return self.function(*args, **kwargs)
