@@ -400,3 +400,66 @@ def test_gloo_process_group_is_destroyed_at_exit(tmp_path):
     proc = proc_run([sys.executable, "-c", script], timeout=120, env={**os.environ, "PORT": str(port)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "initialized at exit: False" in proc.stdout
+
+
+def _schedulers():
+    S = torch.optim.lr_scheduler
+    return {
+        "StepLR": lambda o: S.StepLR(o, step_size=3, gamma=0.5),
+        "MultiStepLR": lambda o: S.MultiStepLR(o, milestones=[2, 5], gamma=0.3),
+        "ConstantLR": lambda o: S.ConstantLR(o, factor=0.5, total_iters=4),
+        "LinearLR": lambda o: S.LinearLR(o, start_factor=0.1, total_iters=6),
+        "ExponentialLR": lambda o: S.ExponentialLR(o, gamma=0.9),
+        "PolynomialLR": lambda o: S.PolynomialLR(o, total_iters=8, power=2.0),
+        "CosineAnnealingLR": lambda o: S.CosineAnnealingLR(o, T_max=7),
+        "CosineAnnealingWarmRestarts": lambda o: S.CosineAnnealingWarmRestarts(o, T_0=4),
+        "CyclicLR": lambda o: S.CyclicLR(o, base_lr=1e-4, max_lr=1e-2, step_size_up=3),
+        "OneCycleLR": lambda o: S.OneCycleLR(o, max_lr=1e-2, total_steps=20),
+        "LambdaLR": lambda o: S.LambdaLR(o, lambda s: 1 / (1 + s)),
+        "MultiplicativeLR": lambda o: S.MultiplicativeLR(o, lambda s: 0.8),
+        "SequentialLR": lambda o: S.SequentialLR(o, [S.LinearLR(o, start_factor=0.1, total_iters=4),
+                                                     S.CosineAnnealingLR(o, T_max=8)], milestones=[4]),
+        "ChainedScheduler": lambda o: S.ChainedScheduler([S.ConstantLR(o, factor=0.5, total_iters=3),
+                                                          S.ExponentialLR(o, gamma=0.9)]),
+        "ReduceLROnPlateau": lambda o: S.ReduceLROnPlateau(o, patience=1, factor=0.5),
+    }
+
+
+@pytest.mark.parametrize("name", list(_schedulers()))
+def test_every_lr_scheduler_drives_the_converted_optimizer_as_it_drove_adamw(name):
+    """The strategy converts the AdamW a scheduler was built on: every torch scheduler then gives the
+    converted optimizer the lr (and Adam beta1, which CyclicLR and OneCycleLR cycle) it gives AdamW,
+    step for step, also after its state_dict is loaded into a new pair (a resume)."""
+    import warnings
+
+    from lightning_onebit.strategies.compressed import repoint_scheduler
+
+    def pair(convert):
+        torch.manual_seed(0)
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(2))], lr=1e-3)
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "lr": 5e-3})
+        sched = _schedulers()[name](opt)
+        if convert:
+            new = CompressedDDPStrategy("onebit_adam")._convert(opt)
+            repoint_scheduler(sched, opt, new)
+            opt = new
+        return opt, sched
+
+    def run(opt, sched, steps):
+        seen = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # scheduler.step() before optimizer.step()
+            for _ in range(steps):
+                sched.step(1.0) if name == "ReduceLROnPlateau" else sched.step()
+                seen.append([(g["lr"], g["betas"][0]) for g in opt.param_groups])
+        return seen
+
+    ref, got = pair(False), pair(True)
+    assert run(*ref, 8) == run(*got, 8)
+    resumed_ref, resumed_got = pair(False), pair(True)
+    resumed_ref[1].load_state_dict(ref[1].state_dict())
+    resumed_got[1].load_state_dict(got[1].state_dict())
+    for (a, _), state in ((resumed_ref, ref), (resumed_got, got)):
+        for g, h in zip(a.param_groups, state[0].param_groups, strict=True):
+            g.update({k: v for k, v in h.items() if k != "params"})  # the optimizer's own state_dict
+    assert run(*resumed_ref, 8) == run(*resumed_got, 8)

@@ -174,9 +174,12 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
             ng.update({mine: g[theirs] for theirs, mine in cls.from_adam.items() if theirs in g})
             groups.append(ng)
         new = cls(groups, **kw)
+        # keys an LR scheduler added to the groups (initial_lr; OneCycleLR's max_lr, min_lr,
+        # base_momentum, max_momentum; ...): the scheduler reads them from its optimizer's groups
         for g_old, g_new in zip(opt.param_groups, new.param_groups, strict=True):
-            if "initial_lr" in g_old:
-                g_new["initial_lr"] = g_old["initial_lr"]
+            for k, v in g_old.items():
+                if k != "params" and k not in opt.defaults and k not in g_new:
+                    g_new[k] = v
         return new
 
     def __init__(self, params: Iterable, defaults: dict, *, warmup_steps: int | None,

@@ -5,7 +5,8 @@
 
 1. **Optimizer**: ``configure_optimizers`` may return ``torch.optim.Adam``/``AdamW`` (or a
    LAMB for ``onebit_lamb``); it is converted to the strategy's algorithm with the same
-   hyperparameters and param groups, LR schedulers are re-pointed at the new optimizer,
+   hyperparameters and param groups, LR schedulers (nested ones too, and the keys schedulers
+   added to the param groups) are re-pointed at the new optimizer,
    and the conversion is logged once. The package's matching optimizer is used as is.
    Anything else fails at setup with a message that says what to do.
 2. **Communication**: the optimizer is attached to the DDP model through a comm hook, on
@@ -115,6 +116,17 @@ def _mark_step_for_schedulers(opt: Optimizer) -> None:
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
     opt.step = wrapper  # type: ignore[method-assign]
+
+
+def repoint_scheduler(scheduler: Any, old: Optimizer, new: Optimizer) -> None:
+    """Make ``scheduler`` drive ``new`` where it drove ``old``, the schedulers it holds included
+    (``SequentialLR`` and ``ChainedScheduler`` step inner schedulers that keep their own
+    ``optimizer``; re-pointing only the outer one leaves the lr frozen)."""
+    if getattr(scheduler, "optimizer", None) is old:
+        scheduler.optimizer = new
+        _mark_step_for_schedulers(new)
+    for inner in getattr(scheduler, "_schedulers", ()):
+        repoint_scheduler(inner, old, new)
 
 
 class _AgreeingGradScaler(torch.amp.GradScaler):
@@ -244,9 +256,7 @@ class CompressedDDPStrategy(BaseDDPStrategy):
             return
         new = self._convert(opt)
         for cfg in self.lr_scheduler_configs:
-            if cfg.scheduler.optimizer is opt:
-                cfg.scheduler.optimizer = new
-                _mark_step_for_schedulers(new)
+            repoint_scheduler(cfg.scheduler, opt, new)
         self.optimizers = [new]
         self._converted_from = type(opt).__name__
         rank_zero_info(f"lightning_onebit: converted {type(opt).__name__} to {type(new).__name__} "
