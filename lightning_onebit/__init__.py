@@ -27,7 +27,7 @@ from .strategies import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["CDAdam", "CDAdamStrategy", "CommunicationMonitor", "CompressedDDPStrategy", "EF21", "BaseDDPStrategy",
+__all__ = ["BaseDDPStrategy", "CDAdam", "CDAdamStrategy", "CommunicationMonitor", "CompressedDDPStrategy", "EF21",
            "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad", "OnebitAdam", "OnebitAdamStrategy", "OnebitLamb",
            "OnebitLambStrategy", "PhaseSwitch", "QAdam", "QAdamStrategy", "ReplicaSync", "ZeroOneAdam",
            "ZeroOneAdamStrategy"]

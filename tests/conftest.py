@@ -19,7 +19,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # shared helpers (codec_cases, ...)
 sys.path.insert(1, str(Path(__file__).parents[1]))  # `recipes` is run from the repository, not installed
 
-from proc_utils import descendants  # noqa: E402
+from proc_utils import alive, descendants  # noqa: E402
 
 # Every rank the tests start (Lightning fits with start_method="forkserver", dist_utils.run_ranks)
 # is forked from one server process that imported these once, instead of a fresh interpreter that
@@ -45,16 +45,17 @@ def pytest_sessionstart(session):
 
     from lightning_onebit.comm import SimulatedCluster
     from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
-    from lightning_onebit.compress.kernels import numba_cpu
+    from lightning_onebit.compress.kernels import threads
 
-    below = numba_cpu.SERIAL_BELOW
+    below = threads.SERIAL_BELOW
     try:
-        for numba_cpu.SERIAL_BELOW in (below, 0):
+        for serial_below in (below, 0):  # 64 values: the serial copies, then the parallel ones
+            threads.SERIAL_BELOW = serial_below
             for codec in (SignCodec(), MinMaxUInt8Codec()):
                 for mode in ("error_feedback", "markov"):
                     SimulatedCluster(codec, mode, 2).allreduce([torch.ones(64), torch.ones(64)])
     finally:
-        numba_cpu.SERIAL_BELOW = below
+        threads.SERIAL_BELOW = below
 
 
 def _budget(item) -> float:
@@ -90,19 +91,12 @@ def _infrastructure() -> set[int]:
     return {p for p in keep if p}
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return True  # gone
-
-
 @pytest.fixture(autouse=True)
 def _no_process_outlives_its_test():
     """Kill whatever a test left running (ranks below the forkserver included), and say so."""
     yield
     keep = _infrastructure()
-    left = [p for p in descendants(os.getpid()) if p not in keep and not _zombie(p)]
+    left = [p for p in descendants(os.getpid()) if p not in keep and alive(p)]
     for pid in left:
         try:
             os.kill(pid, 9)

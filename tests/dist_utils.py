@@ -40,10 +40,10 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args, timeout
 
 
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0) -> list:
-    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``.
+    """Start ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``.
 
     Returns one ``("ok", value)`` or ``("error", text)`` per rank. ``fn`` must be a
-    module-level function (spawned processes import it).
+    module-level function (the ranks import it).
     """
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.get_context("forkserver")

@@ -14,16 +14,29 @@ import contextlib
 import os
 import signal
 import subprocess
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 
-def _ppid(pid: int) -> int | None:
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/<pid>/stat after the command name (state, ppid, ...), or None if gone."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
         return None
+
+
+def _ppid(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
+
+
+def alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (exited, waiting to be reaped)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def descendants(pid: int) -> list[int]:
@@ -70,37 +83,31 @@ def kill_tree(proc: subprocess.Popen, tag: str | None = None, *, wait_s: float =
 
 
 @contextlib.contextmanager
-def started(cmd: list[str], log: Path, **popen_kw) -> Iterator[subprocess.Popen]:
-    """``Popen(cmd)`` with stdout and stderr in the file ``log`` (so no read can block), in a new
-    session and marked; on leaving, whatever is still running of it is killed (see :func:`kill_tree`)."""
+def started(cmd: list[str], log: Path, *, err_log: Path | None = None, **popen_kw) -> Iterator[subprocess.Popen]:
+    """``Popen(cmd)`` with stdout in the file ``log`` and stderr there too or in ``err_log`` (so no
+    read can block), in a new session and marked; on leaving, whatever is still running of it is
+    killed (see :func:`kill_tree`)."""
     tag = uuid.uuid4().hex
     env = {**popen_kw.pop("env", os.environ), JOB_VAR: tag}
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env, **popen_kw)
+    with contextlib.ExitStack() as files:
+        out = files.enter_context(open(log, "w"))
+        err = files.enter_context(open(err_log, "w")) if err_log else subprocess.STDOUT
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, start_new_session=True,
+                                env=env, **popen_kw)
         try:
             yield proc
         finally:
             kill_tree(proc, tag)
 
 
-def run(cmd: list[str], *, timeout: float, log_dir: Path | None = None, **popen_kw) -> subprocess.CompletedProcess:
+def run(cmd: list[str], *, timeout: float, **popen_kw) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` whose timeout
     cannot hang: output goes to files (``subprocess.run`` reads pipes that grandchildren may hold
     open forever after it killed the child), and on timeout or error the whole job is killed.
     Raises ``subprocess.TimeoutExpired`` like ``subprocess.run``."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory(dir=log_dir) as d:
+    with tempfile.TemporaryDirectory() as d:
         out, err = Path(d) / "stdout", Path(d) / "stderr"
-        tag = uuid.uuid4().hex
-        env = {**popen_kw.pop("env", os.environ), JOB_VAR: tag}
-        with open(out, "w") as fo, open(err, "w") as fe:
-            proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env=env, **popen_kw)
-            try:
-                proc.wait(timeout=timeout)
-            finally:
-                kill_tree(proc, tag)
+        with started(cmd, out, err_log=err, **popen_kw) as proc:
+            proc.wait(timeout=timeout)
         return subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(errors="replace"),
                                            err.read_text(errors="replace"))

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_onebit.compress import Encoded, MinMaxUInt8Codec, SignCodec
-from lightning_onebit.compress.kernels import numba_cpu
+from lightning_onebit.compress.kernels import threads
 
 from codec_cases import assert_matches_reference, assert_rejects_nonfinite, make_codec
 
@@ -40,7 +40,7 @@ def numba_path(request, monkeypatch):
     """The numba kernels run serially below SERIAL_BELOW elements and in parallel above; the
     property tests' vectors are small, so each runs once on either path."""
     if request.param == "parallel":
-        monkeypatch.setattr(numba_cpu, "SERIAL_BELOW", 0)
+        monkeypatch.setattr(threads, "SERIAL_BELOW", 0)
     return request.param
 
 
@@ -58,12 +58,12 @@ def test_numba_matches_reference(kind, block_size, x, nseg, numba_path):
 @pytest.mark.parametrize("block_size", [None, 16])
 def test_serial_and_parallel_kernels_give_the_same_bits(kind, block_size, monkeypatch):
     """Around the size where the kernels switch, both paths: codes, scales, state, decode, row mean."""
-    n = 3 * (numba_cpu.SERIAL_BELOW // 3 + 77)
+    n = 3 * (threads.SERIAL_BELOW // 3 + 77)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(n, generator=g) * torch.logspace(-3, 3, n)
     out = {}
     for below in (n + 1, 0):  # serial, then parallel
-        monkeypatch.setattr(numba_cpu, "SERIAL_BELOW", below)
+        monkeypatch.setattr(threads, "SERIAL_BELOW", below)
         codec = make_codec(kind, block_size, "numba")
         err = torch.linspace(-1, 1, n)
         enc = codec.encode_error_feedback(x, err, nseg=3, groups=[0, 5, n // 2])

@@ -43,6 +43,6 @@ class ZeroOneAdamStrategy(CompressedDDPStrategy):
 
 CompressedDDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ALGORITHMS", "CDAdamStrategy", "CompressedDDPStrategy", "BaseDDPStrategy", "HookDDPStrategy",
+__all__ = ["ALGORITHMS", "BaseDDPStrategy", "CDAdamStrategy", "CompressedDDPStrategy", "HookDDPStrategy",
            "OnebitAdamStrategy", "OnebitLambStrategy", "QAdamStrategy", "ZeroOneAdamStrategy",
            "destroy_process_group_at_exit", "hook_strategy"]

@@ -18,8 +18,6 @@ on disk instead of one per combination.
 
 from __future__ import annotations
 
-import types
-
 import numpy as np
 import torch
 from numba import njit, prange
@@ -36,37 +34,12 @@ from .layout import (
     Layout,
     is_sign,
 )
-from .threads import parallel_kernel
+from .threads import parallel_and_serial, parallel_kernel
 
 TILE = 8192  # elements per encode/decode work item; a multiple of 8 so tiles start on a code byte
 LANES = REDUCE_LANES
 MM_LANES = 16  # independent min/max lanes: LLVM vectorises these, not a scalar min reduction
 BATCH = 16  # reduction tiles per parallel work item
-SERIAL_BELOW = 1 << 15
-"""Inputs of fewer elements run the serial twin of a kernel: starting numba's parallel region costs
-tens of microseconds, more than the whole kernel on a small tensor (a bias, a simulated worker's
-share). The twin is the same function compiled without ``parallel``; the summation order is the
-layout's, not the threads', so both give the same bits."""
-
-
-class _Twins:
-    """A kernel compiled twice: ``parallel`` and serial (a copy of the function under another
-    name, so numba's on-disk cache keeps the two apart); called with the element count first."""
-
-    def __init__(self, fn) -> None:
-        serial = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__,
-                                    fn.__closure__)
-        serial.__qualname__ = fn.__qualname__ + "_serial"
-        self.parallel = njit(parallel=True, nogil=True, cache=True)(fn)
-        self.serial = njit(nogil=True, cache=True)(serial)
-
-    def __call__(self, numel: int, *args):
-        return (self.serial if numel < SERIAL_BELOW else self.parallel)(*args)
-
-
-def _parallel_and_serial(fn) -> _Twins:
-    return _Twins(fn)
-
 _F32 = np.float32
 
 
@@ -127,7 +100,7 @@ def _tile_minmax(a, xs, ss, out, t, mn, mx, probe):
     out[t, 2] = probe.sum()
 
 
-@_parallel_and_serial
+@parallel_and_serial
 def _reduce_tiles(kind, a, x, st, seg_len, t_row, t_lo, t_hi, out):
     # work items of BATCH tiles share their scratch arrays: small blocks make many small tiles
     for bt in prange((t_row.size + BATCH - 1) // BATCH):
@@ -145,7 +118,7 @@ def _reduce_tiles(kind, a, x, st, seg_len, t_row, t_lo, t_hi, out):
                 out[t, 0] = _tile_sum(kind, a, xs, ss, acc)
 
 
-@_parallel_and_serial
+@parallel_and_serial
 def _combine(kind, ptr, partials, totals):
     """Per-block totals from the tile partials, tiles in order (minmax: min, max, probe sum)."""
     for b in prange(ptr.size - 1):
@@ -236,7 +209,7 @@ def _tile_span(t, per_row, seg_len):
     return r, lo, min(lo + TILE, seg_len)
 
 
-@_parallel_and_serial
+@parallel_and_serial
 def _encode(kind, mode, a, x, st, seg_len, starts, ends, scales, codes):
     nseg, nb = starts.shape[0], starts.shape[1] - 1
     per_row = (seg_len + TILE - 1) // TILE
@@ -309,7 +282,7 @@ def _decode_run(kind, cw, sc, g, p, q, out):
         _sign_run(cw, sc[g], p, q, out)
 
 
-@_parallel_and_serial
+@parallel_and_serial
 def _decode_rows(kind, codes, scales, seg_len, starts, ends, out, accumulate):
     nseg, nb = starts.shape[0], starts.shape[1] - 1
     per_row = (seg_len + TILE - 1) // TILE
@@ -423,7 +396,7 @@ def _mean_run(kind, mc, ms, j, p, q, out):
         o[i] = _F32(acc[i] / nw)
 
 
-@_parallel_and_serial
+@parallel_and_serial
 def _decode_mean(kind, codes, scales, seg_len, starts_r, end_r, out, accumulate):
     nb = starts_r.size - 1
     for t in prange((seg_len + TILE - 1) // TILE):
@@ -447,7 +420,7 @@ def _decode_mean(kind, codes, scales, seg_len, starts_r, end_r, out, accumulate)
 # --- mean of full-precision rows (a node's shards in the two-level collective) ---------
 
 
-@_parallel_and_serial
+@parallel_and_serial
 def _mean_rows(x, out):
     """out[i] = fp32((x[0, i] + x[1, i] + ...) / L), summed in fp64 in row order: the same bits as
     the torch formulation, in one pass over memory. Row-major loops over a tile so LLVM vectorises

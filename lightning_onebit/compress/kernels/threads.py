@@ -22,11 +22,17 @@ strategies (and ``attach`` under torchrun) give each rank ``cores / ranks on the
 as torchrun does for OpenMP, unless the user set ``NUMBA_NUM_THREADS`` or called
 ``numba.set_num_threads``; the budget is applied on the thread that launches a kernel (numba's
 setting is per thread).
+
+Small inputs: starting numba's parallel region costs tens of microseconds, more than the whole
+kernel on a small tensor (a bias, a simulated worker's share). :func:`parallel_and_serial`
+compiles a kernel twice and runs inputs of fewer than ``SERIAL_BELOW`` elements on the serial
+copy; the summation order is the layout's, not the threads', so both give the same bits.
 """
 
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Callable
 from functools import wraps
 from typing import Any, TypeVar
@@ -34,7 +40,11 @@ from typing import Any, TypeVar
 import numba
 import torch
 
-__all__ = ["apply_thread_budget", "available_cores", "parallel_kernel", "set_thread_budget", "thread_budget"]
+__all__ = ["SERIAL_BELOW", "apply_thread_budget", "available_cores", "parallel_and_serial", "parallel_kernel",
+           "set_thread_budget", "thread_budget"]
+
+SERIAL_BELOW = 1 << 15
+"""Element count from which a :func:`parallel_and_serial` kernel runs its parallel copy."""
 
 _budget: int | None = None
 _logged: set[str] = set()
@@ -124,3 +134,19 @@ def parallel_kernel(fn: F) -> F:
                 torch.set_num_threads(torch_threads)
 
     return wrapper  # type: ignore[return-value]
+
+
+class parallel_and_serial:  # noqa: N801  (used as a decorator, like numba's njit)
+    """A numba kernel compiled twice, ``parallel=True`` and serial, both cached on disk (the serial
+    one is a copy of the function under another name, so the cache keeps them apart). Called with
+    the element count first: fewer than ``SERIAL_BELOW`` run serially."""
+
+    def __init__(self, fn: Callable) -> None:
+        serial = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__,
+                                    fn.__closure__)
+        serial.__qualname__ = fn.__qualname__ + "_serial"
+        self.parallel = numba.njit(parallel=True, nogil=True, cache=True)(fn)
+        self.serial = numba.njit(nogil=True, cache=True)(serial)
+
+    def __call__(self, numel: int, *args: Any) -> Any:
+        return (self.serial if numel < SERIAL_BELOW else self.parallel)(*args)
