@@ -27,7 +27,6 @@ class DigitsMLP(L.LightningModule):
         self.save_hyperparameters()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-        self.automatic_optimization = optimizer != "two"  # Lightning needs manual mode for several
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -46,8 +45,6 @@ class DigitsMLP(L.LightningModule):
             opt = torch.optim.Adam(params, lr=hp.lr, weight_decay=hp.weight_decay)
         elif hp.optimizer == "sgd":
             opt = torch.optim.SGD(params, lr=hp.lr)
-        elif hp.optimizer == "two":
-            return [torch.optim.AdamW(self.net[0].parameters()), torch.optim.AdamW(self.net[2].parameters())]
         else:
             import lightning_onebit
 
@@ -111,4 +108,117 @@ class SaveParams(L.Callback):
                     "probe": os.environ.get("LIGHTNING_ONEBIT_PROBE"), "rng": torch.random.initial_seed(),
                     "start_method": __import__("multiprocessing").get_start_method(),
                     "rounds": counter.rounds if counter else None},
+                   os.path.join(self.outdir, f"rank{trainer.global_rank}.pt"))
+
+
+class DigitsGAN(L.LightningModule):
+    """A small GAN on the digits as Lightning's GAN example writes one: manual optimization, one
+    optimizer for the generator and one for the discriminator, ``toggle_optimizer`` around each
+    step. The noise is a function of (rank, step), so a resumed run draws what an uninterrupted one does."""
+
+    def __init__(self, lr: float = 2e-3, optimizer: str = "adamw") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        torch.manual_seed(0)
+        self.generator = nn.Sequential(nn.Linear(16, 64), nn.LayerNorm(64), nn.ReLU(), nn.Linear(64, 64),
+                                       nn.Sigmoid())
+        self.discriminator = nn.Sequential(nn.Linear(64, 64), nn.LeakyReLU(0.2), nn.Linear(64, 1))
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        opt_g, opt_d = self.optimizers()
+        noise = torch.Generator().manual_seed(10_000 * self.global_rank + self.global_step)
+        fake = self.generator(torch.randn(x.shape[0], 16, generator=noise))
+        bce = nn.functional.binary_cross_entropy_with_logits
+        ones, zeros = torch.ones(x.shape[0], 1), torch.zeros(x.shape[0], 1)
+
+        self.toggle_optimizer(opt_d)
+        d_loss = bce(self.discriminator(x), ones) + bce(self.discriminator(fake.detach()), zeros)
+        self.manual_backward(d_loss)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+
+        self.toggle_optimizer(opt_g)
+        g_loss = bce(self.discriminator(fake), ones)
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.log_dict({"d_loss": d_loss, "g_loss": g_loss})
+
+    def configure_optimizers(self):
+        lr = self.hparams.lr
+        if self.hparams.optimizer == "adamw":
+            return [torch.optim.AdamW(self.generator.parameters(), lr=lr, betas=(0.5, 0.999)),
+                    torch.optim.AdamW(self.discriminator.parameters(), lr=lr, betas=(0.5, 0.999))]
+        return [torch.optim.AdamW(self.generator.parameters(), lr=lr),
+                torch.optim.SGD(self.discriminator.parameters(), lr=lr)]
+
+    def train_dataloader(self):
+        return digits_loaders(n=256)
+
+
+class ScheduledDigitsMLP(DigitsMLP):
+    """DigitsMLP with an AdamW and LR schedulers in Lightning's dict form: ``"sequential+plateau"``
+    (SequentialLR(LinearLR, CosineAnnealingLR) every step, and ReduceLROnPlateau every epoch on a
+    logged metric that does not depend on training, so that every run sees the same values) or
+    ``"onecycle"`` (OneCycleLR every step; it also cycles Adam's beta1)."""
+
+    def __init__(self, schedule: str = "sequential+plateau", lr: float = 3e-3, total_steps: int = 16) -> None:
+        super().__init__(lr=lr)
+        self.schedule, self.total_steps = schedule, total_steps  # the full run's steps (a resume's too)
+
+    def training_step(self, batch, batch_idx):
+        self.log("plateau_metric", 1.0, on_step=False, on_epoch=True)  # never improves: plateau after patience
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        S = torch.optim.lr_scheduler
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        if self.schedule == "onecycle":
+            return {"optimizer": opt, "lr_scheduler": {
+                "scheduler": S.OneCycleLR(opt, max_lr=1e-2, total_steps=self.total_steps), "interval": "step"}}
+        seq = S.SequentialLR(opt, [S.LinearLR(opt, start_factor=0.1, total_iters=4),
+                                   S.CosineAnnealingLR(opt, T_max=20)], milestones=[4])
+        plateau = S.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+        return [opt], [{"scheduler": seq, "interval": "step"},
+                       {"scheduler": plateau, "interval": "epoch", "monitor": "plateau_metric"}]
+
+
+class Trace(L.Callback):
+    """Every rank writes, at the end of fit: the lr and beta1 of each param group of each optimizer
+    before every training batch, the parameters, and the warnings this rank raised from setup on
+    (spawned ranks cannot hand them to pytest)."""
+
+    def __init__(self, outdir: str) -> None:
+        self.outdir = outdir
+        self.lrs: list[list] = []
+        self._warnings = None
+        self._log: list = []
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        import warnings
+
+        self._warnings = warnings.catch_warnings(record=True)
+        self._log = self._warnings.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        opts = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+        self.lrs.append([[(g["lr"], g["betas"][0]) for g in o.param_groups] for o in opts])
+
+    def teardown(self, trainer, pl_module, stage) -> None:
+        import os
+
+        if self._warnings is not None:
+            self._warnings.__exit__(None, None, None)
+        opts = [getattr(o, "_optimizer", o) for o in trainer.optimizers]
+        torch.save({"lrs": self.lrs, "params": [p.detach().clone() for p in pl_module.parameters()],
+                    "warnings": [str(w.message) for w in self._log],
+                    "optimizers": [type(o).__name__ for o in opts],
+                    "compressing": [getattr(o, "compressing", None) for o in opts],
+                    "ratio": [o.comm_counter.last.ratio_vs_fp32 if hasattr(o, "comm_counter") else None for o in opts],
+                    "global_step": trainer.global_step},
                    os.path.join(self.outdir, f"rank{trainer.global_rank}.pt"))

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from functools import reduce
+from operator import add
+
 from lightning.pytorch import Callback
 
-from .phase import _compressed_optimizer
+from ..comm import StepStats
+from .phase import _compressed_optimizers
 
 __all__ = ["CommunicationMonitor"]
 
@@ -19,26 +23,29 @@ class CommunicationMonitor(Callback):
     of the same tensors / bytes sent: ~1 in warm-up, ~32 with 1-bit, ~4 with 8-bit) and
     ``comm/compressing`` (0/1). ``ratio_vs_fp32`` and ``compressing`` also go to the progress bar.
     With the two-level collective the compressed bytes are those between nodes, and
-    ``comm/intra_node_bytes_step`` adds the fp32 bytes inside the node.
+    ``comm/intra_node_bytes_step`` adds the fp32 bytes inside the node. With several optimizers
+    the figures are their sums (``comm/compressing``: all of them compress).
     """
 
     def __init__(self, prog_bar: bool = True) -> None:
         self.prog_bar = prog_bar
 
     def on_train_start(self, trainer, pl_module) -> None:
-        _compressed_optimizer(trainer, type(self).__name__)  # fail before the first step, not after it
+        _compressed_optimizers(trainer, type(self).__name__)  # fail before the first step, not after it
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        opt = _compressed_optimizer(trainer, type(self).__name__)
-        last, total = opt.comm_counter.last, opt.comm_counter.total
+        opts = _compressed_optimizers(trainer, type(self).__name__)
+        last: StepStats = reduce(add, (o.comm_counter.last for o in opts))
+        total: StepStats = reduce(add, (o.comm_counter.total for o in opts))
         metrics = {
             "comm/bytes_step": float(last.bytes_sent),
             "comm/bytes_total": float(total.bytes_sent),
             "comm/bits_per_param": last.bits_per_param,
-            "comm/rounds": float(opt.comm_counter.rounds),
+            "comm/rounds": float(sum(o.comm_counter.rounds for o in opts)),
         }
-        if opt.intra_node_counter.total.bytes_sent:
-            metrics["comm/intra_node_bytes_step"] = float(opt.intra_node_counter.last.bytes_sent)
+        if any(o.intra_node_counter.total.bytes_sent for o in opts):
+            metrics["comm/intra_node_bytes_step"] = float(sum(o.intra_node_counter.last.bytes_sent for o in opts))
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
-        pl_module.log_dict({"comm/ratio_vs_fp32": last.ratio_vs_fp32, "comm/compressing": float(opt.compressing)},
+        pl_module.log_dict({"comm/ratio_vs_fp32": last.ratio_vs_fp32,
+                            "comm/compressing": float(all(o.compressing for o in opts))},
                            on_step=True, on_epoch=False, prog_bar=self.prog_bar, rank_zero_only=True)

@@ -9,22 +9,25 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..optim.base import CompressedOptimizer
 
-__all__ = ["PhaseSwitch", "find_compressed_optimizer"]
+__all__ = ["PhaseSwitch", "find_compressed_optimizer", "find_compressed_optimizers"]
+
+
+def find_compressed_optimizers(trainer) -> list[CompressedOptimizer]:
+    """The trainer's lightning_onebit optimizers (unwrapped from LightningOptimizer), in order."""
+    opts = (getattr(opt, "_optimizer", opt) for opt in trainer.optimizers)
+    return [opt for opt in opts if isinstance(opt, CompressedOptimizer)]
 
 
 def find_compressed_optimizer(trainer) -> CompressedOptimizer | None:
-    """The trainer's lightning_onebit optimizer (unwrapped from LightningOptimizer), or None."""
-    for opt in trainer.optimizers:
-        opt = getattr(opt, "_optimizer", opt)
-        if isinstance(opt, CompressedOptimizer):
-            return opt
-    return None
+    """The trainer's first lightning_onebit optimizer, or None."""
+    opts = find_compressed_optimizers(trainer)
+    return opts[0] if opts else None
 
 
-def _compressed_optimizer(trainer, who: str = "PhaseSwitch") -> CompressedOptimizer:
-    opt = find_compressed_optimizer(trainer)
-    if opt is not None:
-        return opt
+def _compressed_optimizers(trainer, who: str = "PhaseSwitch") -> list[CompressedOptimizer]:
+    opts = find_compressed_optimizers(trainer)
+    if opts:
+        return opts
     names = [type(getattr(o, "_optimizer", o)).__name__ for o in trainer.optimizers]
     raise ValueError(f"{who} needs a lightning_onebit optimizer (use a lightning_onebit strategy, e.g. "
                      f"strategy='onebit_adam'); this trainer runs {names or 'no optimizer'} with "
@@ -33,6 +36,10 @@ def _compressed_optimizer(trainer, who: str = "PhaseSwitch") -> CompressedOptimi
 
 class PhaseSwitch(Callback):
     """Start the compression phase of a warm-up algorithm (1-bit Adam, 1-bit LAMB, QAdam).
+
+    With one optimizer the warm-up counts ``trainer.global_step``; with several (manual
+    optimization, a GAN) each optimizer counts its own steps and switches on its own (Lightning's
+    ``global_step`` counts the steps of all of them), and ``"auto"`` switches all of them together.
 
     Args:
         warmup: ``int`` - number of optimizer steps; ``float`` in (0, 1) - fraction of
@@ -68,22 +75,35 @@ class PhaseSwitch(Callback):
         else:
             self._target = max(self.min_steps, round(self.max_fraction * total)) if total != float("inf") else None
 
+    @property
+    def target(self) -> int | None:
+        """Warm-up steps (known from the start of fit; ``None`` in auto mode on an endless run)."""
+        return self._target
+
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        opt = _compressed_optimizer(trainer)
-        if opt.compressing or self._target is None or self.warmup == "auto" and self.switch_step is None \
-                and trainer.global_step < self._target:
+        opts = _compressed_optimizers(trainer)
+        if self._target is None or all(o.compressing for o in opts):
             return
-        if trainer.global_step >= self._target and not opt.compressing:
-            self._switch(trainer, pl_module, opt, reason=f"warm-up of {self._target} steps done")
+        if len(opts) > 1 and self.warmup != "auto":
+            for k, opt in enumerate(opts):  # each its own steps (global_step counts them all)
+                if not opt.compressing and opt.optimizer_steps >= self._target:
+                    opt.start_compression()
+                    rank_zero_info(f"lightning_onebit: optimizer {k} compresses from its step {self._target + 1} "
+                                   f"(warm-up of {self._target} steps done; trainer step {trainer.global_step + 1})")
+            if all(o.compressing for o in opts):
+                self.switch_step = trainer.global_step
+            return
+        if trainer.global_step >= self._target:
+            self._switch(trainer, opts, reason=f"warm-up of {self._target} steps done")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self.warmup != "auto":
             return
-        opt = _compressed_optimizer(trainer)
+        opts = _compressed_optimizers(trainer)
         step = trainer.global_step
-        if opt.compressing or step == 0 or step % self.check_every:
+        if all(o.compressing for o in opts) or step == 0 or step % self.check_every:
             return
-        v = [b.flat["exp_avg_sq"] for b in (opt._buckets or [])]
+        v = [b.flat["exp_avg_sq"] for opt in opts for b in (opt._buckets or [])]
         if self._prev_v is not None:
             num = sum(float((a - b).norm() ** 2) for a, b in zip(v, self._prev_v, strict=True)) ** 0.5
             den = sum(float(b.norm() ** 2) for b in self._prev_v) ** 0.5
@@ -94,12 +114,12 @@ class PhaseSwitch(Callback):
             if dist.is_available() and dist.is_initialized():
                 dist.all_reduce(decide, op=dist.ReduceOp.MIN)  # every rank must switch at the same step
             if int(decide):
-                self._switch(trainer, pl_module, opt,
-                             reason=f"variance stabilised (relative change {change:.3g} < {self.tol})")
+                self._switch(trainer, opts, reason=f"variance stabilised (relative change {change:.3g} < {self.tol})")
         self._prev_v = [t.clone() for t in v]
 
-    def _switch(self, trainer, pl_module, opt: CompressedOptimizer, reason: str) -> None:
-        opt.start_compression()
+    def _switch(self, trainer, opts: list[CompressedOptimizer], reason: str) -> None:
+        for opt in opts:
+            opt.start_compression()
         self.switch_step = trainer.global_step
         msg = (f"lightning_onebit: compression starts with optimizer step {self.switch_step + 1} "
                f"(after {self.switch_step} warm-up steps; {reason})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
-from .phase import find_compressed_optimizer
+from .phase import find_compressed_optimizers
 
 __all__ = ["ReplicaSync"]
 
@@ -30,6 +30,5 @@ class ReplicaSync(Callback):
 
     def _sync(self, trainer) -> None:
         """Subclasses may catch what the synchronisation raises (e.g. NonFiniteGradientError)."""
-        opt = find_compressed_optimizer(trainer)
-        if opt is not None:
+        for opt in find_compressed_optimizers(trainer):
             opt.sync_replicas()

@@ -3,7 +3,13 @@ simulated cluster."""
 
 from .accounting import ByteCounter, StepStats, ring_allreduce_bytes
 from .allreduce import CompressedAllreduce
-from .ddp_hook import CompressionHookState, compression_hook, register_compression_hook
+from .ddp_hook import (
+    CompressionHookState,
+    compression_hook,
+    local_gradients_hook,
+    register_compression_hook,
+    register_local_hook,
+)
 from .dense import all_finite, any_across, any_across_bytes, group_size, mean_allreduce
 from .hierarchical import HierarchicalAllreduce, SimulatedHierarchicalCluster, node_groups
 from .simulated import SimulatedCluster
@@ -11,5 +17,5 @@ from .two_stage import MODES, TwoStageRank
 
 __all__ = ["MODES", "ByteCounter", "CompressedAllreduce", "CompressionHookState", "HierarchicalAllreduce",
            "SimulatedCluster", "SimulatedHierarchicalCluster", "StepStats", "TwoStageRank", "all_finite", "any_across",
-           "any_across_bytes", "compression_hook", "group_size", "mean_allreduce", "node_groups",
-           "register_compression_hook", "ring_allreduce_bytes"]
+           "any_across_bytes", "compression_hook", "group_size", "local_gradients_hook", "mean_allreduce",
+           "node_groups", "register_compression_hook", "register_local_hook", "ring_allreduce_bytes"]

@@ -27,6 +27,11 @@ class StepStats:
     numel: int = 0  # elements reduced (each bucket's real, unpadded size)
     fp32_ring_bytes: int = 0  # what an fp32 ring allreduce of the same tensors would send
 
+    def __add__(self, other: StepStats) -> StepStats:
+        """Figures of two counters together (e.g. several optimizers of one model)."""
+        return StepStats(self.bytes_sent + other.bytes_sent, self.numel + other.numel,
+                         self.fp32_ring_bytes + other.fp32_ring_bytes)
+
     @property
     def bits_per_param(self) -> float:
         return 8.0 * self.bytes_sent / self.numel if self.numel else 0.0

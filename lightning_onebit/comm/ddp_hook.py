@@ -13,6 +13,11 @@ Trade-offs, documented because they are visible to users:
   averaged gradient during warm-up and has no effect on the update during compression.
 * The compressed sync of a bucket runs inside the hook call (gloo has no GPU streams to
   overlap on); it still overlaps with the backward of the layers that come after it.
+
+:func:`register_local_hook` is the other mode: DDP sends nothing and every optimizer
+synchronises its own parameters in ``step()`` (several optimizers on one model, where a
+backward's gradients are final only when their optimizer steps). Nothing then overlaps
+with backward.
 """
 
 # No ``from __future__ import annotations``: DDP checks the hook's annotations at runtime.
@@ -22,7 +27,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["BucketSyncer", "CompressionHookState", "compression_hook", "register_compression_hook"]
+__all__ = ["BucketSyncer", "CompressionHookState", "compression_hook", "local_gradients_hook",
+           "register_compression_hook", "register_local_hook"]
 
 
 class BucketSyncer(Protocol):
@@ -40,3 +46,14 @@ def compression_hook(state: CompressionHookState, bucket: dist.GradBucket) -> to
 
 def register_compression_hook(ddp_model: torch.nn.parallel.DistributedDataParallel, syncer: BucketSyncer) -> None:
     ddp_model.register_comm_hook(CompressionHookState(syncer), compression_hook)
+
+
+def local_gradients_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Leave the bucket's local gradients in place: the optimizers synchronise them in ``step()``."""
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def register_local_hook(ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+    ddp_model.register_comm_hook(None, local_gradients_hook)

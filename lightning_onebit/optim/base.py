@@ -182,6 +182,12 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
                     g_new[k] = v
         return new
 
+    @classmethod
+    def conversion_advice(cls, opt: Optimizer) -> str | None:
+        """What a user should know when ``opt`` (an Adam, AdamW or LAMB) is converted to this
+        algorithm with its hyperparameters (``None``: nothing; the strategies warn with it)."""
+        return None
+
     def __init__(self, params: Iterable, defaults: dict, *, warmup_steps: int | None,
                  bucket_cap_mb: float = 25.0, group: dist.ProcessGroup | None = None,
                  simulate_workers: int | None = None) -> None:
@@ -289,6 +295,11 @@ class CompressedOptimizer(BucketState, DDPHookPath, Optimizer):
                 raise ValueError(f"{type(self).__name__} supports dense real parameters only")
 
     # -- phases --------------------------------------------------------------------------
+    @property
+    def optimizer_steps(self) -> int:
+        """Steps this optimizer has taken (skipped ones not counted)."""
+        return self._step
+
     @property
     def compressing(self) -> bool:
         """True once the compression phase has started (it never goes back)."""

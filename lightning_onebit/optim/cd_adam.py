@@ -76,6 +76,22 @@ class AMSGradOnCompressed(CompressedGradientOptimizer):
 
     flat_state = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     from_adam = {"lr": "lr", "betas": "betas", "eps": "nu", "weight_decay": "weight_decay"}
+    #: above this lr (5x the CD-Adam paper's 1e-4) a converted AdamW's lr gets a warning
+    converted_lr_limit: float = 5e-4
+
+    @classmethod
+    def conversion_advice(cls, opt: torch.optim.Optimizer) -> str | None:
+        # No warm-up and no bias correction: every step from the first moves each coordinate by
+        # up to ~2x Adam's lr on a sign-compressed gradient. A BatchNorm ResNet did not train at
+        # AdamW's 2e-3 (its running variance grew to 68), and trained at 2e-4.
+        lr = max(g["lr"] for g in opt.param_groups)
+        if lr <= cls.converted_lr_limit:
+            return None
+        return (f"{cls.__name__} runs AMSGrad on compressed gradients from the first step, without a "
+                f"full-precision warm-up or bias correction; at an AdamW learning rate (here {lr:g}) it may not "
+                f"train at all (a BatchNorm ResNet did not at 2e-3 and did at 2e-4). The CD-Adam paper uses "
+                f"1e-4; return an AdamW (or {cls.__name__}) with lr from 1e-4 to {cls.converted_lr_limit:g} from "
+                "configure_optimizers")
 
     def __init__(self, params: Iterable, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  nu: float = 1e-8, weight_decay: float = 0.0, *, block_size: int | None = None,

@@ -14,7 +14,41 @@ import torch.distributed as dist
 
 from ..comm.dense import mean_allreduce_future
 
-__all__ = ["DDPHookPath"]
+__all__ = ["DDPHookPath", "attach_several"]
+
+
+def attach_several(ddp_model: torch.nn.parallel.DistributedDataParallel, optimizers: list) -> None:
+    """Several compressed optimizers on one DDP model (a GAN's generator and discriminator): DDP
+    sends nothing, and each optimizer synchronises its own parameters in its ``step()``.
+
+    A backward's gradients are final only when their optimizer steps (a GAN's generator loss
+    also reaches the discriminator, whose gradient is then zeroed), and the compressed
+    algorithms fold the gradient into their state when they synchronise, so they must not
+    synchronise in DDP's hook. The price: no communication overlaps with backward."""
+    from ..comm.ddp_hook import register_local_hook
+
+    owner: dict[int, int] = {}
+    for k, opt in enumerate(optimizers):
+        if opt.simulate_workers is not None:
+            raise RuntimeError("a simulated-cluster optimizer cannot be attached to DDP")
+        for p in opt.params_in_order():
+            if id(p) in owner:
+                raise ValueError(f"optimizers {owner[id(p)]} and {k} share a parameter; each parameter must belong "
+                                 "to one optimizer")
+            owner[id(p)] = k
+    ignored = set(getattr(ddp_model, "parameters_to_ignore", ()))
+    orphans = [n for n, p in ddp_model.module.named_parameters()
+               if p.requires_grad and n not in ignored and id(p) not in owner]
+    if orphans:
+        raise ValueError(f"the DDP model has trainable parameters no optimizer owns ({orphans[:3]}...); with "
+                         "several optimizers DDP does not average gradients, so every trainable parameter must "
+                         "belong to one of them (or set requires_grad=False)")
+    for opt in optimizers:
+        if ddp_model.process_group is not None and opt.process_group is None:
+            opt.process_group = ddp_model.process_group
+        if (local := opt._ranks_per_node()) is not None:
+            opt._groups_of_nodes(local)  # collective: every rank is here now
+    register_local_hook(ddp_model)
 
 
 class DDPHookPath:

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
+from .base import _is_lamb
 from .buckets import Bucket
 from .onebit_adam import OnebitAdam, _bias_correction
 
@@ -63,6 +64,15 @@ class OnebitLamb(OnebitAdam):
 
     strategy_name = "onebit_lamb"
     converts_lamb = True
+
+    @classmethod
+    def conversion_advice(cls, opt: torch.optim.Optimizer) -> str | None:
+        # LAMB moves each layer by lr * ||w|| per step, Adam by ~lr per coordinate: the same lr
+        # is a much smaller step for LAMB (an Adam lr of 1e-3 barely moves the loss)
+        if _is_lamb(opt):
+            return None
+        return ("LAMB scales each layer's step to lr * ||w||, so an Adam learning rate is usually too small for it. "
+                f"Return a LAMB (or {cls.__name__}) with a LAMB learning rate to silence this.")
     flat_state = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "exp_avg_prev")
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),

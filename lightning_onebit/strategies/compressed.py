@@ -8,9 +8,14 @@
    hyperparameters and param groups, LR schedulers (nested ones too, and the keys schedulers
    added to the param groups) are re-pointed at the new optimizer,
    and the conversion is logged once. The package's matching optimizer is used as is.
-   Anything else fails at setup with a message that says what to do.
-2. **Communication**: the optimizer is attached to the DDP model through a comm hook, on
-   CPU (gloo) as on GPU (Lightning registers hooks only on CUDA; we always do).
+   Anything else fails at setup with a message that says what to do. Several optimizers
+   (manual optimization, e.g. a GAN's generator and discriminator) are each converted and keep
+   their own buckets, phase, error state and checkpoint section.
+2. **Communication**: one optimizer is attached to the DDP model through a comm hook, on
+   CPU (gloo) as on GPU (Lightning registers hooks only on CUDA; we always do). With several,
+   DDP sends nothing and each optimizer synchronises its parameters in its ``step()``
+   (:func:`~lightning_onebit.optim.ddp.attach_several`): a gradient is final only when its
+   optimizer steps.
 3. **Checkpoints**: the main file holds what every rank shares (model, moments, phase); each
    rank writes its own error-feedback state (as large as the model in fp32; DeepSpeed drops it)
    to a shard next to it and reads back only its own, so saving moves no error state between
@@ -29,6 +34,11 @@ Precision: ``32`` and ``bf16-mixed`` need nothing special (state and compression
 With ``16-mixed`` the compressed sync moves from the backward hook to ``step()`` (after the
 GradScaler has unscaled the local gradients), and the scaler's overflow check is agreed
 across ranks so that every rank skips the same steps.
+
+Runs that cannot save anything say so on rank 0: one process (nothing to compress), a warm-up
+as long as the run (at the start of fit), no compressed step in the whole fit (at its end), and
+a conversion whose learning rate is known to be wrong for the algorithm (LAMB; the AMSGrad-style
+algorithms without warm-up).
 
 Non-finite gradients (``on_nonfinite``): by default a step with a NaN/inf gradient on any rank
 is skipped on every rank without any state change, like GradScaler's skips; ``"raise"`` stops.
@@ -52,12 +62,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.cloud_io import _atomic_save, get_filesystem
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from ..compress.kernels import apply_thread_budget
 from ..optim import CompressedOptimizer
-from ..optim.base import _is_lamb, check_nonfinite_policy
+from ..optim.base import check_nonfinite_policy
+from ..optim.ddp import attach_several
 from .launch import BaseDDPStrategy, destroy_process_group_at_exit
 
 __all__ = ["ALGORITHMS", "SHARD_DIR", "CompressedDDPStrategy", "destroy_process_group_at_exit", "shard_path"]
@@ -197,6 +209,15 @@ class CompressedDDPStrategy(BaseDDPStrategy):
         self._converted_from: str | None = None
 
     # -- setup ---------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        # The PhaseSwitch goes in before Lightning restores a checkpoint's callbacks (which happens
+        # before setup): a resume then restores its state, and Lightning does not ask the user to
+        # add a callback they never added.
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._add_phase_switch(trainer)
+
     def setup_distributed(self) -> None:
         super().setup_distributed()
         # ranks on one host share its cores: give the compression kernels their share (logged once)
@@ -206,32 +227,36 @@ class CompressedDDPStrategy(BaseDDPStrategy):
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
-        from lightning.pytorch.trainer.states import TrainerFn
-
         if trainer.state.fn != TrainerFn.FITTING:
             return
         self._convert_optimizers(trainer)
-        opt = self.optimizers[0]
+        opts: list[CompressedOptimizer] = list(self.optimizers)
         fp16 = getattr(self.precision_plugin, "scaler", None) is not None
         if fp16:
             self._install_agreeing_scaler()
-        opt.defer_sync_to_step = fp16
-        opt.set_nonfinite_policy(self.on_nonfinite, max_consecutive=self.max_consecutive_skips)
-        opt.set_topology(hierarchical=self.hierarchical, ranks_per_node=self.num_processes)
-        self._agree_on_settings(opt, fp16)
-        opt.attach(self.model)
-        self._ensure_phase_switch(trainer, opt)
-        self._ensure_replica_sync(trainer, opt)
+        for opt in opts:
+            opt.defer_sync_to_step = fp16
+            opt.set_nonfinite_policy(self.on_nonfinite, max_consecutive=self.max_consecutive_skips)
+            opt.set_topology(hierarchical=self.hierarchical, ranks_per_node=self.num_processes)
+        self._agree_on_settings(opts, fp16)
+        if len(opts) == 1:
+            opts[0].attach(self.model)
+        else:
+            attach_several(self.model, opts)
+        self._ensure_phase_switch(trainer, opts)
+        self._ensure_replica_sync(trainer, opts)
 
-    def _agree_on_settings(self, opt: CompressedOptimizer, fp16: bool) -> None:
+    def _agree_on_settings(self, opts: list[CompressedOptimizer], fp16: bool) -> None:
         """Compare the settings every rank must share before the first collective: ranks that differ
         (say, in warm-up length or codec) would otherwise hang or silently diverge. Raises on every
         rank, naming each setting that differs and its value per rank."""
         if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
             return
-        mine = dict(opt.settings(), strategy=self.algorithm, warmup=repr(self.warmup), fp16_scaler=repr(fp16),
-                    on_nonfinite=self.on_nonfinite,
+        mine = dict(strategy=self.algorithm, warmup=repr(self.warmup), fp16_scaler=repr(fp16),
+                    on_nonfinite=self.on_nonfinite, optimizers=repr(len(opts)),
                     num_nodes=repr(self.num_nodes), devices_per_node=repr(self.num_processes))
+        for k, opt in enumerate(opts):
+            mine.update({(key if len(opts) == 1 else f"optimizer {k} {key}"): v for key, v in opt.settings().items()})
         every: list[Any] = [None] * self.world_size
         dist.all_gather_object(every, mine)  # a few hundred bytes per rank, once
         keys = sorted(set().union(*every), key=lambda k: (k not in mine, k))
@@ -242,41 +267,45 @@ class CompressedDDPStrategy(BaseDDPStrategy):
             raise ValueError(f"{type(self).__name__}: the ranks disagree on the training setup:\n" + "\n".join(lines))
 
     def _convert_optimizers(self, trainer) -> None:
-        opts = self.optimizers
-        name = self.algorithm
-        if len(opts) != 1:
-            raise ValueError(f"strategy {name!r} supports exactly one optimizer; configure_optimizers returned "
-                             f"{len(opts)}. Return a single optimizer (use param groups for different settings).")
-        opt = opts[0]
-        if isinstance(opt, CompressedOptimizer):
-            if not isinstance(opt, self.optimizer_cls) or type(opt) is not self.optimizer_cls:
-                raise ValueError(f"strategy {name!r} runs {self.optimizer_cls.__name__}, but configure_optimizers "
-                                 f"returned {type(opt).__name__}; return {self.optimizer_cls.__name__} (or "
-                                 f"torch.optim.AdamW, which is converted) or use strategy matching your optimizer")
-            return
-        new = self._convert(opt)
-        for cfg in self.lr_scheduler_configs:
-            repoint_scheduler(cfg.scheduler, opt, new)
-        self.optimizers = [new]
-        self._converted_from = type(opt).__name__
-        rank_zero_info(f"lightning_onebit: converted {type(opt).__name__} to {type(new).__name__} "
-                       f"(same hyperparameters) for strategy {name!r}")
+        """Every optimizer becomes the strategy's algorithm: an Adam/AdamW (or LAMB) is converted and
+        its LR schedulers re-pointed; the package's matching optimizer is kept."""
+        name, cls = self.algorithm, self.optimizer_cls
+        if not self.optimizers:
+            raise ValueError(f"strategy {name!r} needs an optimizer; configure_optimizers returned none")
+        several = len(self.optimizers) > 1
+        converted, out = [], []
+        for k, opt in enumerate(self.optimizers):
+            which = f"optimizer {k} of {len(self.optimizers)} ({type(opt).__name__})" if several else None
+            if isinstance(opt, CompressedOptimizer):
+                if type(opt) is not cls:
+                    raise ValueError(f"strategy {name!r} runs {cls.__name__}, but configure_optimizers returned "
+                                     f"{which or type(opt).__name__}; return {cls.__name__} (or torch.optim.AdamW, "
+                                     "which is converted) or use the strategy matching your optimizer")
+                out.append(opt)
+                continue
+            new = self._convert(opt, which)
+            for cfg in self.lr_scheduler_configs:
+                repoint_scheduler(cfg.scheduler, opt, new)
+            out.append(new)
+            converted.append(type(opt).__name__)
+        self.optimizers = out
+        if converted:
+            self._converted_from = converted[0]
+            rank_zero_info(f"lightning_onebit: converted {', '.join(converted)} to {cls.__name__} "
+                           f"(same hyperparameters) for strategy {name!r}")
 
-    def _convert(self, opt: Optimizer) -> CompressedOptimizer:
+    def _convert(self, opt: Optimizer, which: str | None = None) -> CompressedOptimizer:
         name, cls = self.algorithm, self.optimizer_cls
         try:
             new = cls.from_optimizer(opt, **self.optimizer_kwargs)
         except ValueError as exc:
-            raise ValueError(f"strategy {name!r}: {exc}. Return {cls.__name__} (or an optimizer it converts "
-                             "from) from configure_optimizers; for SGD-style training use strategy='ef21' or "
-                             "plain 'ddp'.") from exc
-        if cls.converts_lamb and not _is_lamb(opt):
-            # LAMB moves each layer by lr * ||w|| per step, Adam by ~lr per coordinate: the same lr
-            # is a much smaller step for LAMB (an Adam lr of 1e-3 barely moves the loss)
+            raise ValueError(f"strategy {name!r}{': ' + which if which else ''}: {exc}. Return {cls.__name__} (or an "
+                             "optimizer it converts from) from configure_optimizers; for SGD-style training use "
+                             "strategy='ef21' or plain 'ddp'.") from exc
+        advice = cls.conversion_advice(opt)
+        if advice:
             rank_zero_warn(f"strategy {name!r} converts {type(opt).__name__} to {cls.__name__} with the same lr "
-                           f"({opt.defaults['lr']}); LAMB scales each layer's step to lr * ||w||, so an Adam learning "
-                           f"rate is usually too small for it. Return a LAMB (or {cls.__name__}) with a LAMB "
-                           "learning rate to silence this.")
+                           f"({opt.defaults['lr']}): {advice}")
         return new
 
     def _install_agreeing_scaler(self) -> None:
@@ -285,12 +314,22 @@ class CompressedDDPStrategy(BaseDDPStrategy):
         new.load_state_dict(old.state_dict())
         self.precision_plugin.scaler = new
 
-    def _ensure_phase_switch(self, trainer, opt: CompressedOptimizer) -> None:
+    def _add_phase_switch(self, trainer) -> None:
         from ..callbacks import PhaseSwitch
 
-        if opt.compressing or getattr(opt, "warmup_steps", None) is not None:
-            return
-        if not opt.has_warmup:
+        if self.optimizer_cls.has_warmup and self.warmup is not None \
+                and not any(isinstance(cb, PhaseSwitch) for cb in trainer.callbacks):
+            switch = PhaseSwitch(self.warmup)
+            switch._added_by_strategy = True
+            trainer.callbacks.append(switch)
+
+    def _ensure_phase_switch(self, trainer, opts: list[CompressedOptimizer]) -> None:
+        from ..callbacks import PhaseSwitch
+
+        mine = [cb for cb in trainer.callbacks if getattr(cb, "_added_by_strategy", False)]
+        if all(opt.compressing or opt.warmup_steps is not None for opt in opts):
+            for cb in mine:  # the optimizers switch by themselves
+                trainer.callbacks.remove(cb)
             return
         if any(isinstance(cb, PhaseSwitch) for cb in trainer.callbacks):
             return
@@ -299,19 +338,52 @@ class CompressedDDPStrategy(BaseDDPStrategy):
                              "set one of them, or add a PhaseSwitch callback")
         trainer.callbacks.append(PhaseSwitch(self.warmup))
 
-    def _ensure_replica_sync(self, trainer, opt: CompressedOptimizer) -> None:
+    def _ensure_replica_sync(self, trainer, opts: list[CompressedOptimizer]) -> None:
         from ..callbacks import ReplicaSync
 
-        if opt.has_local_steps and not any(isinstance(cb, ReplicaSync) for cb in trainer.callbacks):
+        present = any(isinstance(cb, ReplicaSync) for cb in trainer.callbacks)
+        if any(opt.has_local_steps for opt in opts) and not present:
             trainer.callbacks.insert(0, ReplicaSync())  # first: others' on_train_end must see one model
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        total = self.lightning_module.trainer.estimated_stepping_batches
+        trainer = self.lightning_module.trainer
+        total = trainer.estimated_stepping_batches
+        opts = [o for o in self.optimizers if isinstance(o, CompressedOptimizer)]
         if isinstance(total, int) or (isinstance(total, float) and total.is_integer()):
-            for opt in self.optimizers:
-                if isinstance(opt, CompressedOptimizer):
-                    opt.set_total_steps(int(total))
+            for opt in opts:
+                opt.set_total_steps(int(total))
+        self._warn_about_waste(trainer, opts, total)
+
+    def _warn_about_waste(self, trainer, opts: list[CompressedOptimizer], total: float) -> None:
+        """Say once (rank 0) when a run's compression cannot save anything."""
+        name = self.algorithm
+        if self.world_size == 1:
+            rank_zero_warn(f"strategy {name!r} runs on one process: there is no communication to compress, so it "
+                           "saves nothing (it runs the same algorithm, compression error included, as on many "
+                           "processes). Use several devices or nodes, or strategy='auto' for a single process.")
+        if all(o.compressing for o in opts) or total == float("inf"):
+            return
+        from ..callbacks import PhaseSwitch
+
+        switch = next((cb for cb in trainer.callbacks if isinstance(cb, PhaseSwitch)), None)
+        warmups = [o.warmup_steps for o in opts if o.warmup_steps is not None]
+        if switch is not None and switch.warmup != "auto" and switch.target is not None:
+            warmups.append(switch.target)
+        if warmups and min(warmups) >= total:
+            rank_zero_warn(f"strategy {name!r}: the warm-up ({min(warmups)} steps) is as long as the run or longer "
+                           f"({int(total)} optimizer steps), so compression never starts and every step sends "
+                           "fp32 as DDP does. Shorten the warm-up (a float warmup is a fraction of the run).")
+
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        trainer = self.lightning_module.trainer
+        opts = [o for o in self.optimizers if isinstance(o, CompressedOptimizer)]
+        idle = [k for k, o in enumerate(opts) if not o.compressing]
+        if idle and trainer.global_step > 0 and self.world_size > 1:
+            which = "" if len(opts) == 1 else f" (optimizer {', '.join(map(str, idle))})"
+            rank_zero_warn(f"strategy {self.algorithm!r}: compression never started in this fit{which}: all "
+                           f"{trainer.global_step} steps were warm-up steps and sent fp32, as DDP does")
 
     # -- checkpoints ---------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
