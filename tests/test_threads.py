@@ -136,8 +136,12 @@ FIT = textwrap.dedent("""
 
 def _torchrun(script: Path, mode: str, env: dict[str, str]) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script), mode]
+    # a rank that dies of a signal prints its Python and C++ stacks (faulthandler, c10's handler)
+    env = {**env, "PYTHONFAULTHANDLER": "1", "TORCH_SHOW_CPP_STACKTRACES": "1"}
     proc = proc_run(cmd, timeout=600, env=env, cwd=script.parent)
-    assert proc.returncode == 0, (mode, proc.stdout[-2000:], proc.stderr[-4000:])
+    if proc.returncode != 0:  # pytest.fail: the whole report, where an assert message would be cut
+        pytest.fail(f"torchrun {mode}: exit code {proc.returncode}\n--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n"
+                    f"{proc.stderr[-12000:]}", pytrace=False)
 
 
 @pytest.mark.slow
