@@ -134,3 +134,38 @@ def test_amsgrad_style_algorithms_warn_about_an_adamw_learning_rate(name):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         CompressedDDPStrategy(name)._convert(torch.optim.AdamW(params, lr=2e-4))  # in range: silent
+
+
+class _ClipProbe(DigitsMLP):
+    """Records the gradient norm before and after Lightning's clipping, and the phase."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bool, float, float]] = []
+
+    def _norm(self) -> float:
+        return float(torch.norm(torch.stack([p.grad.norm() for p in self.parameters() if p.grad is not None])))
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        before = self._norm()
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.seen.append((getattr(optimizer, "compressing", False), before, self._norm()))
+
+
+@pytest.mark.parametrize("clip_when_compressing", [None, False])
+def test_clipping_in_the_compression_phase_warns_or_is_left_to_the_warmup(tmp_path, clip_when_compressing):
+    """Clipping with a frozen variance shrinks compressed steps (benchmarks/clipping_study.py): by
+    default it clips in both phases and warns; clip_when_compressing=False clips during warm-up only."""
+    model = _ClipProbe()
+    (rank,) = _fit(tmp_path, OnebitAdamStrategy(warmup=3, clip_when_compressing=clip_when_compressing), model,
+                   devices=1, max_epochs=1, gradient_clip_val=0.01)
+    warm = [(b, a) for c, b, a in model.seen if not c]
+    comp = [(b, a) for c, b, a in model.seen if c]
+    assert len(warm) == 3 and len(comp) == 13
+    assert all(b > 0.01 and a == pytest.approx(0.01, rel=1e-3) for b, a in warm)  # clipped
+    if clip_when_compressing is None:
+        assert all(a == pytest.approx(0.01, rel=1e-3) for _, a in comp)
+        assert any("clip_when_compressing=False" in w for w in rank["warnings"])
+    else:
+        assert all(a == b > 0.01 for b, a in comp)  # left alone
+        assert not any("clip_when_compressing" in w for w in rank["warnings"])
