@@ -169,3 +169,21 @@ def test_clipping_in_the_compression_phase_warns_or_is_left_to_the_warmup(tmp_pa
     else:
         assert all(a == b > 0.01 for b, a in comp)  # left alone
         assert not any("clip_when_compressing" in w for w in rank["warnings"])
+
+
+def test_a_scheduler_that_hides_the_optimizer_fails_at_setup_with_a_message(tmp_path):
+    class Hiding(torch.optim.lr_scheduler.LRScheduler):
+        def __init__(self, optimizer):
+            self.kept = optimizer  # a second reference the strategy cannot know about
+            super().__init__(optimizer)
+
+        def get_lr(self):
+            return [g["lr"] * 0.9 for g in self.kept.param_groups]
+
+    class Model(DigitsMLP):
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters())
+            return {"optimizer": opt, "lr_scheduler": Hiding(opt)}
+
+    with pytest.raises(ValueError, match=r"scheduler Hiding keeps the AdamW it was built on in 'kept'"):
+        _fit(tmp_path, OnebitAdamStrategy(), Model(), devices=1, max_epochs=1)
