@@ -507,3 +507,24 @@ def test_lost_rank_fails_the_others_with_the_collective_and_step(how):
     name, msg, elapsed = got
     assert name == "CollectiveError" and "optimizer step 4" in msg and "rank 0" in msg, msg
     assert elapsed < 5 + 10, elapsed
+
+
+@pytest.mark.parametrize("cls", [OnebitAdam, QAdam])
+def test_fused_warmup_equals_fused_adamw_bit_for_bit(cls):
+    """fused=True (also what a converted AdamW(fused=True) gets): the warm-up is torch's fused AdamW
+    kernel on the buckets, the bits of AdamW(fused=True), param groups and weight decay included."""
+    a, b = _mlp(), _mlp()
+    groups = lambda m: [{"params": list(m[0].parameters()), "lr": 3e-3},  # noqa: E731
+                        {"params": list(m[2].parameters()) + list(m[4].parameters())}]
+    ref = torch.optim.AdamW(groups(a), lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, fused=True)
+    opt = cls.from_optimizer(torch.optim.AdamW(groups(b), lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1,
+                                               fused=True), warmup_steps=10)
+    assert all(g["fused"] for g in opt.param_groups)
+    x, y = _data()
+    for _ in range(10):
+        _train(a, ref, 1, x, y)
+        _train(b, opt, 1, x, y)
+        for p, q in zip(a.parameters(), b.parameters(), strict=True):
+            assert torch.equal(p, q)
+    _train(b, opt, 1, x, y)
+    assert opt.compressing

@@ -67,6 +67,11 @@ class OnebitAdam(CompressedOptimizer):
         block_size: ``None`` = one scale per piece of a tensor in a rank's chunk; an int cuts
             each tensor further into blocks of that many elements from its first element (a
             param group may set its own ``block_size``, e.g. an embedding's row width).
+        fused: warm-up steps run torch's fused AdamW kernel on the buckets (``torch._fused_adamw_``,
+            what ``AdamW(fused=True)`` runs; one pass instead of AdamW's several, and the bits of
+            ``AdamW(fused=True)`` rather than of the default AdamW). ``None`` (default) or
+            ``False``: the warm-up is torch's default AdamW, op for op. A converted
+            ``AdamW(fused=True)`` carries it over. Parameters that are not fp32 take the default path.
         bucket_cap_mb, group, simulate_workers: see :class:`CompressedOptimizer`.
     """
 
@@ -74,15 +79,16 @@ class OnebitAdam(CompressedOptimizer):
     flat_state = ("exp_avg", "exp_avg_sq")
     comm_mode = "error_feedback"
     codec_cls: type[Codec] = SignCodec
+    from_adam = {**CompressedOptimizer.from_adam, "fused": "fused"}
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int | None = 1000, *,
                  eps_inside_sqrt: bool = True, block_size: int | None = None,
                  bucket_cap_mb: float = 25.0, group=None, simulate_workers: int | None = None,
-                 _defaults: dict | None = None) -> None:
+                 fused: bool | None = None, _defaults: dict | None = None) -> None:
         check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                        eps_inside_sqrt=eps_inside_sqrt, block_size=block_size, **(_defaults or {}))
+                        eps_inside_sqrt=eps_inside_sqrt, block_size=block_size, fused=fused, **(_defaults or {}))
         self.block_size = block_size
         super().__init__(params, defaults, warmup_steps=warmup_steps, bucket_cap_mb=bucket_cap_mb,
                          group=group, simulate_workers=simulate_workers)
@@ -102,7 +108,7 @@ class OnebitAdam(CompressedOptimizer):
     def _load_extra_state(self, extra: dict) -> None:
         self.activated = extra.get("activated", 0)
 
-    # -- warm-up: AdamW, op for op as torch.optim.AdamW's single-tensor path --------------
+    # -- warm-up: AdamW, op for op as torch.optim.AdamW (or its fused kernel, fused=True) ---
     def _step_sizes(self, b: Bucket, lr: float, beta1: float) -> list[float]:
         return [lr / _bias_correction(beta1, t) for t in self._steps(b)]
 
@@ -116,6 +122,8 @@ class OnebitAdam(CompressedOptimizer):
         return m, v
 
     def _update_warmup(self, b: Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
+        if group.get("fused") and self._fused_warmup(b, grad, group, has_grad):
+            return
         m, v = self._warmup_moments(b, grad, group)
         beta1, beta2 = group["betas"]
         steps = self._steps(b)
@@ -128,6 +136,23 @@ class OnebitAdam(CompressedOptimizer):
                 torch.div(vv.sqrt(), _bias_correction(beta2, t) ** 0.5, out=d).add_(group["eps"])
         self._apply(b, m, group, has_grad, decoupled_wd=group["weight_decay"],
                     step_size=self._step_sizes(b, group["lr"], beta1), denom=denom)
+
+    def _fused_warmup(self, b: Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> bool:
+        """The warm-up step by torch's fused AdamW kernel, on the parameters with a gradient, with
+        their own step counts; False (nothing done) where the kernel does not apply."""
+        keep = [i for i, h in enumerate(has_grad) if h]
+        params = [b.params[i] for i in keep]
+        if not params or any(p.dtype != torch.float32 for p in params):
+            return False
+        views = [[vs[i] for i in keep] for vs in (b.views(grad), b.views(b.flat["exp_avg"]),
+                                                  b.views(b.flat["exp_avg_sq"]))]
+        steps = [torch.tensor(float(self.state[p]["step"]), device=p.device) for p in params]
+        beta1, beta2 = group["betas"]
+        with torch.no_grad():
+            torch._fused_adamw_(params, *views, [], steps, amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2,
+                                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+                                grad_scale=None, found_inf=None)
+        return True
 
     # -- compression ---------------------------------------------------------------------
     # v is frozen during compression, so the zero mask and the denominator are computed once

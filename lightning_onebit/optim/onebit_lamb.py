@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .base import _is_lamb
+from .base import CompressedOptimizer, _is_lamb
 from .buckets import Bucket
 from .onebit_adam import OnebitAdam, _bias_correction
 
@@ -64,6 +64,7 @@ class OnebitLamb(OnebitAdam):
 
     strategy_name = "onebit_lamb"
     converts_lamb = True
+    from_adam = CompressedOptimizer.from_adam  # its warm-up is LAMB's: no fused AdamW kernel
 
     @classmethod
     def conversion_advice(cls, opt: torch.optim.Optimizer) -> str | None:
