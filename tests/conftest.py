@@ -91,6 +91,20 @@ def _infrastructure() -> set[int]:
     return {p for p in keep if p}
 
 
+@pytest.fixture
+def fresh_process_group():
+    """In-process (devices=1) fits leave a process group and MASTER_PORT behind; spawned fits that
+    follow would then try to bind the same port. Modules that fit in-process use it for every test."""
+    import torch.distributed as dist
+
+    saved = dict(os.environ)
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(autouse=True)
 def _no_process_outlives_its_test():
     """Kill whatever a test left running (ranks below the forkserver included), and say so."""

@@ -2,7 +2,6 @@
 schedulers, several optimizers (a GAN), and the warnings for runs that cannot save anything.
 Multi-rank behaviour is checked through ``Trainer`` on 2 processes."""
 
-import os
 
 import lightning as L
 import pytest
@@ -15,16 +14,7 @@ from lightning_onebit import CompressedDDPStrategy, OnebitAdamStrategy
 from lightning_onebit.strategies.compressed import shard_path
 from lightning_onebit.strategies.launch import BaseDDPStrategy
 
-
-@pytest.fixture(autouse=True)
-def _fresh_process_group():
-    """In-process (devices=1) fits leave a process group and MASTER_PORT behind."""
-    saved = dict(os.environ)
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("fresh_process_group")
 
 
 def _fit(out, strategy, model, devices=2, max_epochs=2, ckpt_path=None, callbacks=(), **kw):

@@ -19,16 +19,7 @@ from proc_utils import run as proc_run
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(autouse=True)
-def _fresh_process_group():
-    """In-process (devices=1) fits leave a process group and MASTER_PORT behind; spawned fits
-    that follow would then try to bind the same port."""
-    saved = dict(os.environ)
-    yield
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("fresh_process_group")
 
 
 def _fit(tmp_path, strategy, model=None, devices=2, max_epochs=2, callbacks=(), ckpt_path=None, **trainer_kw):
