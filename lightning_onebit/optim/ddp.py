@@ -29,30 +29,42 @@ def attach_several(ddp_model: torch.nn.parallel.DistributedDataParallel, optimiz
 
     owner: dict[int, int] = {}
     for k, opt in enumerate(optimizers):
-        if opt.simulate_workers is not None:
-            raise RuntimeError("a simulated-cluster optimizer cannot be attached to DDP")
+        opt._check_attachable()
         for p in opt.params_in_order():
             if id(p) in owner:
                 raise ValueError(f"optimizers {owner[id(p)]} and {k} share a parameter; each parameter must belong "
                                  "to one optimizer")
             owner[id(p)] = k
-    ignored = set(getattr(ddp_model, "parameters_to_ignore", ()))
-    orphans = [n for n, p in ddp_model.module.named_parameters()
-               if p.requires_grad and n not in ignored and id(p) not in owner]
+    orphans = _unowned(ddp_model, set(owner))
     if orphans:
         raise ValueError(f"the DDP model has trainable parameters no optimizer owns ({orphans[:3]}...); with "
                          "several optimizers DDP does not average gradients, so every trainable parameter must "
                          "belong to one of them (or set requires_grad=False)")
     for opt in optimizers:
-        if ddp_model.process_group is not None and opt.process_group is None:
-            opt.process_group = ddp_model.process_group
-        if (local := opt._ranks_per_node()) is not None:
-            opt._groups_of_nodes(local)  # collective: every rank is here now
+        opt._use_ddp_group(ddp_model)
     register_local_hook(ddp_model)
+
+
+def _unowned(ddp_model: torch.nn.parallel.DistributedDataParallel, owned: set[int]) -> list[str]:
+    """Names of the DDP model's trainable parameters whose ids are not in ``owned``."""
+    return [n for n, p in ddp_model.module.named_parameters() if p.requires_grad and id(p) not in owned]
 
 
 class DDPHookPath:
     """Mixin of :class:`~lightning_onebit.optim.CompressedOptimizer`: the DDP comm-hook path."""
+
+    def _check_attachable(self) -> None:
+        if self.simulate_workers is not None:
+            raise RuntimeError("a simulated-cluster optimizer cannot be attached to DDP")
+
+    def _use_ddp_group(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
+        """DDP's process group (unless this optimizer was given one), and the node groups of the
+        two-level collective made now: their creation is collective, and here every rank is at the
+        same point (in the hook it might not be)."""
+        if ddp_model.process_group is not None and self.process_group is None:
+            self.process_group = ddp_model.process_group
+        if (local := self._ranks_per_node()) is not None:
+            self._groups_of_nodes(local)
 
     def attach(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
         """Synchronise through ``ddp_model``'s gradient buckets from now on (the one call a
@@ -60,15 +72,12 @@ class DDPHookPath:
         backward, and ``step()`` only applies the update."""
         from ..comm.ddp_hook import register_compression_hook
 
-        if self.simulate_workers is not None:
-            raise RuntimeError("a simulated-cluster optimizer cannot be attached to DDP")
-        mine = {id(p) for p in self.params_in_order()}
-        foreign = [n for n, p in ddp_model.module.named_parameters() if p.requires_grad and id(p) not in mine]
+        self._check_attachable()
+        foreign = _unowned(ddp_model, {id(p) for p in self.params_in_order()})
         if foreign:
             raise ValueError(f"{type(self).__name__}.attach: the DDP model has trainable parameters this "
                              f"optimizer does not own ({foreign[:3]}...); one optimizer must own them all")
-        if ddp_model.process_group is not None and self.process_group is None:
-            self.process_group = ddp_model.process_group
+        self._use_ddp_group(ddp_model)
         # the parameters DDP's reducer syncs (those trainable when DDP was built); others sync in step()
         ignored = set(getattr(ddp_model, "parameters_to_ignore", ()))
         self._ddp_params = {id(p) for n, p in ddp_model.module.named_parameters()
@@ -81,9 +90,6 @@ class DDPHookPath:
                                    "it does not; attach before loading a state_dict or taking a step")
             b.via_ddp = inside.pop()
         self._build_buckets()
-        if (local := self._ranks_per_node()) is not None:
-            # group creation is collective: here every rank is at the same point, in the hook it might not be
-            self._groups_of_nodes(local)
         register_compression_hook(ddp_model, self)
         self._ddp_attached = True
 

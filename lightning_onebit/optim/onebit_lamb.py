@@ -64,17 +64,8 @@ class OnebitLamb(OnebitAdam):
 
     strategy_name = "onebit_lamb"
     converts_lamb = True
-    from_adam = CompressedOptimizer.from_adam  # its warm-up is LAMB's: no fused AdamW kernel
-
-    @classmethod
-    def conversion_advice(cls, opt: torch.optim.Optimizer) -> str | None:
-        # LAMB moves each layer by lr * ||w|| per step, Adam by ~lr per coordinate: the same lr
-        # is a much smaller step for LAMB (an Adam lr of 1e-3 barely moves the loss)
-        if _is_lamb(opt):
-            return None
-        return ("LAMB scales each layer's step to lr * ||w||, so an Adam learning rate is usually too small for it. "
-                f"Return a LAMB (or {cls.__name__}) with a LAMB learning rate to silence this.")
     flat_state = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "exp_avg_prev")
+    from_adam = CompressedOptimizer.from_adam  # its warm-up is LAMB's: no fused AdamW kernel
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int | None = 1000, *,
@@ -89,6 +80,15 @@ class OnebitLamb(OnebitAdam):
         super().__init__(params, lr, betas, eps, weight_decay, warmup_steps, eps_inside_sqrt=eps_inside_sqrt,
                          block_size=block_size, bucket_cap_mb=bucket_cap_mb, group=group,
                          simulate_workers=simulate_workers, _defaults=bounds)
+
+    @classmethod
+    def conversion_advice(cls, opt: torch.optim.Optimizer) -> str | None:
+        # LAMB moves each layer by lr * ||w|| per step, Adam by ~lr per coordinate: the same lr
+        # is a much smaller step for LAMB (an Adam lr of 1e-3 barely moves the loss)
+        if _is_lamb(opt):
+            return None
+        return ("LAMB scales each layer's step to lr * ||w||, so an Adam learning rate is usually too small for it. "
+                f"Return a LAMB (or {cls.__name__}) with a LAMB learning rate to silence this.")
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

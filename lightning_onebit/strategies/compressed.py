@@ -141,7 +141,6 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
         check_nonfinite_policy(on_nonfinite, max_consecutive_skips)  # at construction, before any rank starts
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self.clip_when_compressing = clip_when_compressing
-        self._converted_from: str | None = None
 
     # -- setup ---------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -254,7 +253,6 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
             converted.append(type(opt).__name__)
         self.optimizers = out
         if converted:
-            self._converted_from = converted[0]
             rank_zero_info(f"lightning_onebit: converted {', '.join(converted)} to {cls.__name__} "
                            f"(same hyperparameters) for strategy {name!r}")
 
@@ -278,29 +276,27 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
         new.load_state_dict(old.state_dict())
         self.precision_plugin.scaler = new
 
-    def _add_phase_switch(self, trainer) -> None:
+    def _add_phase_switch(self, trainer) -> bool:
+        """Add a PhaseSwitch with the strategy's warm-up unless one is there; False if it cannot."""
         from ..callbacks import PhaseSwitch
 
-        if self.optimizer_cls.has_warmup and self.warmup is not None \
-                and not any(isinstance(cb, PhaseSwitch) for cb in trainer.callbacks):
-            switch = PhaseSwitch(self.warmup)
-            switch._added_by_strategy = True
-            trainer.callbacks.append(switch)
+        if any(isinstance(cb, PhaseSwitch) for cb in trainer.callbacks):
+            return True
+        if not self.optimizer_cls.has_warmup or self.warmup is None:
+            return False
+        switch = PhaseSwitch(self.warmup)
+        switch._added_by_strategy = True
+        trainer.callbacks.append(switch)
+        return True
 
     def _ensure_phase_switch(self, trainer, opts: list[CompressedOptimizer]) -> None:
-        from ..callbacks import PhaseSwitch
-
-        mine = [cb for cb in trainer.callbacks if getattr(cb, "_added_by_strategy", False)]
         if all(opt.compressing or opt.warmup_steps is not None for opt in opts):
-            for cb in mine:  # the optimizers switch by themselves
-                trainer.callbacks.remove(cb)
+            for cb in [cb for cb in trainer.callbacks if getattr(cb, "_added_by_strategy", False)]:
+                trainer.callbacks.remove(cb)  # the optimizers switch by themselves
             return
-        if any(isinstance(cb, PhaseSwitch) for cb in trainer.callbacks):
-            return
-        if self.warmup is None:
+        if not self._add_phase_switch(trainer):
             raise ValueError(f"strategy {self.algorithm!r}: the optimizer has warmup_steps=None and warmup=None; "
                              "set one of them, or add a PhaseSwitch callback")
-        trainer.callbacks.append(PhaseSwitch(self.warmup))
 
     def _ensure_replica_sync(self, trainer, opts: list[CompressedOptimizer]) -> None:
         from ..callbacks import ReplicaSync

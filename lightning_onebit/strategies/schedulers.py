@@ -52,11 +52,14 @@ def _holds(obj: Any, target: object, depth: int = 2) -> str | None:
     into attributes, lists, tuples and dicts), or None."""
     if depth < 0:
         return None
-    items: Any = vars(obj).items() if hasattr(obj, "__dict__") and not isinstance(obj, type) else ()
     if isinstance(obj, dict):
-        items = obj.items()
+        items: Any = obj.items()
     elif isinstance(obj, (list, tuple)):
         items = enumerate(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+        items = vars(obj).items()
+    else:
+        return None
     for key, value in items:
         if value is target or getattr(value, "__self__", None) is target:
             return str(key)
