@@ -63,41 +63,42 @@ def _timed(step: Callable[[], None], kind: Callable[[], str], steps: int) -> dic
     return {k: statistics.median(v[1:] or v) for k, v in seen.items()}
 
 
-def run(name: str, size: str, workers: int, steps: int) -> dict[str, float]:
+def _setup(name: str, size: str, workers: int, warmup: int) -> tuple[Callable[[], None], Callable[[], str]]:
+    """An optimizer over a fresh MLP with fixed gradients, after the steps that must come first:
+    ``(step, kind)``, ``kind()`` naming the kind of the coming step. ``warmup``: warm-up steps of the
+    warm-up algorithms."""
     params = mlp(size)
     grads = _grads(params, workers)
+    for p, g in zip(params, grads[0], strict=True):
+        p.grad = g
     if name.startswith("AdamW"):
-        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=name == "AdamW(fused=True)")
-        for p, g in zip(params, grads[0], strict=True):
-            p.grad = g
-        opt.step()
-        return _timed(opt.step, lambda: "step", steps)
+        adamw = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=name == "AdamW(fused=True)")
+        adamw.step()
+        return adamw.step, lambda: "step"
     sim = {"simulate_workers": workers} if workers > 1 else {}
     if name == "ZeroOneAdam":
         opt = lo.ZeroOneAdam(params, lr=1e-3, weight_decay=0.01, var_freeze_step=2, var_update_scaler=1,
                              local_step_scaler=1, local_step_clipper=4, **sim)
-        warm = 2
 
         def kind() -> str:
             return opt.schedule().kind(opt.optimizer_steps + 1)
     else:
         fused = {"fused": True} if name.endswith("(fused=True)") else {}
         cls = getattr(lo, name.removesuffix("(fused=True)"))
-        opt = cls(params, lr=1e-3, weight_decay=0.01, warmup_steps=steps // 3, **sim, **fused)
-        warm = 0
+        opt = cls(params, lr=1e-3, weight_decay=0.01, warmup_steps=warmup, **sim, **fused)
 
         def kind() -> str:
-            return "compression" if opt.optimizer_steps >= steps // 3 else "warm-up"
+            return "compression" if opt.optimizer_steps >= warmup else "warm-up"
 
-    if workers > 1:
-        def step() -> None:
-            opt.step_workers(grads)
-    else:
-        for p, g in zip(params, grads[0], strict=True):
-            p.grad = g
-        step = opt.step
-    for _ in range(warm):  # the variance refreshes before ZeroOneAdam's freeze
-        step()
+    step = (lambda: opt.step_workers(grads)) if workers > 1 else opt.step
+    if name == "ZeroOneAdam":
+        for _ in range(2):  # the variance refreshes before the freeze
+            step()
+    return step, kind
+
+
+def run(name: str, size: str, workers: int, steps: int) -> dict[str, float]:
+    step, kind = _setup(name, size, workers, warmup=steps // 3)
     return _timed(step, kind, steps)
 
 
@@ -105,15 +106,9 @@ OPTIMIZERS = ("AdamW(fused=True)", "AdamW", "OnebitAdam", "OnebitAdam(fused=True
               "ZeroOneAdam")
 
 
-def profile(name: str, size: str, workers: int) -> None:
-    params = mlp(size)
-    grads = _grads(params, workers)
-    sim = {"simulate_workers": workers} if workers > 1 else {}
-    opt = getattr(lo, name)(params, lr=1e-3, warmup_steps=1, **sim) if name != "ZeroOneAdam" else \
-        lo.ZeroOneAdam(params, lr=1e-3, var_freeze_step=1, **sim)
-    for p, g in zip(params, grads[0], strict=True):
-        p.grad = g
-    step = (lambda: opt.step_workers(grads)) if workers > 1 else opt.step
+def profile(name: str, size: str) -> None:
+    """Own time by function over 10 steps after the warm-up (ZeroOneAdam: local and sync steps)."""
+    step, _ = _setup(name, size, 1, warmup=1)
     for _ in range(3):
         step()
     prof = cProfile.Profile()
@@ -137,7 +132,7 @@ def main() -> None:
     if args.profile:
         torch.set_num_threads(args.threads[0])
         set_thread_budget(args.threads[0])
-        profile(args.profile, args.params[0], 1)
+        profile(args.profile, args.params[0])
         return
     print("| params | threads | optimizer | workers | step | ms (median) | ratio to AdamW(fused=True) |")
     print("|---|---|---|---|---|---|---|")
