@@ -241,6 +241,57 @@ def test_non_finite_gradient_skips_step_without_touching_state(cls, kw):
     _train(m, opt, 1, x, y)  # a good step afterwards works
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_gradient_on_a_masked_coordinate_is_caught(bad):
+    """A coordinate masked at the switch (zero variance) sends nothing, yet a NaN/inf gradient there
+    still fails the step, on one rank as on several (the payload carries it to the collective's check)."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(20, 4), nn.Linear(4, 1)
+    params = list(emb.parameters()) + list(head.parameters())
+    opt = OnebitAdam(params, lr=1e-2, warmup_steps=2)
+    for _ in range(3):  # rows 5.. never get a gradient: masked at the switch
+        opt.zero_grad()
+        head(emb(torch.randint(0, 5, (8,)))).pow(2).mean().backward()
+        opt.step()
+    assert opt.compressing
+    before = [p.detach().clone() for p in params]
+    state = [v.clone() for v in opt.state[emb.weight].values() if torch.is_tensor(v)]
+    opt.zero_grad()
+    head(emb(torch.randint(0, 5, (8,)))).pow(2).mean().backward()
+    emb.weight.grad[7, 1] = bad
+    with pytest.raises(NonFiniteGradientError, match="not finite"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(before, params, strict=True))
+    assert all(torch.equal(v, w) for v, w in zip(state, (v for v in opt.state[emb.weight].values()
+                                                          if torch.is_tensor(v)), strict=True))
+
+
+@pytest.mark.parametrize("shape_of", ["fp32", "bf16", "strided"])
+def test_decoupled_update_has_adamws_bits(shape_of):
+    """The functional core's last line of AdamW, fused on the CPU, gives torch's foreach bits."""
+    from lightning_onebit.optim.functional import decoupled_update_
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(300, 70), (70,), (1 << 16, 3)]  # the last runs the parallel kernel copy
+    ps = [torch.randn(s, generator=g) for s in shapes]
+    if shape_of == "bf16":
+        ps = [p.bfloat16() for p in ps]
+    if shape_of == "strided":
+        ps[0] = torch.randn(70, 300, generator=g).t()
+    us = [torch.randn(s, generator=g) for s in shapes]
+    ds = [torch.rand(s, generator=g) + 1e-3 for s in shapes]
+    sizes, lr, wd = [1e-2, 3e-3, 7e-4], 1e-3, 0.1
+    ref = [p.clone() for p in ps]
+    if shape_of == "bf16":  # fp32 arithmetic, one rounding to bf16
+        for p, u, d, s in zip(ref, us, ds, sizes, strict=True):
+            p.mul_(1 - lr * wd).add_((u / d).bfloat16(), alpha=-s)
+    else:
+        torch._foreach_mul_(ref, 1 - lr * wd)
+        torch._foreach_addcdiv_(ref, us, ds, [-s for s in sizes])
+    decoupled_update_(ps, us, ds, sizes, lr=lr, weight_decay=wd)
+    assert all(torch.equal(p, r) for p, r in zip(ps, ref, strict=True))
+
+
 @pytest.mark.parametrize("cls,kw", [(OnebitAdam, dict(warmup_steps=2)), (CDAdam, {})])
 def test_parameter_without_gradient_is_skipped(cls, kw):
     """A parameter whose .grad is None is untouched, state included, in warm-up and compression."""

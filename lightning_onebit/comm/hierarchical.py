@@ -313,6 +313,11 @@ class SimulatedHierarchicalCluster:
         result = torch.cat(full)[:d]
         return [result.to(x.dtype, copy=True).view_as(x) for x in xs]
 
+    def allreduce_into(self, xs: Sequence[torch.Tensor], out: torch.Tensor,
+                       flags: Sequence[bool] | None = None) -> torch.Tensor:
+        """:meth:`allreduce` with the (common) result written into ``out`` and returned."""
+        return out.copy_(self.allreduce(xs, flags)[0].view_as(out))
+
     # -- state: cluster j holds the state of shard j of every node ----------------------------
     def _shard_range(self, j: int, lo: int, hi: int) -> tuple[int, int]:
         s0 = j * self.shard_len

@@ -46,6 +46,17 @@ class SimulatedCluster:
     def allreduce(self, xs: Sequence[torch.Tensor], flags: Sequence[bool] | None = None) -> list[torch.Tensor]:
         """Compressed mean of ``xs`` (one tensor per worker); returns each worker's result.
         ``flags`` (one per worker): their OR becomes ``any_flag``, as in the distributed call."""
+        return self._run(xs, flags, None)
+
+    def allreduce_into(self, xs: Sequence[torch.Tensor], out: torch.Tensor,
+                       flags: Sequence[bool] | None = None) -> torch.Tensor:
+        """:meth:`allreduce` with the result written into ``out`` (fp32, ``xs[0]``'s size) and returned.
+        Every worker decodes the same gathered bytes the same way, so worker 0's result stands for all;
+        the others are decoded only where decoding updates their state (``markov``: g_tilde)."""
+        return self._run(xs, flags, out)[0]
+
+    def _run(self, xs: Sequence[torch.Tensor], flags: Sequence[bool] | None,
+             out: torch.Tensor | None) -> list[torch.Tensor]:
         self.any_flag = bool(flags is not None and any(flags))
         if len(xs) != self.world_size:
             raise ValueError(f"expected {self.world_size} tensors (one per worker), got {len(xs)}")
@@ -58,13 +69,16 @@ class SimulatedCluster:
             raise ValueError(f"SimulatedCluster: the input of worker(s) {bad} is not finite (NaN or inf); "
                              "every worker skipped this call and no state was changed")
         if xs[0].numel() == 0:
-            return [x.detach().clone() for x in xs]
+            return [x.detach().clone() for x in xs] if out is None else [out]
         workers = self.workers
         for k in range(workers[0].num_pieces):
             sends = [w.encode_stage(xp, sc, k) for w, (xp, sc, _) in zip(workers, prepared, strict=True)]
             for w in workers:  # all_to_all_single: server r receives row r of every worker, in worker order
                 w.server_receive(torch.stack([s[w.rank] for s in sends]), k)
-        dsts = [w.result_buffer(None, x.dtype) for w, x in zip(workers, xs, strict=True)]
+        decoders = workers
+        if out is not None and workers[0].mode != "markov":
+            decoders = workers[:1]  # the others would decode the same bits into buffers nobody reads
+        dsts = [w.result_buffer(out, xs[0].dtype) for w in decoders]
         for k in range(workers[0].num_pieces):
             gathered = torch.cat([w.server_send(k) for w in workers])  # all_gather: rows in rank order
             if k == 0 and not bool(workers[0].gathered_finite(gathered)):  # a simulation may wait here
@@ -72,9 +86,12 @@ class SimulatedCluster:
                     w.reset_state()
                 raise ValueError("SimulatedCluster: a server's mean overflowed fp32, so the result is not "
                                  "finite (inputs near the fp32 limit); every worker reset its error/estimate state")
-            for w, dst in zip(workers, dsts, strict=True):
+            for w, dst in zip(decoders, dsts, strict=True):
                 w.finish_piece(gathered, dst, k)
-        outs = [w.finish(dst, None, x.dtype) for w, dst, x in zip(workers, dsts, xs, strict=True)]
+        if out is not None:
+            outs = [workers[0].finish(dsts[0], out, out.dtype)]
+        else:
+            outs = [w.finish(dst, None, x.dtype) for w, dst, x in zip(workers, dsts, xs, strict=True)]
         for w in self.workers:
             w.account()
         return outs

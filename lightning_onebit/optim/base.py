@@ -58,6 +58,7 @@ from ..compress.kernels import apply_thread_budget
 from .buckets import Bucket, BucketState, _simulated_mean
 from .checkpointing import OptimizerCheckpoint
 from .ddp import DDPHookPath
+from .functional import decoupled_update_
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,9 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
     converts_lamb: ClassVar[bool] = False
     #: the ranks take local steps, so their replicas differ between rounds (see sync_replicas)
     has_local_steps: ClassVar[bool] = False
+    #: a NaN/inf gradient always makes the payload non-finite, so the collective's own check (its
+    #: scale reduction, on every rank) finds it and no extra pass over the gradient is needed
+    payload_shows_nonfinite: ClassVar[bool] = True
 
     _registry: ClassVar[dict[str, type[CompressedOptimizer]]] = {}
 
@@ -465,17 +469,14 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
         comm = self._comm_for(b)
         target = self._sync_target(b)
         if worker_grads is not None:
-            payloads = []
-            for g in worker_grads:
-                out = torch.empty(b.numel, dtype=torch.float32, device=b.device)
+            payloads = b.worker_buffers("payload", len(worker_grads))
+            for g, out in zip(worker_grads, payloads, strict=True):
                 self._payload(b, g, out)
-                payloads.append(out)
             flags = [self._flag(b, g) for g in worker_grads]
             try:
-                result = comm.allreduce(payloads, flags=None if flags[0] is None else flags)[0]
+                comm.allreduce_into(payloads, target, flags=None if flags[0] is None else flags)
             except ValueError as exc:
                 raise NonFiniteGradientError(str(exc)) from exc
-            target.copy_(result)
             grads: torch.Tensor | Sequence[torch.Tensor] = worker_grads
         else:
             if b.payload is None:
@@ -521,21 +522,7 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
         ups = [b.views(update)[i] for i in keep]
         dens = [b.views(denom)[i] for i in keep] if denom is not None else None
         sizes = [step_size] * len(keep) if isinstance(step_size, float | int) else [step_size[i] for i in keep]
-        with torch.no_grad():
-            if decoupled_wd:
-                torch._foreach_mul_(params, 1 - lr * decoupled_wd)
-            if params[0].dtype == torch.float32:
-                if dens is None:
-                    for p, u, s in zip(params, ups, sizes, strict=True):
-                        p.add_(u, alpha=-s)
-                elif len(set(sizes)) == 1:
-                    torch._foreach_addcdiv_(params, ups, dens, value=-sizes[0])
-                else:
-                    torch._foreach_addcdiv_(params, ups, dens, [-s for s in sizes])
-            else:  # low-precision parameters: state and arithmetic stay fp32
-                for j, (p, u, s) in enumerate(zip(params, ups, sizes, strict=True)):
-                    step = u if dens is None else u / dens[j]
-                    p.add_(step.to(p.dtype), alpha=-s)
+        decoupled_update_(params, ups, dens, sizes, lr=lr, weight_decay=decoupled_wd)
 
     # -- step ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -652,8 +639,8 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
                 if b.done:  # synchronised in the DDP hook, which kept the state of locally unused params
                     saved = [s for s in b.pending if not has[s[0]]]
                 else:
-                    if wflat is None and self.world_size == 1:
-                        self._check_finite(b.grad, "gradient")  # with more ranks the collective agrees on it
+                    if wflat is None and self.world_size == 1 and not self.payload_shows_nonfinite:
+                        self._check_finite(b.grad, "gradient")  # else the collective's scale check sees it
                     saved = self._snapshot(b, skipped)
                     self._sync_bucket(b, wflat)
             else:

@@ -41,12 +41,22 @@ class Bucket:
         self._synced: torch.Tensor | None = None
         self.comm: CompressedAllreduce | SimulatedCluster | None = None
         self.payload: torch.Tensor | None = None  # reused every step: fresh buffers cost page faults
+        self._worker_bufs: dict[str, list[torch.Tensor]] = {}  # the same for simulated workers
         self.cache: dict = {}  # per-bucket values that only change at the switch (see subclasses)
         self.compressing = False  # this bucket has switched to compressed synchronisation
         self.switch_step: int | None = None  # a late bucket switches after this optimizer step
         self.ready = 0  # params whose local gradient is in self.grad (hook path)
         self.done = False  # compressed sync of this step finished
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # hook path, see ddp_bucket_ready
+
+    def worker_buffers(self, name: str, n: int) -> list[torch.Tensor]:
+        """``n`` bucket-sized fp32 buffers for the simulated workers, kept across steps (fresh ones
+        cost a page fault per 4 KiB at first touch, more than the work done in them)."""
+        bufs = self._worker_bufs.get(name)
+        if bufs is None or len(bufs) != n:
+            bufs = self._worker_bufs[name] = [torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+                                              for _ in range(n)]
+        return bufs
 
     @property
     def synced(self) -> torch.Tensor:
@@ -132,13 +142,13 @@ class BucketState:
                 view.copy_(p.grad)
 
     def _worker_flat(self, b: Bucket, grads) -> list[torch.Tensor]:
-        out = []
-        for wg in grads:
-            flat = torch.zeros(b.numel, dtype=torch.float32, device=b.device)
+        out = b.worker_buffers("grad", len(grads))
+        for wg, flat in zip(grads, out, strict=True):
             for pid, view in zip(b.ids, b.views(flat), strict=True):
-                if wg[pid] is not None:
+                if wg[pid] is None:
+                    view.zero_()
+                else:
                     view.copy_(wg[pid])
-            out.append(flat)
         return out
 
     def _state_views(self, b: Bucket, i: int) -> list[torch.Tensor]:

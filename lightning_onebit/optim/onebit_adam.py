@@ -157,20 +157,21 @@ class OnebitAdam(CompressedOptimizer):
     # -- compression ---------------------------------------------------------------------
     # v is frozen during compression, so the zero mask and the denominator are computed once
     # per bucket and switch (recomputing them cost a pass over the bucket per step).
-    def _mask(self, b: Bucket) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(mask, indices) of the coordinates whose frozen variance is zero, or (None, None)."""
+    def _mask(self, b: Bucket) -> torch.Tensor | None:
+        """The positions (int64) of the coordinates whose frozen variance is zero, or None."""
         if "mask" not in b.cache:
-            mask = b.flat["exp_avg_sq"] == 0
-            idx = mask.nonzero().view(-1)
-            b.cache["mask"] = (mask, idx) if idx.numel() else (None, None)
+            idx = (b.flat["exp_avg_sq"] == 0).nonzero().view(-1)
+            b.cache["mask"] = idx if idx.numel() else None
         return b.cache["mask"]
 
     def _payload(self, b: Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
         beta1 = self.param_groups[b.group_index]["betas"][0]
         torch.lerp(b.flat["exp_avg"], grad, 1 - beta1, out=out)
-        mask, _ = self._mask(b)
-        if mask is not None:
-            out.masked_fill_(mask, 0.0)  # frozen-zero coordinates send nothing
+        idx = self._mask(b)
+        if idx is not None:
+            # frozen-zero coordinates send nothing: 0, or NaN where the gradient is not finite, so the
+            # collective's check still sees it (a few elements written, not a pass over the bucket)
+            out[idx] = grad[idx].mul(0.0).abs_()
 
     def _sync_target(self, b: Bucket) -> torch.Tensor:
         return b.flat["exp_avg"]  # m <- synced momentum, without a copy
@@ -178,17 +179,17 @@ class OnebitAdam(CompressedOptimizer):
     def _absorb(self, b: Bucket, synced: torch.Tensor) -> None:
         if synced is not b.flat["exp_avg"]:
             b.flat["exp_avg"].copy_(synced)
-        mask, _ = self._mask(b)
-        if mask is not None:
-            b.flat["exp_avg"].masked_fill_(mask, 0.0)
+        idx = self._mask(b)
+        if idx is not None:
+            b.flat["exp_avg"].index_fill_(0, idx, 0.0)
 
     def _flag(self, b: Bucket, grad: torch.Tensor) -> bool | None:
-        _, idx = self._mask(b)
+        idx = self._mask(b)
         return None if idx is None else bool(grad[idx].any())
 
     def _on_flag(self, b: Bucket, grads: torch.Tensor | Sequence[torch.Tensor]) -> None:
         """Masked coordinates that a gradient reached start to train (see the class docstring)."""
-        _, idx = self._mask(b)
+        idx = self._mask(b)
         # which masked coordinates got a gradient anywhere (a bit each on gloo), then their mean (fp32)
         if isinstance(grads, torch.Tensor):
             pos = idx[any_across(grads[idx] != 0, self.process_group, self.comm_counter)]

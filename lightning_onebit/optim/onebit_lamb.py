@@ -201,9 +201,9 @@ class OnebitLamb(OnebitAdam):
             prelim.mul_(1 / _bias_correction(beta1, steps[0]))
         else:
             torch._foreach_mul_(b.views(prelim), [1 / _bias_correction(beta1, t) for t in steps])
-        mask, _ = self._mask(b)
-        if mask is not None:
-            prelim.masked_fill_(mask, 0.0)
+        idx = self._mask(b)
+        if idx is not None:
+            prelim.index_fill_(0, idx, 0.0)
         # every per-layer scalar in one device->host transfer: max ratio, ||u||^2, <u, p>, ||p||^2
         keep = [i for i, h in enumerate(has_grad) if h]
         if not keep:

@@ -159,6 +159,7 @@ class ZeroOneAdam(CompressedOptimizer):
     flat_state = ("exp_avg", "exp_avg_sq")
     has_warmup = False
     has_local_steps = True
+    payload_shows_nonfinite = False  # the masked coordinates send zeros whatever the gradient holds
     comm_mode = "error_feedback"
     codec_cls: type[Codec] = SignCodec
     #: flat buffers of the local-step phase (allocated at the freeze)
@@ -435,7 +436,7 @@ class ZeroOneAdam(CompressedOptimizer):
                         b.payload = torch.empty(b.numel, dtype=torch.float32, device=b.device)
                     out = b.payload
                 else:
-                    out = torch.empty_like(u)
+                    out = b.worker_buffers("payload", self.simulate_workers)[w]
                 self._per_param(b, torch.div, u, sums, out)  # the lr-weighted mean momentum of the interval
                 if (mask := self._mask(b)) is not None:
                     out.masked_fill_(mask, 0.0)
@@ -443,7 +444,7 @@ class ZeroOneAdam(CompressedOptimizer):
             synced = b.synced
             try:
                 if self.simulate_workers is not None:
-                    synced.copy_(comm.allreduce(payloads, flags=bad)[0])
+                    comm.allreduce_into(payloads, synced, flags=bad)
                 else:
                     with self._collective("compressed allreduce (local-step synchronisation)", b):
                         comm(payloads[0], out=synced, flag=bad[0])
