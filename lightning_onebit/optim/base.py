@@ -376,12 +376,13 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
         return group_size(self.process_group)
 
     # -- gradients -----------------------------------------------------------------------
-    def _check_finite(self, t: torch.Tensor, what: str) -> None:
+    def _check_finite(self, t: torch.Tensor | Sequence[torch.Tensor], what: str) -> None:
         # a sum is one cheap reduction and is non-finite whenever an element is (or it overflows:
         # then the element-wise check decides); isfinite(t).all() writes a bool per element
-        if t.numel() == 0 or bool(torch.isfinite(t.sum())):
+        ts = [t] if isinstance(t, torch.Tensor) else list(t)
+        if not ts or bool(torch.isfinite(torch.stack([x.sum() for x in ts]).sum())):
             return
-        if not bool(torch.isfinite(t).all()):
+        if not all(bool(torch.isfinite(x).all()) for x in ts):
             raise NonFiniteGradientError(
                 f"{type(self).__name__}: the {what} contains NaN or inf; the step was skipped on every "
                 "rank and no optimizer state was changed (lower the learning rate, use gradient "
@@ -391,7 +392,7 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
     def _average_warmup(self, b: Bucket, worker_grads: Sequence[torch.Tensor] | None) -> torch.Tensor:
         """Full-precision mean gradient of a bucket (fp32), exactly as DDP would compute it."""
         if worker_grads is not None:  # simulation: (g_0 / n) + (g_1 / n) + ... in worker order
-            b.grad.copy_(_simulated_mean(worker_grads))
+            _simulated_mean(worker_grads, out=b.grad, scratch=b.worker_buffers("quotient", 1)[0])
             n = len(worker_grads)  # counted as the real path counts its fp32 allreduce
             self.comm_counter.add(ring_allreduce_bytes(b.numel, n), b.numel, n)
         elif not b.via_ddp:
@@ -499,8 +500,16 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
 
     # -- DDP ---------------------------------------------------------------------------
     # -- updates (subclasses) ------------------------------------------------------------
-    def _update_warmup(self, b: Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
+    def _update_warmup(self, b: Bucket, grad: torch.Tensor | list[torch.Tensor], group: dict,
+                       has_grad: list[bool]) -> None:
+        """The warm-up rule on the averaged gradient: the bucket's flat one, or the list
+        :meth:`_warmup_on_own_grads` returned (one per parameter with a gradient)."""
         raise NotImplementedError
+
+    def _warmup_on_own_grads(self, b: Bucket, has_grad: list[bool]) -> list[torch.Tensor] | None:
+        """The averaged gradients of the parameters with one, if the warm-up rule can read them where
+        they are (no copy into the bucket); ``None``: copy them (the default)."""
+        return None
 
     def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
         raise NotImplementedError
@@ -629,7 +638,12 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
         plan = []
         for b, has in zip(buckets, has_all, strict=True):
             wflat = self._worker_flat(b, worker_grads) if worker_grads is not None else None
-            if wflat is None and not b.done and not (b.via_ddp and b.compressing and b.ready):
+            # a warm-up whose gradient is averaged already (one rank, or DDP's allreduce) may run on
+            # the parameters' own gradients: no copy into the bucket
+            direct = None
+            if wflat is None and not b.compressing and (b.via_ddp or self.world_size == 1) and any(has):
+                direct = self._warmup_on_own_grads(b, has)
+            if wflat is None and direct is None and not b.done and not (b.via_ddp and b.compressing and b.ready):
                 self._gather_grads(b)
             skipped = [i for i, h in enumerate(has) if not h]
             grad, saved = None, []
@@ -643,6 +657,9 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
                         self._check_finite(b.grad, "gradient")  # else the collective's scale check sees it
                     saved = self._snapshot(b, skipped)
                     self._sync_bucket(b, wflat)
+            elif direct is not None:
+                self._check_finite(direct, "averaged gradient")
+                grad = direct
             else:
                 saved = self._snapshot(b, skipped)
                 grad = self._average_warmup(b, wflat)

@@ -171,10 +171,12 @@ class BucketState:
             view.copy_(value)
 
 
-def _simulated_mean(worker_grads: Sequence[torch.Tensor]) -> torch.Tensor:
-    """(g_0 / n) + (g_1 / n) + ... in worker order: what DDP's divide-then-sum gives on n ranks."""
+def _simulated_mean(worker_grads: Sequence[torch.Tensor], out: torch.Tensor | None = None,
+                    scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """(g_0 / n) + (g_1 / n) + ... in worker order: what DDP's divide-then-sum gives on n ranks
+    (into ``out``, with ``scratch`` for the quotients, when given: no fresh buffers)."""
     n = len(worker_grads)
-    acc = worker_grads[0] / n
+    acc = torch.div(worker_grads[0], n, out=out) if out is not None else worker_grads[0] / n
     for g in worker_grads[1:]:
-        acc += g / n
+        acc += torch.div(g, n, out=scratch) if scratch is not None else g / n
     return acc

@@ -121,8 +121,28 @@ class OnebitAdam(CompressedOptimizer):
         v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         return m, v
 
-    def _update_warmup(self, b: Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
-        if group.get("fused") and self._fused_warmup(b, grad, group, has_grad):
+    def _warmup_on_own_grads(self, b: Bucket, has_grad: list[bool]) -> list[torch.Tensor] | None:
+        # torch's fused kernel takes the tensors where they are: the copy into the bucket would
+        # cost two passes over the gradient of a step that is otherwise one
+        if not self.param_groups[b.group_index].get("fused"):
+            return None
+        params = [p for p, h in zip(b.params, has_grad, strict=True) if h]
+        grads = [p.grad for p in params]
+        if any(g is None or g.is_sparse or g.dtype != torch.float32 or g.device != p.device or p.dtype != torch.float32
+               for p, g in zip(params, grads, strict=True)):
+            return None
+        return grads
+
+    def _update_warmup(self, b: Bucket, grad: torch.Tensor | list[torch.Tensor], group: dict,
+                       has_grad: list[bool]) -> None:
+        if isinstance(grad, list):
+            grads = grad
+        elif group.get("fused") and all(p.dtype == torch.float32 for p in b.params):
+            grads = [g for g, h in zip(b.views(grad), has_grad, strict=True) if h]
+        else:
+            grads = None
+        if grads is not None:
+            self._fused_warmup(b, grads, group, has_grad)
             return
         m, v = self._warmup_moments(b, grad, group)
         beta1, beta2 = group["betas"]
@@ -137,22 +157,18 @@ class OnebitAdam(CompressedOptimizer):
         self._apply(b, m, group, has_grad, decoupled_wd=group["weight_decay"],
                     step_size=self._step_sizes(b, group["lr"], beta1), denom=denom)
 
-    def _fused_warmup(self, b: Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> bool:
-        """The warm-up step by torch's fused AdamW kernel, on the parameters with a gradient, with
-        their own step counts; False (nothing done) where the kernel does not apply."""
+    def _fused_warmup(self, b: Bucket, grads: list[torch.Tensor], group: dict, has_grad: list[bool]) -> None:
+        """The warm-up step by torch's fused AdamW kernel on the parameters with a gradient (``grads``,
+        theirs), with their own step counts."""
         keep = [i for i, h in enumerate(has_grad) if h]
         params = [b.params[i] for i in keep]
-        if not params or any(p.dtype != torch.float32 for p in params):
-            return False
-        views = [[vs[i] for i in keep] for vs in (b.views(grad), b.views(b.flat["exp_avg"]),
-                                                  b.views(b.flat["exp_avg_sq"]))]
+        moments = [[vs[i] for i in keep] for vs in (b.views(b.flat["exp_avg"]), b.views(b.flat["exp_avg_sq"]))]
         steps = [torch.tensor(float(self.state[p]["step"]), device=p.device) for p in params]
         beta1, beta2 = group["betas"]
         with torch.no_grad():
-            torch._fused_adamw_(params, *views, [], steps, amsgrad=False, lr=group["lr"], beta1=beta1, beta2=beta2,
-                                weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+            torch._fused_adamw_(params, grads, *moments, [], steps, amsgrad=False, lr=group["lr"], beta1=beta1,
+                                beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
                                 grad_scale=None, found_inf=None)
-        return True
 
     # -- compression ---------------------------------------------------------------------
     # v is frozen during compression, so the zero mask and the denominator are computed once
