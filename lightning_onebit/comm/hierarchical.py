@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ..compress import Codec
 from ..compress.kernels import get_backend
+from ..compress.source import Source
 from .accounting import ByteCounter
 from .allreduce import CompressedAllreduce, _all_gather_single, _group_rank_size
 from .dense import all_finite
@@ -172,6 +173,8 @@ class HierarchicalAllreduce:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, flag: bool | None = None) -> torch.Tensor:
         """The compressed mean of ``x`` over every rank of every node (bit-identical on all ranks)."""
+        if isinstance(x, Source):
+            x = x.materialize()  # the node's fp32 mean needs it in memory
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError("HierarchicalAllreduce expects a floating-point tensor")
         ok = all_finite(x)
@@ -285,6 +288,7 @@ class SimulatedHierarchicalCluster:
 
     def allreduce(self, xs: Sequence[torch.Tensor], flags: Sequence[bool] | None = None) -> list[torch.Tensor]:
         """The two-level compressed mean of ``xs`` (one per rank); ``flags``: their OR becomes ``any_flag``."""
+        xs = [x.materialize() if isinstance(x, Source) else x for x in xs]
         self.any_flag = bool(flags is not None and any(flags))
         if len(xs) != self.world_size:
             raise ValueError(f"expected {self.world_size} tensors (one per rank), got {len(xs)}")

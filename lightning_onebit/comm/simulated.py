@@ -33,6 +33,8 @@ class SimulatedCluster:
                  pieces: int | None = None, groups: Sequence[int] | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
+        # pieces pipeline the network; a simulation has none: one piece unless asked (same bits)
+        pieces = 1 if pieces is None else pieces
         self.world_size = world_size
         self.counter = counter if counter is not None else ByteCounter()
         # every worker reports to its own counter; the cluster's counter gets rank 0's view

@@ -38,8 +38,9 @@ long before); :meth:`TwoStageRank.gathered_finite` tells it from the gathered se
 same bytes on every rank, and the driver decides when to read it and how to raise.
 
 Pipelining: a row is cut into column pieces (``pieces``; automatic: one per ``MIN_PIECE``
-elements of a row, at most ``MAX_PIECES``; on CUDA one piece, since every piece costs n encode
-and n decode launches, each with Python dispatch, and the kernels share torch's one stream).
+elements of a row, at most ``MAX_PIECES``; one piece on CUDA, since every piece costs n encode
+and n decode launches, each with Python dispatch, and the kernels share torch's one stream, and
+one piece at world size 1 and in a simulation, which have no network to overlap).
 Every stage works piece by piece, so a driver can put piece k on the wire while piece k+1 is
 encoded, let the server decode each piece as it arrives, and encode and exchange the server row
 piece by piece while earlier pieces are decoded (``CompressedAllreduce`` does). Only the scale
@@ -66,6 +67,7 @@ import torch
 
 from ..compress import Codec, Encoded
 from ..compress.kernels.layout import Layout, code_bytes_padded, code_bytes_per_row, is_sign
+from ..compress.source import Source
 from .accounting import ByteCounter
 
 __all__ = ["MAX_PIECES", "MIN_PIECE", "MODES", "TwoStageRank"]
@@ -175,8 +177,8 @@ class TwoStageRank:
         unit = 32
         if self.pieces is not None:
             k = self.pieces
-        elif self.worker_device.type == "cuda":
-            k = 1  # on a GPU each piece costs n kernel launches with Python dispatch (see above)
+        elif self.worker_device.type == "cuda" or self.world_size == 1:
+            k = 1  # a GPU: each piece costs n kernel launches with Python dispatch (see above); one rank: no wire
         else:
             k = min(MAX_PIECES, seg // MIN_PIECE)
         k = max(1, min(k, seg // unit))
@@ -313,20 +315,24 @@ class TwoStageRank:
         self.bytes_sent, self.calls = sd["bytes_sent"], sd["calls"]
 
     # -- stage 1 (worker) ----------------------------------------------------------------
-    def _padded_input(self, x: torch.Tensor) -> torch.Tensor:
+    def _padded_input(self, x: torch.Tensor | Source) -> torch.Tensor | Source:
         x = x.reshape(-1)
         if self._xpad is None:
             return x
+        if isinstance(x, Source):
+            return x.padded(self._xpad.numel())  # evaluated as zeros past its data: nothing copied
         self._xpad[: self.numel].copy_(x)
         return self._xpad
 
-    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def prepare(self, x: torch.Tensor | Source) -> tuple[torch.Tensor | Source, torch.Tensor, torch.Tensor]:
         """Bind to ``x``'s size and compute the worker scales; no state is written yet.
 
         Returns (padded input, worker scales, ok): ``ok`` a 0-d bool tensor on ``x``'s device,
         whether ``x`` is finite (no host sync; the scales of a non-finite input are meaningless).
+        ``x`` may be a payload :class:`~lightning_onebit.compress.source.Source`, which the codec's
+        kernels evaluate where they read it.
         """
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        if not isinstance(x, torch.Tensor | Source) or not x.is_floating_point():
             raise TypeError(f"{type(self).__name__} expects a floating-point tensor")
         self.bind(x.numel(), x.device)
         xp = self._padded_input(x)

@@ -2,6 +2,9 @@
 
 from .codecs import Codec, Encoded, MinMaxUInt8Codec, SignCodec
 from .kernels import BACKENDS, ENV_VAR
+from .memory import flat_buffer
+from .source import Source
 from .topk import TopKCodec
 
-__all__ = ["BACKENDS", "ENV_VAR", "Codec", "Encoded", "MinMaxUInt8Codec", "SignCodec", "TopKCodec"]
+__all__ = ["BACKENDS", "ENV_VAR", "Codec", "Encoded", "MinMaxUInt8Codec", "SignCodec", "Source", "TopKCodec",
+           "flat_buffer"]

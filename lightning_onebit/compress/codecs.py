@@ -39,6 +39,7 @@ from .kernels.layout import (
     make_layout,
     scale_width,
 )
+from .source import Source
 
 __all__ = ["Codec", "Encoded", "MinMaxUInt8Codec", "SignCodec"]
 
@@ -85,7 +86,11 @@ class Encoded:
         return Encoded(self.codes[i : i + 1], self.scales[i : i + 1], self.layout.row(i), self.kind, self.dtype)
 
 
-def _as_fp32_vector(x: torch.Tensor, what: str) -> torch.Tensor:
+def _as_fp32_vector(x: torch.Tensor | Source, what: str, keep_source: bool = False) -> torch.Tensor | Source:
+    """``x`` as a contiguous flat fp32 tensor; a payload :class:`Source` stays one with ``keep_source``
+    (the backend evaluates it, or materialises it: see :meth:`Codec._readable`)."""
+    if isinstance(x, Source):
+        return x if keep_source else x.materialize()
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if not x.is_floating_point():
@@ -190,6 +195,14 @@ class Codec:
     def _backend(self, device: torch.device):
         return get_backend(device, None if self.backend in (None, "auto") else self.backend)
 
+    @staticmethod
+    def _readable(x: torch.Tensor | Source, backend) -> torch.Tensor | Source:
+        """``x`` as ``backend`` reads it: a :class:`Source` stays one where the backend evaluates it
+        in its kernels, else it is materialised (by the torch ops that define its bits)."""
+        if isinstance(x, Source) and not (getattr(backend, "FUSES_SOURCES", False) and backend.accepts(x)):
+            return x.materialize()
+        return x
+
     # -- scales --------------------------------------------------------------------------
     def _not_finite(self) -> ValueError:
         return ValueError(f"{type(self).__name__}: the input is not finite (it contains NaN or inf); "
@@ -228,6 +241,7 @@ class Codec:
         if lay.numel == 0:
             return out
         backend = self._backend(device)
+        x = self._readable(x, backend)
         if scales is None:
             totals = backend.reduce(self.kind, mode, lay, x, state)
             scales, ok = self._scales_unchecked(totals, lay)
@@ -258,14 +272,15 @@ class Codec:
         ``x``'s device saying whether the input was finite. Nothing waits for the device, so a
         caller can fold ``ok`` into a collective and read it once (the scales of a non-finite
         input are meaningless)."""
-        x = _as_fp32_vector(x, "x")
+        x = _as_fp32_vector(x, "x", keep_source=True)
         m = MODES[mode]
         lay = self._resolve(x.numel(), nseg, groups, layout)
         if m != PLAIN:
             _check_state(state, lay.numel, x.device, "state buffer")
         if lay.numel == 0:
             return self.empty(lay, x.device).scales, torch.ones((), dtype=torch.bool, device=x.device)
-        totals = self._backend(x.device).reduce(self.kind, m, lay, x, state if m != PLAIN else None)
+        backend = self._backend(x.device)
+        totals = backend.reduce(self.kind, m, lay, self._readable(x, backend), state if m != PLAIN else None)
         return self._scales_unchecked(totals, lay)
 
     # Every encode op takes ``out=``: message buffers to write into (e.g. views into a packed
@@ -274,7 +289,7 @@ class Codec:
                scales: torch.Tensor | None = None, *, groups: Sequence[int] | None = None,
                layout: Layout | None = None) -> Encoded:
         """Encode a 1-D tensor (optionally as ``nseg`` equal rows, each with its own scales)."""
-        xf = _as_fp32_vector(x, "x")
+        xf = _as_fp32_vector(x, "x", keep_source=True)
         return self._run(xf, None, PLAIN, self._resolve(xf.numel(), nseg, groups, layout), dtype=x.dtype,
                          out=out, scales=scales)
 
@@ -282,7 +297,7 @@ class Codec:
                               out: Encoded | None = None, scales: torch.Tensor | None = None, *,
                               groups: Sequence[int] | None = None, layout: Layout | None = None) -> Encoded:
         """v = x + error; encode v; error <- v - decode(encoded). ``error`` is fp32, updated in place."""
-        xf = _as_fp32_vector(x, "x")
+        xf = _as_fp32_vector(x, "x", keep_source=True)
         return self._run(xf, error, ERROR_FEEDBACK, self._resolve(xf.numel(), nseg, groups, layout),
                          dtype=x.dtype, out=out, scales=scales)
 
@@ -290,7 +305,7 @@ class Codec:
                       out: Encoded | None = None, scales: torch.Tensor | None = None, *,
                       groups: Sequence[int] | None = None, layout: Layout | None = None) -> Encoded:
         """c = encode(target - estimate); estimate <- estimate + decode(c) (EF21 / CD-Adam)."""
-        xf = _as_fp32_vector(target, "target")
+        xf = _as_fp32_vector(target, "target", keep_source=True)
         return self._run(xf, estimate, MARKOV, self._resolve(xf.numel(), nseg, groups, layout),
                          dtype=target.dtype, out=out, scales=scales)
 
@@ -300,7 +315,7 @@ class Codec:
                     check_finite: bool = True) -> Encoded:
         """encode(target - reference) without touching ``reference``. ``check_finite=False``: no
         host sync; a non-finite difference shows as non-finite scales (the caller checks them)."""
-        xf = _as_fp32_vector(target, "target")
+        xf = _as_fp32_vector(target, "target", keep_source=True)
         return self._run(xf, reference, DIFF, self._resolve(xf.numel(), nseg, groups, layout),
                          dtype=target.dtype, out=out, scales=scales, check=check_finite)
 
@@ -317,9 +332,13 @@ class Codec:
         ``check_finite=False`` skips the finiteness check (a host sync on a GPU): a mean that
         overflowed fp32 then shows as non-finite scales in the result, for the caller to check.
         """
-        if mean is None:
-            mean = torch.empty(messages.seg_len, dtype=torch.float32, device=messages.device)
-        self.decode_mean(messages, out=mean)
+        backend = self._backend(messages.device)
+        if getattr(backend, "FUSES_SOURCES", False) and messages.seg_len:
+            mean = backend.RowsMean(messages)  # decoded inside both passes, never written
+        else:
+            if mean is None:
+                mean = torch.empty(messages.seg_len, dtype=torch.float32, device=messages.device)
+            self.decode_mean(messages, out=mean)
         mode = PLAIN if error is None else ERROR_FEEDBACK
         return self._run(mean, error, mode, messages.layout.row(0), dtype=messages.dtype, out=out,
                          check=check_finite)

@@ -55,6 +55,7 @@ from ..comm import (
 )
 from ..compress import Codec
 from ..compress.kernels import apply_thread_budget
+from ..compress.source import Source
 from .buckets import Bucket, BucketState, _simulated_mean
 from .checkpointing import OptimizerCheckpoint
 from .ddp import DDPHookPath
@@ -444,8 +445,16 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
             b.comm.bind(b.numel, b.device)  # state exists before the first sync (see _snapshot)
         return b.comm
 
-    def _payload(self, b: Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
-        """Local quantity to synchronise (fp32, written to ``out``) from the local gradient."""
+    #: the payload reads the gradients where they are (a Source over the parameters' ``.grad``), so the
+    #: compression phase copies no gradient into the bucket (outside DDP's hook)
+    payload_reads_grads: ClassVar[bool] = False
+
+    def _payload(self, b: Bucket, grad: torch.Tensor | Sequence[torch.Tensor | None],
+                 out: torch.Tensor) -> Source | None:
+        """The local quantity to synchronise, from the local gradient (``b.grad``-like and flat, or one
+        tensor per parameter where ``payload_reads_grads``): a :class:`~..compress.source.Source` the
+        codec evaluates where it reads it, or ``None`` after writing it (fp32) to ``out``, which also
+        serves as the buffer a Source is materialised into by a backend that cannot read it."""
         raise NotImplementedError
 
     def _sync_target(self, b: Bucket) -> torch.Tensor:
@@ -457,45 +466,48 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
     def _absorb(self, b: Bucket, synced: torch.Tensor) -> None:
         """Fold the synchronised quantity into the bucket's state (e.g. momentum <- synced)."""
 
-    def _flag(self, b: Bucket, grad: torch.Tensor) -> bool | None:
+    def _flag(self, b: Bucket, grad: torch.Tensor | Sequence[torch.Tensor | None]) -> bool | None:
         """A bit the collective agrees on at no cost (OR over ranks), e.g. "a gradient reached a
         coordinate the optimizer masks"; ``None``: no flag."""
         return None
 
-    def _on_flag(self, b: Bucket, grads: torch.Tensor | Sequence[torch.Tensor]) -> None:
-        """Called on every rank when some rank's flag was set (``grads``: the local gradient, or
-        every simulated worker's)."""
+    def _on_flag(self, b: Bucket, grads: Sequence, simulated: bool) -> None:
+        """Called on every rank when some rank's flag was set (``grads``: the local gradient, or with
+        ``simulated`` every simulated worker's; each flat, or one tensor per parameter)."""
 
-    def _sync_bucket(self, b: Bucket, worker_grads: Sequence[torch.Tensor] | None = None) -> None:
+    def _sync_bucket(self, b: Bucket, worker_grads: Sequence | None = None,
+                     grad: torch.Tensor | Sequence[torch.Tensor | None] | None = None) -> None:
+        """The compressed synchronisation of ``b``: this rank's gradient (``b.grad``, or ``grad``: one
+        tensor per parameter), or every simulated worker's (``worker_grads``, flat or per parameter)."""
         comm = self._comm_for(b)
         target = self._sync_target(b)
         if worker_grads is not None:
-            payloads = b.worker_buffers("payload", len(worker_grads))
-            for g, out in zip(worker_grads, payloads, strict=True):
-                self._payload(b, g, out)
+            payloads = []
+            for g, out in zip(worker_grads, b.worker_buffers("payload", len(worker_grads)), strict=True):
+                src = self._payload(b, g, out)
+                payloads.append(out if src is None else src)
             flags = [self._flag(b, g) for g in worker_grads]
             try:
                 comm.allreduce_into(payloads, target, flags=None if flags[0] is None else flags)
             except ValueError as exc:
                 raise NonFiniteGradientError(str(exc)) from exc
-            grads: torch.Tensor | Sequence[torch.Tensor] = worker_grads
+            grads: Sequence = worker_grads
         else:
+            grads = b.grad if grad is None else grad
             if b.payload is None:
                 b.payload = torch.empty(b.numel, dtype=torch.float32, device=b.device)
-            payload = b.payload
-            self._payload(b, b.grad, payload)
+            src = self._payload(b, grads, b.payload)
             try:
                 with self._collective(f"compressed allreduce ({type(comm).__name__})", b):
-                    comm(payload, out=target, flag=self._flag(b, b.grad))
+                    comm(b.payload if src is None else src, out=target, flag=self._flag(b, grads))
             except ValueError as exc:
                 if "not finite" in str(exc):
                     raise NonFiniteGradientError(
                         f"{type(self).__name__}: {exc}. Lower the learning rate or clip gradients.") from exc
                 raise
-            grads = b.grad
         self._absorb(b, target)
         if comm.any_flag:
-            self._on_flag(b, grads)
+            self._on_flag(b, grads, simulated=worker_grads is not None)
         b.done = True
 
     # -- DDP ---------------------------------------------------------------------------
@@ -637,13 +649,21 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
         has_all = self._has_grad(buckets, worker_grads)
         plan = []
         for b, has in zip(buckets, has_all, strict=True):
-            wflat = self._worker_flat(b, worker_grads) if worker_grads is not None else None
+            # a compressed sync whose payload reads the gradients where they are copies none of them
+            in_place = (b.compressing and self.payload_reads_grads and not b.done
+                        and not (b.via_ddp and b.ready))
+            wflat = None
+            if worker_grads is not None:
+                wflat = ([[wg[i] for i in b.ids] for wg in worker_grads] if in_place
+                         else self._worker_flat(b, worker_grads))
+            own = self._own_grads(b) if in_place and wflat is None else None
             # a warm-up whose gradient is averaged already (one rank, or DDP's allreduce) may run on
             # the parameters' own gradients: no copy into the bucket
             direct = None
             if wflat is None and not b.compressing and (b.via_ddp or self.world_size == 1) and any(has):
                 direct = self._warmup_on_own_grads(b, has)
-            if wflat is None and direct is None and not b.done and not (b.via_ddp and b.compressing and b.ready):
+            if (wflat is None and direct is None and own is None and not b.done
+                    and not (b.via_ddp and b.compressing and b.ready)):
                 self._gather_grads(b)
             skipped = [i for i, h in enumerate(has) if not h]
             grad, saved = None, []
@@ -654,9 +674,11 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
                     saved = [s for s in b.pending if not has[s[0]]]
                 else:
                     if wflat is None and self.world_size == 1 and not self.payload_shows_nonfinite:
-                        self._check_finite(b.grad, "gradient")  # else the collective's scale check sees it
+                        # else the collective's scale check sees it
+                        self._check_finite([g for g in own if g is not None] if own is not None else b.grad,
+                                           "gradient")
                     saved = self._snapshot(b, skipped)
-                    self._sync_bucket(b, wflat)
+                    self._sync_bucket(b, wflat, own)
             elif direct is not None:
                 self._check_finite(direct, "averaged gradient")
                 grad = direct

@@ -69,6 +69,18 @@ class Bucket:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o : o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, self.params, strict=True)]
 
+    def values_at(self, grad: torch.Tensor | Sequence[torch.Tensor | None], idx: torch.Tensor) -> torch.Tensor:
+        """fp32 values at the flat positions ``idx`` (sorted int64) of a flat gradient, or of one
+        tensor (or None: zeros) per parameter, read where they are."""
+        if isinstance(grad, torch.Tensor):
+            return grad[idx]
+        out = torch.zeros(idx.numel(), dtype=torch.float32, device=idx.device)
+        param = torch.searchsorted(torch.tensor(self.offsets, device=idx.device), idx, right=True) - 1
+        for k in param.unique().tolist():
+            if grad[k] is not None:
+                sel = param == k
+                out[sel] = grad[k].reshape(-1)[idx[sel] - self.offsets[k]].float()
+        return out
 
 
 class BucketState:
@@ -140,6 +152,14 @@ class BucketState:
                 if p.grad.is_sparse:
                     raise ValueError(f"{type(self).__name__} does not support sparse gradients")
                 view.copy_(p.grad)
+
+    def _own_grads(self, b: Bucket) -> list[torch.Tensor | None]:
+        """The parameters' gradients where they are (a payload :class:`~..compress.source.Source` reads
+        them in place: no copy into the bucket)."""
+        grads = [p.grad for p in b.params]
+        if any(g is not None and g.is_sparse for g in grads):
+            raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+        return grads
 
     def _worker_flat(self, b: Bucket, grads) -> list[torch.Tensor]:
         out = b.worker_buffers("grad", len(grads))

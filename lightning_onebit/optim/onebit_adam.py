@@ -8,6 +8,7 @@ import torch
 
 from ..comm import any_across, any_across_bytes, mean_allreduce, ring_allreduce_bytes
 from ..compress import Codec, SignCodec
+from ..compress.source import Source
 from .base import CompressedOptimizer, check_hyperparameters
 from .buckets import Bucket, _simulated_mean
 
@@ -180,14 +181,14 @@ class OnebitAdam(CompressedOptimizer):
             b.cache["mask"] = idx if idx.numel() else None
         return b.cache["mask"]
 
-    def _payload(self, b: Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
+    payload_reads_grads = True
+
+    def _payload(self, b: Bucket, grad, out: torch.Tensor) -> Source:
+        # the momentum this gradient gives, evaluated by the codec where it reads it; frozen-zero
+        # coordinates send nothing: 0, or NaN where the gradient is not finite, so the collective's
+        # check still sees it
         beta1 = self.param_groups[b.group_index]["betas"][0]
-        torch.lerp(b.flat["exp_avg"], grad, 1 - beta1, out=out)
-        idx = self._mask(b)
-        if idx is not None:
-            # frozen-zero coordinates send nothing: 0, or NaN where the gradient is not finite, so the
-            # collective's check still sees it (a few elements written, not a pass over the bucket)
-            out[idx] = grad[idx].mul(0.0).abs_()
+        return Source.lerp(b.flat["exp_avg"], grad, 1 - beta1, groups=b.offsets, mask=self._mask(b), out=out)
 
     def _sync_target(self, b: Bucket) -> torch.Tensor:
         return b.flat["exp_avg"]  # m <- synced momentum, without a copy
@@ -199,21 +200,23 @@ class OnebitAdam(CompressedOptimizer):
         if idx is not None:
             b.flat["exp_avg"].index_fill_(0, idx, 0.0)
 
-    def _flag(self, b: Bucket, grad: torch.Tensor) -> bool | None:
+    def _flag(self, b: Bucket, grad) -> bool | None:
         idx = self._mask(b)
-        return None if idx is None else bool(grad[idx].any())
+        return None if idx is None else bool(b.values_at(grad, idx).any())
 
-    def _on_flag(self, b: Bucket, grads: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    def _on_flag(self, b: Bucket, grads: Sequence, simulated: bool) -> None:
         """Masked coordinates that a gradient reached start to train (see the class docstring)."""
         idx = self._mask(b)
         # which masked coordinates got a gradient anywhere (a bit each on gloo), then their mean (fp32)
-        if isinstance(grads, torch.Tensor):
-            pos = idx[any_across(grads[idx] != 0, self.process_group, self.comm_counter)]
-            g = mean_allreduce(grads[pos], self.process_group, self.comm_counter)
+        if not simulated:
+            at = b.values_at(grads, idx)
+            pos = idx[any_across(at != 0, self.process_group, self.comm_counter)]
+            g = mean_allreduce(b.values_at(grads, pos), self.process_group, self.comm_counter)
         else:
-            touched = torch.stack([w[idx] != 0 for w in grads]).any(0)
+            at = [b.values_at(w, idx) for w in grads]
+            touched = torch.stack([a != 0 for a in at]).any(0)
             pos = idx[touched]
-            g = _simulated_mean([w[pos] for w in grads])
+            g = _simulated_mean([a[touched] for a in at])
             n = len(grads)  # what the two collectives would send
             self.comm_counter.add(any_across_bytes(idx.numel(), n), 0, n)
             self.comm_counter.add(ring_allreduce_bytes(pos.numel(), n), pos.numel(), n)

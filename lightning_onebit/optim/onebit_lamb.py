@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ..compress.source import Source
 from .base import CompressedOptimizer, _is_lamb
 from .buckets import Bucket
 from .onebit_adam import OnebitAdam, _bias_correction
@@ -155,9 +156,10 @@ class OnebitLamb(OnebitAdam):
     def _scaling(self, b: Bucket) -> list[float]:
         return [self.state[p]["scaling_coeff"] for p in b.params]
 
-    def _payload(self, b: Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
-        super()._payload(b, grad, out)
-        torch._foreach_mul_(b.views(out), self._scaling(b))
+    def _payload(self, b: Bucket, grad, out: torch.Tensor) -> Source:
+        beta1 = self.param_groups[b.group_index]["betas"][0]
+        return Source.lerp(b.flat["exp_avg"], grad, 1 - beta1, groups=b.offsets, factors=self._scaling(b),
+                           mask=self._mask(b), out=out)
 
     def _sync_target(self, b: Bucket) -> torch.Tensor:
         return b.synced  # exp_avg is still needed: _absorb keeps it as exp_avg_prev first

@@ -1,0 +1,203 @@
+"""Payload sources: an elementwise expression that the codec kernels evaluate where they read it.
+
+A compressed optimizer sends an expression of its state, not a tensor it already holds: 1-bit Adam
+the momentum it would have after this gradient, ``lerp(m, g, 1 - beta1)``; 0/1 Adam the interval's
+lr-weighted momentum ``u / sum(s)``. Written to a bucket-sized buffer first, the payload costs a
+write and two reads of the whole bucket per step (the scale reduction and the encode read it),
+plus the copy of the parameters' gradients into the bucket. A :class:`Source` describes it
+instead: the numba CPU and CUDA kernels evaluate it tile by tile inside the reduction and the
+encode, reading the gradients where they are, and every other consumer calls
+:meth:`Source.materialize`, which evaluates it with the torch ops that define its bits (the
+reference the kernels are tested against).
+
+The expression, with ``k`` the parameter (group) of position ``i``:
+
+* ``lerp``: ``x[i] = torch.lerp(start[i], end[i], weight) * factors[k]`` (torch's CPU ``lerp`` is
+  ``fma(weight, end - start, start)`` for ``weight < 0.5``; ``factors`` optional);
+* ``gradient``: ``x[i] = end[i]``;
+* ``quotient``: ``x[i] = start[i] / factors[k]`` (``torch.div`` by a Python float: an fp32 division).
+
+``end`` is a flat tensor or one tensor per group (``None``: zeros, a parameter without gradient).
+Positions in ``mask`` (sorted int64) send ``|0 * end[i]|`` (0, or NaN where the gradient is not
+finite, so a collective's finiteness check still sees it) or, with ``masked="zero"``, 0.
+Positions from ``numel`` on are zero padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["OPS", "Source"]
+
+OPS = ("lerp", "gradient", "quotient")
+
+
+class Source:
+    """A flat fp32 vector of ``numel`` elements (``len`` with padding) given by an expression.
+
+    It quacks like the 1-D tensor the collectives used to take (``numel()``, ``device``,
+    ``dtype``, ``x[lo:hi]`` for a window, ``reshape(-1)``), so the comm layer passes it through.
+    """
+
+    def __init__(self, op: str, *, numel: int, groups: Sequence[int], start: torch.Tensor | None = None,
+                 end: torch.Tensor | Sequence[torch.Tensor | None] | None = None, weight: float = 0.0,
+                 factors: Sequence[float] | None = None, mask: torch.Tensor | None = None,
+                 masked: str = "nonfinite", out: torch.Tensor | None = None) -> None:
+        if op not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        if masked not in ("nonfinite", "zero"):
+            raise ValueError(f"masked must be 'nonfinite' or 'zero', got {masked!r}")
+        groups = tuple(int(g) for g in groups)
+        if not groups or groups[0] != 0 or list(groups) != sorted(groups) or groups[-1] > numel:
+            raise ValueError(f"groups must be sorted offsets from 0 within [0, {numel}], got {groups[:4]}...")
+        if op in ("lerp", "quotient") and (start is None or start.numel() != numel):
+            raise ValueError(f"{op} needs a flat start tensor of {numel} elements")
+        if op in ("lerp", "gradient") and end is None:
+            raise ValueError(f"{op} needs end (a flat tensor, or one tensor per group)")
+        if op == "quotient" and factors is None:
+            raise ValueError("quotient needs factors (one divisor per group)")
+        if factors is not None and len(factors) != len(groups):
+            raise ValueError(f"factors has {len(factors)} entries for {len(groups)} groups")
+        if isinstance(end, torch.Tensor):
+            if end.numel() != numel:
+                raise ValueError(f"end has {end.numel()} elements, expected {numel}")
+        elif end is not None:
+            end = tuple(end)
+            sizes = [b - a for a, b in zip(groups, (*groups[1:], numel), strict=True)]
+            if len(end) != len(groups) or any(t is not None and t.numel() != n for t, n in zip(end, sizes,
+                                                                                                   strict=True)):
+                raise ValueError("end must hold one tensor (or None) per group, of the group's size")
+        self.op, self.weight, self.masked = op, float(weight), masked
+        self.start, self.end, self.mask = start, end, mask
+        self.factors = None if factors is None else tuple(float(f) for f in factors)
+        self.groups, self.valid = groups, numel
+        self.base, self.length = 0, numel  # the window of the expression this object stands for
+        self._out = out  # where materialize() writes (e.g. a bucket's payload buffer)
+        self._root: Source = self
+        self._value: torch.Tensor | None = None  # the root's materialised expression, once made
+        ref = start if start is not None else (end if isinstance(end, torch.Tensor) else
+                                               next((t for t in end if t is not None), None))
+        self.device = ref.device if ref is not None else (out.device if out is not None else torch.device("cpu"))
+
+    @classmethod
+    def lerp(cls, start: torch.Tensor, end, weight: float, *, groups: Sequence[int],
+             factors: Sequence[float] | None = None, mask: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> Source:
+        """``torch.lerp(start, end, weight)`` [``* factors[k]``] (1-bit Adam's momentum payload)."""
+        return cls("lerp", numel=start.numel(), groups=groups, start=start, end=end, weight=weight,
+                   factors=factors, mask=mask, out=out)
+
+    @classmethod
+    def gradient(cls, end, *, numel: int, groups: Sequence[int], mask: torch.Tensor | None = None,
+                 masked: str = "zero", out: torch.Tensor | None = None) -> Source:
+        """``end`` itself, masked positions 0 (0/1 Adam's 1-bit gradient steps)."""
+        return cls("gradient", numel=numel, groups=groups, end=end, mask=mask, masked=masked, out=out)
+
+    @classmethod
+    def quotient(cls, start: torch.Tensor, divisors: Sequence[float], *, groups: Sequence[int],
+                 mask: torch.Tensor | None = None, masked: str = "zero", out: torch.Tensor | None = None) -> Source:
+        """``start / divisors[k]`` (0/1 Adam's lr-weighted mean momentum of an interval)."""
+        return cls("quotient", numel=start.numel(), groups=groups, start=start, factors=divisors, mask=mask,
+                   masked=masked, out=out)
+
+    # -- the tensor protocol the collectives use -------------------------------------------
+    dtype = torch.float32
+
+    def numel(self) -> int:
+        return self.length
+
+    def dim(self) -> int:
+        return 1
+
+    def is_floating_point(self) -> bool:
+        return True
+
+    def reshape(self, *shape) -> Source:
+        if shape not in ((-1,), ((-1,),)):
+            raise ValueError("a Source is a flat vector: reshape(-1) only")
+        return self
+
+    def padded(self, length: int) -> Source:
+        """This expression with zero padding up to ``length`` elements (the collective's chunks)."""
+        if self.base != 0 or length < self.valid:
+            raise ValueError(f"pad the whole expression ({self.valid} elements) to at least that, got {length}")
+        return self._window(0, length)
+
+    def __getitem__(self, key: slice) -> Source:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise TypeError("a Source takes contiguous windows only (x[lo:hi])")
+        lo, hi, _ = key.indices(self.length)
+        return self._window(self.base + lo, max(0, hi - lo))
+
+    def _window(self, base: int, length: int) -> Source:
+        w = object.__new__(Source)
+        w.__dict__.update(self.__dict__)
+        w.base, w.length = base, length
+        return w
+
+    # -- evaluation ------------------------------------------------------------------------
+    def end_tensors(self) -> list[torch.Tensor | None]:
+        """``end`` as one tensor (or None) per group."""
+        if isinstance(self.end, torch.Tensor):
+            flat = self.end.reshape(-1)
+            bounds = (*self.groups, self.valid)
+            return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        return list(self.end) if self.end is not None else []
+
+    def flat_end(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``end`` as one flat fp32 tensor of ``numel`` elements (per-group tensors copied into
+        ``out``, or a new tensor; zeros for a group without one)."""
+        if isinstance(self.end, torch.Tensor):
+            return self.end.reshape(-1)
+        if out is None:
+            out = torch.empty(self.valid, dtype=torch.float32, device=self.device)
+        bounds = (*self.groups, self.valid)
+        for t, a, b in zip(self.end, bounds[:-1], bounds[1:], strict=True):
+            if t is None:
+                out[a:b].zero_()
+            else:
+                out[a:b].copy_(t.reshape(-1))
+        return out
+
+    def materialize(self) -> torch.Tensor:
+        """The window as an fp32 tensor, by the torch ops that define the expression's bits (made
+        once per expression and shared by its windows)."""
+        root = self._root
+        if root._value is None:
+            root._value = root._evaluate()
+        full = root._value
+        if self.base + self.length <= root.valid:
+            return full[self.base:self.base + self.length]
+        out = torch.zeros(self.length, dtype=torch.float32, device=self.device)
+        n = max(0, root.valid - self.base)
+        out[:n] = full[self.base:self.base + n]
+        return out
+
+    def _evaluate(self) -> torch.Tensor:
+        n = self.valid
+        out = self._out if self._out is not None else torch.empty(n, dtype=torch.float32, device=self.device)
+        out = out.reshape(-1)[:n]
+        bounds = (*self.groups, n)
+        views = [out[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        end = None if self.op == "quotient" else self.flat_end(out if self.op == "gradient" else None)
+        if self.op == "lerp":
+            torch.lerp(self.start, end, self.weight, out=out)
+            if self.factors is not None:
+                torch._foreach_mul_(views, list(self.factors))
+        elif self.op == "gradient":
+            if end.data_ptr() != out.data_ptr():
+                out.copy_(end)  # the payload is a copy: the gradient itself stays as it is
+        else:
+            for v, a, b, f in zip(views, bounds[:-1], bounds[1:], self.factors, strict=True):
+                torch.div(self.start[a:b], f, out=v)
+        if self.mask is not None and self.mask.numel():
+            if self.masked == "zero":
+                out[self.mask] = 0.0
+            else:
+                out[self.mask] = end[self.mask].mul(0.0).abs_()
+        return out
+
+    def __repr__(self) -> str:
+        return f"Source({self.op}, numel={self.valid}, window=[{self.base}, {self.base + self.length}))"
