@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_onebit import ZeroOneAdam
+from lightning_onebit.compress import Source
 from lightning_onebit.optim import NonFiniteGradientError, ZeroOneSchedule
 
 from dist_utils import run_ranks, values
@@ -134,6 +135,7 @@ class _ExactMean:
 
     def allreduce(self, xs, flags=None):
         self.any_flag = bool(flags and any(flags))
+        xs = [x.materialize() if isinstance(x, Source) else x for x in xs]  # payloads come as expressions
         return [torch.stack(xs).mean(0)] * len(xs)
 
     def allreduce_into(self, xs, out, flags=None):

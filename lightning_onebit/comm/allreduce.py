@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..compress import Codec
+from ..compress import Codec, Source, flat_buffer
 from .accounting import ByteCounter
 from .dense import collective_device
 from .two_stage import MODES, TwoStageRank
@@ -95,9 +95,9 @@ class CompressedAllreduce(TwoStageRank):
     def bind(self, numel: int, device: torch.device | str) -> None:
         super().bind(numel, device)
         if self._recv is None:  # the first bind: the buffers the collectives receive into
-            u8 = dict(dtype=torch.uint8, device=self.worker_device)
-            self._recv = [torch.zeros(self.world_size, p.rb, **u8) for p in self.plan]
-            self._gathered = [torch.zeros(self.world_size, p.rb, **u8) for p in self.plan]
+            self._recv = [flat_buffer((self.world_size, p.rb), torch.uint8, self.worker_device) for p in self.plan]
+            self._gathered = [flat_buffer((self.world_size, p.rb), torch.uint8, self.worker_device)
+                              for p in self.plan]
 
     # -- the server-overflow check -------------------------------------------------------
     def check_gathered(self, piece0: torch.Tensor) -> None:
@@ -169,12 +169,18 @@ class CompressedAllreduce(TwoStageRank):
         self._verified = True
 
     # -- the collective ------------------------------------------------------------------
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, flag: bool | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor | Source, out: torch.Tensor | None = None, flag: bool | None = None,
+                 defer: bool = False) -> torch.Tensor | None:
         """Return the compressed mean of ``x`` over the group (bit-identical on all ranks).
 
         ``flag``: a bit every rank contributes to the agreement round at no extra cost; after the
         call ``any_flag`` is their OR (e.g. "some rank has a gradient where the optimizer masks").
         Needs ``verify="always"`` (with "first" later calls have no agreement round).
+
+        ``defer``: stop after the result is gathered and checked, and return ``None``;
+        :meth:`decode_pending` decodes it later (into ``out``), e.g. with a sink that updates the
+        parameters in the same pass. Not when a flag was raised (``any_flag``): then the result is
+        decoded now, so that the caller can act on it.
         """
         if flag is not None and self.verify != "always" and self.world_size > 1:
             raise ValueError("CompressedAllreduce: flag= needs verify='always' (the flag rides in the "
@@ -207,12 +213,17 @@ class CompressedAllreduce(TwoStageRank):
                 gather.append(all_gather_rows(self._gathered[k], srv, group=group, async_op=piecewise))
         # stage 4: decode the gathered pieces as they arrive
         dst = self.result_buffer(out, x.dtype)
+        gathered = self._gathered if remote else self._srv
+        defer = defer and not self.any_flag and self.mode != "markov"
         for k in range(self.num_pieces):
             if remote and piecewise:
                 gather[k].wait()
             if k == 0:
-                self.check_gathered(self._gathered[0] if remote else self._srv[0])
-            self.finish_piece(self._gathered[k] if remote else self._srv[k], dst, k)
-        result = self.finish(dst, out, x.dtype)
+                self.check_gathered(gathered[0])
+            if not defer:
+                self.finish_piece(gathered[k], dst, k)
         self.account()
-        return result
+        if defer:
+            self._keep_pending(gathered, dst, out, x.dtype)
+            return None
+        return self.finish(dst, out, x.dtype)

@@ -51,14 +51,27 @@ class SimulatedCluster:
         return self._run(xs, flags, None)
 
     def allreduce_into(self, xs: Sequence[torch.Tensor], out: torch.Tensor,
-                       flags: Sequence[bool] | None = None) -> torch.Tensor:
+                       flags: Sequence[bool] | None = None, defer: bool = False) -> torch.Tensor | None:
         """:meth:`allreduce` with the result written into ``out`` (fp32, ``xs[0]``'s size) and returned.
         Every worker decodes the same gathered bytes the same way, so worker 0's result stands for all;
-        the others are decoded only where decoding updates their state (``markov``: g_tilde)."""
-        return self._run(xs, flags, out)[0]
+        the others are decoded only where decoding updates their state (``markov``: g_tilde).
+        ``defer``: as in :class:`~.allreduce.CompressedAllreduce` (``decode_pending`` decodes it)."""
+        res = self._run(xs, flags, out, defer)
+        return None if res is None else res[0]
+
+    @property
+    def pending(self) -> bool:
+        return self.workers[0].pending
+
+    def decode_pending(self, sink=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Worker 0 decodes the deferred result (see :meth:`allreduce_into`)."""
+        return self.workers[0].decode_pending(sink, out)
+
+    def discard_pending(self) -> None:
+        self.workers[0].discard_pending()
 
     def _run(self, xs: Sequence[torch.Tensor], flags: Sequence[bool] | None,
-             out: torch.Tensor | None) -> list[torch.Tensor]:
+             out: torch.Tensor | None, defer: bool = False) -> list[torch.Tensor] | None:
         self.any_flag = bool(flags is not None and any(flags))
         if len(xs) != self.world_size:
             raise ValueError(f"expected {self.world_size} tensors (one per worker), got {len(xs)}")
@@ -81,6 +94,8 @@ class SimulatedCluster:
         if out is not None and workers[0].mode != "markov":
             decoders = workers[:1]  # the others would decode the same bits into buffers nobody reads
         dsts = [w.result_buffer(out, xs[0].dtype) for w in decoders]
+        defer = defer and out is not None and not self.any_flag and workers[0].mode != "markov"
+        kept = []
         for k in range(workers[0].num_pieces):
             gathered = torch.cat([w.server_send(k) for w in workers])  # all_gather: rows in rank order
             if k == 0 and not bool(workers[0].gathered_finite(gathered)):  # a simulation may wait here
@@ -88,8 +103,16 @@ class SimulatedCluster:
                     w.reset_state()
                 raise ValueError("SimulatedCluster: a server's mean overflowed fp32, so the result is not "
                                  "finite (inputs near the fp32 limit); every worker reset its error/estimate state")
+            if defer:
+                kept.append(gathered)
+                continue
             for w, dst in zip(decoders, dsts, strict=True):
                 w.finish_piece(gathered, dst, k)
+        if defer:
+            workers[0]._keep_pending(kept, dsts[0], out, xs[0].dtype)
+            for w in self.workers:
+                w.account()
+            return None
         if out is not None:
             outs = [workers[0].finish(dsts[0], out, out.dtype)]
         else:

@@ -65,9 +65,9 @@ from typing import NamedTuple
 
 import torch
 
-from ..compress import Codec, Encoded
+from ..compress import Codec, Encoded, flat_buffer
 from ..compress.kernels.layout import Layout, code_bytes_padded, code_bytes_per_row, is_sign
-from ..compress.source import Source
+from ..compress.source import Sink, Source
 from .accounting import ByteCounter
 
 __all__ = ["MAX_PIECES", "MIN_PIECE", "MODES", "TwoStageRank"]
@@ -141,6 +141,7 @@ class TwoStageRank:
         self.layout: Layout | None = None  # rows (chunks) and scale blocks of the padded input
         self.bytes_sent = 0
         self.calls = 0
+        self._pending: tuple | None = None  # a deferred stage 4 (see decode_pending)
 
     # -- geometry ------------------------------------------------------------------------
     def padded_numel(self, numel: int) -> int:
@@ -230,12 +231,11 @@ class TwoStageRank:
         self.numel = numel
         self.worker_device = device
         D, seg, dev = self.padded_numel(self.numel), self.seg_len, device
-        f32 = dict(dtype=torch.float32, device=dev)
         if self.mode != "plain":
-            self.worker = torch.zeros(D, **f32)
-            self.server = torch.zeros(seg, **f32)
+            self.worker = flat_buffer(D, device=dev)
+            self.server = flat_buffer(seg, device=dev)
         if self.mode == "markov":
-            self.tilde = torch.zeros(D, **f32)
+            self.tilde = flat_buffer(D, device=dev)
         n, r = self.world_size, self.rank
         self.plan = self._plan(seg)
         # the layouts of the three messages: the chunks (sent, and gathered back), every worker's
@@ -245,14 +245,13 @@ class TwoStageRank:
         self._win_rows = [[self.layout.row(q).window(p.lo, p.hi) for q in range(n)] for p in self.plan]
         self._win_recv = [self._recv_layout.window(p.lo, p.hi) for p in self.plan]
         # the packed rows that stages 1 and 3 write: every chunk (to every rank), the server row
-        u8 = dict(dtype=torch.uint8, device=dev)
-        self._send = [torch.zeros(n, p.rb, **u8) for p in self.plan]
-        self._srv = [torch.zeros(1, p.rb, **u8) for p in self.plan]
-        self._xpad = torch.zeros(D, **f32) if D != self.numel else None
+        self._send = [flat_buffer((n, p.rb), torch.uint8, dev) for p in self.plan]
+        self._srv = [flat_buffer((1, p.rb), torch.uint8, dev) for p in self.plan]
+        self._xpad = flat_buffer(D, device=dev) if D != self.numel else None
         # the server's mean of the workers' chunk (1/n of the tensor), reused every call:
         # a fresh buffer per call pays first-touch page faults (see Codec.server_step)
-        self._mean = torch.empty(seg, **f32) if self.mode != "markov" else None
-        self._outpad = torch.empty(D, **f32) if D != self.numel else None
+        self._mean = flat_buffer(seg, device=dev, zero=False) if self.mode != "markov" else None
+        self._outpad = flat_buffer(D, device=dev, zero=False) if D != self.numel else None
 
     def reset_state(self) -> None:
         """Zero the error / Markov state (e.g. at a phase switch)."""
@@ -444,23 +443,31 @@ class TwoStageRank:
             scales = self.codec.empty(self.layout, piece0.device, packed=piece0).scales
         return torch.isfinite(scales).all()
 
-    def finish_piece(self, gathered: torch.Tensor, dst: torch.Tensor, k: int = 0) -> None:
-        """Stage 4 (every rank): decode piece ``k`` of the gathered server rows into ``dst``."""
+    def finish_piece(self, gathered: torch.Tensor, dst: torch.Tensor, k: int = 0, sink: Sink | None = None) -> None:
+        """Stage 4 (every rank): decode piece ``k`` of the gathered server rows into ``dst``; a ``sink``
+        the codec applies while decoding (:meth:`Codec.fuses_sink`) is applied here, piece by piece."""
         n, seg, acc = self.world_size, self.seg_len, self.mode == "markov"
+        if sink is not None and not self.codec.fuses_sink(sink):
+            sink = None  # applied by finish() after the whole result is decoded
         if self.num_pieces == 1:
             self.codec.decode(self.codec.empty(self.layout, gathered.device, packed=gathered), out=dst,
-                              accumulate=acc)
+                              accumulate=acc, sink=sink)
             return
         if k == 0:
             self._gathered_scales = self._row_scales(gathered)
         p = self.plan[k]
         for r in range(n):
             enc = self._piece(gathered, k, slice(r, r + 1), self._gathered_scales, self._win_rows[k][r])
-            self.codec.decode(enc, out=dst[r * seg + p.lo : r * seg + p.hi], accumulate=acc)
+            lo, hi = r * seg + p.lo, r * seg + p.hi
+            self.codec.decode(enc, out=dst[lo:hi], accumulate=acc, sink=None if sink is None else sink[lo:hi])
 
-    def finish(self, dst: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """The result from the decoded buffer: padding dropped, cast to ``dtype`` or into ``out``."""
+    def finish(self, dst: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype,
+               sink: Sink | None = None) -> torch.Tensor:
+        """The result from the decoded buffer: padding dropped, cast to ``dtype`` or into ``out``
+        (and a ``sink`` the codec did not apply while decoding applied now)."""
         d = self.numel
+        if sink is not None and not self.codec.fuses_sink(sink):
+            sink.apply(dst[:d])
         if out is not None and dst.data_ptr() == out.data_ptr():
             return out  # decoded in place
         if (out is None and dtype == torch.float32 and dst.numel() == d
@@ -470,6 +477,36 @@ class TwoStageRank:
             return dst[:d].to(dtype=dtype, copy=True)
         out.view(-1)[:d].copy_(dst[:d])
         return out
+
+    # -- a decode left for later (see CompressedAllreduce.__call__'s defer) ----------------------
+    @property
+    def pending(self) -> bool:
+        """A call's result is gathered and checked, and waits for :meth:`decode_pending`."""
+        return self._pending is not None
+
+    def _keep_pending(self, gathered: list[torch.Tensor], dst: torch.Tensor, out: torch.Tensor | None,
+                      dtype: torch.dtype) -> None:
+        self._pending = (gathered, dst, out, dtype)
+
+    def decode_pending(self, sink: Sink | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Stage 4 of the deferred call: decode its gathered rows into its ``out`` (or into ``out``
+        given here, e.g. a state buffer the caller may only change once it knows the call went
+        through), applying ``sink``."""
+        if self._pending is None:
+            raise RuntimeError(f"{type(self).__name__}: no deferred result to decode")
+        gathered, dst, kept, dtype = self._pending
+        self._pending = None
+        if out is None:
+            out = kept
+        else:
+            dst = self.result_buffer(out, dtype)
+        for k in range(self.num_pieces):
+            self.finish_piece(gathered[k], dst, k, sink)
+        return self.finish(dst, out, dtype, sink)
+
+    def discard_pending(self) -> None:
+        """Forget a deferred result (its call's state updates stand; the result is never decoded)."""
+        self._pending = None
 
     def account(self) -> None:
         """Count one call's bytes (what this rank sent in both exchanges) here and in ``counter``."""

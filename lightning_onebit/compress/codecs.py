@@ -39,7 +39,7 @@ from .kernels.layout import (
     make_layout,
     scale_width,
 )
-from .source import Source
+from .source import Sink, Source
 
 __all__ = ["Codec", "Encoded", "MinMaxUInt8Codec", "SignCodec"]
 
@@ -333,7 +333,7 @@ class Codec:
         overflowed fp32 then shows as non-finite scales in the result, for the caller to check.
         """
         backend = self._backend(messages.device)
-        if getattr(backend, "FUSES_SOURCES", False) and messages.seg_len:
+        if hasattr(backend, "RowsMean") and messages.seg_len:
             mean = backend.RowsMean(messages)  # decoded inside both passes, never written
         else:
             if mean is None:
@@ -343,9 +343,26 @@ class Codec:
         return self._run(mean, error, mode, messages.layout.row(0), dtype=messages.dtype, out=out,
                          check=check_finite)
 
-    def decode(self, enc: Encoded, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
-        """Decoded 1-D tensor of ``enc.numel`` elements in ``enc.dtype`` (or into fp32 ``out``)."""
+    def decode(self, enc: Encoded, out: torch.Tensor | None = None, accumulate: bool = False,
+               sink: Sink | None = None) -> torch.Tensor:
+        """Decoded 1-D tensor of ``enc.numel`` elements in ``enc.dtype`` (or into fp32 ``out``).
+
+        ``sink``: a :class:`~.source.Sink` applied to the decoded values in the same pass (only where
+        :meth:`fuses_sink` says so; the caller applies it otherwise)."""
+        if sink is not None:
+            if out is None or accumulate or not self.fuses_sink(sink):
+                raise ValueError("decode applies a sink only into out=, without accumulate, on a backend that "
+                                 "fuses it (see fuses_sink)")
+            if out.numel():
+                self._backend(enc.device).decode(self.kind, enc.layout, enc.codes, enc.scales, out, False, False,
+                                                 sink=sink)
+            return out
         return self._decode(enc, out, accumulate, mean_rows=False)
+
+    def fuses_sink(self, sink: Sink) -> bool:
+        """Whether :meth:`decode` applies ``sink`` while decoding (the numba CPU backend, on CPU tensors)."""
+        backend = self._backend(sink.denom.device)
+        return bool(getattr(backend, "FUSES_SOURCES", False)) and backend.accepts_sink(sink)
 
     def decode_mean(self, enc: Encoded, out: torch.Tensor | None = None,
                     accumulate: bool = False) -> torch.Tensor:

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["OPS", "Source"]
+__all__ = ["OPS", "Sink", "Source"]
 
 OPS = ("lerp", "gradient", "quotient")
 
@@ -201,3 +201,60 @@ class Source:
 
     def __repr__(self) -> str:
         return f"Source({self.op}, numel={self.valid}, window=[{self.base}, {self.base + self.length}))"
+
+
+class Sink:
+    """What becomes of a decoded result where it is written (the counterpart of :class:`Source`).
+
+    ``out[mask] = 0`` (coordinates the optimizer masks), then, for every group k with a target,
+
+    .. math::  t_k \\leftarrow t_k \\cdot \\text{decay} + (v_k \\cdot \\text{out}_k) / d_k
+
+    AdamW's last line as torch runs it (``_foreach_mul_``, then ``_foreach_addcdiv_``, whose
+    ``addcdiv`` rounds ``(v * out) / d`` and then the sum), on fp32 targets of the groups' shapes
+    (``None``: the group is left alone, e.g. a parameter without gradient). The numba CPU backend
+    applies it tile by tile right after decoding, while the values are in the cache (one pass
+    instead of a decode and an update); every other backend decodes and then calls :meth:`apply`.
+    """
+
+    def __init__(self, *, numel: int, groups: Sequence[int], targets: Sequence[torch.Tensor | None],
+                 denom: torch.Tensor, values: Sequence[float], decay: float,
+                 mask: torch.Tensor | None = None) -> None:
+        groups = tuple(int(g) for g in groups)
+        if len(targets) != len(groups) or len(values) != len(groups):
+            raise ValueError("a Sink needs one target (or None) and one value per group")
+        sizes = [b - a for a, b in zip(groups, (*groups[1:], numel), strict=True)]
+        for t, n in zip(targets, sizes, strict=True):
+            if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != n):
+                raise ValueError("Sink targets must be contiguous fp32 tensors of their group's size")
+        if denom.numel() != numel:
+            raise ValueError(f"denom has {denom.numel()} elements, expected {numel}")
+        self.groups, self.valid = groups, numel
+        self.targets, self.denom = list(targets), denom
+        self.values, self.decay = tuple(float(v) for v in values), float(decay)
+        self.mask = mask if mask is not None and mask.numel() else None
+        self.base = 0
+
+    def __getitem__(self, key: slice) -> Sink:
+        """The sink of a window ``[lo, hi)`` of the result (a pipeline piece of one row)."""
+        lo, _, _ = key.indices(self.valid + (1 << 62))
+        w = object.__new__(Sink)
+        w.__dict__.update(self.__dict__)
+        w.base = self.base + lo
+        return w
+
+    def apply(self, out: torch.Tensor) -> None:
+        """Apply the sink to ``out``, the whole decoded result (the reference the kernels match)."""
+        flat = out.reshape(-1)[: self.valid]
+        if self.mask is not None:
+            flat[self.mask] = 0.0
+        bounds = (*self.groups, self.valid)
+        keep = [k for k, t in enumerate(self.targets) if t is not None]
+        if not keep:
+            return
+        targets = [self.targets[k] for k in keep]
+        if self.decay != 1.0:
+            torch._foreach_mul_(targets, self.decay)
+        us = [flat[bounds[k]:bounds[k + 1]].view_as(self.targets[k]) for k in keep]
+        ds = [self.denom.reshape(-1)[bounds[k]:bounds[k + 1]].view_as(self.targets[k]) for k in keep]
+        torch._foreach_addcdiv_(targets, us, ds, [self.values[k] for k in keep])

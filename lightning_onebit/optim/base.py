@@ -53,7 +53,7 @@ from ..comm import (
     node_groups,
     ring_allreduce_bytes,
 )
-from ..compress import Codec
+from ..compress import Codec, flat_buffer
 from ..compress.kernels import apply_thread_budget
 from ..compress.source import Source
 from .buckets import Bucket, BucketState, _simulated_mean
@@ -488,27 +488,52 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
                 payloads.append(out if src is None else src)
             flags = [self._flag(b, g) for g in worker_grads]
             try:
-                comm.allreduce_into(payloads, target, flags=None if flags[0] is None else flags)
+                comm.allreduce_into(payloads, target, flags=None if flags[0] is None else flags, **self._defer_kw(b))
             except ValueError as exc:
                 raise NonFiniteGradientError(str(exc)) from exc
             grads: Sequence = worker_grads
         else:
             grads = b.grad if grad is None else grad
             if b.payload is None:
-                b.payload = torch.empty(b.numel, dtype=torch.float32, device=b.device)
+                b.payload = flat_buffer(b.numel, device=b.device, zero=False)
             src = self._payload(b, grads, b.payload)
             try:
                 with self._collective(f"compressed allreduce ({type(comm).__name__})", b):
-                    comm(b.payload if src is None else src, out=target, flag=self._flag(b, grads))
+                    comm(b.payload if src is None else src, out=target, flag=self._flag(b, grads), **self._defer_kw(b))
             except ValueError as exc:
                 if "not finite" in str(exc):
                     raise NonFiniteGradientError(
                         f"{type(self).__name__}: {exc}. Lower the learning rate or clip gradients.") from exc
                 raise
-        self._absorb(b, target)
+        if not getattr(comm, "pending", False):  # a deferred result is absorbed by the update
+            self._absorb(b, target)
         if comm.any_flag:
             self._on_flag(b, grads, simulated=worker_grads is not None)
         b.done = True
+
+    #: the update decodes the synchronised result itself (``_update_compressed`` calls the collective's
+    #: ``decode_pending``), so that the decode and the parameter update are one pass over the bucket
+    decodes_in_update: ClassVar[bool] = False
+
+    def _defer_kw(self, b: Bucket) -> dict:
+        """Ask the collective to leave its decode to the update, where the subclass does that and the
+        collective can (not the two-level one, whose result is an fp32 sum)."""
+        if self.decodes_in_update and hasattr(b.comm, "decode_pending") and self._sink_targets(b) is not None:
+            return {"defer": True}
+        return {}
+
+    @staticmethod
+    def _sink_targets(b: Bucket) -> list[torch.Tensor] | None:
+        """The bucket's parameters as a decode sink updates them (contiguous fp32), else None."""
+        ps = [p.detach() for p in b.params]
+        return ps if all(p.dtype == torch.float32 and p.is_contiguous() for p in ps) else None
+
+    def _flush_pending(self) -> None:
+        """Decode every result a bucket left for its update (before anything reads the state)."""
+        for b in self._buckets:
+            if b.comm is not None and getattr(b.comm, "pending", False):
+                b.comm.decode_pending()
+                self._absorb(b, self._sync_target(b))
 
     # -- DDP ---------------------------------------------------------------------------
     # -- updates (subclasses) ------------------------------------------------------------
@@ -624,6 +649,8 @@ class CompressedOptimizer(BucketState, DDPHookPath, OptimizerCheckpoint, Optimiz
         except BaseException:
             for b in buckets:  # the next step starts from scratch (the hook's work included)
                 b.done, b.ready, b.pending = False, 0, []
+                if b.comm is not None and getattr(b.comm, "pending", False):
+                    b.comm.discard_pending()
             raise
         # Pass 2: updates.
         self._step += 1

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ..comm import CompressedAllreduce, SimulatedCluster
+from ..compress import flat_buffer
 
 __all__ = ["Bucket", "BucketState"]
 
@@ -37,7 +38,7 @@ class Bucket:
         self.device = dev
         self.via_ddp = via_ddp  # DDP's comm hook delivers this bucket's gradients
         self.flat: dict[str, torch.Tensor] = {}
-        self.grad = torch.zeros(self.numel, dtype=torch.float32, device=dev)  # local gradient
+        self.grad = flat_buffer(self.numel, device=dev)  # local gradient
         self._synced: torch.Tensor | None = None
         self.comm: CompressedAllreduce | SimulatedCluster | None = None
         self.payload: torch.Tensor | None = None  # reused every step: fresh buffers cost page faults
@@ -54,7 +55,7 @@ class Bucket:
         cost a page fault per 4 KiB at first touch, more than the work done in them)."""
         bufs = self._worker_bufs.get(name)
         if bufs is None or len(bufs) != n:
-            bufs = self._worker_bufs[name] = [torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+            bufs = self._worker_bufs[name] = [flat_buffer(self.numel, device=self.device)
                                               for _ in range(n)]
         return bufs
 
@@ -63,7 +64,7 @@ class Bucket:
         """Result buffer of the collective, allocated on first use (optimizers that receive the
         result straight into their state never pay its memory)."""
         if self._synced is None:
-            self._synced = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+            self._synced = flat_buffer(self.numel, device=self.device)
         return self._synced
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -118,7 +119,7 @@ class BucketState:
         late = self._nbucketed > 0 and self._compressing and self.has_warmup
         for b in new:
             for name in self.flat_state:
-                b.flat[name] = torch.zeros(b.numel, dtype=torch.float32, device=b.device)
+                b.flat[name] = flat_buffer(b.numel, device=b.device)
             for i, p in enumerate(b.params):
                 self._param_bucket[id(p)] = (b, i)
             self._adopt_state(b)

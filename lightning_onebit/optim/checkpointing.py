@@ -17,6 +17,7 @@ class OptimizerCheckpoint:
     buckets, phase attributes and ``_comm_for``."""
 
     def state_dict(self) -> dict:
+        self._flush_pending()  # a synchronised momentum left for the update is state too
         sd = super().state_dict()
         buckets = self._buckets
         sd["onebit"] = {

@@ -7,8 +7,9 @@ and the torch ops whose bits it reproduces; the tests hold them to those bits.
 On the CPU, fp32 and contiguous tensors go through one numba kernel per tensor (one pass over
 memory instead of one per torch op); everything else (a GPU, low-precision parameters) runs
 the torch ops themselves. The kernels are elementwise, so their bits do not depend on the thread
-count, and they round every operation as torch does (no fused multiply-add: numba does not
-contract without ``fastmath``).
+count, and they round every operation as torch does: a fused multiply-add exactly where torch's
+CPU kernels use one (``lerp``, ``add(alpha=)``), nowhere else (numba does not contract without
+``fastmath``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import numpy as np
 import torch
 from numba import prange
 
+from ..compress.kernels.numba_intrinsics import fma32
+from ..compress.kernels.numba_tiles import ahead
 from ..compress.kernels.threads import parallel_and_serial, parallel_kernel
 
-__all__ = ["decoupled_update_"]
+__all__ = ["decoupled_update_", "local_adam_step_"]
 
 _CHUNK = 1 << 14  # elements per parallel work item
 
@@ -92,3 +95,99 @@ def decoupled_update_(params: Sequence[torch.Tensor], updates: Sequence[torch.Te
         torch._foreach_addcdiv_(params, updates, denoms, value=-sizes[0])
     else:
         torch._foreach_addcdiv_(params, updates, denoms, [-s for s in sizes])
+
+
+_CH = 32  # elements per vectorised chunk
+
+
+@parallel_and_serial
+def _local_adam(p, m, u, g, d, mask, w, s, decay, neg_s, has_g, has_mask, move_p):
+    """m = lerp(m, g, w) (0 where masked; g = 0 without a gradient), u = fma(s, m, u), and with
+    ``move_p`` p = p * decay + (neg_s * m) / d, elementwise in one pass."""
+    small = abs(w) < np.float32(0.5)  # torch's lerp: the smaller weight's form
+    c = w if small else w - np.float32(1.0)
+    zero = np.float32(0.0)
+    for t in prange((p.size + _CHUNK - 1) // _CHUNK):
+        lo = t * _CHUNK
+        hi = min(lo + _CHUNK, p.size)
+        for o in range(lo, hi, _CH):
+            e = min(o + _CH, hi)
+            mc, uc, dc, pc = m[o:e], u[o:e], d[o:e], p[o:e]
+            ahead(m, o)
+            ahead(u, o)
+            if move_p:
+                ahead(p, o)
+                ahead(d, o)
+            if has_g:
+                gc = g[o:e]
+                ahead(g, o)
+                if small:
+                    for j in range(e - o):
+                        mc[j] = fma32(c, gc[j] - mc[j], mc[j])
+                else:
+                    for j in range(e - o):
+                        mc[j] = fma32(c, gc[j] - mc[j], gc[j])
+            else:
+                for j in range(e - o):
+                    mc[j] = fma32(c, zero - mc[j], mc[j] if small else zero)
+            if has_mask:
+                kc = mask[o:e]
+                for j in range(e - o):
+                    mc[j] = zero if kc[j] else mc[j]
+            for j in range(e - o):
+                uc[j] = fma32(s, mc[j], uc[j])
+            if move_p:
+                for j in range(e - o):
+                    pc[j] = pc[j] * decay + (neg_s * mc[j]) / dc[j]
+
+
+def local_fusable(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> bool:
+    """Whether :func:`local_adam_step_` runs as one kernel pass for these tensors (CPU, fp32, contiguous)."""
+    return _fusable(*params) and _fusable(*[g for g in grads if g is not None])
+
+
+_EMPTY_F32 = np.zeros(0, np.float32)
+_EMPTY_BOOL = np.zeros(0, np.bool_)
+
+
+@torch.no_grad()
+def local_adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                     exp_avgs: Sequence[torch.Tensor], update_sums: Sequence[torch.Tensor],
+                     denoms: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None] | None,
+                     step_sizes: Sequence[float], *, beta1: float, lr: float, weight_decay: float,
+                     move_params: bool = True) -> None:
+    r"""0/1 Adam's local step, in place (one kernel pass per tensor on the CPU):
+
+    .. math::
+       m \leftarrow \operatorname{lerp}(m, g, 1 - \beta_1),\quad
+       u \leftarrow u + s\, m,\quad
+       \theta \leftarrow \theta (1 - \gamma\lambda) - s\, m / d
+
+    with one step size :math:`s` per tensor (:math:`\gamma / (1 - \beta_1^t)`), ``m = 0`` where
+    ``masks`` is set (coordinates without variance) and ``g = 0`` for a ``None`` gradient. The bits
+    of ``m.lerp_(g, 1 - beta1)``, ``masked_fill_``, ``u.add_(m, alpha=s)`` and
+    :func:`decoupled_update_`, in that order. ``move_params=False`` leaves the parameters alone
+    (a synchronising step rebuilds them from the anchor right after). The caller checks
+    :func:`local_fusable`; other tensors take the torch ops.
+    """
+    decay, w = 1 - lr * weight_decay, 1 - beta1
+    f32 = np.float32
+    if not local_fusable(params, grads):
+        for j, (m, u, g, s) in enumerate(zip(exp_avgs, update_sums, grads, step_sizes, strict=True)):
+            m.lerp_(torch.zeros_like(m) if g is None else g, w)
+            if masks is not None and masks[j] is not None:
+                m.masked_fill_(masks[j], 0.0)
+            u.add_(m, alpha=s)
+        if move_params:
+            decoupled_update_(params, exp_avgs, denoms, step_sizes, lr=lr, weight_decay=weight_decay)
+        return
+    _local_fused(params, grads, exp_avgs, update_sums, denoms, masks, step_sizes, f32(w), f32(decay), move_params)
+
+
+@parallel_kernel
+def _local_fused(params, grads, exp_avgs, update_sums, denoms, masks, sizes, w, decay, move_params) -> None:
+    for j, (p, g, m, u, d, s) in enumerate(zip(params, grads, exp_avgs, update_sums, denoms, sizes, strict=True)):
+        mk = None if masks is None else masks[j]
+        _local_adam(p.numel(), _np(p), _np(m), _np(u), _EMPTY_F32 if g is None else _np(g), _np(d),
+                    _EMPTY_BOOL if mk is None else mk.reshape(-1).numpy(), w, np.float32(s), decay,
+                    np.float32(-s), g is not None, mk is not None, move_params)

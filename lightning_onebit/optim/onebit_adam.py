@@ -7,8 +7,8 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from ..comm import any_across, any_across_bytes, mean_allreduce, ring_allreduce_bytes
-from ..compress import Codec, SignCodec
-from ..compress.source import Source
+from ..compress import Codec, SignCodec, flat_buffer
+from ..compress.source import Sink, Source
 from .base import CompressedOptimizer, check_hyperparameters
 from .buckets import Bucket, _simulated_mean
 
@@ -244,17 +244,29 @@ class OnebitAdam(CompressedOptimizer):
         if b.cache.get("denom_key") == key:
             return b.cache["denom"]
         v, beta2 = b.flat["exp_avg_sq"], group["betas"][1]
+        vhat = flat_buffer(v.numel(), device=v.device, zero=False)  # streamed every step: huge pages
         if len(set(frozen)) == 1:
-            vhat = v / _bias_correction(beta2, frozen[0])
+            torch.div(v, _bias_correction(beta2, frozen[0]), out=vhat)
         else:
-            vhat = torch.empty_like(v)
             for out, vv, t in zip(b.views(vhat), b.views(v), frozen, strict=True):
                 torch.div(vv, _bias_correction(beta2, t), out=out)
         denom = vhat.add_(group["eps"]).sqrt_() if group["eps_inside_sqrt"] else vhat.sqrt_().add_(group["eps"])
         b.cache["denom_key"], b.cache["denom"] = key, denom
         return denom
 
+    decodes_in_update = True
+
     def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
         # m is zero where v is (see _absorb), so those coordinates do not move
-        self._apply(b, b.flat["exp_avg"], group, has_grad, decoupled_wd=group["weight_decay"],
-                    step_size=self._step_sizes(b, group["lr"], group["betas"][0]), denom=self._denominator(b, group))
+        sizes = self._step_sizes(b, group["lr"], group["betas"][0])
+        if b.comm is not None and getattr(b.comm, "pending", False):
+            # m <- the synced momentum and the parameter update in one pass over the bucket
+            targets = self._sink_targets(b)
+            b.comm.decode_pending(Sink(
+                numel=b.numel, groups=b.offsets, targets=[t if h else None for t, h in zip(targets, has_grad,
+                                                                                          strict=True)],
+                denom=self._denominator(b, group), values=[-s for s in sizes],
+                decay=1 - group["lr"] * group["weight_decay"], mask=self._mask(b)))
+            return
+        self._apply(b, b.flat["exp_avg"], group, has_grad, decoupled_wd=group["weight_decay"], step_size=sizes,
+                    denom=self._denominator(b, group))

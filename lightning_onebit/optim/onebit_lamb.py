@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 import torch
 
+from ..compress import flat_buffer
 from ..compress.source import Source
 from .base import CompressedOptimizer, _is_lamb
 from .buckets import Bucket
@@ -65,6 +66,7 @@ class OnebitLamb(OnebitAdam):
 
     strategy_name = "onebit_lamb"
     converts_lamb = True
+    decodes_in_update = False  # its update needs the synced and the previous momentum
     flat_state = ("exp_avg", "exp_avg_sq", "exp_avg_sq_fresh", "exp_avg_prev")
     from_adam = CompressedOptimizer.from_adam  # its warm-up is LAMB's: no fused AdamW kernel
 
@@ -178,7 +180,7 @@ class OnebitLamb(OnebitAdam):
     def _scratch(self, b: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
         """Two bucket-sized work buffers, reused every step (fresh ones cost page faults)."""
         if "scratch" not in b.cache:
-            b.cache["scratch"] = (torch.empty_like(b.flat["exp_avg"]), torch.empty_like(b.flat["exp_avg"]))
+            b.cache["scratch"] = tuple(flat_buffer(b.numel, device=b.device, zero=False) for _ in range(2))
             b.cache["lengths"] = torch.tensor(b.numels, device=b.device)
         return b.cache["scratch"]
 

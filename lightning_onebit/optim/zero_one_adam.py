@@ -13,9 +13,11 @@ import torch.distributed as dist
 
 from ..comm import all_finite
 from ..comm.dense import mean_allreduce_future
-from ..compress import Codec, SignCodec
+from ..compress import Codec, SignCodec, Source, flat_buffer
+from ..compress.source import Sink
 from .base import CompressedOptimizer, NonFiniteGradientError, check_hyperparameters
 from .buckets import Bucket
+from .functional import decoupled_update_, local_adam_step_
 from .onebit_adam import _bias_correction
 
 log = logging.getLogger(__name__)
@@ -258,7 +260,7 @@ class ZeroOneAdam(CompressedOptimizer):
             return b.cache["denom"]
         v, beta2, eps = b.flat["exp_avg_sq"], group["betas"][1], group["eps"]
         counts = self._steps(b, "var_step")
-        d = torch.empty_like(v)
+        d = flat_buffer(v.numel(), device=v.device, zero=False)
         runs = [(0, b.numel, counts[0])] if len(set(counts)) == 1 else \
             [(o, n, k) for o, n, k in zip(b.offsets, b.numels, counts, strict=True)]
         for o, n, k in runs:
@@ -334,7 +336,7 @@ class ZeroOneAdam(CompressedOptimizer):
                 continue
             loaded = all(name in self.state[p] for p in b.params for name in self.local_state)
             for name in self.local_state:
-                b.flat[name] = torch.zeros(b.numel, dtype=torch.float32, device=b.device)
+                b.flat[name] = flat_buffer(b.numel, device=b.device)
             self._adopt_state(b)  # copies the loaded values, if any
             if not loaded:
                 with torch.no_grad():
@@ -369,24 +371,30 @@ class ZeroOneAdam(CompressedOptimizer):
 
     def _local_step(self, buckets: list[Bucket], worker_grads) -> None:
         self._enter_local(buckets)
-        # the gradients of every worker first: a NaN/inf anywhere in a worker's drops all of its step
-        grads = []
-        for b in buckets:
-            if worker_grads is None:
-                self._gather_grads(b)
-                grads.append([b.grad])
-            else:
-                grads.append(self._worker_flat(b, worker_grads))
-        if grads:
-            bad = ~torch.stack([torch.stack([all_finite(g) for g in ws]) for ws in grads]).all(0)
-            self._bad += bad
-            # on a GPU without a host sync (the counts are read at the next synchronisation); on the
-            # CPU reading the flag is free and spares a pass over the gradients
-            if bad.device.type != "cpu" or bool(bad.any()):
-                for ws in grads:
-                    for g, x in zip(ws, bad, strict=True):
-                        g.masked_fill_(x, 0.0)
+        # the gradients of every worker first, where they are: a NaN/inf anywhere in a worker's drops all
+        # of its step (it takes zero gradients)
+        n = self.simulate_workers or 1
+        grads = [[[p.grad for p in b.params] if worker_grads is None else [worker_grads[w][i] for i in b.ids]
+                  for w in range(n)] for b in buckets]
+        if any(g is not None and g.is_sparse for ws in grads for gs in ws for g in gs):
+            raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+        finite = [[all_finite(g) for ws in grads for g in ws[w] if g is not None] for w in range(n)]
+        dev = buckets[0].device if buckets else "cpu"
+        bad = torch.stack([~torch.stack(f).all() if f else torch.zeros((), dtype=torch.bool, device=dev)
+                           for f in finite])
+        self._bad += bad
+        # on a GPU without a host sync (the counts are read at the next synchronisation); on the
+        # CPU reading the flag is free and spares a pass over the gradients
+        if bad.device.type != "cpu" or bool(bad.any()):
+            keep = (~bad).tolist() if bad.device.type == "cpu" else None
+            for ws in grads:
+                for w, gs in enumerate(ws):
+                    if keep is None:  # zero where bad, without reading the flag
+                        gs[:] = [None if g is None else g * (~bad[w]).to(g.dtype) for g in gs]
+                    elif not keep[w]:
+                        gs[:] = [None] * len(gs)
         self._step += 1
+        sync = self._kind == "sync"
         for b, ws in zip(buckets, grads, strict=True):
             group = self.param_groups[b.group_index]
             for p in b.params:  # every parameter steps (a missing gradient is zero): counts stay equal on all ranks
@@ -395,28 +403,36 @@ class ZeroOneAdam(CompressedOptimizer):
             acc = self._acc[b.index]
             acc[0] = [a + s for a, s in zip(acc[0], sizes, strict=True)]
             acc[1] *= 1 - group["lr"] * group["weight_decay"]
-            for w, g in enumerate(ws):
+            mask = self._mask(b)
+            d = self._denominator(b, group)
+            for w, gs in enumerate(ws):
                 params, m, u = self._worker_state(b, w)
-                self._local_update(b, params, m, u, g, group, sizes)
+                # a synchronising step rebuilds the parameters from the anchor: moving them first is wasted
+                local_adam_step_(params, gs, b.views(m), b.views(u), b.views(d),
+                                 None if mask is None else b.views(mask), sizes, beta1=group["betas"][0],
+                                 lr=group["lr"], weight_decay=group["weight_decay"], move_params=not sync)
             b.done, b.ready, b.pending = False, 0, []
         self._since_sync += 1
-        if self._kind == "sync":
-            self._synchronise_local(buckets)
+        if sync:
+            try:
+                self._synchronise_local(buckets)
+            except BaseException:
+                self._move_unsynced(buckets)  # the model a raising synchronisation leaves: after the local step
+                raise
         self.comm_counter.end_step()
         self.intra_node_counter.end_step()
 
-    def _local_update(self, b: Bucket, params: Sequence[torch.Tensor], m: torch.Tensor, u: torch.Tensor,
-                      g: torch.Tensor, group: dict, sizes: list[float]) -> None:
-        m.lerp_(g, 1 - group["betas"][0])
-        if (mask := self._mask(b)) is not None:
-            m.masked_fill_(mask, 0.0)
-        if len(set(sizes)) == 1:
-            u.add_(m, alpha=sizes[0])
-        else:
-            for uv, mv, s in zip(b.views(u), b.views(m), sizes, strict=True):
-                uv.add_(mv, alpha=s)
-        self._apply(b, m, group, [True] * len(b.params), decoupled_wd=group["weight_decay"], step_size=sizes,
-                    denom=self._denominator(b, group), params=params)
+    def _move_unsynced(self, buckets: list[Bucket]) -> None:
+        """The parameter half of this step's local update, for the buckets that were not synchronised."""
+        for b in buckets:
+            if b.cache.pop("synced", False):
+                continue
+            group = self.param_groups[b.group_index]
+            sizes = self._step_sizes(b, group["lr"], group["betas"][0])
+            for w in range(self.simulate_workers or 1):
+                params, m, _ = self._worker_state(b, w)
+                decoupled_update_(params, b.views(m), b.views(self._denominator(b, group)), sizes, lr=group["lr"],
+                                  weight_decay=group["weight_decay"])
 
     def _synchronise_local(self, buckets: list[Bucket]) -> None:
         """The 1-bit synchronisation that ends a local interval: every rank gets the same momentum and
@@ -428,44 +444,52 @@ class ZeroOneAdam(CompressedOptimizer):
             group = self.param_groups[b.group_index]
             sums, decay = self._acc[b.index]
             comm = self._comm_for(b)
+            mask = self._mask(b)
+            if mask is not None and "mask_idx" not in b.cache:
+                b.cache["mask_idx"] = mask.nonzero().view(-1)
+            idx = None if mask is None else b.cache["mask_idx"]
             payloads = []
             for w in range(self.simulate_workers or 1):
                 _, _, u = self._worker_state(b, w)
                 if w == 0:
                     if b.payload is None:
-                        b.payload = torch.empty(b.numel, dtype=torch.float32, device=b.device)
+                        b.payload = flat_buffer(b.numel, device=b.device, zero=False)
                     out = b.payload
                 else:
                     out = b.worker_buffers("payload", self.simulate_workers)[w]
-                self._per_param(b, torch.div, u, sums, out)  # the lr-weighted mean momentum of the interval
-                if (mask := self._mask(b)) is not None:
-                    out.masked_fill_(mask, 0.0)
-                payloads.append(out)
+                # the lr-weighted mean momentum of the interval, read by the codec where it is
+                payloads.append(Source.quotient(u, sums, groups=b.offsets, mask=idx, masked="zero", out=out))
             synced = b.synced
+            defer = {"defer": True} if hasattr(comm, "decode_pending") else {}
             try:
                 if self.simulate_workers is not None:
-                    comm.allreduce_into(payloads, synced, flags=bad)
+                    comm.allreduce_into(payloads, synced, flags=bad, **defer)
                 else:
                     with self._collective("compressed allreduce (local-step synchronisation)", b):
-                        comm(payloads[0], out=synced, flag=bad[0])
+                        comm(payloads[0], out=synced, flag=bad[0], **defer)
             except ValueError as exc:
                 if "not finite" in str(exc):
                     raise NonFiniteGradientError(f"ZeroOneAdam: {exc}. Lower the learning rate or clip gradients.") \
                         from exc
                 raise
             if i == 0 and comm.any_flag:
-                self._report_dropped()
+                self._report_dropped()  # a raise leaves the deferred result undecoded: nothing changed yet
             m, anchor = b.flat["exp_avg"], b.flat["anchor"]
-            m.copy_(synced)
-            if (mask := self._mask(b)) is not None:
-                m.masked_fill_(mask, 0.0)
-            anchor.mul_(decay)
             d = self._denominator(b, group)
-            if len(set(sums)) == 1:
-                anchor.addcdiv_(m, d, value=-sums[0])
+            if getattr(comm, "pending", False):
+                # m <- the synced momentum and the anchor's update in one pass
+                comm.decode_pending(Sink(numel=b.numel, groups=b.offsets, targets=b.views(anchor), denom=d,
+                                         values=[-s for s in sums], decay=decay, mask=idx), out=m)
             else:
-                for av, mv, dv, s in zip(b.views(anchor), b.views(m), b.views(d), sums, strict=True):
-                    av.addcdiv_(mv, dv, value=-s)
+                m.copy_(synced)
+                if mask is not None:
+                    m.masked_fill_(mask, 0.0)
+                anchor.mul_(decay)
+                if len(set(sums)) == 1:
+                    anchor.addcdiv_(m, d, value=-sums[0])
+                else:
+                    for av, mv, dv, s in zip(b.views(anchor), b.views(m), b.views(d), sums, strict=True):
+                        av.addcdiv_(mv, dv, value=-s)
             with torch.no_grad():
                 for w in range(self.simulate_workers or 1):
                     params, wm, u = self._worker_state(b, w)
@@ -474,7 +498,10 @@ class ZeroOneAdam(CompressedOptimizer):
                     if wm is not m:
                         wm.copy_(m)
                     u.zero_()
+            b.cache["synced"] = True
             self._acc[b.index] = [[0.0] * len(b.params), 1.0]
+        for b in buckets:
+            b.cache.pop("synced", None)
         self._bad.zero_()
         self._since_sync = 0
 

@@ -6,7 +6,9 @@ import os
 import pytest
 import torch
 
-from codec_cases import assert_matches_reference, assert_rejects_nonfinite
+from lightning_onebit.compress.source import Source
+
+from codec_cases import assert_matches_reference, assert_rejects_nonfinite, make_codec
 
 pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
                                 reason="needs NUMBA_ENABLE_CUDASIM=1 in this process")
@@ -94,6 +96,169 @@ def test_cuda_padding_and_scales_equal_numba(kind):
     assert not got["cuda"][2][valid:].any() and not got["cuda"][3][valid:].any()
 
 
+# --- payload sources read in place ------------------------------------------------------------------
+
+N_SRC = 160
+GROUPS = (0, 37, 37, 101)  # group 1 is empty: a position's group is the last of equal bounds
+MASK = (0, 5, 36, 37, 99, 100, 159)  # group ends and starts, and the last element
+FACTORS = (0.5, 3.0, 7.0, 1e-3)
+SOURCE_CASES = ["lerp-0.1", "lerp-0.9", "lerp-factors", "lerp-mask-nonfinite", "lerp-mask-zero", "lerp-per-group-end",
+                "gradient", "gradient-per-group-end", "quotient"]
+
+
+def _tensors(nan_at: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(momentum, gradient) of N_SRC elements; the gradient NaN at ``nan_at``."""
+    g = torch.Generator().manual_seed(5)
+    m = torch.randn(N_SRC, generator=g) * torch.logspace(-2, 2, N_SRC)
+    grad = torch.randn(N_SRC, generator=g)
+    if nan_at is not None:
+        grad[nan_at] = float("nan")
+    return m, grad
+
+
+def _source(case: str) -> Source:
+    """A fresh Source of ``case`` (nothing of it materialised or cached yet)."""
+    m, grad = _tensors()
+    mask = torch.tensor(MASK)
+    if case in ("lerp-0.1", "lerp-0.9"):
+        return Source.lerp(m, grad, float(case[5:]), groups=GROUPS)
+    if case == "lerp-factors":
+        return Source.lerp(m, grad, 0.1, groups=GROUPS, factors=FACTORS)
+    if case == "lerp-mask-nonfinite":
+        return Source.lerp(m, grad, 0.1, groups=GROUPS, factors=FACTORS, mask=mask)
+    if case == "lerp-mask-zero":
+        return Source("lerp", numel=N_SRC, groups=GROUPS, start=m, end=grad, weight=0.1, mask=mask, masked="zero")
+    if case == "lerp-per-group-end":  # the parameters' own gradients; group 2 has none (zeros)
+        ends = [grad[:37].clone(), grad[37:37].clone(), None, grad[101:].clone()]
+        return Source.lerp(m, ends, 0.9, groups=GROUPS, factors=FACTORS, mask=mask)
+    if case == "gradient":
+        return Source.gradient(grad, numel=N_SRC, groups=GROUPS, mask=mask)
+    if case == "gradient-per-group-end":
+        ends = [grad[:37].clone(), None, grad[37:101].clone(), None]
+        return Source.gradient(ends, numel=N_SRC, groups=GROUPS, mask=mask, masked="nonfinite")
+    if case == "quotient":
+        return Source.quotient(m, [3.0, 7.0, 0.1, 11.0], groups=GROUPS, mask=mask)
+    raise ValueError(case)
+
+
+def _run(kind: str, backend: str, mode: str, lay, x, state: torch.Tensor) -> tuple:
+    """One reduce and one encode by ``backend`` of ``x`` handed over as the codecs hand it (a Source
+    stays one where the backend reads it): (totals, scales, codes, state after)."""
+    from lightning_onebit.compress.codecs import MODES, Codec
+    from lightning_onebit.compress.kernels import get_backend
+
+    codec = make_codec(kind, None, backend)
+    kernels = get_backend(torch.device("cpu"), backend)
+    x, st = Codec._readable(x, kernels), state.clone()
+    totals = kernels.reduce(codec.kind, MODES[mode], lay, x, st)
+    enc = codec.empty(lay)
+    enc.scales.copy_(codec._scales_unchecked(totals, lay)[0])
+    kernels.encode(codec.kind, MODES[mode], lay, x, st, enc.scales, enc.codes)
+    return totals, enc.scales, enc.codes, st
+
+
+def _assert_source_matches(kind: str, mode: str, make, lay, monkeypatch) -> None:
+    """The CUDA kernels reading the Source ``make()`` in place give the bits of the CUDA kernels on its
+    materialised tensor (totals, scales, codes, state), and the torch reference's codes and values."""
+    from lightning_onebit.compress.kernels import numba_cuda as kc
+
+    x = make().materialize().clone()
+    state = torch.randn(lay.numel, generator=torch.Generator().manual_seed(9))
+    src = make()
+    assert kc.accepts(src)
+    with monkeypatch.context() as mp:  # the kernels read the source: nothing materialises it
+        mp.setattr(Source, "materialize", lambda self: pytest.fail("the CUDA backend's source was materialised"))
+        got = _run(kind, "cuda", mode, lay, src, state)
+    want = _run(kind, "cuda", mode, lay, x, state)
+    for a, b, what in zip(got, want, ("totals", "scales", "codes", "state"), strict=True):
+        assert torch.equal(a, b), what
+    ref = _run(kind, "torch", mode, lay, x, state)
+    assert torch.equal(got[2], ref[2]), "codes differ from the torch reference"
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-12, atol=0.0, msg="totals")  # fp64 sums, another order
+    for a, b, what in ((got[1], ref[1], "scales"), (got[3], ref[3], "state")):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-30, msg=what)
+
+
+@pytest.mark.parametrize("kind", ["l2", "minmax"])
+@pytest.mark.parametrize("case", SOURCE_CASES)
+def test_cuda_reads_sources_in_place(case, kind, monkeypatch):
+    """Every operation of a Source, with factors, a mask in both modes and per-group gradients."""
+    lay = make_codec(kind, None, "torch").layout(N_SRC, 2, groups=[0, 37, 101])
+    mode = "markov" if case.startswith("gradient") else "error_feedback"
+    _assert_source_matches(kind, mode, lambda: _source(case), lay, monkeypatch)
+
+
+@pytest.mark.parametrize("kind", ["l2", "minmax"])
+def test_cuda_reads_source_windows_and_padding(kind, monkeypatch):
+    """A window ``src[lo:hi]`` reads from ``base = lo``; ``src.padded(D)`` and its windows read zeros
+    past the data (a two-stage collective's padded chunks and its pipeline pieces)."""
+    codec = make_codec(kind, None, "torch")
+    make = lambda: _source("lerp-per-group-end")
+    lo, hi = 24, 24 + 96  # across groups and masked positions
+    _assert_source_matches(kind, "error_feedback", lambda: make()[lo:hi], codec.layout(hi - lo, 2), monkeypatch)
+    padded = 192
+    lay = codec.layout(padded, 2, groups=[0, 37, 101], valid=N_SRC)
+    _assert_source_matches(kind, "error_feedback", lambda: make().padded(padded), lay, monkeypatch)
+    _assert_source_matches(kind, "markov", lambda: make().padded(padded)[120:184], codec.layout(64, 1), monkeypatch)
+
+
+@pytest.mark.parametrize("masked", ["nonfinite", "zero"])
+def test_cuda_source_mask_keeps_a_nan_gradient_visible(masked):
+    """A NaN gradient at a masked position sends |0 * NaN| = NaN, so its block's scale is not finite
+    (the collective's check fails, as with the materialised payload), or 0 with ``masked="zero"``."""
+    from lightning_onebit.compress.kernels import numba_cuda as kc
+
+    codec = make_codec("l2", None, "cuda")
+    lay = codec.layout(N_SRC, 2, groups=[0, 37, 101])
+
+    def make():
+        m, grad = _tensors(nan_at=99)
+        return Source("lerp", numel=N_SRC, groups=GROUPS, start=m, end=grad, weight=0.1, factors=FACTORS,
+                      mask=torch.tensor(MASK), masked=masked)
+
+    assert kc.accepts(make())
+    scales, ok = codec.compute_scales_unchecked(make(), layout=lay)
+    want, want_ok = codec.compute_scales_unchecked(make().materialize().clone(), layout=lay)
+    assert bool(ok) == bool(want_ok) == (masked == "zero")
+    finite = torch.isfinite(scales)
+    assert torch.equal(finite, torch.isfinite(want)) and torch.equal(scales[finite], want[finite])
+    if masked == "nonfinite":  # only the block of position 99 (row 1's first block, [80, 101)) is not finite
+        assert finite.sum() == scales.numel() - 1 and not finite[1, 0]
+
+
+def test_cuda_quotient_divides_as_torch_does_on_a_gpu(monkeypatch):
+    """On a GPU torch divides by a Python float as ``a * (1 / b)`` (the fp32 reciprocal, one bit less
+    exact than the CPU's division): the kernels multiply by the reciprocals there (RECIPROCAL), here
+    forced on the simulator's CPU tensors."""
+    from lightning_onebit.compress.kernels import numba_cuda as kc
+
+    monkeypatch.setattr(kc, "_reciprocal_division", lambda device: True)
+    m, _ = _tensors()
+    bounds = (*GROUPS, N_SRC)
+    recips = [torch.tensor(1.0) / torch.tensor(d) for d in (3.0, 7.0, 0.1, 11.0)]  # fp32, as CUDA torch
+    x = torch.cat([m[a:b] * r for a, b, r in zip(bounds[:-1], bounds[1:], recips, strict=True)])
+    x[torch.tensor(MASK)] = 0.0
+    assert not torch.equal(x, _source("quotient").materialize()), "no element where the two divisions differ"
+    lay = make_codec("l2", None, "torch").layout(N_SRC, 2, groups=[0, 37, 101])
+    state = torch.randn(N_SRC, generator=torch.Generator().manual_seed(9))
+    got = _run("l2", "cuda", "error_feedback", lay, _source("quotient"), state)
+    for a, b in zip(got, _run("l2", "cuda", "error_feedback", lay, x, state), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_cuda_backend_materialises_the_sources_it_cannot_read():
+    from lightning_onebit.compress.codecs import Codec
+    from lightning_onebit.compress.kernels import numba_cuda as kc
+
+    m, grad = _tensors()
+    strided = Source.lerp(m, torch.stack([grad, grad], 1)[:, 0], 0.1, groups=GROUPS)  # a non-contiguous end
+    assert not kc.accepts(strided) and isinstance(Codec._readable(strided, kc), torch.Tensor)
+    assert not kc.accepts(Source.lerp(m, grad, 0.1, groups=GROUPS, mask=torch.tensor(MASK, dtype=torch.int32)))
+    # |0 * end| without an end: materialize() refuses it, the kernels must not read past an empty end
+    no_end = Source("quotient", numel=N_SRC, groups=GROUPS, start=m, factors=FACTORS, mask=torch.tensor(MASK))
+    assert not kc.accepts(no_end)
+
+
 def test_launch_arguments_match_the_compiled_signatures(monkeypatch):
     """compile_ptx compiles each kernel for the argument types in kernel_signatures(); the
     wrappers must launch with exactly those (numba's typeof of what they pass), or the PTX
@@ -128,6 +293,10 @@ def test_launch_arguments_match_the_compiled_signatures(monkeypatch):
         x = torch.randn(90, generator=g)
         err = torch.zeros(90)
         enc = codec.encode_error_feedback(x, err, groups=[0, 7, 40])
+        m, grad = torch.randn(90, generator=g), torch.randn(90, generator=g)  # a payload source: its arguments
+        src = Source.lerp(m, [grad[:7], None, grad[40:]], 0.1, groups=[0, 7, 40], factors=[1.0, 0.5, 2.0],
+                          mask=torch.tensor([3, 50]))
+        codec.encode_error_feedback(src, err, groups=[0, 7, 40])
         codec.decode(enc)
         codec.decode_mean(codec.encode(x, nseg=3))
         sim = SimulatedCluster(codec, "markov", 3, pieces=2, groups=[0, 5])

@@ -30,9 +30,12 @@ from numba import njit, prange
 from ..source import Source
 from .layout import DIFF, ERROR_FEEDBACK, MARKOV, MINMAX_U8, PLAIN, REDUCE_TILE, Layout, is_sign
 from .numba_source import NO_ROWS, SCRATCH, mean_of_rows, pack
+from .numba_source import apply_sink as _apply_sink
 from .numba_source import fill as _fill
+from .numba_source import pack_sink as _pack_sink
 from .numba_source import readable as _readable
 from .numba_source import rows as _rows_tuple
+from .numba_source import sink_readable as _sink_readable
 from .numba_tiles import (
     LANES,
     MM_LANES,
@@ -253,7 +256,7 @@ def _encode_minmax(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, c
 
 
 @parallel_and_serial
-def _decode_rows(kind, codes, scales, seg_len, starts, ends, out, accumulate):
+def _decode_rows(kind, codes, scales, seg_len, starts, ends, out, accumulate, snk):
     nseg, nb = starts.shape[0], starts.shape[1] - 1
     per_row = (seg_len + TILE - 1) // TILE
     for t in prange(nseg * per_row):
@@ -271,6 +274,8 @@ def _decode_rows(kind, codes, scales, seg_len, starts, ends, out, accumulate):
         if accumulate:
             for i in range(dst.size):
                 dst[i] += buf[i]
+        elif snk[7]:  # a sink: the decoded tile is still in the cache
+            _apply_sink(snk, r * seg_len + lo, dst)
 
 
 @parallel_and_serial
@@ -398,14 +403,21 @@ def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
            layout.data_ends, scales.reshape(-1).contiguous().numpy(), _rows(codes))
 
 
+def accepts_sink(sink) -> bool:
+    """Whether ``decode`` applies ``sink`` in its pass (see :class:`~..source.Sink`)."""
+    return _sink_readable(sink)
+
+
 @parallel_kernel
-def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False) -> None:
+def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False,
+           sink=None) -> None:
     mc, ms = _rows(codes), _scales2d(scales, codes.shape[0])
     n = codes.shape[0] * layout.seg_len
     if mean_rows:
         _decode_mean(n, kind, mc, ms, layout.seg_len, layout.starts[0], layout.data_ends[0], out.numpy(), accumulate)
     else:
-        _decode_rows(n, kind, mc, ms, layout.seg_len, layout.starts, layout.data_ends, out.numpy(), accumulate)
+        _decode_rows(n, kind, mc, ms, layout.seg_len, layout.starts, layout.data_ends, out.numpy(), accumulate,
+                     _pack_sink(sink))
 
 
 @parallel_kernel
@@ -414,4 +426,4 @@ def mean_rows(x: torch.Tensor, out: torch.Tensor) -> None:
     _mean_rows(x.numel(), x.numpy(), out.numpy())
 
 
-__all__ = ["FUSES_SOURCES", "RowsMean", "accepts", "decode", "encode", "mean_rows", "reduce"]
+__all__ = ["FUSES_SOURCES", "RowsMean", "accepts", "accepts_sink", "decode", "encode", "mean_rows", "reduce"]

@@ -5,7 +5,12 @@ The reduction follows the summation order of :mod:`.layout` (one thread block pe
 order by a second small kernel), so its scales are the numba CPU backend's bit for bit. The
 encode and decode kernels give each thread one element (coalesced loads); sign encode packs a
 block's bits through shared memory, so it needs no atomics or warp votes, and every element finds
-its scale block by a binary search of its row's block starts. This keeps
+its scale block by a binary search of its row's block starts.
+
+The input of ``reduce`` and ``encode`` is a tensor or a payload :class:`~..source.Source`, which
+the kernels read in place: each thread evaluates the expression at its own element (its group and
+whether it is masked found by binary searches) with torch's roundings, so neither kernel needs the
+payload written to memory first and the bits are those of ``Source.materialize()``. This keeps
 the kernels runnable under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), where CPU
 tensors stand in for device memory.
 """
@@ -20,6 +25,7 @@ import torch
 from numba import config as numba_config
 from numba import cuda, float32, float64, int32
 
+from ..source import Source
 from .layout import DIFF, ERROR_FEEDBACK, MARKOV, MINMAX_U8, REDUCE_LANES, REDUCE_TILE, SIGN_L2, Layout, is_sign
 
 SIMULATED = bool(numba_config.ENABLE_CUDASIM)
@@ -27,6 +33,47 @@ SIMULATED = bool(numba_config.ENABLE_CUDASIM)
 THREADS = 8 if SIMULATED else 256
 RTHREADS = 2 if SIMULATED else REDUCE_LANES  # threads of a reduction block
 LANES = REDUCE_LANES
+#: ``reduce``/``encode`` evaluate a :class:`~..source.Source` in place (see :func:`accepts`)
+FUSES_SOURCES = True
+
+# The kernels' codes of an input: a tensor, or a Source's operation. RECIPROCAL is ``quotient`` on a
+# GPU, where torch divides by a Python float as ``a * (1 / b)`` (the fp32 reciprocal; its CPU divides).
+TENSOR, LERP, GRADIENT, QUOTIENT, RECIPROCAL = 0, 1, 2, 3, 4
+_OP = {"lerp": LERP, "gradient": GRADIENT, "quotient": QUOTIENT}
+
+
+# Two fp32 operations with exactly one rounding each, whatever the compiler: libNVVM contracts a
+# multiply and an add into a fused multiply-add by default (its -fma=1, which numba-cuda leaves on),
+# so ``lerp * factor + state`` would round once where torch rounds the payload first. fmul_rn
+# (PTX ``mul.rn``) is never contracted; cuda.fma is the fused one that torch's lerp is.
+if SIMULATED:
+    from numba import njit
+
+    from .numba_intrinsics import fma32 as _fma_llvm
+
+    @njit(cache=True)
+    def _fma_host(a, b, c):
+        return _fma_llvm(a, b, c)
+
+    @cuda.jit(device=True)
+    def _fma32(a, b, c):
+        # the simulator's cuda.fma is a * b + c, rounded twice; the CPU's llvm.fma.f32 rounds once
+        return float32(_fma_host(a, b, c))
+
+    @cuda.jit(device=True)
+    def _mul32(a, b):
+        return a * b  # numpy fp32 scalars (the simulator has no libdevice)
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def _fma32(a, b, c):
+        return cuda.fma(a, b, c)
+
+    @cuda.jit(device=True, inline=True)
+    def _mul32(a, b):
+        return libdevice.fmul_rn(a, b)
 
 
 @cuda.jit(device=True, inline=True)
@@ -41,6 +88,69 @@ def _block_at(starts, r, pos):
         else:
             hi = mid
     return lo
+
+
+@cuda.jit(device=True, inline=True)
+def _group_at(bounds, pos):
+    """The group k of position ``pos`` (the last k with bounds[k] <= pos; bounds: starts, then the end)."""
+    lo = 0
+    hi = bounds.size - 1
+    while hi - lo > 1:
+        mid = (lo + hi) >> 1
+        if bounds[mid] <= pos:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@cuda.jit(device=True, inline=True)
+def _in_sorted(a, v):
+    """Whether the sorted array ``a`` holds ``v`` (bisection)."""
+    lo = 0
+    hi = a.size
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if a[mid] < v:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo < a.size and a[lo] == v
+
+
+@cuda.jit(device=True, inline=True)
+def _lerp(w, a, b):
+    """torch's ``lerp(a, b, w)`` in fp32: ``fma(w, b - a, a)``, or ``fma(w - 1, b - a, b)`` from |w| = 0.5 on."""
+    if abs(w) < float32(0.5):
+        return _fma32(w, b - a, a)
+    return _fma32(w - float32(1.0), b - a, b)
+
+
+@cuda.jit(device=True, inline=True)
+def _source_at(op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, j):
+    """Element j of the input: ``x[j]`` of a tensor, or the Source's expression at position ``offset + j``
+    (0 from ``valid`` on), rounded as :meth:`~..source.Source.materialize` rounds it. ``x`` is the
+    tensor or the Source's ``start``; ``end`` its flat ``end``."""
+    if op == TENSOR:
+        return x[j]
+    i = offset + j
+    if i >= valid:
+        return float32(0.0)  # padding
+    if mask.size and _in_sorted(mask, i):
+        if nonfinite:
+            return abs(_mul32(end[i], float32(0.0)))  # |0 * g|: NaN where the gradient is not finite
+        return float32(0.0)
+    if op == GRADIENT:
+        return end[i]
+    if op == LERP:
+        v = _lerp(w, x[i], end[i])
+        if factors.size:
+            v = _mul32(v, factors[_group_at(bounds, i)])
+        return v
+    f = factors[_group_at(bounds, i)]
+    if op == QUOTIENT:
+        return x[i] / f
+    return _mul32(x[i], f)  # RECIPROCAL: f is the fp32 reciprocal of the divisor
 
 
 @cuda.jit(device=True, inline=True)
@@ -66,8 +176,9 @@ def _mean_of_rows(kind, mc, ms, i, b):
 
 
 @cuda.jit(device=True, inline=True)
-def _value(mode, x, st, j):
-    s = x[j]
+def _value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, j):
+    """The value v that element j encodes: the input's, with the state added or subtracted (``mode``)."""
+    s = _source_at(op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, j)
     if mode == ERROR_FEEDBACK:
         return s + st[j]
     if mode == MARKOV or mode == DIFF:
@@ -92,7 +203,8 @@ def _round_half_even(t):
 
 
 @cuda.jit(cache=True)
-def _reduce_kernel(kind, mode, x, st, seg_len, t_row, t_lo, t_hi, out):
+def _reduce_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, t_row,
+                   t_lo, t_hi, out):
     s_a = cuda.shared.array(LANES, float64)
     s_b = cuda.shared.array(LANES, float64)
     s_c = cuda.shared.array(LANES, float64)
@@ -108,7 +220,7 @@ def _reduce_kernel(kind, mode, x, st, seg_len, t_row, t_lo, t_hi, out):
             mx = -math.inf
             i = t_lo[t] + lane
             while i < hi:
-                v = float64(_value(mode, x, st, base + i))
+                v = float64(_value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, base + i))
                 if kind == MINMAX_U8:
                     mn = min(mn, v)
                     mx = max(mx, v)
@@ -170,7 +282,8 @@ def _combine_kernel(kind, ptr, partials, totals):
 
 
 @cuda.jit(cache=True)
-def _encode_sign_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
+def _encode_sign_kernel(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, starts,
+                        ends, scales, codes):
     # Both sign kinds share this pass; only their scales differ. One thread per element (loads
     # and state updates coalesced); a tile of THREADS elements of one row per block, so the row
     # is found once per tile; the bits meet in shared memory and a thread packs each byte.
@@ -186,7 +299,7 @@ def _encode_sign_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
         if i < seg_len:
             e = r * seg_len + i
             s = scales[r * nb + _block_at(starts, r, i)]
-            v = _value(mode, x, st, e)
+            v = _value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, e)
             dec = -s
             if v >= 0:
                 bit = 1
@@ -209,7 +322,8 @@ def _encode_sign_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
 
 
 @cuda.jit(cache=True)
-def _encode_minmax_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
+def _encode_minmax_kernel(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, starts,
+                          ends, scales, codes):
     nb = starts.shape[1] - 1
     tiles = (seg_len + THREADS - 1) // THREADS  # a tile of one row per block: its row found once
     t = cuda.blockIdx.x
@@ -223,7 +337,7 @@ def _encode_minmax_kernel(mode, x, st, seg_len, starts, ends, scales, codes):
         smin = float64(scales[2 * g])
         rng = float64(scales[2 * g + 1]) - smin
         inv = 255.0 / rng if rng > 0 else 0.0
-        v = _value(mode, x, st, e)
+        v = _value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, e)
         q = min(max(_round_half_even((float64(v) - smin) * inv), 0.0), 255.0)
         if i >= ends[r]:
             q = 0.0  # padding: defined bytes on the wire
@@ -300,9 +414,9 @@ def _grid(work: int, threads: int) -> int:
     return max(1, min(-(-work // threads), 65535 if not SIMULATED else 2))
 
 
-def _inputs(x, st, device):
-    f = torch.empty(0, dtype=torch.float32, device=device)
-    return _arr(x), _arr(f if st is None else st)
+def _state(st, device):
+    """The state as a kernel array (empty without one)."""
+    return _arr(torch.empty(0, dtype=torch.float32, device=device) if st is None else st)
 
 
 def _geometry(layout: Layout, device: torch.device, what: str, make) -> tuple:
@@ -314,6 +428,76 @@ def _geometry(layout: Layout, device: torch.device, what: str, make) -> tuple:
     return cache[key]
 
 
+def _readable(t: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the kernels read ``t`` where it is: None, or a contiguous ``dtype`` tensor on ``device``."""
+    return t is None or (t.device == device and t.dtype == dtype and t.is_contiguous())
+
+
+def accepts(x) -> bool:
+    """Whether ``reduce``/``encode`` read ``x`` where it is (else the caller materialises it): a tensor, or a
+    :class:`~..source.Source` whose tensors are contiguous fp32 (int64 mask) on one CUDA device (the CPU
+    under the simulator)."""
+    if not isinstance(x, Source):
+        return True
+    device = x.device
+    ends = x.end if isinstance(x.end, tuple) else (x.end,)
+    mask = x.mask if x.mask is not None and x.mask.numel() else None
+    return (device.type == ("cpu" if SIMULATED else "cuda")
+            and all(_readable(t, device, torch.float32) for t in (x.start, *ends))
+            and _readable(mask, device, torch.int64) and (mask is None or mask.dim() == 1)
+            # |0 * end| of a masked position needs an end (materialize() raises without one)
+            and (mask is None or x.masked == "zero" or x.end is not None))
+
+
+def accepts_sink(sink) -> bool:
+    """``decode`` applies no :class:`~..source.Sink`: the caller applies it to the decoded values."""
+    return False
+
+
+def _reciprocal_division(device: torch.device) -> bool:
+    """Whether torch divides a tensor on ``device`` by a Python float as ``a * (1 / b)`` with the fp32
+    reciprocal (its CUDA kernel does: RECIPROCAL), or divides (the CPU: QUOTIENT)."""
+    return device.type == "cuda"
+
+
+def _expression(src: Source) -> tuple:
+    """(op, start, end, group bounds, factors, mask) of ``src``'s expression as kernel arrays, made once per
+    expression (its windows share them, as they share its materialised value): per-group ``end`` tensors
+    gathered into one flat buffer, the groups' bounds and factors copied to the device."""
+    root = src._root
+    arrays = root.__dict__.get("_kernel_arrays")
+    if arrays is None:
+        device = root.device
+        f32 = torch.empty(0, dtype=torch.float32, device=device)
+        op = _OP[root.op]
+        start = f32 if root.start is None else root.start.reshape(-1)
+        end = f32 if root.end is None else root.flat_end()  # per-group tensors: gathered here, once
+        factors = f32
+        if root.factors is not None:
+            fs = np.array(root.factors, np.float32)
+            if op == QUOTIENT and _reciprocal_division(device):
+                op = RECIPROCAL
+                with np.errstate(divide="ignore"):
+                    fs = np.float32(1.0) / fs  # torch's fp32 reciprocal of float32(divisor)
+            factors = torch.from_numpy(fs).to(device)
+        bounds = torch.tensor((*root.groups, root.valid), dtype=torch.int64).to(device)
+        mask = root.mask if root.mask is not None and root.mask.numel() else torch.empty(0, dtype=torch.int64,
+                                                                                          device=device)
+        arrays = root.__dict__["_kernel_arrays"] = (op, *(_arr(t) for t in (start, end, bounds, factors, mask)))
+    return arrays
+
+
+def _input(x, device: torch.device) -> tuple:
+    """The kernels' arguments for the input ``x``, a tensor or a :class:`~..source.Source`:
+    ``(op, x, end, bounds, w, factors, mask, nonfinite, valid, offset)`` (see :func:`_source_at`)."""
+    if isinstance(x, Source):
+        op, start, end, bounds, factors, mask = _expression(x)
+        return op, start, end, bounds, np.float32(x.weight), factors, mask, x.masked == "nonfinite", x.valid, x.base
+    f32 = _arr(torch.empty(0, dtype=torch.float32, device=device))
+    i64 = _arr(torch.empty(0, dtype=torch.int64, device=device))
+    return TENSOR, _arr(x), f32, i64, np.float32(0.0), f32, i64, False, x.numel(), 0
+
+
 def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
     device = x.device
     with _on(device):
@@ -321,11 +505,12 @@ def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
         width = 1 if is_sign(kind) else 3
         partials = torch.empty(t_row.numel(), width, dtype=torch.float64, device=device)
         totals = torch.empty(layout.nblocks, width, dtype=torch.float64, device=device)
-        xa, sa = _inputs(x, st, device)
+        src = _input(x, device)
         stream = _stream(device)
         if t_row.numel():
             _reduce_kernel[_grid(t_row.numel(), 1), RTHREADS, stream](
-                kind, mode, xa, sa, layout.seg_len, _arr(t_row), _arr(t_lo), _arr(t_hi), _arr(partials))
+                kind, mode, *src, _state(st, device), layout.seg_len, _arr(t_row), _arr(t_lo), _arr(t_hi),
+                _arr(partials))
         if layout.nblocks:
             _combine_kernel[_grid(layout.nblocks, THREADS), THREADS, stream](kind, _arr(ptr), _arr(partials),
                                                                              _arr(totals))
@@ -340,10 +525,9 @@ def _starts(layout: Layout, device: torch.device):
 def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     device = codes.device
     with _on(device):
-        xa, sa = _inputs(x, st, device)
         tiles = layout.nseg * -(-layout.seg_len // THREADS)
-        args = (mode, xa, sa, layout.seg_len, *_starts(layout, device), _arr(scales.reshape(-1).contiguous()),
-                _codes_arr(codes))
+        args = (mode, *_input(x, device), _state(st, device), layout.seg_len, *_starts(layout, device),
+                _arr(scales.reshape(-1).contiguous()), _codes_arr(codes))
         if is_sign(kind):
             _encode_sign_kernel[_grid(tiles, 1), THREADS, _stream(device)](*args)
         else:
@@ -371,9 +555,11 @@ def kernel_signatures() -> dict[str, tuple]:
     f32v, i64v = nt.Array(nt.float32, 1, "C"), nt.Array(nt.int64, 1, "C")
     f32m, f64m = nt.Array(nt.float32, 2, "C"), nt.Array(nt.float64, 2, "C")
     i64m, u8m = nt.Array(nt.int64, 2, "C"), nt.Array(nt.uint8, 2, "C")
-    encode_args = (i64, f32v, f32v, i64, i64m, i64v, f32v, u8m)
+    # the input (_input): op, x, end, bounds, w, factors, mask, nonfinite, valid, offset
+    src = (i64, f32v, f32v, i64v, nt.float32, f32v, i64v, flag, i64, i64)
+    encode_args = (i64, *src, f32v, i64, i64m, i64v, f32v, u8m)
     return {
-        "_reduce_kernel": (i64, i64, f32v, f32v, i64, i64v, i64v, i64v, f64m),
+        "_reduce_kernel": (i64, i64, *src, f32v, i64, i64v, i64v, i64v, f64m),
         "_combine_kernel": (i64, i64v, f64m, f64m),
         "_encode_sign_kernel": encode_args,
         "_encode_minmax_kernel": encode_args,
@@ -396,4 +582,5 @@ def compile_ptx(cc: tuple[int, int] = (8, 0)) -> dict[str, str]:
     return out
 
 
-__all__ = ["compile_ptx", "decode", "encode", "kernel_signatures", "reduce"]
+__all__ = ["FUSES_SOURCES", "accepts", "accepts_sink", "compile_ptx", "decode", "encode", "kernel_signatures",
+           "reduce"]

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from numba import carray, njit
 
-from ..source import Source
+from ..source import Sink, Source
 from .numba_intrinsics import f32_at, fma32
 from .numba_tiles import CH, ahead, rows_mean
 
@@ -234,3 +234,58 @@ def fill(src, rws, kind, pos, n, buf):
     if mask.size and m > 0:
         _mask(end, addr, bounds, mask, mask_nonfinite, p, m, out)
     return out
+
+
+# --- sinks ------------------------------------------------------------------------------------------
+
+
+def sink_readable(snk: Sink) -> bool:
+    """Whether the decode kernel can apply ``snk`` (CPU fp32 contiguous tensors)."""
+    return all(_cpu_f32(t) for t in (snk.denom, *snk.targets)) and (snk.mask is None or snk.mask.device.type == "cpu")
+
+
+def pack_sink(snk: Sink | None) -> tuple:
+    """The decode kernel's tuple for a :class:`Sink` (``valid`` 0: none):
+    ``(target_addresses, group_bounds, values, decay, denom, mask, base, valid)``."""
+    if snk is None:
+        return (_I64_0, _I64_0, _F32_0, np.float32(1.0), _F32_0, _I64_0, 0, 0)
+    addr = np.array([0 if t is None or t.numel() == 0 else t.data_ptr() for t in snk.targets], np.int64)
+    return (addr, np.array((*snk.groups, snk.valid), np.int64), np.array(snk.values, np.float32),
+            np.float32(snk.decay), snk.denom.reshape(-1).numpy(),
+            snk.mask.numpy() if snk.mask is not None else _I64_0, snk.base, snk.valid)
+
+
+@njit(inline="always", cache=True)
+def _addcdiv_run(t, u, d, decay, v):
+    """t = t * decay + (v * u) / d, each operation rounded to fp32 (torch's addcdiv order)."""
+    n = t.size
+    for c in range(n // CH):
+        o = c * CH
+        ahead(t, o)
+        ahead(d, o)
+        tc, uc, dc = t[o:o + CH], u[o:o + CH], d[o:o + CH]
+        for j in range(CH):
+            tc[j] = tc[j] * decay + (v * uc[j]) / dc[j]
+    for j in range(n - n % CH, n):
+        t[j] = t[j] * decay + (v * u[j]) / d[j]
+
+
+@njit(cache=True)
+def apply_sink(snk, pos, vals):
+    """The sink on decoded values ``vals`` at positions [pos, pos + vals.size) of its window."""
+    addr, bounds, values, decay, denom, mask, base, valid = snk
+    p = base + pos
+    m = min(vals.size, max(valid - p, 0))
+    if m <= 0:
+        return
+    if mask.size:
+        _mask(vals, _I64_0, bounds, mask, False, p, m, vals)
+    i = 0
+    k = _group_at(bounds, p)
+    while i < m:
+        e = min(m, bounds[k + 1] - p)
+        if addr[k] != 0:
+            whole = carray(f32_at(addr[k]), (bounds[k + 1] - bounds[k],))
+            _addcdiv_run(whole[p + i - bounds[k]:p + e - bounds[k]], vals[i:e], denom[p + i:p + e], decay, values[k])
+        i = e
+        k += 1
