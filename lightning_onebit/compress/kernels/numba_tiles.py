@@ -257,10 +257,21 @@ def sign_run(cw, s, p, q, out):
     nbytes = (q - i) >> 3
     cs = cw[i >> 3 : (i >> 3) + nbytes]
     o = out[k : k + 8 * nbytes]
-    for m in range(nbytes):  # byte-wise with a fixed inner trip count: vectorises
+    ns = -s
+    bits = np.empty(256, np.uint8)
+    for c in range(nbytes >> 5):  # 32 bytes at a time: their bits as bytes, then a select (vectorises
+        cc = cs[32 * c : 32 * c + 32]  # both ways: 3.4 against 7.6 ms for 17M values)
+        for m in range(32):
+            byte = cc[m]
+            for j in range(8):
+                bits[8 * m + j] = (byte >> np.uint8(j)) & np.uint8(1)
+        oc = o[256 * c : 256 * c + 256]
+        for j in range(256):
+            oc[j] = s if bits[j] else ns
+    for m in range(nbytes - nbytes % 32, nbytes):
         byte = cs[m]
         for j in range(8):
-            o[8 * m + j] = s if (byte >> j) & 1 else -s
+            o[8 * m + j] = s if (byte >> j) & 1 else ns
     i += 8 * nbytes
     k += 8 * nbytes
     while i < q:
@@ -326,7 +337,17 @@ def mean_sign_lut(mc, ms, j, k0, nbytes, out, lut):
     if nw <= 2:
         c0, c1 = mc[0, k0 : k0 + nbytes], mc[nw - 1, k0 : k0 + nbytes]
         m1 = np.uint8(1) if nw == 2 else np.uint8(0)  # one row: p1 = 0, t0/t1 are -s/+s
-        for k in range(nbytes):
+        b0, b1 = np.empty(256, np.uint8), np.empty(256, np.uint8)
+        for c in range(nbytes >> 5):  # bits as bytes first, then the select (see sign_run)
+            for k in range(32):
+                x0, x1 = c0[32 * c + k], c1[32 * c + k]
+                for b in range(8):
+                    b0[8 * k + b] = (x0 >> np.uint8(b)) & np.uint8(1)
+                    b1[8 * k + b] = (x1 >> np.uint8(b)) & m1
+            oc = out[256 * c : 256 * c + 256]
+            for j in range(256):
+                oc[j] = (t3 if b0[j] else t2) if b1[j] else (t1 if b0[j] else t0)
+        for k in range(nbytes - nbytes % 32, nbytes):
             x0 = c0[k]
             x1 = c1[k]
             for b in range(8):
