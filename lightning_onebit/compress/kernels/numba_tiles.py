@@ -103,9 +103,12 @@ def minmax_add(a, xs, ss, mn, mx, probe):
     """Fold the min, max and finiteness probe of v over xs, ss into the lanes mn, mx, probe (exact
     in any order; the probe only tells NaN from not)."""
     m = xs.size - xs.size % MM_LANES
-    for k in range(0, m, MM_LANES):
+    for c in range(m // MM_LANES):
+        o = c * MM_LANES
+        ahead(ss, o)
+        xc, sc = xs[o:o + MM_LANES], ss[o:o + MM_LANES]
         for j in range(MM_LANES):
-            v = xs[k + j] + a * ss[k + j]
+            v = xc[j] + a * sc[j]
             mn[j] = v if v < mn[j] else mn[j]
             mx[j] = v if v > mx[j] else mx[j]
             probe[j] += v * np.float32(0.0)  # NaN iff some v is NaN or inf
@@ -120,9 +123,12 @@ def minmax_add(a, xs, ss, mn, mx, probe):
 def minmax_add_plain(xs, mn, mx, probe):
     """:func:`minmax_add` of v = xs (no state; a loop of its own, see :func:`lanes_add_plain`)."""
     m = xs.size - xs.size % MM_LANES
-    for k in range(0, m, MM_LANES):
+    for c in range(m // MM_LANES):
+        o = c * MM_LANES
+        ahead(xs, o)
+        xc = xs[o:o + MM_LANES]
         for j in range(MM_LANES):
-            v = xs[k + j]
+            v = xc[j]
             mn[j] = v if v < mn[j] else mn[j]
             mx[j] = v if v > mx[j] else mx[j]
             probe[j] += v * np.float32(0.0)
@@ -391,8 +397,11 @@ def mean_run(kind, mc, ms, j, p, q, out, lut):
             k += 1
         return
     n = q - p
-    acc = np.zeros(n, np.float64)
     o = out[:n]
+    if nw == 1:  # fp32 -> fp64 -> / 1 -> fp32 is exact: the row itself
+        decode_run(kind, mc[0], ms[0], j, p, q, o)
+        return
+    acc = np.zeros(n, np.float64)
     for w in range(nw):
         decode_run(kind, mc[w], ms[w], j, p, q, o)
         for i in range(n):
