@@ -219,3 +219,43 @@ def test_state_dict_between_a_deferred_sync_and_the_update(fresh_process_group):
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
     ref_m = [v["exp_avg"] for v in ref_opt.state_dict()["state"].values()]
     assert all(torch.equal(a, b) for a, b in zip(seen, ref_m, strict=True))
+
+
+def _pairs(shapes, seed):
+    """The same values twice: contiguous (the numba kernels) and as transposed views (the torch ops)."""
+    g = torch.Generator().manual_seed(seed)
+    fast = [torch.randn(s, generator=g) for s in shapes]
+    slow = [t.t().contiguous().t() for t in fast]  # equal values, not contiguous
+    assert not any(t.is_contiguous() for t in slow)
+    return fast, slow
+
+
+@pytest.mark.parametrize("fn", ["local_adam_step_", "lamb_moments_", "scaled_step_", "shift_in_"])
+def test_functional_kernels_have_the_bits_of_their_torch_ops(fn, numba_path):
+    from lightning_onebit.optim import functional as F
+
+    shapes = [(300, 70), (40, 3), (2, 17000)]
+    sets = [_pairs(shapes, k) for k in range(6)]
+    fast, slow = [s[0] for s in sets], [s[1] for s in sets]
+    for ts in (fast[3], slow[3]):  # denominators: positive
+        for t in ts:
+            t.abs_().add_(0.1)
+    sizes = [1e-2, 3e-3, 5e-4]
+    outs = []
+    for p, g, m, d, u, f in (fast, slow):
+        if fn == "local_adam_step_":
+            mask = [None, torch.arange(120).reshape(40, 3) % 7 == 0, None]
+            F.local_adam_step_(p, [g[0], None, g[2]], m, u, d, mask, sizes, beta1=0.9, lr=1e-3, weight_decay=0.1)
+            outs.append(p + m + u)
+        elif fn == "lamb_moments_":
+            f = [t.abs() for t in f]
+            mx = F.lamb_moments_(m, g, f, d, u, [0.5, 0.25, 0.125], beta1=0.9, beta2=0.999, eps=1e-8,
+                                 eps_inside_sqrt=True)
+            outs.append(f + u + [mx])
+        elif fn == "scaled_step_":
+            F.scaled_step_(p, u, sizes, [0.99, 1.0, 0.5])
+            outs.append(p)
+        else:
+            F.shift_in_(p, m, u, [0.5, 3.0, 1.7])
+            outs.append(p + m)
+    assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))

@@ -24,7 +24,7 @@ from ..compress.kernels.numba_intrinsics import fma32
 from ..compress.kernels.numba_tiles import ahead
 from ..compress.kernels.threads import parallel_and_serial, parallel_kernel
 
-__all__ = ["decoupled_update_", "local_adam_step_"]
+__all__ = ["decoupled_update_", "lamb_moments_", "local_adam_step_", "scaled_step_", "shift_in_"]
 
 _CHUNK = 1 << 14  # elements per parallel work item
 
@@ -191,3 +191,140 @@ def _local_fused(params, grads, exp_avgs, update_sums, denoms, masks, sizes, w, 
         _local_adam(p.numel(), _np(p), _np(m), _np(u), _EMPTY_F32 if g is None else _np(g), _np(d),
                     _EMPTY_BOOL if mk is None else mk.reshape(-1).numpy(), w, np.float32(s), decay,
                     np.float32(-s), g is not None, mk is not None, move_params)
+
+
+@parallel_and_serial
+def _lamb_stats(m, prev, fresh, d, prelim, beta1, c, b2, eps, inside, inv_bc, maxima, chunk):
+    """fresh = fresh * b2 + c w^2 with w = m - beta1 prev; prelim = (m / d) * inv_bc; the maximum of
+    d / d_fresh per chunk of ``chunk`` elements into ``maxima`` (exact in any order; NaN kept)."""
+    nb = -beta1
+    for t in prange((m.size + chunk - 1) // chunk):
+        lo = t * chunk
+        hi = min(lo + chunk, m.size)
+        mx = np.float32(-np.inf)
+        for o in range(lo, hi, _CH):
+            e = min(o + _CH, hi)
+            mc, pc, fc, dc, uc = m[o:e], prev[o:e], fresh[o:e], d[o:e], prelim[o:e]
+            ahead(m, o)
+            ahead(prev, o)
+            ahead(fresh, o)
+            ahead(d, o)
+            for j in range(e - o):
+                w = fma32(nb, pc[j], mc[j])  # torch.sub(m, prev, alpha=beta1)
+                f = fma32(c * w, w, fc[j] * b2)  # fresh.mul_(b2).addcmul_(w, w, value=c)
+                fc[j] = f
+                df = np.sqrt(f + eps) if inside else np.sqrt(f) + eps
+                r = dc[j] / df
+                mx = r if (r > mx or r != r or mx != mx) else mx
+                uc[j] = (mc[j] / dc[j]) * inv_bc
+        maxima[t] = mx
+
+
+@torch.no_grad()
+def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor], fresh: Sequence[torch.Tensor],
+                  denoms: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], bias_corrections: Sequence[float],
+                  *, beta1: float, beta2: float, eps: float, eps_inside_sqrt: bool) -> torch.Tensor:
+    r"""1-bit LAMB's elementwise half of a compressed step, per tensor, in place:
+
+    .. math::
+       w = m - \beta_1 m_{prev},\quad
+       v^{fresh} \leftarrow \beta_2 v^{fresh} + \tfrac{1-\beta_2}{(1-\beta_1)^2} w^2,\quad
+       u = \frac{m}{d} \cdot \frac{1}{1-\beta_1^t}
+
+    (``updates`` receives u), returning each tensor's :math:`\max d / d^{fresh}` (one tensor, on the
+    tensors' device: no host sync) with
+    :math:`d^{fresh} = \sqrt{v^{fresh} + \epsilon}` (or :math:`\sqrt{v^{fresh}} + \epsilon`). The bits of
+    ``torch.sub(m, prev, alpha=beta1)``, ``fresh.mul_(beta2).addcmul_(w, w, value=...)``, the
+    divisions and ``torch.segment_reduce(..., "max")``; one pass on the CPU instead of eight."""
+    c = (1 - beta2) / (1 - beta1) ** 2
+    tensors = [*exp_avgs, *prevs, *fresh, *denoms, *updates]
+    if not _fusable(*tensors):
+        out = []
+        for m, p, f, d, u, bc in zip(exp_avgs, prevs, fresh, denoms, updates, bias_corrections, strict=True):
+            w = torch.sub(m, p, alpha=beta1)
+            f.mul_(beta2).addcmul_(w, w, value=c)
+            df = (f + eps).sqrt_() if eps_inside_sqrt else f.sqrt().add_(eps)
+            out.append((d / df).max())
+            torch.div(m, d, out=u).mul_(1 / bc)
+        return torch.stack(out)
+    return _lamb_fused(exp_avgs, prevs, fresh, denoms, updates, bias_corrections, beta1, c, beta2, eps,
+                       eps_inside_sqrt)
+
+
+@parallel_kernel
+def _lamb_fused(ms, ps, fs, ds, us, bcs, beta1, c, beta2, eps, inside) -> torch.Tensor:
+    f32, out = np.float32, []
+    for m, p, f, d, u, bc in zip(ms, ps, fs, ds, us, bcs, strict=True):
+        maxima = np.empty((m.numel() + _CHUNK - 1) // _CHUNK, np.float32)
+        _lamb_stats(m.numel(), _np(m), _np(p), _np(f), _np(d), _np(u), f32(beta1), f32(c), f32(beta2), f32(eps),
+                    inside, f32(1 / bc), maxima, _CHUNK)
+        out.append(torch.from_numpy(maxima).max())  # a NaN anywhere stays NaN, as in torch
+    return torch.stack(out)
+
+
+@torch.no_grad()
+def scaled_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], steps: Sequence[float],
+                 decays: Sequence[float]) -> None:
+    r""":math:`\theta \leftarrow \theta \cdot \text{decay} - s\, u` per tensor (LAMB's last line): the bits
+    of ``p.mul_(decay)`` (skipped at 1) and ``p.add_(u, alpha=-s)``, in one pass on the CPU."""
+    if not _fusable(*params, *updates):
+        for p, u, s, dc in zip(params, updates, steps, decays, strict=True):
+            if dc != 1.0:
+                p.mul_(dc)
+            p.add_(u.to(p.dtype), alpha=-s)
+        return
+    _scaled_fused(params, updates, steps, decays)
+
+
+@parallel_and_serial
+def _scaled(p, u, neg_s, decay):
+    for t in prange((p.size + _CHUNK - 1) // _CHUNK):
+        lo = t * _CHUNK
+        hi = min(lo + _CHUNK, p.size)
+        for o in range(lo, hi, _CH):
+            e = min(o + _CH, hi)
+            pc, uc = p[o:e], u[o:e]
+            ahead(p, o)
+            ahead(u, o)
+            for j in range(e - o):
+                pc[j] = fma32(neg_s, uc[j], pc[j] * decay)
+
+
+@parallel_kernel
+def _scaled_fused(params, updates, steps, decays) -> None:
+    for p, u, s, dc in zip(params, updates, steps, decays, strict=True):
+        _scaled(p.numel(), _np(p), _np(u), np.float32(-s), np.float32(dc))
+
+
+@parallel_and_serial
+def _shift_in(prev, m, new, div):
+    for t in prange((m.size + _CHUNK - 1) // _CHUNK):
+        lo = t * _CHUNK
+        hi = min(lo + _CHUNK, m.size)
+        for o in range(lo, hi, _CH):
+            e = min(o + _CH, hi)
+            pc, mc, nc = prev[o:e], m[o:e], new[o:e]
+            ahead(m, o)
+            ahead(new, o)
+            for j in range(e - o):
+                pc[j] = mc[j]
+                mc[j] = nc[j] / div
+
+
+@torch.no_grad()
+def shift_in_(prevs: Sequence[torch.Tensor], states: Sequence[torch.Tensor], new: Sequence[torch.Tensor],
+              divisors: Sequence[float]) -> None:
+    """``prev <- state; state <- new / divisor`` per tensor (the bits of ``copy_`` and ``torch._foreach_div_``),
+    one pass on the CPU instead of three."""
+    if not _fusable(*prevs, *states, *new):
+        for p, s, n, dv in zip(prevs, states, new, divisors, strict=True):
+            p.copy_(s)
+            torch.div(n, dv, out=s)
+        return
+    _shift_in_fused(prevs, states, new, divisors)
+
+
+@parallel_kernel
+def _shift_in_fused(prevs, states, new, divisors) -> None:
+    for p, s, n, dv in zip(prevs, states, new, divisors, strict=True):
+        _shift_in(s.numel(), _np(p), _np(s), _np(n), np.float32(dv))

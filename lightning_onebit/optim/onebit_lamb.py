@@ -10,6 +10,7 @@ from ..compress import flat_buffer
 from ..compress.source import Source
 from .base import CompressedOptimizer, _is_lamb
 from .buckets import Bucket
+from .functional import lamb_moments_, scaled_step_, shift_in_
 from .onebit_adam import OnebitAdam, _bias_correction
 
 __all__ = ["OnebitLamb"]
@@ -168,20 +169,17 @@ class OnebitLamb(OnebitAdam):
 
     def _absorb(self, b: Bucket, synced: torch.Tensor) -> None:
         m = b.flat["exp_avg"]
-        b.flat["exp_avg_prev"].copy_(m)
-        m.copy_(synced)
-        torch._foreach_div_(b.views(m), self._scaling(b))
+        shift_in_(b.views(b.flat["exp_avg_prev"]), b.views(m), b.views(synced), self._scaling(b))
         super()._absorb(b, m)
 
     def _activate(self, b: Bucket, pos: torch.Tensor, g: torch.Tensor, v: torch.Tensor, beta1: float) -> None:
         super()._activate(b, pos, g, v, beta1)
         b.flat["exp_avg_sq_fresh"][pos] = g * g  # the fresh variance starts at the new v_hat too
 
-    def _scratch(self, b: Bucket) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two bucket-sized work buffers, reused every step (fresh ones cost page faults)."""
+    def _scratch(self, b: Bucket) -> torch.Tensor:
+        """A bucket-sized work buffer for the update u, reused every step (a fresh one costs page faults)."""
         if "scratch" not in b.cache:
-            b.cache["scratch"] = tuple(flat_buffer(b.numel, device=b.device, zero=False) for _ in range(2))
-            b.cache["lengths"] = torch.tensor(b.numels, device=b.device)
+            b.cache["scratch"] = flat_buffer(b.numel, device=b.device, zero=False)
         return b.cache["scratch"]
 
     def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
@@ -189,22 +187,13 @@ class OnebitLamb(OnebitAdam):
         eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
         m = b.flat["exp_avg"]
         fresh, prev = b.flat["exp_avg_sq_fresh"], b.flat["exp_avg_prev"]
-        work, prelim = self._scratch(b)
-        # fresh variance of the rebuilt gradient g = (m - beta1 m_prev) / (1 - beta1)
-        torch.sub(m, prev, alpha=beta1, out=work)
-        fresh.mul_(beta2).addcmul_(work, work, value=(1 - beta2) / (1 - beta1) ** 2)
+        prelim = self._scratch(b)
         denom = self._denominator(b, group)  # v is frozen: computed once per switch
-        if group["eps_inside_sqrt"]:
-            torch.add(fresh, eps, out=work).sqrt_()
-        else:
-            torch.sqrt(fresh, out=work).add_(eps)
-        ratio = torch.div(denom, work, out=work)
-        torch.div(m, denom, out=prelim)
-        steps = self._steps(b)
-        if len(set(steps)) == 1:
-            prelim.mul_(1 / _bias_correction(beta1, steps[0]))
-        else:
-            torch._foreach_mul_(b.views(prelim), [1 / _bias_correction(beta1, t) for t in steps])
+        # the fresh variance of the rebuilt gradient (m - beta1 m_prev) / (1 - beta1), u = m_hat / d and
+        # each layer's max d / d_fresh, in one pass
+        maxima = lamb_moments_(b.views(m), b.views(prev), b.views(fresh), b.views(denom), b.views(prelim),
+                               [_bias_correction(beta1, t) for t in self._steps(b)], beta1=beta1, beta2=beta2,
+                               eps=eps, eps_inside_sqrt=group["eps_inside_sqrt"])
         idx = self._mask(b)
         if idx is not None:
             prelim.index_fill_(0, idx, 0.0)
@@ -215,13 +204,14 @@ class OnebitLamb(OnebitAdam):
         ups, ps = b.views(prelim), [b.params[i].detach() for i in keep]
         us = [ups[i].reshape(-1) for i in keep]
         pf = [p.reshape(-1).float() for p in ps]
-        stats = [torch.segment_reduce(ratio, "max", lengths=b.cache["lengths"])[keep]]
+        stats = [maxima[keep]]
         if wd:
             stats += [torch.stack([u.dot(u) for u in us]), torch.stack([u.dot(q) for u, q in zip(us, pf, strict=True)]),
                       torch.stack([q.dot(q) for q in pf])]
         rows = torch.stack(stats).tolist()
+        steps, decays = [], []
         for j, i in enumerate(keep):
-            p, st = b.params[i], self.state[b.params[i]]
+            st = self.state[b.params[i]]
             factor = rows[0][j]
             if wd:
                 uu, up, pp = rows[1][j], rows[2][j], rows[3][j]
@@ -232,8 +222,7 @@ class OnebitLamb(OnebitAdam):
             last = st["last_factor"]
             factor = min(max(factor, last * (1 - group["factor_threshold"])), last * (1 + group["factor_threshold"]))
             st["last_factor"] = factor
-            step = lr * st["lamb_coeff_freeze"] * factor
-            with torch.no_grad():  # p <- p - step (u + wd p)
-                if wd:
-                    p.mul_(1 - step * wd)
-                p.add_(ups[i].to(p.dtype), alpha=-step)
+            steps.append(lr * st["lamb_coeff_freeze"] * factor)
+            decays.append(1 - steps[-1] * wd if wd else 1.0)
+        # p <- p - step (u + wd p): p * (1 - step wd) - step u
+        scaled_step_([b.params[i].detach() for i in keep], [ups[i] for i in keep], steps, decays)
