@@ -198,10 +198,12 @@ def _lamb_stats(m, prev, fresh, d, prelim, beta1, c, b2, eps, inside, inv_bc, ma
     """fresh = fresh * b2 + c w^2 with w = m - beta1 prev; prelim = (m / d) * inv_bc; the maximum of
     d / d_fresh per chunk of ``chunk`` elements into ``maxima`` (exact in any order; NaN kept)."""
     nb = -beta1
+    zero = np.float32(0.0)
     for t in prange((m.size + chunk - 1) // chunk):
         lo = t * chunk
         hi = min(lo + chunk, m.size)
-        mx = np.float32(-np.inf)
+        lanes = np.full(_CH, -np.inf, np.float32)  # a max per lane vectorises, one running max does not
+        nans = np.zeros(_CH, np.float32)  # ratios that are NaN, which a max would drop
         for o in range(lo, hi, _CH):
             e = min(o + _CH, hi)
             mc, pc, fc, dc, uc = m[o:e], prev[o:e], fresh[o:e], d[o:e], prelim[o:e]
@@ -215,9 +217,11 @@ def _lamb_stats(m, prev, fresh, d, prelim, beta1, c, b2, eps, inside, inv_bc, ma
                 fc[j] = f
                 df = np.sqrt(f + eps) if inside else np.sqrt(f) + eps
                 r = dc[j] / df
-                mx = r if (r > mx or r != r or mx != mx) else mx
+                lanes[j] = r if r > lanes[j] else lanes[j]
+                nans[j] += np.float32(1.0) if r != r else zero
                 uc[j] = (mc[j] / dc[j]) * inv_bc
-        maxima[t] = mx
+        mx = lanes.max()
+        maxima[t] = mx if nans.sum() == 0 else np.float32(np.nan)
 
 
 @torch.no_grad()
