@@ -2,90 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
-from ..comm import all_finite
 from ..comm.dense import mean_allreduce_future
-from ..compress import Codec, SignCodec, Source, flat_buffer
-from ..compress.source import Sink
-from .base import CompressedOptimizer, NonFiniteGradientError, check_hyperparameters
+from ..compress import Codec, SignCodec, flat_buffer
+from .base import CompressedOptimizer, check_hyperparameters
 from .buckets import Bucket
-from .functional import decoupled_update_, local_adam_step_
+from .local_steps import LocalSteps
 from .onebit_adam import _bias_correction
-
-log = logging.getLogger(__name__)
+from .zero_one_schedule import STEP_KINDS, ZeroOneSchedule, check_steps
 
 __all__ = ["ZeroOneAdam", "ZeroOneSchedule"]
 
-#: kinds of step: the variance is refreshed (fp32 gradient mean), the gradient is synchronised
-#: 1-bit, a local step that sends nothing, a local step that ends with a 1-bit synchronisation
-STEP_KINDS = ("refresh", "onebit", "local", "sync")
 
-
-def _check_steps(name: str, value: object, *, fraction: bool) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    ok = ok or (fraction and isinstance(value, float) and 0.0 < value < 1.0)
-    if not ok:
-        also = " or a float in (0, 1) (a fraction of the run)" if fraction else ""
-        raise ValueError(f"{name} must be an int >= 1{also}, got {value!r}")
-
-
-@dataclass
-class ZeroOneSchedule:
-    """Which steps refresh the variance and which synchronise, DeepSpeed's rules counted from step 1.
-
-    Up to ``var_freeze_step`` (phase A) step ``t`` refreshes the variance if ``t % var_interval == 0``
-    and synchronises a 1-bit gradient otherwise; every ``var_update_scaler`` refreshes the interval
-    doubles. After it (phase B) the variance is frozen and step ``t`` ends with a 1-bit
-    synchronisation if ``t % local_interval == 0`` and is a local step otherwise; every
-    ``local_step_scaler`` phase-B steps the interval doubles, up to ``local_step_clipper`` (H).
-    """
-
-    var_freeze_step: int
-    var_update_scaler: int
-    local_step_scaler: int
-    local_step_clipper: int
-    var_interval: int = 1
-    var_counter: int = 0
-    local_interval: int = 1
-    local_counter: int = 0
-
-    def kind(self, t: int) -> str:
-        """The kind of step ``t`` (1-based), given the steps before it were taken."""
-        if t <= self.var_freeze_step:
-            return "refresh" if t % self.var_interval == 0 else "onebit"
-        return "sync" if t % self.local_interval == 0 else "local"
-
-    def advance(self, t: int) -> None:
-        """Step ``t`` was taken."""
-        if t <= self.var_freeze_step:
-            if t % self.var_interval == 0:
-                self.var_counter += 1
-                if self.var_counter == self.var_update_scaler:
-                    self.var_counter, self.var_interval = 0, 2 * self.var_interval
-        else:
-            self.local_counter += 1
-            if self.local_counter == self.local_step_scaler:
-                self.local_counter = 0
-                self.local_interval = min(self.local_step_clipper, 2 * self.local_interval)
-
-    def kinds(self, steps: int) -> list[str]:
-        """The kinds of steps 1..``steps`` from this state (the state is not changed)."""
-        s, out = dataclasses.replace(self), []
-        for t in range(1, steps + 1):
-            out.append(s.kind(t))
-            s.advance(t)
-        return out
-
-
-class ZeroOneAdam(CompressedOptimizer):
+class ZeroOneAdam(LocalSteps, CompressedOptimizer):
     r"""0/1 Adam: the variance refreshed on a thinning schedule, then frozen, with local steps.
 
     .. math::
@@ -173,10 +107,10 @@ class ZeroOneAdam(CompressedOptimizer):
                  eps_inside_sqrt: bool = True, block_size: int | None = None, bucket_cap_mb: float = 25.0,
                  group=None, simulate_workers: int | None = None) -> None:
         check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        _check_steps("var_freeze_step", var_freeze_step, fraction=True)
-        _check_steps("var_update_scaler", var_update_scaler, fraction=False)
-        _check_steps("local_step_scaler", local_step_scaler, fraction=True)
-        _check_steps("local_step_clipper", local_step_clipper, fraction=False)
+        check_steps("var_freeze_step", var_freeze_step, fraction=True)
+        check_steps("var_update_scaler", var_update_scaler, fraction=False)
+        check_steps("local_step_scaler", local_step_scaler, fraction=True)
+        check_steps("local_step_clipper", local_step_clipper, fraction=False)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         eps_inside_sqrt=eps_inside_sqrt, block_size=block_size)
         self.block_size = block_size
@@ -326,234 +260,6 @@ class ZeroOneAdam(CompressedOptimizer):
             fut.set_result(bucket.buffer())
             return fut
         return super().ddp_bucket_ready(bucket)
-
-    # -- phase B: local steps and synchronisations -------------------------------------------
-    def _enter_local(self, buckets: list[Bucket]) -> None:
-        """At the freeze (or a resume after it): the anchor and u of every bucket; at the freeze
-        itself also a fresh error state, because the collective now carries momenta, not gradients."""
-        for b in buckets:
-            if "anchor" in b.flat:
-                continue
-            loaded = all(name in self.state[p] for p in b.params for name in self.local_state)
-            for name in self.local_state:
-                b.flat[name] = flat_buffer(b.numel, device=b.device)
-            self._adopt_state(b)  # copies the loaded values, if any
-            if not loaded:
-                with torch.no_grad():
-                    for p, view in zip(b.params, b.views(b.flat["anchor"]), strict=True):
-                        view.copy_(p)
-            self._acc.setdefault(b.index, [[0.0] * len(b.params), 1.0])
-        if not self._local:
-            masked = 0
-            for b in buckets:
-                self._comm_for(b).reset_state()
-                masked += 0 if (mask := self._mask(b)) is None else int(mask.sum())
-            self._local = True
-            if masked and (not dist.is_initialized() or dist.get_rank() == 0):
-                log.warning(f"ZeroOneAdam: the variance froze at step {self._step} with {masked} coordinates that "
-                            "never had a gradient at a refresh; they stay where they are (a later var_freeze_step "
-                            "trains them)")
-        n = self.simulate_workers or 1
-        if self._bad is None:
-            self._bad = torch.zeros(n, dtype=torch.int64, device=buckets[0].device if buckets else "cpu")
-        if self.simulate_workers is not None and not self._replicas:
-            self._replicas = [{b.index: {"param": torch.cat([p.detach().reshape(-1) for p in b.params]),
-                                         "exp_avg": b.flat["exp_avg"].clone(),
-                                         "update_sum": b.flat["update_sum"].clone()} for b in buckets}
-                              for _ in range(n - 1)]
-
-    def _worker_state(self, b: Bucket, w: int) -> tuple[Sequence[torch.Tensor], torch.Tensor, torch.Tensor]:
-        """(parameters, m, u) of worker ``w``: this rank's own, or a simulated worker's replica."""
-        if w == 0:
-            return b.params, b.flat["exp_avg"], b.flat["update_sum"]
-        r = self._replicas[w - 1][b.index]
-        return b.views(r["param"]), r["exp_avg"], r["update_sum"]
-
-    def _local_step(self, buckets: list[Bucket], worker_grads) -> None:
-        self._enter_local(buckets)
-        # the gradients of every worker first, where they are: a NaN/inf anywhere in a worker's drops all
-        # of its step (it takes zero gradients)
-        n = self.simulate_workers or 1
-        grads = [[[p.grad for p in b.params] if worker_grads is None else [worker_grads[w][i] for i in b.ids]
-                  for w in range(n)] for b in buckets]
-        if any(g is not None and g.is_sparse for ws in grads for gs in ws for g in gs):
-            raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-        finite = [[all_finite(g) for ws in grads for g in ws[w] if g is not None] for w in range(n)]
-        dev = buckets[0].device if buckets else "cpu"
-        bad = torch.stack([~torch.stack(f).all() if f else torch.zeros((), dtype=torch.bool, device=dev)
-                           for f in finite])
-        self._bad += bad
-        # on a GPU without a host sync (the counts are read at the next synchronisation); on the
-        # CPU reading the flag is free and spares a pass over the gradients
-        if bad.device.type != "cpu" or bool(bad.any()):
-            keep = (~bad).tolist() if bad.device.type == "cpu" else None
-            for ws in grads:
-                for w, gs in enumerate(ws):
-                    if keep is None:  # zero where bad, without reading the flag
-                        gs[:] = [None if g is None else g * (~bad[w]).to(g.dtype) for g in gs]
-                    elif not keep[w]:
-                        gs[:] = [None] * len(gs)
-        self._step += 1
-        sync = self._kind == "sync"
-        for b, ws in zip(buckets, grads, strict=True):
-            group = self.param_groups[b.group_index]
-            for p in b.params:  # every parameter steps (a missing gradient is zero): counts stay equal on all ranks
-                self.state[p]["step"] = self.state[p].get("step", 0) + 1
-            sizes = self._step_sizes(b, group["lr"], group["betas"][0])
-            acc = self._acc[b.index]
-            acc[0] = [a + s for a, s in zip(acc[0], sizes, strict=True)]
-            acc[1] *= 1 - group["lr"] * group["weight_decay"]
-            mask = self._mask(b)
-            d = self._denominator(b, group)
-            for w, gs in enumerate(ws):
-                params, m, u = self._worker_state(b, w)
-                # a synchronising step rebuilds the parameters from the anchor: moving them first is wasted
-                local_adam_step_(params, gs, b.views(m), b.views(u), b.views(d),
-                                 None if mask is None else b.views(mask), sizes, beta1=group["betas"][0],
-                                 lr=group["lr"], weight_decay=group["weight_decay"], move_params=not sync)
-            b.done, b.ready, b.pending = False, 0, []
-        self._since_sync += 1
-        if sync:
-            try:
-                self._synchronise_local(buckets)
-            except BaseException:
-                self._move_unsynced(buckets)  # the model a raising synchronisation leaves: after the local step
-                raise
-        self.comm_counter.end_step()
-        self.intra_node_counter.end_step()
-
-    def _move_unsynced(self, buckets: list[Bucket]) -> None:
-        """The parameter half of this step's local update, for the buckets that were not synchronised."""
-        for b in buckets:
-            if b.cache.pop("synced", False):
-                continue
-            group = self.param_groups[b.group_index]
-            sizes = self._step_sizes(b, group["lr"], group["betas"][0])
-            for w in range(self.simulate_workers or 1):
-                params, m, _ = self._worker_state(b, w)
-                decoupled_update_(params, b.views(m), b.views(self._denominator(b, group)), sizes, lr=group["lr"],
-                                  weight_decay=group["weight_decay"])
-
-    def _synchronise_local(self, buckets: list[Bucket]) -> None:
-        """The 1-bit synchronisation that ends a local interval: every rank gets the same momentum and
-        rebuilds the same model from the anchor."""
-        counts = self._bad.tolist()  # the one host read of the dropped-gradient counts per interval
-        self.dropped_gradients += sum(counts)
-        bad = [c > 0 for c in counts]
-        for i, b in enumerate(buckets):
-            group = self.param_groups[b.group_index]
-            sums, decay = self._acc[b.index]
-            comm = self._comm_for(b)
-            mask = self._mask(b)
-            if mask is not None and "mask_idx" not in b.cache:
-                b.cache["mask_idx"] = mask.nonzero().view(-1)
-            idx = None if mask is None else b.cache["mask_idx"]
-            payloads = []
-            for w in range(self.simulate_workers or 1):
-                _, _, u = self._worker_state(b, w)
-                if w == 0:
-                    if b.payload is None:
-                        b.payload = flat_buffer(b.numel, device=b.device, zero=False)
-                    out = b.payload
-                else:
-                    out = b.worker_buffers("payload", self.simulate_workers)[w]
-                # the lr-weighted mean momentum of the interval, read by the codec where it is
-                payloads.append(Source.quotient(u, sums, groups=b.offsets, mask=idx, masked="zero", out=out))
-            synced = b.synced
-            defer = {"defer": True} if hasattr(comm, "decode_pending") else {}
-            try:
-                if self.simulate_workers is not None:
-                    comm.allreduce_into(payloads, synced, flags=bad, **defer)
-                else:
-                    with self._collective("compressed allreduce (local-step synchronisation)", b):
-                        comm(payloads[0], out=synced, flag=bad[0], **defer)
-            except ValueError as exc:
-                if "not finite" in str(exc):
-                    raise NonFiniteGradientError(f"ZeroOneAdam: {exc}. Lower the learning rate or clip gradients.") \
-                        from exc
-                raise
-            if i == 0 and comm.any_flag:
-                self._report_dropped()  # a raise leaves the deferred result undecoded: nothing changed yet
-            m, anchor = b.flat["exp_avg"], b.flat["anchor"]
-            d = self._denominator(b, group)
-            if getattr(comm, "pending", False):
-                # m <- the synced momentum and the anchor's update in one pass
-                comm.decode_pending(Sink(numel=b.numel, groups=b.offsets, targets=b.views(anchor), denom=d,
-                                         values=[-s for s in sums], decay=decay, mask=idx), out=m)
-            else:
-                m.copy_(synced)
-                if mask is not None:
-                    m.masked_fill_(mask, 0.0)
-                anchor.mul_(decay)
-                if len(set(sums)) == 1:
-                    anchor.addcdiv_(m, d, value=-sums[0])
-                else:
-                    for av, mv, dv, s in zip(b.views(anchor), b.views(m), b.views(d), sums, strict=True):
-                        av.addcdiv_(mv, dv, value=-s)
-            with torch.no_grad():
-                for w in range(self.simulate_workers or 1):
-                    params, wm, u = self._worker_state(b, w)
-                    for p, view in zip(params, b.views(anchor), strict=True):
-                        p.copy_(view)
-                    if wm is not m:
-                        wm.copy_(m)
-                    u.zero_()
-            b.cache["synced"] = True
-            self._acc[b.index] = [[0.0] * len(b.params), 1.0]
-        for b in buckets:
-            b.cache.pop("synced", None)
-        self._bad.zero_()
-        self._since_sync = 0
-
-    def _report_dropped(self) -> None:
-        msg = (f"ZeroOneAdam: a rank dropped a NaN/inf gradient in a local step before optimizer step {self._step} "
-               f"({self.dropped_gradients} dropped on this rank so far)")
-        if self.on_nonfinite == "raise":
-            raise NonFiniteGradientError(msg + "; every rank stops here, before this synchronisation changes the "
-                                         "model (set_nonfinite_policy('skip') goes on without those gradients)")
-        log.warning(msg + "; the step went on without it")
-
-    @staticmethod
-    def _per_param(b: Bucket, op, x: torch.Tensor, values: list[float], out: torch.Tensor) -> None:
-        if len(set(values)) == 1:
-            op(x, values[0], out=out)
-        else:
-            for xv, ov, v in zip(b.views(x), b.views(out), values, strict=True):
-                op(xv, v, out=ov)
-
-    # -- replicas --------------------------------------------------------------------------
-    def sync_replicas(self) -> bool:
-        """Synchronise the local steps since the last round now (one 1-bit round, counted in
-        ``flushes``); the schedule goes on as before. Nothing to do outside phase B or right after
-        a synchronisation. Collective."""
-        if not self._local or self._since_sync == 0:
-            return False
-        self._synchronise_local(self._build_buckets())
-        self.flushes += 1
-        self.comm_counter.end_round()
-        self.intra_node_counter.end_round()
-        return True
-
-    def worker_parameters(self, worker: int) -> contextlib.AbstractContextManager:
-        super().worker_parameters(worker)  # validates
-        return self._swapped_in(worker)
-
-    @contextlib.contextmanager
-    def _swapped_in(self, worker: int) -> Iterator[None]:
-        if worker == 0 or not self._replicas:
-            yield
-            return
-        own = [(p, p.detach().clone()) for b in self._buckets for p in b.params]
-        with torch.no_grad():
-            for b in self._buckets:
-                for p, view in zip(b.params, self._worker_state(b, worker)[0], strict=True):
-                    p.copy_(view)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, saved in own:
-                    p.copy_(saved)
 
     # -- checkpoints -----------------------------------------------------------------------
     def _extra_state(self) -> dict:

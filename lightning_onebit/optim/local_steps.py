@@ -1,0 +1,254 @@
+"""0/1 Adam's phase B: local steps that send nothing, and the 1-bit synchronisation that ends an interval.
+
+:class:`LocalSteps` is a mixin of :class:`~lightning_onebit.optim.ZeroOneAdam` (whose docstring has
+the update rules): each rank trains its own replica on its own gradients, accumulating the
+lr-weighted momentum ``u``; a synchronisation sends ``u / sum(s)`` through the 1-bit collective and
+every rank rebuilds the same model from the anchor (the model of the last synchronisation). A
+simulated cluster keeps a replica, a momentum and ``u`` per worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..comm import all_finite
+from ..compress import Source, flat_buffer
+from ..compress.source import Sink
+from .base import NonFiniteGradientError
+from .buckets import Bucket
+from .functional import decoupled_update_, local_adam_step_
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LocalSteps"]
+
+
+class LocalSteps:
+    """Mixin: the local steps, synchronisations and replicas of phase B (see the module docstring).
+    Expects :class:`~lightning_onebit.optim.ZeroOneAdam`'s state (``_acc``, ``_bad``, ``_local``,
+    ``_replicas``, ``_since_sync``, ``_kind``, ``local_state``) and its ``_mask``/``_denominator``."""
+
+    # -- phase B: local steps and synchronisations -------------------------------------------
+    def _enter_local(self, buckets: list[Bucket]) -> None:
+        """At the freeze (or a resume after it): the anchor and u of every bucket; at the freeze
+        itself also a fresh error state, because the collective now carries momenta, not gradients."""
+        for b in buckets:
+            if "anchor" in b.flat:
+                continue
+            loaded = all(name in self.state[p] for p in b.params for name in self.local_state)
+            for name in self.local_state:
+                b.flat[name] = flat_buffer(b.numel, device=b.device)
+            self._adopt_state(b)  # copies the loaded values, if any
+            if not loaded:
+                with torch.no_grad():
+                    for p, view in zip(b.params, b.views(b.flat["anchor"]), strict=True):
+                        view.copy_(p)
+            self._acc.setdefault(b.index, [[0.0] * len(b.params), 1.0])
+        if not self._local:
+            masked = 0
+            for b in buckets:
+                self._comm_for(b).reset_state()
+                masked += 0 if (mask := self._mask(b)) is None else int(mask.sum())
+            self._local = True
+            if masked and (not dist.is_initialized() or dist.get_rank() == 0):
+                log.warning(f"ZeroOneAdam: the variance froze at step {self._step} with {masked} coordinates that "
+                            "never had a gradient at a refresh; they stay where they are (a later var_freeze_step "
+                            "trains them)")
+        n = self.simulate_workers or 1
+        if self._bad is None:
+            self._bad = torch.zeros(n, dtype=torch.int64, device=buckets[0].device if buckets else "cpu")
+        if self.simulate_workers is not None and not self._replicas:
+            self._replicas = [{b.index: {"param": torch.cat([p.detach().reshape(-1) for p in b.params]),
+                                         "exp_avg": b.flat["exp_avg"].clone(),
+                                         "update_sum": b.flat["update_sum"].clone()} for b in buckets}
+                              for _ in range(n - 1)]
+
+    def _worker_state(self, b: Bucket, w: int) -> tuple[Sequence[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """(parameters, m, u) of worker ``w``: this rank's own, or a simulated worker's replica."""
+        if w == 0:
+            return b.params, b.flat["exp_avg"], b.flat["update_sum"]
+        r = self._replicas[w - 1][b.index]
+        return b.views(r["param"]), r["exp_avg"], r["update_sum"]
+
+    def _local_step(self, buckets: list[Bucket], worker_grads) -> None:
+        self._enter_local(buckets)
+        # the gradients of every worker first, where they are: a NaN/inf anywhere in a worker's drops all
+        # of its step (it takes zero gradients)
+        n = self.simulate_workers or 1
+        grads = [[[p.grad for p in b.params] if worker_grads is None else [worker_grads[w][i] for i in b.ids]
+                  for w in range(n)] for b in buckets]
+        if any(g is not None and g.is_sparse for ws in grads for gs in ws for g in gs):
+            raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+        finite = [[all_finite(g) for ws in grads for g in ws[w] if g is not None] for w in range(n)]
+        dev = buckets[0].device if buckets else "cpu"
+        bad = torch.stack([~torch.stack(f).all() if f else torch.zeros((), dtype=torch.bool, device=dev)
+                           for f in finite])
+        self._bad += bad
+        # on a GPU without a host sync (the counts are read at the next synchronisation); on the
+        # CPU reading the flag is free and spares a pass over the gradients
+        if bad.device.type != "cpu" or bool(bad.any()):
+            keep = (~bad).tolist() if bad.device.type == "cpu" else None
+            for ws in grads:
+                for w, gs in enumerate(ws):
+                    if keep is None:  # zero where bad, without reading the flag
+                        gs[:] = [None if g is None else g * (~bad[w]).to(g.dtype) for g in gs]
+                    elif not keep[w]:
+                        gs[:] = [None] * len(gs)
+        self._step += 1
+        sync = self._kind == "sync"
+        for b, ws in zip(buckets, grads, strict=True):
+            group = self.param_groups[b.group_index]
+            for p in b.params:  # every parameter steps (a missing gradient is zero): counts stay equal on all ranks
+                self.state[p]["step"] = self.state[p].get("step", 0) + 1
+            sizes = self._step_sizes(b, group["lr"], group["betas"][0])
+            acc = self._acc[b.index]
+            acc[0] = [a + s for a, s in zip(acc[0], sizes, strict=True)]
+            acc[1] *= 1 - group["lr"] * group["weight_decay"]
+            mask = self._mask(b)
+            d = self._denominator(b, group)
+            for w, gs in enumerate(ws):
+                params, m, u = self._worker_state(b, w)
+                # a synchronising step rebuilds the parameters from the anchor: moving them first is wasted
+                local_adam_step_(params, gs, b.views(m), b.views(u), b.views(d),
+                                 None if mask is None else b.views(mask), sizes, beta1=group["betas"][0],
+                                 lr=group["lr"], weight_decay=group["weight_decay"], move_params=not sync)
+            b.done, b.ready, b.pending = False, 0, []
+        self._since_sync += 1
+        if sync:
+            try:
+                self._synchronise_local(buckets)
+            except BaseException:
+                self._move_unsynced(buckets)  # the model a raising synchronisation leaves: after the local step
+                raise
+        self.comm_counter.end_step()
+        self.intra_node_counter.end_step()
+
+    def _move_unsynced(self, buckets: list[Bucket]) -> None:
+        """The parameter half of this step's local update, for the buckets that were not synchronised."""
+        for b in buckets:
+            if b.cache.pop("synced", False):
+                continue
+            group = self.param_groups[b.group_index]
+            sizes = self._step_sizes(b, group["lr"], group["betas"][0])
+            for w in range(self.simulate_workers or 1):
+                params, m, _ = self._worker_state(b, w)
+                decoupled_update_(params, b.views(m), b.views(self._denominator(b, group)), sizes, lr=group["lr"],
+                                  weight_decay=group["weight_decay"])
+
+    def _synchronise_local(self, buckets: list[Bucket]) -> None:
+        """The 1-bit synchronisation that ends a local interval: every rank gets the same momentum and
+        rebuilds the same model from the anchor."""
+        counts = self._bad.tolist()  # the one host read of the dropped-gradient counts per interval
+        self.dropped_gradients += sum(counts)
+        bad = [c > 0 for c in counts]
+        for i, b in enumerate(buckets):
+            group = self.param_groups[b.group_index]
+            sums, decay = self._acc[b.index]
+            comm = self._comm_for(b)
+            mask = self._mask(b)
+            if mask is not None and "mask_idx" not in b.cache:
+                b.cache["mask_idx"] = mask.nonzero().view(-1)
+            idx = None if mask is None else b.cache["mask_idx"]
+            payloads = []
+            for w in range(self.simulate_workers or 1):
+                _, _, u = self._worker_state(b, w)
+                if w == 0:
+                    if b.payload is None:
+                        b.payload = flat_buffer(b.numel, device=b.device, zero=False)
+                    out = b.payload
+                else:
+                    out = b.worker_buffers("payload", self.simulate_workers)[w]
+                # the lr-weighted mean momentum of the interval, read by the codec where it is
+                payloads.append(Source.quotient(u, sums, groups=b.offsets, mask=idx, masked="zero", out=out))
+            synced = b.synced
+            defer = {"defer": True} if hasattr(comm, "decode_pending") else {}
+            try:
+                if self.simulate_workers is not None:
+                    comm.allreduce_into(payloads, synced, flags=bad, **defer)
+                else:
+                    with self._collective("compressed allreduce (local-step synchronisation)", b):
+                        comm(payloads[0], out=synced, flag=bad[0], **defer)
+            except ValueError as exc:
+                if "not finite" in str(exc):
+                    raise NonFiniteGradientError(f"ZeroOneAdam: {exc}. Lower the learning rate or clip gradients.") \
+                        from exc
+                raise
+            if i == 0 and comm.any_flag:
+                self._report_dropped()  # a raise leaves the deferred result undecoded: nothing changed yet
+            m, anchor = b.flat["exp_avg"], b.flat["anchor"]
+            d = self._denominator(b, group)
+            if getattr(comm, "pending", False):
+                # m <- the synced momentum and the anchor's update in one pass
+                comm.decode_pending(Sink(numel=b.numel, groups=b.offsets, targets=b.views(anchor), denom=d,
+                                         values=[-s for s in sums], decay=decay, mask=idx), out=m)
+            else:
+                m.copy_(synced)
+                if mask is not None:
+                    m.masked_fill_(mask, 0.0)
+                anchor.mul_(decay)
+                if len(set(sums)) == 1:
+                    anchor.addcdiv_(m, d, value=-sums[0])
+                else:
+                    for av, mv, dv, s in zip(b.views(anchor), b.views(m), b.views(d), sums, strict=True):
+                        av.addcdiv_(mv, dv, value=-s)
+            with torch.no_grad():
+                for w in range(self.simulate_workers or 1):
+                    params, wm, u = self._worker_state(b, w)
+                    for p, view in zip(params, b.views(anchor), strict=True):
+                        p.copy_(view)
+                    if wm is not m:
+                        wm.copy_(m)
+                    u.zero_()
+            b.cache["synced"] = True
+            self._acc[b.index] = [[0.0] * len(b.params), 1.0]
+        for b in buckets:
+            b.cache.pop("synced", None)
+        self._bad.zero_()
+        self._since_sync = 0
+
+    def _report_dropped(self) -> None:
+        msg = (f"ZeroOneAdam: a rank dropped a NaN/inf gradient in a local step before optimizer step {self._step} "
+               f"({self.dropped_gradients} dropped on this rank so far)")
+        if self.on_nonfinite == "raise":
+            raise NonFiniteGradientError(msg + "; every rank stops here, before this synchronisation changes the "
+                                         "model (set_nonfinite_policy('skip') goes on without those gradients)")
+        log.warning(msg + "; the step went on without it")
+
+    # -- replicas --------------------------------------------------------------------------
+    def sync_replicas(self) -> bool:
+        """Synchronise the local steps since the last round now (one 1-bit round, counted in
+        ``flushes``); the schedule goes on as before. Nothing to do outside phase B or right after
+        a synchronisation. Collective."""
+        if not self._local or self._since_sync == 0:
+            return False
+        self._synchronise_local(self._build_buckets())
+        self.flushes += 1
+        self.comm_counter.end_round()
+        self.intra_node_counter.end_round()
+        return True
+
+    def worker_parameters(self, worker: int) -> contextlib.AbstractContextManager:
+        super().worker_parameters(worker)  # validates
+        return self._swapped_in(worker)
+
+    @contextlib.contextmanager
+    def _swapped_in(self, worker: int) -> Iterator[None]:
+        if worker == 0 or not self._replicas:
+            yield
+            return
+        own = [(p, p.detach().clone()) for b in self._buckets for p in b.params]
+        with torch.no_grad():
+            for b in self._buckets:
+                for p, view in zip(b.params, self._worker_state(b, worker)[0], strict=True):
+                    p.copy_(view)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, saved in own:
+                    p.copy_(saved)
