@@ -19,9 +19,9 @@ import torch.distributed as dist
 from ..comm import all_finite
 from ..compress import Source, flat_buffer
 from ..compress.source import Sink
-from .base import NonFiniteGradientError
 from .buckets import Bucket
 from .functional import decoupled_update_, local_adam_step_
+from .nonfinite import NonFiniteGradientError
 
 log = logging.getLogger(__name__)
 

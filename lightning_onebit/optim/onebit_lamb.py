@@ -8,8 +8,9 @@ import torch
 
 from ..compress import flat_buffer
 from ..compress.source import Source
-from .base import CompressedOptimizer, _is_lamb
+from .base import CompressedOptimizer
 from .buckets import Bucket
+from .conversion import _is_lamb
 from .functional import lamb_moments_, scaled_step_, shift_in_
 from .onebit_adam import OnebitAdam, _bias_correction
 

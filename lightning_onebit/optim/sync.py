@@ -1,0 +1,231 @@
+"""The compressed synchronisation of one bucket, the collective it runs on, and failures of the group.
+
+:class:`BucketSync` is a mixin of :class:`~lightning_onebit.optim.CompressedOptimizer`. A bucket's
+collective is made at its first compressed sync: flat (:class:`~lightning_onebit.comm.CompressedAllreduce`)
+or two-level (:class:`~lightning_onebit.comm.HierarchicalAllreduce`), or a simulated cluster. A sync
+forms the payload (a :class:`~lightning_onebit.compress.Source` the codec evaluates where it reads
+it), runs the collective, and folds the result into the state, or leaves its decode to the update
+(``decodes_in_update``: one pass decodes and updates the parameters). The optimizer never calls
+torch.distributed directly; it goes through the comm layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from ..comm import (
+    CompressedAllreduce,
+    HierarchicalAllreduce,
+    SimulatedCluster,
+    SimulatedHierarchicalCluster,
+    node_groups,
+)
+from ..compress import Codec, Source, flat_buffer
+from .buckets import Bucket
+from .nonfinite import NonFiniteGradientError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BucketSync", "CollectiveError"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the optimizer failed (another rank died, stalled past the process group's
+    timeout, or the network broke); the message names the collective, the bucket and the step."""
+
+
+def _spans_the_world(group) -> bool:
+    """``group`` holds every rank in rank order (the default group, or DDP's handle of it)."""
+    if group is None:
+        return True
+    return dist.get_process_group_ranks(group) == list(range(dist.get_world_size()))
+
+
+class BucketSync:
+    """Mixin: the collective of each bucket and its compressed synchronisation (see the module docstring)."""
+
+    def set_topology(self, *, hierarchical: bool | None = None, ranks_per_node: int | None = None) -> None:
+        """Choose the flat or the two-level collective before the first compressed step.
+
+        ``hierarchical=None`` (automatic) uses the two-level one when the default group spans several
+        nodes of several ranks each; ``ranks_per_node`` defaults to the launcher's ``LOCAL_WORLD_SIZE``
+        (ranks laid out ``node * ranks_per_node + local_rank``, as torchrun and Lightning lay them out).
+        A layout whose ranks per node do not divide the world size falls back to flat, logged."""
+        if (hierarchical, ranks_per_node) == (self.hierarchical, self.ranks_per_node):
+            return
+        if any(b.comm is not None for b in self._buckets):
+            raise RuntimeError(f"{type(self).__name__}.set_topology: the collectives exist already; call it "
+                               "before the first compressed step (or before loading a state_dict)")
+        if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node must be a positive int or None, got {ranks_per_node!r}")
+        self.hierarchical, self.ranks_per_node = hierarchical, ranks_per_node
+
+    def _groups_of_nodes(self, ranks_per_node: int) -> tuple:
+        """(node group, cross-node group) of this rank, created once (creation is collective)."""
+        if self._node_groups is None:
+            self._node_groups = node_groups(ranks_per_node)
+        return self._node_groups
+
+    def _ranks_per_node(self) -> int | None:
+        """Ranks per node when buckets use the two-level collective, else None (flat)."""
+        if self.hierarchical is False:
+            return None
+        local = self.ranks_per_node
+        if local is None and self.simulate_workers is None:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
+        n = self.world_size
+        why = None
+        if self.simulate_workers is None and not _spans_the_world(self.process_group):
+            why = "it runs on a group of every rank only (node groups are cut from the default group)"
+        elif local is None:
+            why = "the ranks per node are unknown (set_topology(ranks_per_node=...) or LOCAL_WORLD_SIZE)"
+        elif n % local:
+            why = f"{local} ranks per node do not divide the world size {n}"
+        elif self.hierarchical is None and (local == 1 or local == n):
+            return None  # one node, or one rank per node: nothing to gain
+        if why is not None:
+            if self.hierarchical:
+                log.warning(f"{type(self).__name__}: the two-level collective falls back to flat: {why}")
+            return None
+        return local
+
+    @contextlib.contextmanager
+    def _collective(self, what: str, b: Bucket | None = None) -> Iterator[None]:
+        """Name the collective, bucket and step in a failure of the process group (a rank that died
+        fails its peers' next collective at once, one that stalls after the group's timeout)."""
+        try:
+            yield
+        except (ValueError, CollectiveError):  # agreement mismatches and non-finite inputs say it already
+            raise
+        except RuntimeError as exc:
+            where = "" if b is None else f" of bucket {self._buckets.index(b)} ({b.numel} elements)"
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            raise CollectiveError(
+                f"{type(self).__name__}: the {what}{where} failed at optimizer step {self._step + 1} on rank "
+                f"{rank}: {exc}. Another rank has probably died or stalled; the process group's timeout bounds "
+                "the wait") from exc
+
+    # -- the compressed synchronisation of one bucket ------------------------------------
+    def _make_codec(self, b: Bucket) -> Codec:
+        raise NotImplementedError
+
+    def _comm_for(self, b: Bucket):
+        if b.comm is None:
+            codec = self._make_codec(b)
+            # groups: one scale never spans two parameter tensors of the bucket
+            if self.simulate_workers is not None and (local := self._ranks_per_node()) is not None:
+                b.comm = SimulatedHierarchicalCluster(codec, self.comm_mode, self.simulate_workers // local, local,
+                                                      counter=self.comm_counter,
+                                                      intra_counter=self.intra_node_counter, groups=b.offsets)
+            elif self.simulate_workers is not None:
+                b.comm = SimulatedCluster(codec, self.comm_mode, self.simulate_workers, counter=self.comm_counter,
+                                          groups=b.offsets)
+            elif (local := self._ranks_per_node()) is not None:
+                lg, cg = self._groups_of_nodes(local)
+                b.comm = HierarchicalAllreduce(codec, self.comm_mode, local_group=lg, cross_group=cg,
+                                               counter=self.comm_counter, intra_counter=self.intra_node_counter,
+                                               groups=b.offsets)
+            else:
+                # verify="always": the per-call agreement is also how every rank learns that
+                # some rank's gradient was not finite, so they all skip the step together
+                b.comm = CompressedAllreduce(codec, self.comm_mode, group=self.process_group,
+                                             counter=self.comm_counter, verify="always", groups=b.offsets)
+            b.comm.bind(b.numel, b.device)  # state exists before the first sync (see _snapshot)
+        return b.comm
+
+    #: the payload reads the gradients where they are (a Source over the parameters' ``.grad``), so the
+    #: compression phase copies no gradient into the bucket (outside DDP's hook)
+    payload_reads_grads: ClassVar[bool] = False
+
+    def _payload(self, b: Bucket, grad: torch.Tensor | Sequence[torch.Tensor | None],
+                 out: torch.Tensor) -> Source | None:
+        """The local quantity to synchronise, from the local gradient (``b.grad``-like and flat, or one
+        tensor per parameter where ``payload_reads_grads``): a :class:`~..compress.source.Source` the
+        codec evaluates where it reads it, or ``None`` after writing it (fp32) to ``out``, which also
+        serves as the buffer a Source is materialised into by a backend that cannot read it."""
+        raise NotImplementedError
+
+    def _sync_target(self, b: Bucket) -> torch.Tensor:
+        """Where the collective writes its result. The collective writes only after every rank
+        agreed the inputs are finite, so a state buffer may be the target directly (one full
+        copy per step less); a failed call leaves it untouched."""
+        return b.synced
+
+    def _absorb(self, b: Bucket, synced: torch.Tensor) -> None:
+        """Fold the synchronised quantity into the bucket's state (e.g. momentum <- synced)."""
+
+    def _flag(self, b: Bucket, grad: torch.Tensor | Sequence[torch.Tensor | None]) -> bool | None:
+        """A bit the collective agrees on at no cost (OR over ranks), e.g. "a gradient reached a
+        coordinate the optimizer masks"; ``None``: no flag."""
+        return None
+
+    def _on_flag(self, b: Bucket, grads: Sequence, simulated: bool) -> None:
+        """Called on every rank when some rank's flag was set (``grads``: the local gradient, or with
+        ``simulated`` every simulated worker's; each flat, or one tensor per parameter)."""
+
+    def _sync_bucket(self, b: Bucket, worker_grads: Sequence | None = None,
+                     grad: torch.Tensor | Sequence[torch.Tensor | None] | None = None) -> None:
+        """The compressed synchronisation of ``b``: this rank's gradient (``b.grad``, or ``grad``: one
+        tensor per parameter), or every simulated worker's (``worker_grads``, flat or per parameter)."""
+        comm = self._comm_for(b)
+        target = self._sync_target(b)
+        if worker_grads is not None:
+            payloads = []
+            for g, out in zip(worker_grads, b.worker_buffers("payload", len(worker_grads)), strict=True):
+                src = self._payload(b, g, out)
+                payloads.append(out if src is None else src)
+            flags = [self._flag(b, g) for g in worker_grads]
+            try:
+                comm.allreduce_into(payloads, target, flags=None if flags[0] is None else flags, **self._defer_kw(b))
+            except ValueError as exc:
+                raise NonFiniteGradientError(str(exc)) from exc
+            grads: Sequence = worker_grads
+        else:
+            grads = b.grad if grad is None else grad
+            if b.payload is None:
+                b.payload = flat_buffer(b.numel, device=b.device, zero=False)
+            src = self._payload(b, grads, b.payload)
+            try:
+                with self._collective(f"compressed allreduce ({type(comm).__name__})", b):
+                    comm(b.payload if src is None else src, out=target, flag=self._flag(b, grads), **self._defer_kw(b))
+            except ValueError as exc:
+                if "not finite" in str(exc):
+                    raise NonFiniteGradientError(
+                        f"{type(self).__name__}: {exc}. Lower the learning rate or clip gradients.") from exc
+                raise
+        if not getattr(comm, "pending", False):  # a deferred result is absorbed by the update
+            self._absorb(b, target)
+        if comm.any_flag:
+            self._on_flag(b, grads, simulated=worker_grads is not None)
+        b.done = True
+
+    #: the update decodes the synchronised result itself (``_update_compressed`` calls the collective's
+    #: ``decode_pending``), so that the decode and the parameter update are one pass over the bucket
+    decodes_in_update: ClassVar[bool] = False
+
+    def _defer_kw(self, b: Bucket) -> dict:
+        """Ask the collective to leave its decode to the update, where the subclass does that and the
+        collective can (not the two-level one, whose result is an fp32 sum)."""
+        if self.decodes_in_update and hasattr(b.comm, "decode_pending") and self._sink_targets(b) is not None:
+            return {"defer": True}
+        return {}
+
+    @staticmethod
+    def _sink_targets(b: Bucket) -> list[torch.Tensor] | None:
+        """The bucket's parameters as a decode sink updates them (contiguous fp32), else None."""
+        ps = [p.detach() for p in b.params]
+        return ps if all(p.dtype == torch.float32 and p.is_contiguous() for p in ps) else None
+
+    def _flush_pending(self) -> None:
+        """Decode every result a bucket left for its update (before anything reads the state)."""
+        for b in self._buckets:
+            if b.comm is not None and getattr(b.comm, "pending", False):
+                b.comm.decode_pending()
+                self._absorb(b, self._sync_target(b))
