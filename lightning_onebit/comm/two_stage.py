@@ -61,35 +61,22 @@ the compression error of the algorithm exists in one process exactly as in many.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
 from ..compress import Codec, Encoded, flat_buffer
-from ..compress.kernels.layout import Layout, code_bytes_padded, code_bytes_per_row, is_sign
+from ..compress.kernels.layout import Layout, is_sign
 from ..compress.source import Sink, Source
 from .accounting import ByteCounter
+from .pipeline import MAX_PIECES, MIN_PIECE, Piece, plan_pieces
+from .rank_state import RankState
 
 __all__ = ["MAX_PIECES", "MIN_PIECE", "MODES", "TwoStageRank"]
-
-# Pieces shorter than this gain less from the overlap than a collective's latency costs.
-MIN_PIECE = 1 << 20
-MAX_PIECES = 4
 
 MODES = ("plain", "error_feedback", "markov")
 
 
-class _Piece(NamedTuple):
-    """Columns [lo, hi) of every row and where they sit in the piece's packed buffer."""
-
-    lo: int
-    hi: int
-    cb: int  # code bytes
-    cb4: int  # code bytes padded to 4: piece 0 puts the row's scales there
-    rb: int  # packed bytes of one row of this piece
-
-
-class TwoStageRank:
+class TwoStageRank(RankState):
     """Rank ``rank`` of ``world_size`` in the two-stage compressed mean of a 1-D tensor, without
     the exchanges (see the module docstring).
 
@@ -137,7 +124,7 @@ class TwoStageRank:
         self.worker: torch.Tensor | None = None  # worker error, or worker Markov estimate g_hat_i
         self.server: torch.Tensor | None = None  # server error, or server running mean g_hat
         self.tilde: torch.Tensor | None = None  # markov: the shared estimate g_tilde
-        self.plan: list[_Piece] = []  # pipeline pieces of a row, set when a size is bound
+        self.plan: list[Piece] = []  # pipeline pieces of a row, set when a size is bound
         self.layout: Layout | None = None  # rows (chunks) and scale blocks of the padded input
         self.bytes_sent = 0
         self.calls = 0
@@ -166,33 +153,10 @@ class TwoStageRank:
                              f"got {self.groups[0]}..{self.groups[-1]}")
         return self.codec.layout(self.padded_numel(numel), self.world_size, (0, *self.groups), valid=numel)
 
-    def _plan(self, seg: int) -> list[_Piece]:
+    def _plan(self, seg: int) -> list[Piece]:
         """Cut a row of ``seg`` elements into pipeline pieces (see the module docstring)."""
-        codec, rb = self.codec, self.codec.row_bytes(self.layout)
-        cb = code_bytes_per_row(codec.kind, seg)
-        whole = [_Piece(0, seg, cb, code_bytes_padded(codec.kind, seg), rb)]  # one piece: the codec's own packing
-        if not codec.elementwise or seg == 0:
-            return whole
-        # boundaries on 4-byte code boundaries (packing); scale blocks may be cut anywhere, since
-        # every piece carries (piece 0) or uses the whole row's scales
-        unit = 32
-        if self.pieces is not None:
-            k = self.pieces
-        elif self.worker_device.type == "cuda" or self.world_size == 1:
-            k = 1  # a GPU: each piece costs n kernel launches with Python dispatch (see above); one rank: no wire
-        else:
-            k = min(MAX_PIECES, seg // MIN_PIECE)
-        k = max(1, min(k, seg // unit))
-        bounds = sorted({round(i * seg / k / unit) * unit for i in range(k)} | {seg})
-        if len(bounds) <= 2:
-            return whole
-        scale_bytes = rb - whole[0].cb4  # the row's scales, after its codes
-        plan = []
-        for i, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-            cb, cb4 = code_bytes_per_row(codec.kind, hi - lo), code_bytes_padded(codec.kind, hi - lo)
-            plan.append(_Piece(lo, hi, cb, cb4, cb4 + (scale_bytes if i == 0 else 0)))
-        assert sum(p.rb for p in plan) == rb
-        return plan
+        one = self.pieces is None and (self.worker_device.type == "cuda" or self.world_size == 1)
+        return plan_pieces(self.codec, self.layout, seg, 1 if one else self.pieces)
 
     @property
     def num_pieces(self) -> int:
@@ -252,66 +216,6 @@ class TwoStageRank:
         # a fresh buffer per call pays first-touch page faults (see Codec.server_step)
         self._mean = flat_buffer(seg, device=dev, zero=False) if self.mode != "markov" else None
         self._outpad = flat_buffer(D, device=dev, zero=False) if D != self.numel else None
-
-    def reset_state(self) -> None:
-        """Zero the error / Markov state (e.g. at a phase switch)."""
-        for t in (self.worker, self.server, self.tilde):
-            if t is not None:
-                t.zero_()
-
-    def state_views(self, lo: int, hi: int) -> list[torch.Tensor]:
-        """Views of every per-element state buffer where it covers input elements ``[lo, hi)``
-        (worker error / estimate, g_tilde, and the part of this rank's server chunk inside it)."""
-        if self.numel is None:
-            return []
-        out = [t[lo:hi] for t in (self.worker, self.tilde) if t is not None]
-        if self.server is not None:
-            seg, r = self.seg_len, self.rank
-            a, b = max(lo, r * seg), min(hi, (r + 1) * seg)
-            if b > a:
-                out.append(self.server[a - r * seg : b - r * seg])
-        return out
-
-    def zero_state_at(self, idx: torch.Tensor) -> None:
-        """Zero the per-element state at input positions ``idx`` (int64): worker error / estimate,
-        g_tilde, and this rank's server state where its chunk holds them."""
-        if self.numel is None:
-            return
-        for t in (self.worker, self.tilde):
-            if t is not None:
-                t[idx] = 0.0
-        if self.server is not None:
-            seg, r = self.seg_len, self.rank
-            mine = idx[(idx >= r * seg) & (idx < (r + 1) * seg)]
-            self.server[mine - r * seg] = 0.0
-
-    def state_dict(self) -> dict:
-        return {
-            "mode": self.mode, "codec": repr(self.codec), "numel": self.numel, "groups": list(self.groups),
-            "world_size": self.world_size, "rank": self.rank,
-            "worker": None if self.worker is None else self.worker.clone(),
-            "server": None if self.server is None else self.server.clone(),
-            "tilde": None if self.tilde is None else self.tilde.clone(),
-            "bytes_sent": self.bytes_sent, "calls": self.calls,
-        }
-
-    def load_state_dict(self, sd: dict, device: torch.device | str | None = None) -> None:
-        """Restore a :meth:`state_dict`. The state goes to ``device`` (default: where this object's
-        state already lives, else the CPU): the device of the tensors it will reduce, which a
-        fresh object cannot know, so callers on a GPU pass it."""
-        for key, mine in (("mode", self.mode), ("codec", repr(self.codec)), ("world_size", self.world_size)):
-            if sd[key] != mine:
-                raise ValueError(f"state was saved with {key}={sd[key]!r}, this object has {key}={mine!r}")
-        if sd["numel"] is not None:
-            if device is None:
-                device = self.worker_device if self.numel is not None else "cpu"
-            if self.numel is not None and torch.device(device) != self.worker_device:
-                raise ValueError(f"state lives on {self.worker_device}, cannot load it onto {device}")
-            self.bind(sd["numel"], device)
-            for name in ("worker", "server", "tilde"):
-                if getattr(self, name) is not None:
-                    getattr(self, name).copy_(sd[name])
-        self.bytes_sent, self.calls = sd["bytes_sent"], sd["calls"]
 
     # -- stage 1 (worker) ----------------------------------------------------------------
     def _padded_input(self, x: torch.Tensor | Source) -> torch.Tensor | Source:
