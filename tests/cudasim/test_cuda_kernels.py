@@ -230,9 +230,9 @@ def test_cuda_quotient_divides_as_torch_does_on_a_gpu(monkeypatch):
     """On a GPU torch divides by a Python float as ``a * (1 / b)`` (the fp32 reciprocal, one bit less
     exact than the CPU's division): the kernels multiply by the reciprocals there (RECIPROCAL), here
     forced on the simulator's CPU tensors."""
-    from lightning_onebit.compress.kernels import numba_cuda as kc
+    from lightning_onebit.compress.kernels import numba_cuda_source as kcs
 
-    monkeypatch.setattr(kc, "_reciprocal_division", lambda device: True)
+    monkeypatch.setattr(kcs, "_reciprocal_division", lambda device: True)
     m, _ = _tensors()
     bounds = (*GROUPS, N_SRC)
     recips = [torch.tensor(1.0) / torch.tensor(d) for d in (3.0, 7.0, 0.1, 11.0)]  # fp32, as CUDA torch

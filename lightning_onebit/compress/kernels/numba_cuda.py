@@ -22,59 +22,18 @@ import math
 
 import numpy as np
 import torch
-from numba import config as numba_config
 from numba import cuda, float32, float64, int32
 
-from ..source import Source
 from .layout import DIFF, ERROR_FEEDBACK, MARKOV, MINMAX_U8, REDUCE_LANES, REDUCE_TILE, SIGN_L2, Layout, is_sign
+from .numba_cuda_source import SIMULATED, accepts, kernel_input, source_at
+from .numba_cuda_source import arr as _arr
 
-SIMULATED = bool(numba_config.ENABLE_CUDASIM)
 # Under the simulator every CUDA thread is a Python thread: keep blocks tiny there.
 THREADS = 8 if SIMULATED else 256
 RTHREADS = 2 if SIMULATED else REDUCE_LANES  # threads of a reduction block
 LANES = REDUCE_LANES
 #: ``reduce``/``encode`` evaluate a :class:`~..source.Source` in place (see :func:`accepts`)
 FUSES_SOURCES = True
-
-# The kernels' codes of an input: a tensor, or a Source's operation. RECIPROCAL is ``quotient`` on a
-# GPU, where torch divides by a Python float as ``a * (1 / b)`` (the fp32 reciprocal; its CPU divides).
-TENSOR, LERP, GRADIENT, QUOTIENT, RECIPROCAL = 0, 1, 2, 3, 4
-_OP = {"lerp": LERP, "gradient": GRADIENT, "quotient": QUOTIENT}
-
-
-# Two fp32 operations with exactly one rounding each, whatever the compiler: libNVVM contracts a
-# multiply and an add into a fused multiply-add by default (its -fma=1, which numba-cuda leaves on),
-# so ``lerp * factor + state`` would round once where torch rounds the payload first. fmul_rn
-# (PTX ``mul.rn``) is never contracted; cuda.fma is the fused one that torch's lerp is.
-if SIMULATED:
-    from numba import njit
-
-    from .numba_intrinsics import fma32 as _fma_llvm
-
-    @njit(cache=True)
-    def _fma_host(a, b, c):
-        return _fma_llvm(a, b, c)
-
-    @cuda.jit(device=True)
-    def _fma32(a, b, c):
-        # the simulator's cuda.fma is a * b + c, rounded twice; the CPU's llvm.fma.f32 rounds once
-        return float32(_fma_host(a, b, c))
-
-    @cuda.jit(device=True)
-    def _mul32(a, b):
-        return a * b  # numpy fp32 scalars (the simulator has no libdevice)
-
-else:
-    from numba.cuda import libdevice
-
-    @cuda.jit(device=True, inline=True)
-    def _fma32(a, b, c):
-        return cuda.fma(a, b, c)
-
-    @cuda.jit(device=True, inline=True)
-    def _mul32(a, b):
-        return libdevice.fmul_rn(a, b)
-
 
 @cuda.jit(device=True, inline=True)
 def _block_at(starts, r, pos):
@@ -88,69 +47,6 @@ def _block_at(starts, r, pos):
         else:
             hi = mid
     return lo
-
-
-@cuda.jit(device=True, inline=True)
-def _group_at(bounds, pos):
-    """The group k of position ``pos`` (the last k with bounds[k] <= pos; bounds: starts, then the end)."""
-    lo = 0
-    hi = bounds.size - 1
-    while hi - lo > 1:
-        mid = (lo + hi) >> 1
-        if bounds[mid] <= pos:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-@cuda.jit(device=True, inline=True)
-def _in_sorted(a, v):
-    """Whether the sorted array ``a`` holds ``v`` (bisection)."""
-    lo = 0
-    hi = a.size
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if a[mid] < v:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo < a.size and a[lo] == v
-
-
-@cuda.jit(device=True, inline=True)
-def _lerp(w, a, b):
-    """torch's ``lerp(a, b, w)`` in fp32: ``fma(w, b - a, a)``, or ``fma(w - 1, b - a, b)`` from |w| = 0.5 on."""
-    if abs(w) < float32(0.5):
-        return _fma32(w, b - a, a)
-    return _fma32(w - float32(1.0), b - a, b)
-
-
-@cuda.jit(device=True, inline=True)
-def _source_at(op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, j):
-    """Element j of the input: ``x[j]`` of a tensor, or the Source's expression at position ``offset + j``
-    (0 from ``valid`` on), rounded as :meth:`~..source.Source.materialize` rounds it. ``x`` is the
-    tensor or the Source's ``start``; ``end`` its flat ``end``."""
-    if op == TENSOR:
-        return x[j]
-    i = offset + j
-    if i >= valid:
-        return float32(0.0)  # padding
-    if mask.size and _in_sorted(mask, i):
-        if nonfinite:
-            return abs(_mul32(end[i], float32(0.0)))  # |0 * g|: NaN where the gradient is not finite
-        return float32(0.0)
-    if op == GRADIENT:
-        return end[i]
-    if op == LERP:
-        v = _lerp(w, x[i], end[i])
-        if factors.size:
-            v = _mul32(v, factors[_group_at(bounds, i)])
-        return v
-    f = factors[_group_at(bounds, i)]
-    if op == QUOTIENT:
-        return x[i] / f
-    return _mul32(x[i], f)  # RECIPROCAL: f is the fp32 reciprocal of the divisor
 
 
 @cuda.jit(device=True, inline=True)
@@ -178,7 +74,7 @@ def _mean_of_rows(kind, mc, ms, i, b):
 @cuda.jit(device=True, inline=True)
 def _value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, j):
     """The value v that element j encodes: the input's, with the state added or subtracted (``mode``)."""
-    s = _source_at(op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, j)
+    s = source_at(op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, j)
     if mode == ERROR_FEEDBACK:
         return s + st[j]
     if mode == MARKOV or mode == DIFF:
@@ -378,14 +274,6 @@ def _decode_kernel(kind, codes, scales, seg_len, starts, ends, out, accumulate, 
 # --- torch-facing wrappers ------------------------------------------------------------
 
 
-def _arr(t: torch.Tensor):
-    if t.is_cuda:
-        return cuda.as_cuda_array(t.detach())
-    if not SIMULATED:
-        raise ValueError("the cuda backend needs CUDA tensors (or NUMBA_ENABLE_CUDASIM=1)")
-    return t.detach().numpy()
-
-
 def _codes_arr(codes: torch.Tensor):
     """Codes rows that are views into a packed ``[codes | scales]`` buffer, widened to the full
     row stride: the simulator only takes contiguous arrays, and the kernels never index past
@@ -428,74 +316,9 @@ def _geometry(layout: Layout, device: torch.device, what: str, make) -> tuple:
     return cache[key]
 
 
-def _readable(t: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the kernels read ``t`` where it is: None, or a contiguous ``dtype`` tensor on ``device``."""
-    return t is None or (t.device == device and t.dtype == dtype and t.is_contiguous())
-
-
-def accepts(x) -> bool:
-    """Whether ``reduce``/``encode`` read ``x`` where it is (else the caller materialises it): a tensor, or a
-    :class:`~..source.Source` whose tensors are contiguous fp32 (int64 mask) on one CUDA device (the CPU
-    under the simulator)."""
-    if not isinstance(x, Source):
-        return True
-    device = x.device
-    ends = x.end if isinstance(x.end, tuple) else (x.end,)
-    mask = x.mask if x.mask is not None and x.mask.numel() else None
-    return (device.type == ("cpu" if SIMULATED else "cuda")
-            and all(_readable(t, device, torch.float32) for t in (x.start, *ends))
-            and _readable(mask, device, torch.int64) and (mask is None or mask.dim() == 1)
-            # |0 * end| of a masked position needs an end (materialize() raises without one)
-            and (mask is None or x.masked == "zero" or x.end is not None))
-
-
 def accepts_sink(sink) -> bool:
     """``decode`` applies no :class:`~..source.Sink`: the caller applies it to the decoded values."""
     return False
-
-
-def _reciprocal_division(device: torch.device) -> bool:
-    """Whether torch divides a tensor on ``device`` by a Python float as ``a * (1 / b)`` with the fp32
-    reciprocal (its CUDA kernel does: RECIPROCAL), or divides (the CPU: QUOTIENT)."""
-    return device.type == "cuda"
-
-
-def _expression(src: Source) -> tuple:
-    """(op, start, end, group bounds, factors, mask) of ``src``'s expression as kernel arrays, made once per
-    expression (its windows share them, as they share its materialised value): per-group ``end`` tensors
-    gathered into one flat buffer, the groups' bounds and factors copied to the device."""
-    root = src._root
-    arrays = root.__dict__.get("_kernel_arrays")
-    if arrays is None:
-        device = root.device
-        f32 = torch.empty(0, dtype=torch.float32, device=device)
-        op = _OP[root.op]
-        start = f32 if root.start is None else root.start.reshape(-1)
-        end = f32 if root.end is None else root.flat_end()  # per-group tensors: gathered here, once
-        factors = f32
-        if root.factors is not None:
-            fs = np.array(root.factors, np.float32)
-            if op == QUOTIENT and _reciprocal_division(device):
-                op = RECIPROCAL
-                with np.errstate(divide="ignore"):
-                    fs = np.float32(1.0) / fs  # torch's fp32 reciprocal of float32(divisor)
-            factors = torch.from_numpy(fs).to(device)
-        bounds = torch.tensor((*root.groups, root.valid), dtype=torch.int64).to(device)
-        mask = root.mask if root.mask is not None and root.mask.numel() else torch.empty(0, dtype=torch.int64,
-                                                                                          device=device)
-        arrays = root.__dict__["_kernel_arrays"] = (op, *(_arr(t) for t in (start, end, bounds, factors, mask)))
-    return arrays
-
-
-def _input(x, device: torch.device) -> tuple:
-    """The kernels' arguments for the input ``x``, a tensor or a :class:`~..source.Source`:
-    ``(op, x, end, bounds, w, factors, mask, nonfinite, valid, offset)`` (see :func:`_source_at`)."""
-    if isinstance(x, Source):
-        op, start, end, bounds, factors, mask = _expression(x)
-        return op, start, end, bounds, np.float32(x.weight), factors, mask, x.masked == "nonfinite", x.valid, x.base
-    f32 = _arr(torch.empty(0, dtype=torch.float32, device=device))
-    i64 = _arr(torch.empty(0, dtype=torch.int64, device=device))
-    return TENSOR, _arr(x), f32, i64, np.float32(0.0), f32, i64, False, x.numel(), 0
 
 
 def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
@@ -505,7 +328,7 @@ def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
         width = 1 if is_sign(kind) else 3
         partials = torch.empty(t_row.numel(), width, dtype=torch.float64, device=device)
         totals = torch.empty(layout.nblocks, width, dtype=torch.float64, device=device)
-        src = _input(x, device)
+        src = kernel_input(x, device)
         stream = _stream(device)
         if t_row.numel():
             _reduce_kernel[_grid(t_row.numel(), 1), RTHREADS, stream](
@@ -526,7 +349,7 @@ def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     device = codes.device
     with _on(device):
         tiles = layout.nseg * -(-layout.seg_len // THREADS)
-        args = (mode, *_input(x, device), _state(st, device), layout.seg_len, *_starts(layout, device),
+        args = (mode, *kernel_input(x, device), _state(st, device), layout.seg_len, *_starts(layout, device),
                 _arr(scales.reshape(-1).contiguous()), _codes_arr(codes))
         if is_sign(kind):
             _encode_sign_kernel[_grid(tiles, 1), THREADS, _stream(device)](*args)
