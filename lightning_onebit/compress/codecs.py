@@ -19,10 +19,10 @@ giving up that guarantee, because the scale of a block is known only after readi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from .encoded import Encoded
 from .kernels import BACKENDS, get_backend
 from .kernels.layout import (
     DIFF,
@@ -44,46 +44,6 @@ from .source import Sink, Source
 __all__ = ["Codec", "Encoded", "MinMaxUInt8Codec", "SignCodec"]
 
 MODES = {"plain": PLAIN, "error_feedback": ERROR_FEEDBACK, "markov": MARKOV, "diff": DIFF}
-
-
-@dataclass
-class Encoded:
-    """A compressed message: ``layout.nseg`` rows of ``layout.seg_len`` elements.
-
-    ``codes`` is uint8 ``[nseg, bytes_per_row]``; ``scales`` is fp32 ``[nseg, nb]`` (sign) or
-    ``[nseg, nb, 2]`` (min, max), one entry per scale block of the layout. ``dtype`` is what
-    ``decode`` returns.
-    """
-
-    codes: torch.Tensor
-    scales: torch.Tensor
-    layout: Layout
-    kind: int
-    dtype: torch.dtype = torch.float32
-
-    @property
-    def nseg(self) -> int:
-        return self.layout.nseg
-
-    @property
-    def seg_len(self) -> int:
-        return self.layout.seg_len
-
-    @property
-    def numel(self) -> int:
-        return self.layout.numel
-
-    @property
-    def device(self) -> torch.device:
-        return self.codes.device
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this message puts on the wire: packed codes + fp32 scales."""
-        return self.nseg * code_bytes_per_row(self.kind, self.seg_len) + self.scales.numel() * 4
-
-    def row(self, i: int) -> Encoded:
-        return Encoded(self.codes[i : i + 1], self.scales[i : i + 1], self.layout.row(i), self.kind, self.dtype)
 
 
 def _as_fp32_vector(x: torch.Tensor | Source, what: str, keep_source: bool = False) -> torch.Tensor | Source:

@@ -29,6 +29,7 @@ from numba import njit, prange
 
 from ..source import Source
 from .layout import DIFF, ERROR_FEEDBACK, MARKOV, MINMAX_U8, PLAIN, REDUCE_TILE, Layout, is_sign
+from .numba_decode import decode_run, mean_run
 from .numba_source import NO_ROWS, SCRATCH, mean_of_rows, pack
 from .numba_source import apply_sink as _apply_sink
 from .numba_source import fill as _fill
@@ -39,12 +40,11 @@ from .numba_source import sink_readable as _sink_readable
 from .numba_tiles import (
     LANES,
     MM_LANES,
+    TILE,
     block_at,
-    decode_run,
     lanes_add,
     lanes_add_plain,
     lanes_total,
-    mean_run,
     minmax_add,
     minmax_add_plain,
     minmax_run,
@@ -52,10 +52,10 @@ from .numba_tiles import (
     pack_bits,
     sign_bits_plain,
     sign_bits_run,
+    tile_span,
 )
 from .threads import parallel_and_serial, parallel_kernel
 
-TILE = 8192  # elements per encode/decode work item; a multiple of 8 so tiles start on a code byte
 BATCH = 16  # reduction tiles per parallel work item
 SUB = 512  # elements a source is evaluated in at a time: two KiB, which stay in the L1 cache
 _F32 = np.float32
@@ -158,14 +158,6 @@ def _combine(kind, ptr, partials, totals):
 
 
 @njit(inline="always", cache=True)
-def _tile_span(t, per_row, seg_len):
-    """Row and element range [lo, hi) of work item ``t`` (``per_row`` tiles of TILE per row)."""
-    r = t // per_row
-    lo = (t - r * per_row) * TILE
-    return r, lo, min(lo + TILE, seg_len)
-
-
-@njit(inline="always", cache=True)
 def _encode_sign_piece(mode, a, xs, ss, r, lo, hi, starts, ends, scales, codes, bits):
     """Sign codes of elements [lo, hi) of row r (a piece that starts on a code byte) and the state
     of each scale block's run; padding (from ends[r]) decodes to 0, so its state stays (zero)."""
@@ -218,7 +210,7 @@ def _encode_sign_tile(kind, mode, a, src, rws, st, seg_len, starts, ends, scales
 def _encode_sign(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, codes):
     per_row = (seg_len + TILE - 1) // TILE
     for t in prange(starts.shape[0] * per_row):
-        r, t_lo, t_hi = _tile_span(t, per_row, seg_len)
+        r, t_lo, t_hi = tile_span(t, per_row, seg_len)
         buf = np.empty(SUB + SCRATCH, np.float32)
         bits = np.empty(SUB, np.uint8)
         if st.size:
@@ -243,7 +235,7 @@ def _encode_minmax_tile(kind, mode, a, src, rws, st, seg_len, starts, ends, scal
 def _encode_minmax(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, codes):
     per_row = (seg_len + TILE - 1) // TILE
     for t in prange(starts.shape[0] * per_row):
-        r, t_lo, t_hi = _tile_span(t, per_row, seg_len)
+        r, t_lo, t_hi = tile_span(t, per_row, seg_len)
         buf = np.empty(SUB + SCRATCH, np.float32)
         if st.size:
             _encode_minmax_tile(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, codes, r, t_lo, t_hi, buf)
@@ -260,7 +252,7 @@ def _decode_rows(kind, codes, scales, seg_len, starts, ends, out, accumulate, sn
     nseg, nb = starts.shape[0], starts.shape[1] - 1
     per_row = (seg_len + TILE - 1) // TILE
     for t in prange(nseg * per_row):
-        r, lo, hi = _tile_span(t, per_row, seg_len)
+        r, lo, hi = tile_span(t, per_row, seg_len)
         dst = out[r * seg_len + lo : r * seg_len + hi]
         buf = np.empty(hi - lo, np.float32) if accumulate else dst
         end = max(lo, min(hi, ends[r]))

@@ -16,8 +16,9 @@ import torch
 from numba import carray, njit
 
 from ..source import Sink, Source
+from .numba_decode import rows_mean
 from .numba_intrinsics import f32_at, fma32
-from .numba_tiles import CH, ahead, rows_mean
+from .numba_tiles import CH, ahead
 
 # numba's codes of the source operations (Source.op), and of the two inputs that are not expressions
 TENSOR, LERP, GRADIENT, QUOTIENT, ROWS_MEAN = 0, 1, 2, 3, 4
