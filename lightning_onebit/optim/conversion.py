@@ -4,15 +4,14 @@ the optimizer ``configure_optimizers`` returns), and the argument checks the opt
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch.optim import Optimizer
 
-if TYPE_CHECKING:
-    from .base import CompressedOptimizer
-
 __all__ = ["AdamConversion", "check_hyperparameters"]
+
+_Self = TypeVar("_Self", bound="AdamConversion")
 
 
 def check_hyperparameters(*, lr: float | None = None, betas: Sequence[float] | None = None,
@@ -47,7 +46,7 @@ class AdamConversion:
     converts_lamb: ClassVar[bool] = False
 
     @classmethod
-    def from_optimizer(cls, opt: Optimizer, **overrides: Any) -> CompressedOptimizer:
+    def from_optimizer(cls: type[_Self], opt: Optimizer, **overrides: Any) -> _Self:
         """This optimizer over ``opt``'s parameter groups with its hyperparameters (``from_adam``
         maps the names; ``overrides`` are further keyword arguments). Warm-up algorithms get
         ``warmup_steps=None`` unless overridden: a phase switch (e.g. the callback) decides."""
