@@ -44,6 +44,10 @@ from .source import Sink, Source
 __all__ = ["Codec", "Encoded", "MinMaxUInt8Codec", "SignCodec"]
 
 MODES = {"plain": PLAIN, "error_feedback": ERROR_FEEDBACK, "markov": MARKOV, "diff": DIFF}
+#: server stages of at most this many rows decode the workers' mean inside the reduction and the
+#: encode (twice) instead of into a buffer (once): on 4M-value rows, 2 threads, 1-2 rows cost about
+#: the same or less that way; from 3 rows decoding twice costs up to 2x (same bits either way)
+FUSED_MEAN_ROWS = 2
 
 
 def _as_fp32_vector(x: torch.Tensor | Source, what: str, keep_source: bool = False) -> torch.Tensor | Source:
@@ -288,12 +292,14 @@ class Codec:
         them. The mean is decoded once into ``mean`` (fp32, ``messages.seg_len`` elements;
         allocated when not given - pass a persistent buffer on hot paths) and then encoded as
         ``encode_error_feedback(mean, error)`` (or ``encode(mean)``): the reduction and the
-        encode pass both need the mean, and decoding n rows is the costly part.
+        encode pass both need the mean, and decoding n rows is the costly part. Up to
+        ``FUSED_MEAN_ROWS`` rows (world size 1 or 2, a simulation's worker rows) the numba kernels
+        decode the mean inside both passes instead, which costs less than writing and reading it.
         ``check_finite=False`` skips the finiteness check (a host sync on a GPU): a mean that
         overflowed fp32 then shows as non-finite scales in the result, for the caller to check.
         """
         backend = self._backend(messages.device)
-        if hasattr(backend, "RowsMean") and messages.seg_len:
+        if hasattr(backend, "RowsMean") and messages.seg_len and messages.nseg <= FUSED_MEAN_ROWS:
             mean = backend.RowsMean(messages)  # decoded inside both passes, never written
         else:
             if mean is None:
