@@ -20,6 +20,10 @@ Checks, each a row of the table it prints:
 * ``SimulatedCluster`` on CUDA tensors with 1 and 3 pieces gives the same result;
 * resume: a compression-phase ``OnebitAdam`` state saved and loaded on the GPU continues bit for bit;
 * throughput: encode + error feedback and decode against the device copy bandwidth, 1M-128M;
+* the optimizer step alone: the compression-phase steps of ``OnebitAdam`` (world size 1 and 2 simulated
+  workers), ``QAdam``, ``OnebitLamb`` and ``ZeroOneAdam`` (local and sync) and the warm-up of
+  ``OnebitAdam(fused=True)`` over ``AdamW(fused=True)``'s on the same 17M-parameter MLP (the CPU's
+  ``benchmarks/optimizer_step.py`` on the device);
 * a ``torch.profiler`` profile of one 8-worker 25M simulated call (with ``--trace PATH``, its chrome trace).
 
 Exits 1 if any parity, ordering, cluster or resume check fails, 2 if there is no GPU (and no
@@ -41,7 +45,7 @@ import torch
 from _common import add_out_argument, header, repo_on_path, tee_stdout
 
 repo_on_path()
-from lightning_onebit import OnebitAdam  # noqa: E402
+from lightning_onebit import OnebitAdam, OnebitLamb, QAdam, ZeroOneAdam  # noqa: E402
 from lightning_onebit.comm import SimulatedCluster  # noqa: E402
 from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec  # noqa: E402
 from lightning_onebit.compress.kernels import cuda_compiler_available  # noqa: E402
@@ -218,6 +222,66 @@ def check_throughput(device: torch.device, sizes: list[int]) -> None:
             f"({enc_bw / bw:.0%} of copy); decode {dec_s * 1e3:.2f} ms ({dec_bw / bw:.0%} of copy)")
 
 
+def check_step(device: torch.device, size: str = "17M") -> None:
+    """Each optimizer's step over ``AdamW(fused=True)``'s, with ``optimizer_step.py``'s MLP and fixed
+    gradients on ``device``, after the steps that must come first (warm-up, 0/1 Adam's freeze)."""
+    from optimizer_step import _grads, mlp
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def setup(make, workers: int, before: int):
+        params = [torch.nn.Parameter(p.detach().to(device)) for p in mlp(size)]
+        grads = [[g.to(device) for g in w] for w in _grads(params, workers)]
+        for p, g in zip(params, grads[0], strict=True):
+            p.grad = g
+        opt = make(params)
+        step = (lambda: opt.step_workers(grads)) if workers > 1 else opt.step
+        for _ in range(before):
+            step()
+        return opt, step
+
+    sim2 = {"simulate_workers": 2}
+    z1 = {"lr": 1e-3, "var_freeze_step": 2, "var_update_scaler": 1, "local_step_scaler": 1, "local_step_clipper": 4}
+    cases = {  # name: (optimizer, simulated workers, steps before the timed ones)
+        "AdamW(fused=True)": (lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, fused=True), 1, 1),
+        "OnebitAdam(fused=True)": (lambda p: OnebitAdam(p, lr=1e-3, warmup_steps=1000, fused=True), 1, 1),
+        "OnebitAdam": (lambda p: OnebitAdam(p, lr=1e-3, warmup_steps=1), 1, 2),
+        "OnebitAdam, 2 workers": (lambda p: OnebitAdam(p, lr=1e-3, warmup_steps=1, **sim2), 2, 2),
+        "QAdam": (lambda p: QAdam(p, lr=1e-3, warmup_steps=1), 1, 2),
+        "OnebitLamb": (lambda p: OnebitLamb(p, lr=1e-3, warmup_steps=1), 1, 2),
+        "ZeroOneAdam": (lambda p: ZeroOneAdam(p, **z1), 1, 4),  # from step 9 on: 3 local steps, 1 sync
+    }
+    base = None
+    for name, (make, workers, before) in cases.items():
+        try:
+            opt, step = setup(make, workers, before)
+            times: dict[str, list[float]] = {}
+            for _ in range(16):
+                kind = _kind(opt)
+                sync()
+                t = time.perf_counter()
+                step()
+                sync()
+                times.setdefault(kind, []).append(time.perf_counter() - t)
+        except Exception as e:  # report and go on: one optimizer's failure should not hide the others'
+            row(f"step {name}", False, f"{type(e).__name__}: {e}")
+            continue
+        for kind, ts in times.items():
+            t = sorted(ts)[len(ts) // 2]
+            base = t if base is None else base
+            row(f"step {name} ({kind})", None, f"{t * 1e3:.2f} ms = {t / base:.2f}x AdamW(fused=True); "
+                f"median of {len(ts)}, {size} parameters")
+
+
+def _kind(opt: torch.optim.Optimizer) -> str:
+    """The kind of ``opt``'s coming step: what the timing of :func:`check_step` groups by."""
+    if isinstance(opt, ZeroOneAdam):
+        return opt.schedule().kind(opt.optimizer_steps + 1)
+    if isinstance(opt, torch.optim.AdamW):
+        return "step"
+    return "compression" if opt.optimizer_steps >= opt.warmup_steps else "warm-up"
+
+
 def profile_call(device: torch.device, path: Path | None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -294,6 +358,7 @@ def run_checks(device: torch.device, sizes: list[int], args: argparse.Namespace)
     check_resume(device)
     if device.type == "cuda":
         check_throughput(device, [1 << 20, 1 << 26] if args.quick else [1 << 20, 1 << 24, 1 << 26, 1 << 27])
+        check_step(device)
         profile_call(device, args.trace)
     print("\n| check | status | detail |\n|---|---|---|")
     for check, status, detail in ROWS:
