@@ -6,7 +6,8 @@ Layering (docs/design.md): recipes import lightning_onebit, never the other way 
 Imports between the modules form no cycle (``tests/test_recipes.py`` checks it, function-level
 imports included):
 
-* the leaf, importing no other recipe module: :mod:`~recipes.common` (shared helpers);
+* the leaves, importing no other recipe module: :mod:`~recipes.common` (shared helpers),
+  :mod:`~recipes.shipped` (data and weights inside installed packages);
 * :mod:`~recipes.algorithms` (config entry -> optimizer and strategy), :mod:`~recipes.callbacks`,
   :mod:`~recipes.report`;
 * the experiments' data and models: :mod:`~recipes.data`, :mod:`~recipes.models`,

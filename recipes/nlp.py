@@ -42,13 +42,15 @@ from torchmetrics.text import SQuAD
 
 from .algorithms import build_optimizer
 from .common import StopOnDivergence, optional_import, require
+from .shipped import build_movie_reviews, model_path, pretrained_source
 
 # the recipes' other experiments do not need them
 _MISSING = "the BERT recipes (experiment=bert_glue, bert_squad) need transformers and datasets: pip install -e '.[nlp]'"
 datasets = optional_import("datasets", _MISSING)
 transformers = optional_import("transformers", _MISSING)
 
-__all__ = ["GLUE_TASKS", "EvalShards", "GlueDataModule", "GlueModule", "GlueTask", "SquadDataModule", "SquadModule",
+__all__ = ["GLUE_TASKS", "EvalShards", "GlueDataModule", "GlueModule", "GlueTask", "MovieReviewsDataModule",
+           "SquadDataModule", "SquadModule",
            "best_spans", "glue_module", "glue_task", "merge_best", "squad_module", "squad_targets"]
 
 GLUE_HUB = "nyu-mll/glue"
@@ -181,6 +183,7 @@ class _HFDataModule(L.LightningDataModule):
 
     hub: tuple[str, ...] = ()  # load_dataset arguments
     subdir: str = ""  # under data.root
+    shipped = False  # built from an installed package (_fetch): no network, so no data.download needed
 
     def __init__(self, tokenizer: str, path: str | None = None, root: str | None = "data", download: bool = False,
                  global_batch_size: int = 32, eval_batch_size: int = 64, max_length: int = 128, num_workers: int = 0,
@@ -191,7 +194,7 @@ class _HFDataModule(L.LightningDataModule):
         self.max_length, self.num_workers, self.seed = max_length, num_workers, seed
         fetch = ", ".join(map(repr, self.hub))
         self.location = Path(path) if path else Path(root or "data") / self.subdir
-        self.fetch = bool(not path and download and not self.location.exists())
+        self.fetch = bool(not path and (download or self.shipped) and not self.location.exists())
         if path:
             require(self.location, f"data.path must be a DatasetDict saved with save_to_disk, e.g. python -c "
                                    f"\"import datasets; datasets.load_dataset({fetch}).save_to_disk('{path}')\"")
@@ -209,13 +212,16 @@ class _HFDataModule(L.LightningDataModule):
         # interrupted download or nodes sharing a file system never leave a half-written set.
         if self.fetch and not self.location.exists():
             tmp = self.location.with_name(f"{self.location.name}.part-{socket.gethostname()}-{os.getpid()}")
-            datasets.load_dataset(*self.hub).save_to_disk(str(tmp))
+            self._fetch(tmp)
             try:
                 tmp.rename(self.location)
             except OSError:  # another node was first
                 shutil.rmtree(tmp, ignore_errors=True)
                 if not self.location.exists():
                     raise
+
+    def _fetch(self, dest: Path) -> None:
+        datasets.load_dataset(*self.hub).save_to_disk(str(dest))
 
     def _load(self, splits: Sequence[str]) -> Any:
         dd = datasets.load_from_disk(str(self.location))
@@ -226,7 +232,7 @@ class _HFDataModule(L.LightningDataModule):
         return dd
 
     def _tokenizer(self) -> Any:
-        tok = transformers.AutoTokenizer.from_pretrained(self.tokenizer_name)
+        tok = transformers.AutoTokenizer.from_pretrained(model_path(self.tokenizer_name))
         if not tok.is_fast:
             raise ValueError(f"{self.tokenizer_name}: the recipes need a fast (Rust) tokenizer for offset mappings")
         return tok
@@ -284,6 +290,25 @@ class GlueDataModule(_HFDataModule):
 
         self.train_set, self.val_set = prepare("train"), prepare(t.validation_split)
         self.val_groups = [1] * len(self.val_set)
+
+
+class MovieReviewsDataModule(GlueDataModule):
+    """Rotten Tomatoes sentence polarity, real movie-review snippets (:mod:`recipes.shipped`: where it
+    comes from, its licence, the dev split), as GLUE's SST-2 task: built from the installed
+    ``movie-reviews`` package into ``<data.root>/movie_reviews`` on first use, with no network."""
+
+    subdir = "movie_reviews"
+    shipped = True
+
+    def __init__(self, tokenizer: str, task: str = "sst2", **kwargs: Any) -> None:
+        if glue_task(task).name != "sst2":
+            raise ValueError(f"data.name=movie_reviews is one-sentence polarity in SST-2's columns: data.task must "
+                             f"be sst2, got {task!r}")
+        self.task = glue_task("sst2")
+        _HFDataModule.__init__(self, tokenizer, **kwargs)  # not GlueDataModule's: no Hub location
+
+    def _fetch(self, dest: Path) -> None:
+        build_movie_reviews(dest)
 
 
 class SquadDataModule(_HFDataModule):
@@ -548,7 +573,8 @@ class SquadModule(_FineTune):
 
 # -- factories for recipes.registry.MODULES -----------------------------------------------------------
 def _finetune_kwargs(cfg: DictConfig) -> dict[str, Any]:
-    return {"name_or_path": str(cfg.model.name_or_path), "pretrained": bool(cfg.model.get("pretrained", True)),
+    source = pretrained_source(cfg.model.name_or_path, cfg.model.get("pretrained_path"))
+    return {"name_or_path": source, "pretrained": bool(cfg.model.get("pretrained", True)),
             "schedule": cfg.optim.get("schedule"), "lr_warmup": OmegaConf.select(cfg, "optim.lr_warmup", default=0)}
 
 

