@@ -9,6 +9,7 @@ from .callbacks import CommunicationMonitor, PhaseSwitch, ReplicaSync
 from .optim import (
     EF21,
     CDAdam,
+    DiLoCo,
     ErrorFeedbackAMSGrad,
     NaiveCompressedAMSGrad,
     OnebitAdam,
@@ -27,7 +28,8 @@ from .strategies import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["BaseDDPStrategy", "CDAdam", "CDAdamStrategy", "CommunicationMonitor", "CompressedDDPStrategy", "EF21",
+__all__ = ["BaseDDPStrategy", "CDAdam", "CDAdamStrategy", "CommunicationMonitor", "CompressedDDPStrategy", "DiLoCo",
+           "EF21",
            "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad", "OnebitAdam", "OnebitAdamStrategy", "OnebitLamb",
            "OnebitLambStrategy", "PhaseSwitch", "QAdam", "QAdamStrategy", "ReplicaSync", "ZeroOneAdam",
            "ZeroOneAdamStrategy"]

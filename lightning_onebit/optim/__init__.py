@@ -5,11 +5,12 @@ Each optimizer class registers its strategy name (``CompressedOptimizer.algorith
 from .base import CollectiveError, CompressedOptimizer, NonFiniteGradientError, check_hyperparameters
 from .baselines import EF21, ErrorFeedbackAMSGrad, NaiveCompressedAMSGrad
 from .cd_adam import CDAdam
+from .diloco import DiLoCo
 from .onebit_adam import OnebitAdam
 from .onebit_lamb import OnebitLamb
 from .qadam import QAdam
 from .zero_one_adam import ZeroOneAdam, ZeroOneSchedule
 
-__all__ = ["CDAdam", "CompressedOptimizer", "EF21", "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad",
+__all__ = ["CDAdam", "CompressedOptimizer", "DiLoCo", "EF21", "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad",
            "CollectiveError", "NonFiniteGradientError", "OnebitAdam", "OnebitLamb", "QAdam", "ZeroOneAdam",
            "ZeroOneSchedule", "check_hyperparameters"]

@@ -1,0 +1,254 @@
+r"""DiLoCo: ``sync_every`` local AdamW steps, then one outer Nesterov step on the averaged pseudo-gradient.
+
+Douillard et al., *DiLoCo: Distributed Low-Communication Training of Language Models* (arXiv 2311.08105).
+Every rank ``r`` trains its own replica :math:`\theta_r` with AdamW (the inner optimizer: torch's own
+update, its state per rank, never averaged) and sends nothing. Every ``sync_every`` = H inner steps,
+with :math:`\theta` the anchor (the model every rank held after the previous outer step):
+
+.. math::
+    \Delta_r &= \theta - \theta_r \qquad\text{(rank } r\text{'s pseudo-gradient)}\\
+    \Delta &= C\big(\tfrac1n \textstyle\sum_r \Delta_r\big) \qquad\text{(the all-reduce, compressed or not)}\\
+    b &\leftarrow \mu\, b + \Delta \qquad (b = \Delta \text{ at the first outer step})\\
+    \theta &\leftarrow \theta - \eta\,(\Delta + \mu\, b) \qquad (\theta - \eta\, b \text{ without Nesterov})\\
+    \theta_r &\leftarrow \theta
+
+with :math:`\eta` = ``outer_lr`` (0.7) and :math:`\mu` = ``outer_momentum`` (0.9), the paper's
+settings; the outer step is ``torch.optim.SGD(nesterov=True)``'s arithmetic on the anchor.
+
+``compression`` (what each rank puts on the wire per outer step and parameter, ``n`` ranks):
+
+* ``"fp32"``: ``dist.all_reduce`` of the fp32 pseudo-gradients, exact (ring: 2 (n-1)/n x 4 B);
+* ``"bf16"``: as PyTorch's ``bf16_compress_hook`` (each rank divides by n, casts to bf16, all-reduces
+  in bf16: 2 (n-1)/n x 2 B), with error feedback: what the cast dropped is added to the next
+  pseudo-gradient;
+* ``"8bit"``, ``"1bit"``: the package's two-stage compressed all-reduce (min-max 8-bit, or sign with
+  per-tensor l2 scales), worker and server error feedback (about 2 (n-1)/n x 1 B, or x 1/8 B, plus
+  the scales); the outer update is the same on every rank.
+
+Memory per parameter beyond AdamW's (8 B): the anchor and the outer momentum (4 + 4 B, fp32), and
+for the compressed modes the error state (4 B, plus 4/n B on the server side for 8/1 bit).
+Non-finite gradients: an inner step with a NaN/inf gradient raises :class:`NonFiniteGradientError`
+on its rank (``on_nonfinite="raise"``, the default) or is skipped there (``"skip"``; counted in
+``skipped_steps``); nothing is exchanged in inner steps, so the ranks need not agree. A non-finite
+pseudo-gradient fails the outer step on every rank before any state changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.optim.adam import adam
+
+from ..comm import CompressedAllreduce
+from ..comm.accounting import ByteCounter, ring_allreduce_bytes
+from ..comm.dense import all_finite, any_across, group_size
+from ..compress import MinMaxUInt8Codec, SignCodec
+from .nonfinite import NonFiniteGradientError
+
+__all__ = ["COMPRESSIONS", "DiLoCo", "outer_nesterov_"]
+
+COMPRESSIONS = ("fp32", "bf16", "8bit", "1bit")
+
+
+def outer_nesterov_(anchor: torch.Tensor, delta: torch.Tensor, buf: torch.Tensor | None, *, lr: float,
+                    momentum: float, nesterov: bool) -> torch.Tensor:
+    """The outer step on flat fp32 tensors, ``torch.optim.SGD``'s arithmetic (dampening 0): ``buf``
+    <- ``momentum * buf + delta`` (``delta`` itself when ``buf`` is None), ``anchor`` <-
+    ``anchor - lr * (delta + momentum * buf)`` (or ``- lr * buf``). Returns the buffer."""
+    if momentum == 0:
+        anchor.add_(delta, alpha=-lr)
+        return delta if buf is None else buf
+    if buf is None:
+        buf = delta.clone()
+    else:
+        buf.mul_(momentum).add_(delta)
+    anchor.add_(delta.add(buf, alpha=momentum) if nesterov else buf, alpha=-lr)
+    return buf
+
+
+class DiLoCo(torch.optim.Optimizer):
+    """DiLoCo with torch's AdamW inside (see the module docstring for the update rules).
+
+    The inner arguments are ``torch.optim.AdamW``'s (``lr`` is the inner learning rate, which LR
+    schedulers drive); the outer ones are keyword-only. ``process_group``: the ranks that average
+    (default: the world). Call ``step()`` on every rank after each backward, without DDP (or with
+    DDP's allreduce skipped): the inner steps never communicate.
+    """
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, sync_every: int = 16, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True, compression: str = "fp32",
+                 on_nonfinite: str = "raise", process_group=None) -> None:
+        if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        if not outer_lr > 0:
+            raise ValueError(f"outer_lr must be > 0, got {outer_lr!r}")
+        if not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
+        if nesterov and outer_momentum == 0:
+            raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD)")
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        if on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        # torch.optim.AdamW validates the inner arguments and gives its defaults
+        inner = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(inner.param_groups, inner.defaults)
+        self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
+        self.nesterov, self.compression, self.on_nonfinite = bool(nesterov), compression, on_nonfinite
+        self.process_group = process_group
+        self.comm_counter = ByteCounter()
+        self.inner_steps = 0  # inner steps taken on this rank (skipped ones not counted)
+        self.skipped_steps = 0
+        self.outer_steps = 0
+        self._since_sync = 0  # inner steps since the last outer step
+        self._outer: dict[str, torch.Tensor] = {}  # flat fp32 anchor, momentum, error (bf16)
+        self._collective: CompressedAllreduce | None = None
+
+    # -- the flat view of every parameter, in param_groups order -----------------------------------
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _flat(self) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1).float() for p in self._params()])
+
+    def _unflatten_into_params(self, flat: torch.Tensor) -> None:
+        o = 0
+        with torch.no_grad():
+            for p in self._params():
+                p.copy_(flat[o:o + p.numel()].view_as(p))
+                o += p.numel()
+
+    def _ensure_anchor(self) -> None:
+        if "anchor" not in self._outer:
+            self._outer["anchor"] = self._flat()
+
+    # -- steps --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One inner AdamW step; after every ``sync_every`` of them, the outer step (all ranks)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._ensure_anchor()
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        if any(g.is_sparse for g in grads):
+            raise ValueError("DiLoCo does not support sparse gradients")
+        if grads and not bool(torch.stack([all_finite(g) for g in grads]).all()):
+            if self.on_nonfinite == "raise":
+                raise NonFiniteGradientError(f"DiLoCo: non-finite gradient at inner step {self.inner_steps + 1}")
+            self.skipped_steps += 1
+        else:
+            self._inner_step()
+            self.inner_steps += 1
+        self._since_sync += 1
+        if self._since_sync == self.sync_every:
+            self.outer_step()
+        return loss
+
+    def _inner_step(self) -> None:
+        """torch's AdamW update (``torch.optim.AdamW.step``'s functional call, its default foreach path)."""
+        for group in self.param_groups:
+            params, grads, m, v, steps = [], [], [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                params.append(p)
+                grads.append(p.grad)
+                m.append(st["exp_avg"])
+                v.append(st["exp_avg_sq"])
+                steps.append(st["step"])
+            if params:
+                beta1, beta2 = group["betas"]
+                adam(params, grads, m, v, [], steps, foreach=group["foreach"], amsgrad=False, beta1=beta1,
+                     beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                     maximize=group["maximize"], decoupled_weight_decay=True)
+
+    @torch.no_grad()
+    def outer_step(self) -> None:
+        """Average the pseudo-gradients (compressed as configured) and take the outer step; every
+        rank ends on the same anchor. Called by :meth:`step` every ``sync_every`` inner steps."""
+        self._ensure_anchor()
+        anchor = self._outer["anchor"]
+        delta = anchor - self._flat()
+        bad = ~all_finite(delta)
+        if bool(any_across(bad.reshape(1), self.process_group, self.comm_counter)[0]):
+            raise NonFiniteGradientError(f"DiLoCo: a non-finite pseudo-gradient at outer step {self.outer_steps + 1} "
+                                         "on some rank; no state changed")
+        delta = self._average(delta)
+        self._outer["momentum"] = outer_nesterov_(anchor, delta, self._outer.get("momentum"), lr=self.outer_lr,
+                                                  momentum=self.outer_momentum, nesterov=self.nesterov)
+        self._unflatten_into_params(anchor)
+        self.outer_steps += 1
+        self._since_sync = 0
+        self.comm_counter.end_step()
+
+    def _average(self, delta: torch.Tensor) -> torch.Tensor:
+        n, group = group_size(self.process_group), self.process_group
+        if self.compression == "fp32":
+            if n > 1:
+                delta.div_(n)
+                dist.all_reduce(delta, group=group)
+                self.comm_counter.add(ring_allreduce_bytes(delta.numel(), n), delta.numel(), n)
+            return delta
+        if self.compression == "bf16":
+            err = self._outer.setdefault("error", torch.zeros_like(delta))
+            e = delta.add_(err).div_(n)  # what this rank should contribute, with the last call's residual
+            q = e.to(torch.bfloat16)
+            err.copy_(e.sub_(q.float()).mul_(n))  # the residual, in pseudo-gradient units
+            if n > 1:
+                dist.all_reduce(q, group=group)
+                self.comm_counter.add(ring_allreduce_bytes(q.numel(), n, 2), q.numel(), n)
+            return q.float()
+        if self._collective is None:
+            self._collective = self._make_collective()
+        return self._collective(delta)
+
+    def _make_collective(self) -> CompressedAllreduce:
+        codec = MinMaxUInt8Codec() if self.compression == "8bit" else SignCodec("l2")
+        return CompressedAllreduce(codec, "error_feedback", group=self.process_group, counter=self.comm_counter,
+                                   groups=self._tensor_offsets())
+
+    def _tensor_offsets(self) -> list[int]:
+        """Where each parameter tensor starts in the flat vector: every tensor gets its own scales."""
+        offs, o = [], 0
+        for p in self._params():
+            offs.append(o)
+            o += p.numel()
+        return offs
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["diloco"] = {
+            "sync_every": self.sync_every, "compression": self.compression, "since_sync": self._since_sync,
+            "inner_steps": self.inner_steps, "outer_steps": self.outer_steps, "skipped_steps": self.skipped_steps,
+            "outer": {k: v.clone() for k, v in self._outer.items()},
+            "collective": None if self._collective is None else self._collective.state_dict(),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        sd = dict(state_dict)
+        mine = sd.pop("diloco", None)
+        if mine is None:
+            raise ValueError("not a DiLoCo state_dict (no 'diloco' section)")
+        for key in ("sync_every", "compression"):
+            if mine[key] != getattr(self, key):
+                raise ValueError(f"state was saved with {key}={mine[key]!r}, this optimizer has "
+                                 f"{key}={getattr(self, key)!r}")
+        super().load_state_dict(sd)
+        self._since_sync, self.inner_steps = mine["since_sync"], mine["inner_steps"]
+        self.outer_steps, self.skipped_steps = mine["outer_steps"], mine["skipped_steps"]
+        self._outer = {k: v.clone() for k, v in mine["outer"].items()}
+        if mine["collective"] is not None:
+            self._collective = self._make_collective()
+            self._collective.load_state_dict(mine["collective"])
