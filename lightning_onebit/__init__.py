@@ -21,6 +21,7 @@ from .strategies import (
     BaseDDPStrategy,
     CDAdamStrategy,
     CompressedDDPStrategy,
+    DiLoCoStrategy,
     OnebitAdamStrategy,
     OnebitLambStrategy,
     QAdamStrategy,
@@ -29,7 +30,7 @@ from .strategies import (
 
 __version__ = "0.1.0"
 __all__ = ["BaseDDPStrategy", "CDAdam", "CDAdamStrategy", "CommunicationMonitor", "CompressedDDPStrategy", "DiLoCo",
-           "EF21",
+           "DiLoCoStrategy", "EF21",
            "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad", "OnebitAdam", "OnebitAdamStrategy", "OnebitLamb",
            "OnebitLambStrategy", "PhaseSwitch", "QAdam", "QAdamStrategy", "ReplicaSync", "ZeroOneAdam",
            "ZeroOneAdamStrategy"]

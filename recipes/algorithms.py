@@ -20,7 +20,7 @@ import torch
 from hydra.utils import get_class
 from lightning.pytorch.strategies import Strategy
 
-from lightning_onebit import CompressedDDPStrategy
+from lightning_onebit import CompressedDDPStrategy, DiLoCoStrategy
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategies import BaseDDPStrategy
 from lightning_onebit.strategies.ddp_hooks import hook_strategy
@@ -117,6 +117,8 @@ def build_strategy(alg: Mapping[str, Any], start_method: str = "forkserver",
         return BaseDDPStrategy(**common)
     if hook:
         raise ValueError(f"algorithm {alg.get('name')!r}: comm_hook needs strategy: ddp, not {alg['strategy']!r}")
+    if alg["strategy"] == "diloco":  # the recipe builds the DiLoCo itself (build_optimizer), the strategy keeps it
+        return DiLoCoStrategy(**common)
     warmup = alg.get("warmup") if has_warmup(alg) else None
     # the recipes report a divergence at the step it happens (StopOnDivergence) rather than skip steps
     return CompressedDDPStrategy(algorithm=alg["strategy"], warmup=warmup, on_nonfinite="raise", **common)

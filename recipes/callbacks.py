@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
+from lightning_onebit import DiLoCo
 from lightning_onebit.callbacks import ReplicaSync, find_compressed_optimizer
 from lightning_onebit.comm import ring_allreduce_bytes
 from lightning_onebit.optim import NonFiniteGradientError
@@ -47,6 +48,17 @@ class DDPCommCounter(L.Callback):
         first, self._last_step = self._last_step, trainer.global_step  # no step while accumulating gradients
         shapes = [p.shape for p in pl_module.parameters() if p.requires_grad]
         numel = sum(s.numel() for s in shapes)
+        opt = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0]) if trainer.optimizers else None
+        if isinstance(opt, DiLoCo):  # DDP sends nothing: the optimizer counts its outer steps' bytes
+            c = opt.comm_counter
+            sent_now, self.bytes_total = c.total.bytes_sent - self.bytes_total, c.total.bytes_sent
+            self.fp32_ring_total, self.rounds = c.total.fp32_ring_bytes, c.rounds
+            self.last_ratio = c.total.ratio_vs_fp32  # over the run: most steps send nothing
+            pl_module.log_dict({"comm/bytes_step": float(sent_now), "comm/bytes_total": float(self.bytes_total),
+                                "comm/rounds": float(self.rounds),
+                                "comm/bits_per_param": 8.0 * self.bytes_total / max(c.steps, 1) / max(numel, 1)},
+                               on_step=True, on_epoch=False, rank_zero_only=True)
+            return
         fp32 = ring_allreduce_bytes(numel, trainer.world_size)
         hooked = trainer.strategy if isinstance(trainer.strategy, HookDDPStrategy) else None
         sent_now = 0

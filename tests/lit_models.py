@@ -86,7 +86,7 @@ class SaveParams(L.Callback):
         opt = trainer.optimizers[0]
         opt = getattr(opt, "_optimizer", opt)
         if hasattr(opt, "comm_counter"):
-            self.steps.append((trainer.global_step, opt.comm_counter.last.bytes_sent, opt.compressing,
+            self.steps.append((trainer.global_step, opt.comm_counter.last.bytes_sent, getattr(opt, "compressing", None),
                                getattr(opt, "activated", 0)))
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:

@@ -176,3 +176,58 @@ def test_bad_input_is_named_and_a_nonfinite_gradient_follows_the_policy():
             opt.step()
             assert opt.skipped_steps == 1 and opt.inner_steps == 0
         assert all(torch.equal(a, b) for a, b in zip(before, net.parameters(), strict=True))
+
+
+# -- through Lightning: strategy="diloco" on 2 processes --------------------------------------------
+def _lightning_fit(out, ckpt_path=None, checkpoint=False):
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lit_models import DigitsMLPWithValidation, SaveParams
+
+    from lightning_onebit import DiLoCoStrategy
+
+    out.mkdir(parents=True, exist_ok=True)
+    callbacks = [SaveParams(str(out))]
+    if checkpoint:
+        callbacks.append(ModelCheckpoint(dirpath=str(out / "ckpt"), save_top_k=-1, every_n_epochs=1))
+    trainer = L.Trainer(strategy=DiLoCoStrategy(sync_every=3, start_method="forkserver"), accelerator="cpu",
+                        devices=2, max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=checkpoint, default_root_dir=str(out), callbacks=callbacks)
+    trainer.fit(DigitsMLPWithValidation(), ckpt_path=ckpt_path)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.mark.usefixtures("fresh_process_group")
+@pytest.mark.budget(40)  # two 2-rank fits
+def test_strategy_validates_the_anchor_ends_on_one_model_and_resumes_mid_interval_bit_for_bit(tmp_path):
+    full = _lightning_fit(tmp_path / "full", checkpoint=True)
+    # 8 steps per epoch, an outer step every 3: validation after step 8 falls inside an interval,
+    # yet both ranks evaluate one model (the anchor); the end of fit adds an outer step (16 = 5 x 3 + 1)
+    (step, v0), (_, v1) = full[0]["validated"][0], full[1]["validated"][0]
+    assert step == 8 and all(torch.equal(a, b) for a, b in zip(v0, v1, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(full[0]["params"], full[1]["params"], strict=True))
+    assert full[0]["global_step"] == 16 and full[0]["comm_steps"] == 16
+    assert full[0]["rounds"] == 6  # 5 outer steps + the one at the end
+    # resumed from the checkpoint after epoch 1 (mid-interval), each rank continues its own replica
+    (ckpt,) = (tmp_path / "full" / "ckpt").glob("epoch=0-*.ckpt")
+    resumed = _lightning_fit(tmp_path / "resumed", ckpt_path=str(ckpt))
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(full[r]["params"], resumed[r]["params"], strict=True))
+    saved = torch.load(ckpt, weights_only=False)
+    assert len(saved["optimizer_states"][0]["diloco"]["ranks"]) == 2
+
+
+def test_strategy_refuses_what_it_cannot_run():
+    from lightning_onebit import DiLoCoStrategy
+
+    with pytest.raises(ValueError, match="compression must be one of"):
+        DiLoCoStrategy(compression="4bit")
+    with pytest.raises(ValueError, match="ddp_comm_hook"):
+        DiLoCoStrategy(ddp_comm_hook=lambda *a: None)
+    with pytest.raises(ValueError, match="L2 regularisation"):
+        DiLoCo.from_optimizer(torch.optim.Adam(_model().parameters(), weight_decay=0.1))
+    with pytest.raises(ValueError, match="cannot convert SGD"):
+        DiLoCo.from_optimizer(torch.optim.SGD(_model().parameters(), lr=0.1))
+    adamw = torch.optim.AdamW(_model().parameters(), lr=2e-3, betas=(0.8, 0.99), weight_decay=0.05)
+    new = DiLoCo.from_optimizer(adamw, sync_every=8)
+    assert [(g["lr"], g["betas"], g["weight_decay"]) for g in new.param_groups] == [(2e-3, (0.8, 0.99), 0.05)]

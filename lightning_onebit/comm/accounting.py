@@ -61,6 +61,14 @@ class ByteCounter:
             s.fp32_ring_bytes += fp32
         self._round_open = self._round_open or world_size > 1
 
+    def add_baseline(self, numel: int, world_size: int) -> None:
+        """Count ``numel`` elements whose fp32 ring all-reduce a method skipped (DiLoCo's inner steps):
+        the baseline grows, nothing was sent and no round opens."""
+        fp32 = ring_allreduce_bytes(numel, world_size)
+        for s in (self.total, self.current):
+            s.numel += numel
+            s.fp32_ring_bytes += fp32
+
     def end_round(self) -> None:
         """Close a round of communication outside a step (e.g. a synchronisation before validation)."""
         self.rounds += self._round_open

@@ -35,7 +35,8 @@ pseudo-gradient fails the outer step on every rank before any state changes.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -99,7 +100,10 @@ class DiLoCo(torch.optim.Optimizer):
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
         self.nesterov, self.compression, self.on_nonfinite = bool(nesterov), compression, on_nonfinite
         self.process_group = process_group
+        # per inner step: the fp32 ring all-reduce DDP would have sent (the baseline) and what was sent;
+        # steps = inner steps, rounds = outer steps
         self.comm_counter = ByteCounter()
+        self._wire = ByteCounter()  # what the outer step's collectives count themselves
         self.inner_steps = 0  # inner steps taken on this rank (skipped ones not counted)
         self.skipped_steps = 0
         self.outer_steps = 0
@@ -145,8 +149,11 @@ class DiLoCo(torch.optim.Optimizer):
             self._inner_step()
             self.inner_steps += 1
         self._since_sync += 1
+        n = group_size(self.process_group)
+        self.comm_counter.add_baseline(sum(p.numel() for p in self._params()), n)
         if self._since_sync == self.sync_every:
-            self.outer_step()
+            self.outer_step(_in_step=True)
+        self.comm_counter.end_step()
         return loss
 
     def _inner_step(self) -> None:
@@ -173,14 +180,16 @@ class DiLoCo(torch.optim.Optimizer):
                      maximize=group["maximize"], decoupled_weight_decay=True)
 
     @torch.no_grad()
-    def outer_step(self) -> None:
+    def outer_step(self, _in_step: bool = False) -> None:
         """Average the pseudo-gradients (compressed as configured) and take the outer step; every
-        rank ends on the same anchor. Called by :meth:`step` every ``sync_every`` inner steps."""
+        rank ends on the same anchor. Called by :meth:`step` every ``sync_every`` inner steps (and by
+        the strategy at the end of a fit inside an interval: all ranks must call it together)."""
         self._ensure_anchor()
         anchor = self._outer["anchor"]
         delta = anchor - self._flat()
         bad = ~all_finite(delta)
-        if bool(any_across(bad.reshape(1), self.process_group, self.comm_counter)[0]):
+        before = self._wire.total.bytes_sent
+        if bool(any_across(bad.reshape(1), self.process_group, self._wire)[0]):
             raise NonFiniteGradientError(f"DiLoCo: a non-finite pseudo-gradient at outer step {self.outer_steps + 1} "
                                          "on some rank; no state changed")
         delta = self._average(delta)
@@ -189,7 +198,9 @@ class DiLoCo(torch.optim.Optimizer):
         self._unflatten_into_params(anchor)
         self.outer_steps += 1
         self._since_sync = 0
-        self.comm_counter.end_step()
+        self.comm_counter.add(self._wire.total.bytes_sent - before, 0, group_size(self.process_group))
+        if not _in_step:
+            self.comm_counter.end_round()
 
     def _average(self, delta: torch.Tensor) -> torch.Tensor:
         n, group = group_size(self.process_group), self.process_group
@@ -197,7 +208,7 @@ class DiLoCo(torch.optim.Optimizer):
             if n > 1:
                 delta.div_(n)
                 dist.all_reduce(delta, group=group)
-                self.comm_counter.add(ring_allreduce_bytes(delta.numel(), n), delta.numel(), n)
+                self._wire.add(ring_allreduce_bytes(delta.numel(), n), delta.numel(), n)
             return delta
         if self.compression == "bf16":
             err = self._outer.setdefault("error", torch.zeros_like(delta))
@@ -206,7 +217,7 @@ class DiLoCo(torch.optim.Optimizer):
             err.copy_(e.sub_(q.float()).mul_(n))  # the residual, in pseudo-gradient units
             if n > 1:
                 dist.all_reduce(q, group=group)
-                self.comm_counter.add(ring_allreduce_bytes(q.numel(), n, 2), q.numel(), n)
+                self._wire.add(ring_allreduce_bytes(q.numel(), n, 2), q.numel(), n)
             return q.float()
         if self._collective is None:
             self._collective = self._make_collective()
@@ -214,7 +225,7 @@ class DiLoCo(torch.optim.Optimizer):
 
     def _make_collective(self) -> CompressedAllreduce:
         codec = MinMaxUInt8Codec() if self.compression == "8bit" else SignCodec("l2")
-        return CompressedAllreduce(codec, "error_feedback", group=self.process_group, counter=self.comm_counter,
+        return CompressedAllreduce(codec, "error_feedback", group=self.process_group, counter=self._wire,
                                    groups=self._tensor_offsets())
 
     def _tensor_offsets(self) -> list[int]:
@@ -225,6 +236,67 @@ class DiLoCo(torch.optim.Optimizer):
             o += p.numel()
         return offs
 
+    # -- conversion, the anchor, the end of an interval ---------------------------------------------
+    @classmethod
+    def from_optimizer(cls, opt: torch.optim.Optimizer, **kwargs) -> DiLoCo:
+        """A DiLoCo over ``opt``'s parameter groups with its hyperparameters (every key of a group, also
+        those an LR scheduler added, is kept). ``opt``: ``torch.optim.AdamW``, or ``Adam`` without
+        weight decay (Adam's is L2, not decoupled); no AMSGrad, no ``maximize``."""
+        if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+            raise ValueError(f"DiLoCo runs AdamW inside; cannot convert {type(opt).__name__}")
+        for g in opt.param_groups:
+            if g.get("amsgrad") or g.get("maximize"):
+                raise ValueError("DiLoCo's inner AdamW has no amsgrad or maximize; turn them off")
+            if type(opt) is torch.optim.Adam and g["weight_decay"] and not g.get("decoupled_weight_decay"):
+                raise ValueError("Adam's weight_decay is L2 regularisation, which DiLoCo's AdamW does not run; "
+                                 "return torch.optim.AdamW (decoupled weight decay) instead")
+        d = opt.defaults
+        new = cls([dict(g) for g in opt.param_groups], lr=d["lr"], betas=d["betas"], eps=d["eps"],
+                  weight_decay=d["weight_decay"], **kwargs)
+        for p, st in opt.state.items():  # a resumed AdamW's moments, if any
+            new.state[p] = dict(st)
+        return new
+
+    def anchor_views(self) -> dict[int, torch.Tensor]:
+        """``id(parameter)`` -> the anchor of that parameter (a view of the flat anchor, fp32)."""
+        self._ensure_anchor()
+        out, o, a = {}, 0, self._outer["anchor"]
+        for p in self._params():
+            out[id(p)] = a[o:o + p.numel()].view(p.shape)
+            o += p.numel()
+        return out
+
+    @contextlib.contextmanager
+    def anchor_in_params(self) -> Iterator[None]:
+        """Inside: the parameters hold the anchor, the model every rank shares (what validation
+        evaluates); on exit this rank's replica comes back."""
+        local = self._flat()
+        self._unflatten_into_params(self._outer["anchor"] if "anchor" in self._outer else local)
+        try:
+            yield
+        finally:
+            self._unflatten_into_params(local)
+
+    @property
+    def compressing(self) -> bool:
+        """Always: DiLoCo has no uncompressed warm-up (``CommunicationMonitor``'s phase)."""
+        return True
+
+    @property
+    def since_sync(self) -> int:
+        """Inner steps since the last outer step (the same on every rank)."""
+        return self._since_sync
+
+    def local_state(self) -> dict:
+        """What only this rank holds: its replica (flat fp32) and :meth:`state_dict` (its AdamW moments, its
+        error state). A checkpoint keeps every rank's, so a resume continues bit for bit."""
+        return {"params": self._flat(), "optimizer": self.state_dict()}
+
+    def load_local_state(self, local: dict) -> None:
+        """Restore :meth:`local_state` (after the model holds the anchor)."""
+        self.load_state_dict(local["optimizer"])
+        self._unflatten_into_params(local["params"])
+
     # -- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         sd = super().state_dict()
@@ -232,6 +304,7 @@ class DiLoCo(torch.optim.Optimizer):
             "sync_every": self.sync_every, "compression": self.compression, "since_sync": self._since_sync,
             "inner_steps": self.inner_steps, "outer_steps": self.outer_steps, "skipped_steps": self.skipped_steps,
             "outer": {k: v.clone() for k, v in self._outer.items()},
+            "comm_counter": self.comm_counter.state_dict(),
             "collective": None if self._collective is None else self._collective.state_dict(),
         }
         return sd
@@ -249,6 +322,7 @@ class DiLoCo(torch.optim.Optimizer):
         self._since_sync, self.inner_steps = mine["since_sync"], mine["inner_steps"]
         self.outer_steps, self.skipped_steps = mine["outer_steps"], mine["skipped_steps"]
         self._outer = {k: v.clone() for k, v in mine["outer"].items()}
+        self.comm_counter.load_state_dict(mine["comm_counter"])
         if mine["collective"] is not None:
             self._collective = self._make_collective()
             self._collective.load_state_dict(mine["collective"])

@@ -8,6 +8,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from .compressed import ALGORITHMS, CompressedDDPStrategy
 from .ddp_hooks import HookDDPStrategy, hook_strategy
+from .diloco import DiLoCoStrategy
 from .launch import BaseDDPStrategy, destroy_process_group_at_exit
 
 
@@ -42,7 +43,8 @@ class ZeroOneAdamStrategy(CompressedDDPStrategy):
 
 
 CompressedDDPStrategy.register_strategies(StrategyRegistry)
+DiLoCoStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ALGORITHMS", "BaseDDPStrategy", "CDAdamStrategy", "CompressedDDPStrategy", "HookDDPStrategy",
-           "OnebitAdamStrategy", "OnebitLambStrategy", "QAdamStrategy", "ZeroOneAdamStrategy",
+__all__ = ["ALGORITHMS", "BaseDDPStrategy", "CDAdamStrategy", "CompressedDDPStrategy", "DiLoCoStrategy",
+           "HookDDPStrategy", "OnebitAdamStrategy", "OnebitLambStrategy", "QAdamStrategy", "ZeroOneAdamStrategy",
            "destroy_process_group_at_exit", "hook_strategy"]

@@ -1,0 +1,165 @@
+"""``strategy="diloco"``: DDP whose gradients stay on their rank, for :class:`~lightning_onebit.DiLoCo`.
+
+DDP's allreduce is replaced by a hook that leaves each rank's gradients in place (the inner steps
+send nothing); an ``AdamW`` from ``configure_optimizers`` becomes a ``DiLoCo`` with the same
+hyperparameters and its LR schedulers follow it. Between outer steps the ranks' replicas differ, so:
+
+* validation evaluates the anchor, the model of the last outer step, identical on every rank (no
+  extra round); training resumes on each rank's own replica afterwards;
+* a checkpoint's model is the anchor, and its optimizer state holds every rank's replica, AdamW
+  moments and error state (gathered to rank 0: about 16 B per parameter and rank on CPU), so a resume
+  on the same number of ranks continues bit for bit mid-interval; on another number of ranks it
+  starts from the anchor with rank 0's moments (a warning says so);
+* the fit's last step (or its end, if stopped early) takes one last outer step over a partial interval,
+  so every rank ends on one model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_info
+from torch.optim import Optimizer
+
+from ..comm.ddp_hook import register_local_hook
+from ..optim.diloco import DiLoCo
+from .launch import BaseDDPStrategy
+from .schedulers import repoint_scheduler
+
+__all__ = ["DiLoCoStrategy"]
+
+
+class DiLoCoStrategy(BaseDDPStrategy):
+    """DDP + :class:`~lightning_onebit.DiLoCo` (see the module docstring).
+
+    Args:
+        sync_every, outer_lr, outer_momentum, nesterov, compression, on_nonfinite: DiLoCo's (checked
+            here, before any rank starts).
+        **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
+            ``gradient_as_bucket_view`` defaults to ``True``.
+    """
+
+    def __init__(self, sync_every: int = 16, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True, compression: str = "fp32", on_nonfinite: str = "raise",
+                 **kwargs: Any) -> None:
+        if kwargs.get("ddp_comm_hook") is not None:
+            raise ValueError("DiLoCoStrategy installs its own DDP comm hook; ddp_comm_hook cannot be set")
+        kwargs.setdefault("gradient_as_bucket_view", True)
+        super().__init__(**kwargs)
+        self.diloco_kwargs = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+                              "nesterov": nesterov, "compression": compression, "on_nonfinite": on_nonfinite}
+        DiLoCo([torch.zeros(1, requires_grad=True)], **self.diloco_kwargs)  # bad options fail here
+        self._in_anchor: list = []
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        self._convert_optimizers()
+        register_local_hook(self.model)
+
+    def _convert_optimizers(self) -> None:
+        if not self.optimizers:
+            raise ValueError("strategy 'diloco' needs an optimizer; configure_optimizers returned none")
+        out = []
+        for opt in self.optimizers:
+            if isinstance(opt, DiLoCo):
+                out.append(opt)
+                continue
+            try:
+                new = DiLoCo.from_optimizer(opt, **self.diloco_kwargs)
+            except ValueError as exc:
+                raise ValueError(f"strategy 'diloco': {exc}. Return torch.optim.AdamW (or DiLoCo) from "
+                                 "configure_optimizers") from exc
+            for cfg in self.lr_scheduler_configs:
+                repoint_scheduler(cfg.scheduler, opt, new)
+            rank_zero_info(f"lightning_onebit: converted {type(opt).__name__} to DiLoCo (same hyperparameters, "
+                           f"{self.diloco_kwargs}) for strategy 'diloco'")
+            out.append(new)
+        self.optimizers = out
+
+    def _dilocos(self) -> list[DiLoCo]:
+        return [o for o in self.optimizers if isinstance(o, DiLoCo)]
+
+    # -- one model where one is wanted ---------------------------------------------------------
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._in_anchor = [opt.anchor_in_params() for opt in self._dilocos()]
+            for ctx in self._in_anchor:
+                ctx.__enter__()
+
+    def on_validation_end(self) -> None:
+        for ctx in reversed(self._in_anchor):
+            ctx.__exit__(None, None, None)
+        self._in_anchor = []
+        super().on_validation_end()
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        trainer = self.lightning_module.trainer
+        if trainer.global_step + 1 >= trainer.estimated_stepping_batches:  # the fit's last step
+            self._finish_interval()
+        return out
+
+    def on_train_end(self) -> None:
+        self._finish_interval()  # a fit stopped early (the last step already did it otherwise)
+        super().on_train_end()
+
+    def _finish_interval(self) -> None:
+        """An outer step over a partial interval, so that the fit ends on one model on every rank
+        (``since_sync`` is the same everywhere: all ranks take it together)."""
+        for opt in self._dilocos():
+            if opt.since_sync:
+                opt.outer_step()
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The anchor as the checkpoint's model (identical on every rank), not this rank's replica."""
+        sd = super().lightning_module_state_dict()
+        views: dict[int, torch.Tensor] = {}
+        for opt in self._dilocos():
+            views.update(opt.anchor_views())
+        for name, p in self.lightning_module.named_parameters():
+            if id(p) in views and name in sd:
+                sd[name] = views[id(p)].to(p.dtype)
+        return sd
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict:
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        if not isinstance(opt, DiLoCo):
+            return super().optimizer_state(optimizer)
+        sd = opt.state_dict()
+        ranks = [opt.local_state()]
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            ranks = [None] * self.world_size
+            dist.all_gather_object(ranks, opt.local_state())
+        sd["diloco"] = dict(sd["diloco"], ranks=ranks)
+        return sd
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Each rank its own replica, moments and error state (see the module docstring)."""
+        for opt, st in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            section = st.get("diloco") if isinstance(st, dict) else None
+            if section is None:
+                raise ValueError("this checkpoint's optimizer state was not written by DiLoCo; it cannot be "
+                                 "resumed with strategy 'diloco'")
+            ranks = section.get("ranks") or []
+            if len(ranks) == self.world_size:
+                opt.load_local_state(ranks[self.global_rank])
+            else:
+                warnings.warn(f"checkpoint was written on {len(ranks)} ranks, resuming on {self.world_size}: every "
+                              "rank starts from the anchor with rank 0's AdamW moments", stacklevel=2)
+                opt.load_state_dict(ranks[0]["optimizer"])
+
+    @classmethod
+    def register_strategies(cls, strategy_registry) -> None:
+        for suffix, start in (("", "popen"), ("_spawn", "spawn"), ("_forkserver", "forkserver")):
+            strategy_registry.register("diloco" + suffix, cls, description="DDP with DiLoCo (local AdamW steps, "
+                                       "compressed outer updates)", start_method=start, override=True)
