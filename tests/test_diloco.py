@@ -42,7 +42,7 @@ def _backward(net: nn.Module, rank: int, step: int) -> None:
     nn.functional.cross_entropy(net(tok).reshape(-1, 40), tok.roll(1, 1).reshape(-1)).backward()
 
 
-def _reference(world: int) -> list[torch.Tensor]:
+def _reference(world: int, fragments: list[list[int]] | None = None, steps: int = H * OUTER) -> list[torch.Tensor]:
     """The paper's algorithm in a few lines: replicas with their own AdamW, the mean of anchor - local,
     torch.optim.SGD(nesterov) on the anchor, every replica restarts from it. On one thread, as the
     ranks run: the attention's key bias gets a gradient of pure rounding noise, whose sign AdamW
@@ -50,29 +50,33 @@ def _reference(world: int) -> list[torch.Tensor]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference_steps(world)
+        return _reference_steps(world, fragments, steps)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference_steps(world: int) -> list[torch.Tensor]:
+def _reference_steps(world: int, fragments: list[list[int]] | None, steps: int) -> list[torch.Tensor]:
     replicas = [_model() for _ in range(world)]
     inner = [torch.optim.AdamW(r.parameters(), lr=3e-3, weight_decay=0.01) for r in replicas]
     anchor = [p.detach().clone().requires_grad_(True) for p in replicas[0].parameters()]
-    outer = torch.optim.SGD(anchor, lr=0.7, momentum=0.9, nesterov=True)
-    for t in range(H * OUTER):
+    fragments = fragments or [list(range(len(anchor)))]
+    F = len(fragments)
+    outer = [torch.optim.SGD([anchor[i] for i in frag], lr=0.7, momentum=0.9, nesterov=True) for frag in fragments]
+    for t in range(1, steps + 1):
         for r, (net, opt) in enumerate(zip(replicas, inner, strict=True)):
-            _backward(net, r, t)
+            _backward(net, r, t - 1)
             opt.step()
-        if (t + 1) % H == 0:
+        for f, frag in enumerate(fragments):  # Streaming DiLoCo: fragment f after steps (f + 1) H / F mod H
+            if t % H != (H * (f + 1) // F) % H:
+                continue
             with torch.no_grad():
-                for i, a in enumerate(anchor):
-                    a.grad = sum((a - list(net.parameters())[i]) / world for net in replicas)
-            outer.step()
+                for i in frag:
+                    anchor[i].grad = sum((anchor[i] - list(net.parameters())[i]) / world for net in replicas)
+            outer[f].step()
             with torch.no_grad():
                 for net in replicas:
-                    for p, a in zip(net.parameters(), anchor, strict=True):
-                        p.copy_(a)
+                    for i in frag:
+                        list(net.parameters())[i].copy_(anchor[i])
     return [a.detach() for a in anchor]
 
 
@@ -231,3 +235,23 @@ def test_strategy_refuses_what_it_cannot_run():
     adamw = torch.optim.AdamW(_model().parameters(), lr=2e-3, betas=(0.8, 0.99), weight_decay=0.05)
     new = DiLoCo.from_optimizer(adamw, sync_every=8)
     assert [(g["lr"], g["betas"], g["weight_decay"]) for g in new.param_groups] == [(2e-3, (0.8, 0.99), 0.05)]
+
+
+def _fragmented(rank: int, world: int):
+    net = _model()
+    opt = DiLoCo(net.parameters(), lr=3e-3, weight_decay=0.01, sync_every=H, fragments=3)
+    synced = []
+    for t in range(2 * H):
+        _backward(net, rank, t)
+        opt.step()
+        synced.append(opt.comm_counter.rounds)
+    views = opt.anchor_views()
+    return [views[id(p)].clone() for p in net.parameters()], opt.fragment_tensors(), synced
+
+
+def test_streaming_fragments_each_sync_on_their_own_schedule_like_the_reference():
+    (p0, frags, synced), (p1, _, _) = values(run_ranks(_fragmented, 2))  # the anchors
+    assert len(frags) == 3 and sorted(i for f in frags for i in f) == list(range(len(p0)))
+    assert synced == [1, 2, 3, 4, 5, 6]  # H = F = 3: one fragment's outer step after every inner step
+    ref = _reference(2, frags, steps=2 * H)
+    assert all(torch.equal(a, b) and torch.equal(a, r) for a, b, r in zip(p0, p1, ref, strict=True))

@@ -15,6 +15,13 @@ with :math:`\theta` the anchor (the model every rank held after the previous out
 with :math:`\eta` = ``outer_lr`` (0.7) and :math:`\mu` = ``outer_momentum`` (0.9), the paper's
 settings; the outer step is ``torch.optim.SGD(nesterov=True)``'s arithmetic on the anchor.
 
+``fragments`` = F > 1 is Streaming DiLoCo's schedule (Douillard et al., arXiv 2501.18512): the
+parameter tensors are cut into F consecutive fragments of about equal size, each with its own outer
+step every H inner steps, fragment f after inner steps ``(f + 1) H / F`` mod H, so one fragment
+travels every H / F steps and the peak traffic drops F-fold. (The paper's overlap of a fragment's
+all-reduce with the next inner steps, and its mixing of local and global values, are not done here:
+each fragment's outer step completes before the next inner step.)
+
 ``compression`` (what each rank puts on the wire per outer step and parameter, ``n`` ranks):
 
 * ``"fp32"``: ``dist.all_reduce`` of the fp32 pseudo-gradients, exact (ring: 2 (n-1)/n x 4 B);
@@ -81,7 +88,7 @@ class DiLoCo(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, sync_every: int = 16, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, compression: str = "fp32",
-                 on_nonfinite: str = "raise", process_group=None) -> None:
+                 fragments: int = 1, on_nonfinite: str = "raise", process_group=None) -> None:
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
         if not outer_lr > 0:
@@ -90,6 +97,8 @@ class DiLoCo(torch.optim.Optimizer):
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
         if nesterov and outer_momentum == 0:
             raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD)")
+        if not isinstance(fragments, int) or isinstance(fragments, bool) or not 1 <= fragments <= sync_every:
+            raise ValueError(f"fragments must be an int in [1, sync_every={sync_every}], got {fragments!r}")
         if compression not in COMPRESSIONS:
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         if on_nonfinite not in ("raise", "skip"):
@@ -107,9 +116,13 @@ class DiLoCo(torch.optim.Optimizer):
         self.inner_steps = 0  # inner steps taken on this rank (skipped ones not counted)
         self.skipped_steps = 0
         self.outer_steps = 0
-        self._since_sync = 0  # inner steps since the last outer step
-        self._outer: dict[str, torch.Tensor] = {}  # flat fp32 anchor, momentum, error (bf16)
-        self._collective: CompressedAllreduce | None = None
+        self.fragments = fragments
+        self._t = 0  # inner steps so far, skipped ones included (the schedule's clock, equal on every rank)
+        self._last_sync = [0] * fragments  # the clock at each fragment's last outer step
+        # flat fp32: the anchor; per fragment f: "momentum{f}", and "error{f}" (bf16)
+        self._outer: dict[str, torch.Tensor] = {}
+        self._collectives: dict[int, CompressedAllreduce] = {}
+        self._spans: list[tuple[int, int, list[int]]] | None = None  # per fragment: lo, hi, tensor offsets
 
     # -- the flat view of every parameter, in param_groups order -----------------------------------
     def _params(self) -> list[torch.Tensor]:
@@ -118,12 +131,48 @@ class DiLoCo(torch.optim.Optimizer):
     def _flat(self) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1).float() for p in self._params()])
 
-    def _unflatten_into_params(self, flat: torch.Tensor) -> None:
+    def _unflatten_into_params(self, flat: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
+        """Copy ``flat`` into the parameters whose span lies in ``[lo, hi)`` of the flat vector."""
         o = 0
         with torch.no_grad():
             for p in self._params():
-                p.copy_(flat[o:o + p.numel()].view_as(p))
+                if o >= lo and (hi is None or o + p.numel() <= hi):
+                    p.copy_(flat[o:o + p.numel()].view_as(p))
                 o += p.numel()
+
+    def _fragment_spans(self) -> list[tuple[int, int, list[int]]]:
+        """The fragments: consecutive parameter tensors, cut where the running size passes k/F of the
+        total (each at least one tensor); per fragment ``(lo, hi, tensor offsets relative to lo)``."""
+        if self._spans is None:
+            sizes = [p.numel() for p in self._params()]
+            if len(sizes) < self.fragments:
+                raise ValueError(f"fragments={self.fragments} but the optimizer holds {len(sizes)} tensors")
+            total, cuts, o = sum(sizes), [0], 0
+            for i, n in enumerate(sizes[:-1]):
+                o += n
+                left = len(sizes) - i - 1  # tensors after this one
+                k = len(cuts)
+                if k < self.fragments and (o >= k * total / self.fragments or left == self.fragments - k):
+                    cuts.append(i + 1)
+            cuts.append(len(sizes))
+            starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+            self._spans = [(starts[a], starts[b], [starts[i] - starts[a] for i in range(a, b)])
+                           for a, b in zip(cuts, cuts[1:], strict=False)]
+        return self._spans
+
+    def fragment_tensors(self) -> list[list[int]]:
+        """The indices (in ``param_groups`` order) of each fragment's parameter tensors."""
+        out, k = [], 0
+        for _, _, offs in self._fragment_spans():
+            out.append(list(range(k, k + len(offs))))
+            k += len(offs)
+        return out
+
+    def _due(self, t: int) -> list[int]:
+        """Fragments whose outer step follows inner step ``t``: fragment f at ``t = (f + 1) H / F`` mod H,
+        so with F fragments one of them syncs every H / F steps (each still every H)."""
+        h, f_count = self.sync_every, self.fragments
+        return [f for f in range(f_count) if t % h == (h * (f + 1) // f_count) % h]
 
     def _ensure_anchor(self) -> None:
         if "anchor" not in self._outer:
@@ -148,11 +197,12 @@ class DiLoCo(torch.optim.Optimizer):
         else:
             self._inner_step()
             self.inner_steps += 1
-        self._since_sync += 1
+        self._t += 1
         n = group_size(self.process_group)
         self.comm_counter.add_baseline(sum(p.numel() for p in self._params()), n)
-        if self._since_sync == self.sync_every:
-            self.outer_step(_in_step=True)
+        due = self._due(self._t)
+        if due:
+            self.outer_step(due, _in_step=True)
         self.comm_counter.end_step()
         return loss
 
@@ -180,29 +230,36 @@ class DiLoCo(torch.optim.Optimizer):
                      maximize=group["maximize"], decoupled_weight_decay=True)
 
     @torch.no_grad()
-    def outer_step(self, _in_step: bool = False) -> None:
-        """Average the pseudo-gradients (compressed as configured) and take the outer step; every
-        rank ends on the same anchor. Called by :meth:`step` every ``sync_every`` inner steps (and by
-        the strategy at the end of a fit inside an interval: all ranks must call it together)."""
+    def outer_step(self, fragments: list[int] | None = None, _in_step: bool = False) -> None:
+        """Average the pseudo-gradients of ``fragments`` (default: every fragment with inner steps since
+        its last outer step) and take their outer steps; every rank ends on the same anchor. Called by
+        :meth:`step` on the schedule, and by the strategy at the end of a fit inside an interval: all
+        ranks must call it together."""
         self._ensure_anchor()
-        anchor = self._outer["anchor"]
-        delta = anchor - self._flat()
-        bad = ~all_finite(delta)
+        if fragments is None:
+            fragments = [f for f in range(self.fragments) if self._last_sync[f] < self._t]
+        anchor, local = self._outer["anchor"], self._flat()
+        spans = self._fragment_spans()
+        deltas = [anchor[spans[f][0]:spans[f][1]] - local[spans[f][0]:spans[f][1]] for f in fragments]
+        bad = torch.stack([~all_finite(d) for d in deltas]).any() if deltas else torch.zeros((), dtype=torch.bool)
         before = self._wire.total.bytes_sent
         if bool(any_across(bad.reshape(1), self.process_group, self._wire)[0]):
             raise NonFiniteGradientError(f"DiLoCo: a non-finite pseudo-gradient at outer step {self.outer_steps + 1} "
                                          "on some rank; no state changed")
-        delta = self._average(delta)
-        self._outer["momentum"] = outer_nesterov_(anchor, delta, self._outer.get("momentum"), lr=self.outer_lr,
-                                                  momentum=self.outer_momentum, nesterov=self.nesterov)
-        self._unflatten_into_params(anchor)
+        for f, delta in zip(fragments, deltas, strict=True):
+            lo, hi, _ = spans[f]
+            delta = self._average(delta, f)
+            key = f"momentum{f}"
+            self._outer[key] = outer_nesterov_(anchor[lo:hi], delta, self._outer.get(key), lr=self.outer_lr,
+                                               momentum=self.outer_momentum, nesterov=self.nesterov)
+            self._unflatten_into_params(anchor, lo, hi)
+            self._last_sync[f] = self._t
         self.outer_steps += 1
-        self._since_sync = 0
         self.comm_counter.add(self._wire.total.bytes_sent - before, 0, group_size(self.process_group))
         if not _in_step:
             self.comm_counter.end_round()
 
-    def _average(self, delta: torch.Tensor) -> torch.Tensor:
+    def _average(self, delta: torch.Tensor, f: int) -> torch.Tensor:
         n, group = group_size(self.process_group), self.process_group
         if self.compression == "fp32":
             if n > 1:
@@ -211,7 +268,7 @@ class DiLoCo(torch.optim.Optimizer):
                 self._wire.add(ring_allreduce_bytes(delta.numel(), n), delta.numel(), n)
             return delta
         if self.compression == "bf16":
-            err = self._outer.setdefault("error", torch.zeros_like(delta))
+            err = self._outer.setdefault(f"error{f}", torch.zeros_like(delta))
             e = delta.add_(err).div_(n)  # what this rank should contribute, with the last call's residual
             q = e.to(torch.bfloat16)
             err.copy_(e.sub_(q.float()).mul_(n))  # the residual, in pseudo-gradient units
@@ -219,22 +276,15 @@ class DiLoCo(torch.optim.Optimizer):
                 dist.all_reduce(q, group=group)
                 self._wire.add(ring_allreduce_bytes(q.numel(), n, 2), q.numel(), n)
             return q.float()
-        if self._collective is None:
-            self._collective = self._make_collective()
-        return self._collective(delta)
+        if f not in self._collectives:
+            self._collectives[f] = self._make_collective(f)
+        return self._collectives[f](delta)
 
-    def _make_collective(self) -> CompressedAllreduce:
+    def _make_collective(self, f: int) -> CompressedAllreduce:
         codec = MinMaxUInt8Codec() if self.compression == "8bit" else SignCodec("l2")
+        # every tensor of the fragment gets its own scales
         return CompressedAllreduce(codec, "error_feedback", group=self.process_group, counter=self._wire,
-                                   groups=self._tensor_offsets())
-
-    def _tensor_offsets(self) -> list[int]:
-        """Where each parameter tensor starts in the flat vector: every tensor gets its own scales."""
-        offs, o = [], 0
-        for p in self._params():
-            offs.append(o)
-            o += p.numel()
-        return offs
+                                   groups=self._fragment_spans()[f][2])
 
     # -- conversion, the anchor, the end of an interval ---------------------------------------------
     @classmethod
@@ -284,8 +334,8 @@ class DiLoCo(torch.optim.Optimizer):
 
     @property
     def since_sync(self) -> int:
-        """Inner steps since the last outer step (the same on every rank)."""
-        return self._since_sync
+        """Inner steps since the oldest fragment's last outer step (the same on every rank)."""
+        return self._t - min(self._last_sync)
 
     def local_state(self) -> dict:
         """What only this rank holds: its replica (flat fp32) and :meth:`state_dict` (its AdamW moments, its
@@ -301,11 +351,12 @@ class DiLoCo(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["diloco"] = {
-            "sync_every": self.sync_every, "compression": self.compression, "since_sync": self._since_sync,
+            "sync_every": self.sync_every, "compression": self.compression, "fragments": self.fragments,
+            "t": self._t, "last_sync": list(self._last_sync),
             "inner_steps": self.inner_steps, "outer_steps": self.outer_steps, "skipped_steps": self.skipped_steps,
             "outer": {k: v.clone() for k, v in self._outer.items()},
             "comm_counter": self.comm_counter.state_dict(),
-            "collective": None if self._collective is None else self._collective.state_dict(),
+            "collectives": {f: c.state_dict() for f, c in self._collectives.items()},
         }
         return sd
 
@@ -314,15 +365,16 @@ class DiLoCo(torch.optim.Optimizer):
         mine = sd.pop("diloco", None)
         if mine is None:
             raise ValueError("not a DiLoCo state_dict (no 'diloco' section)")
-        for key in ("sync_every", "compression"):
+        for key in ("sync_every", "compression", "fragments"):
             if mine[key] != getattr(self, key):
                 raise ValueError(f"state was saved with {key}={mine[key]!r}, this optimizer has "
                                  f"{key}={getattr(self, key)!r}")
         super().load_state_dict(sd)
-        self._since_sync, self.inner_steps = mine["since_sync"], mine["inner_steps"]
+        self._t, self._last_sync, self.inner_steps = mine["t"], list(mine["last_sync"]), mine["inner_steps"]
         self.outer_steps, self.skipped_steps = mine["outer_steps"], mine["skipped_steps"]
         self._outer = {k: v.clone() for k, v in mine["outer"].items()}
         self.comm_counter.load_state_dict(mine["comm_counter"])
-        if mine["collective"] is not None:
-            self._collective = self._make_collective()
-            self._collective.load_state_dict(mine["collective"])
+        self._collectives = {}
+        for f, sd_f in mine["collectives"].items():
+            self._collectives[f] = self._make_collective(f)
+            self._collectives[f].load_state_dict(sd_f)

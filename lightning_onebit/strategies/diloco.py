@@ -38,21 +38,22 @@ class DiLoCoStrategy(BaseDDPStrategy):
     """DDP + :class:`~lightning_onebit.DiLoCo` (see the module docstring).
 
     Args:
-        sync_every, outer_lr, outer_momentum, nesterov, compression, on_nonfinite: DiLoCo's (checked
+        sync_every, outer_lr, outer_momentum, nesterov, compression, fragments, on_nonfinite: DiLoCo's (checked
             here, before any rank starts).
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
             ``gradient_as_bucket_view`` defaults to ``True``.
     """
 
     def __init__(self, sync_every: int = 16, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, compression: str = "fp32", on_nonfinite: str = "raise",
-                 **kwargs: Any) -> None:
+                 nesterov: bool = True, compression: str = "fp32", fragments: int = 1,
+                 on_nonfinite: str = "raise", **kwargs: Any) -> None:
         if kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("DiLoCoStrategy installs its own DDP comm hook; ddp_comm_hook cannot be set")
         kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(**kwargs)
         self.diloco_kwargs = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
-                              "nesterov": nesterov, "compression": compression, "on_nonfinite": on_nonfinite}
+                              "nesterov": nesterov, "compression": compression, "fragments": fragments,
+                              "on_nonfinite": on_nonfinite}
         DiLoCo([torch.zeros(1, requires_grad=True)], **self.diloco_kwargs)  # bad options fail here
         self._in_anchor: list = []
 
