@@ -94,10 +94,15 @@ PROFILE_TAG = "LOBPROF "
 
 METHODS = ("ddp_adamw", "ddp_fp16", "ddp_bf16", "powersgd_r1", "powersgd_r4",
            "onebit_adam", "onebit_lamb", "qadam", "cd_adam", "zero_one_adam",
-           "onebit_adam_hier", "onebit_lamb_hier", "qadam_hier", "cd_adam_hier")
+           "onebit_adam_hier", "onebit_lamb_hier", "qadam_hier", "cd_adam_hier", "diloco", "diloco_1bit")
+DILOCO_H = 8
+"""DiLoCo's ``sync_every`` here (its phase-2 figures are means over whole intervals of this many steps)."""
+DILOCO = ("diloco", "diloco_1bit")
 HIER = ("onebit_adam_hier", "onebit_lamb_hier", "qadam_hier", "cd_adam_hier")
 """The two-level collective (``hierarchical=True``); the plain names run flat (``hierarchical=False``)."""
-COMPRESSED = ("onebit_adam", "onebit_lamb", "qadam", "cd_adam", "zero_one_adam", *HIER)
+COMPRESSED = ("onebit_adam", "onebit_lamb", "qadam", "cd_adam", "zero_one_adam", *HIER, *DILOCO)
+INTERVALS = ("zero_one_adam", *DILOCO)
+"""Methods whose steps differ within an interval: their phase-2 step time is the mean over whole intervals."""
 DEFAULT_METHODS = METHODS[:10]
 HOOKS = ("ddp_fp16", "ddp_bf16", "powersgd_r1", "powersgd_r4")
 LABEL = {
@@ -112,6 +117,8 @@ LABEL = {
     "cd_adam": "cd_adam",
     "zero_one_adam": "zero_one_adam (mean over intervals)",
     **{m: f"{m[:-5]} two-level" for m in HIER},
+    "diloco": f"diloco H={DILOCO_H}, fp32 (mean over intervals)",
+    "diloco_1bit": f"diloco H={DILOCO_H}, 1-bit (mean over intervals)",
 }
 WORKLOADS = ("mlp", "transformer")
 WORKLOAD_DESC = {
@@ -333,8 +340,11 @@ def zero_one_schedule(warmup: int) -> dict[str, int]:
 def _whole_intervals(method: str, warmup: int, lo: int, hi: int) -> tuple[int, int]:
     """0/1 Adam's phase-2 window cut to whole local intervals (from a step after a synchronisation to a
     synchronisation), so that its mean step time and bytes are the steady state's; others unchanged."""
-    if method != "zero_one_adam":
+    if method not in INTERVALS:
         return lo, hi
+    if method in DILOCO:  # an outer step after every DILOCO_H-th step
+        syncs = [i for i in range(lo - 1, hi) if (i + 1) % DILOCO_H == 0]
+        return (syncs[0] + 1, syncs[-1] + 1) if len(syncs) >= 2 else (lo, hi)
     from lightning_onebit.optim import ZeroOneSchedule
 
     kinds = ZeroOneSchedule(**zero_one_schedule(warmup)).kinds(hi)  # kinds[i]: step index i (0-based)
@@ -359,6 +369,10 @@ def make_strategy(method: str, warmup: int) -> Any:
         return hook_strategy("bf16", **views)
     if method.startswith("powersgd_r"):
         return hook_strategy("powersgd", rank=int(method[10:]), start_iter=max(2, warmup), **views)
+    if method in DILOCO:
+        from lightning_onebit import DiLoCoStrategy
+
+        return DiLoCoStrategy(sync_every=DILOCO_H, compression="1bit" if method == "diloco_1bit" else "fp32", **views)
     if method in COMPRESSED:
         from lightning_onebit import CompressedDDPStrategy
 
@@ -450,7 +464,7 @@ def run_method(method: str, args: argparse.Namespace, rank: int, world: int, ifa
         boundary = W  # also 0/1 Adam's freeze (var_freeze_step = W)
     per_step = [max(r["times"][i] for r in everyone) for i in range(S)]
     phases = {"warmup": (skip, boundary), "compress": _whole_intervals(method, W, boundary + skip, S)}
-    stat = statistics.mean if method == "zero_one_adam" else _med
+    stat = statistics.mean if method in INTERVALS else _med
     row: dict[str, Any] = {
         "nodes": world // L, "ranks_per_node": L, "rate": args.rate, "workload": args.workload, "method": method,
         "batch_per_worker": batch_size(args.workload), "steps": S, "switch_step": switch,

@@ -20,7 +20,7 @@ import torch
 from hydra.utils import get_class
 from lightning.pytorch.strategies import Strategy
 
-from lightning_onebit import CompressedDDPStrategy, DiLoCoStrategy
+from lightning_onebit import CompressedDDPStrategy, DiLoCo, DiLoCoStrategy
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategies import BaseDDPStrategy
 from lightning_onebit.strategies.ddp_hooks import hook_strategy
@@ -84,6 +84,9 @@ def build_optimizer(alg: Mapping[str, Any], params: Iterable, *, total_steps: in
     kw = optimizer_kwargs(alg)
     if simulate_workers is not None and alg.get("comm_hook"):  # else it would be charged as fp32 DDP
         raise ValueError(f"algorithm {alg.get('name')!r}: the comm hook {alg['comm_hook']!r} needs real DDP ranks "
+                         "(experiment.runner=lightning), not simulated workers")
+    if simulate_workers is not None and issubclass(cls, DiLoCo):  # else one replica on averaged gradients
+        raise ValueError(f"algorithm {alg.get('name')!r}: DiLoCo trains a replica per rank and needs real ranks "
                          "(experiment.runner=lightning), not simulated workers")
     if has_warmup(alg):
         kw["warmup_steps"] = None if total_steps is None else resolve_warmup(alg.get("warmup"), total_steps)

@@ -61,6 +61,11 @@ class DiLoCoStrategy(BaseDDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            # GradScaler skips steps per rank: the ranks' schedules would drift apart and the outer
+            # all-reduce would wait forever for a rank that is a step behind
+            raise ValueError("strategy 'diloco' does not run with precision='16-mixed' (GradScaler skips steps on "
+                             "each rank on its own); use '32-true' or 'bf16-mixed'")
         self._convert_optimizers()
         register_local_hook(self.model)
 
