@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import torch
 
-from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
+from lightning_onebit.compress import MinMaxCodec, MinMaxUInt8Codec, SignCodec
 
 
 def make_codec(kind: str, block_size, backend: str):
     if kind == "minmax":
         return MinMaxUInt8Codec(block_size=block_size, backend=backend)
+    if kind in ("minmax4", "minmax2"):  # packed: two or four codes to a byte
+        return MinMaxCodec(int(kind[-1]), block_size=block_size, backend=backend)
     return SignCodec(scale=kind, block_size=block_size, backend=backend)
 
 

@@ -5,12 +5,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_onebit.compress import Encoded, MinMaxUInt8Codec, SignCodec
+from lightning_onebit.compress import Encoded, MinMaxCodec, MinMaxUInt8Codec, SignCodec
 from lightning_onebit.compress.kernels import threads
 
 from codec_cases import assert_matches_reference, assert_rejects_nonfinite, make_codec
 
-KINDS = ["l2", "l1", "minmax"]
+KINDS = ["l2", "l1", "minmax", "minmax4", "minmax2"]
 BLOCKS = [None, 8, 16, 40, 4096]
 
 finite32 = st.floats(width=32, allow_nan=False, allow_infinity=False, allow_subnormal=True)
@@ -213,21 +213,39 @@ def test_sign_codec_semantics(backend, x, block, scale):
 
 @pytest.mark.parametrize("backend", ["torch", "numba"])
 @settings(max_examples=40, deadline=None)
-@given(x=vectors(), block=st.sampled_from(BLOCKS))
-def test_minmax_error_bound(backend, x, block):
-    codec = MinMaxUInt8Codec(block_size=block, backend=backend)
+@given(x=vectors(), block=st.sampled_from(BLOCKS), bits=st.sampled_from([8, 4, 2]))
+def test_minmax_error_bound(backend, x, block, bits):
+    codec = MinMaxCodec(bits, block_size=block, backend=backend)
+    top = (1 << bits) - 1
     x = x.clamp(-1e30, 1e30)
     enc = codec.encode(x)
     y = codec.decode(enc)
-    assert enc.codes.dtype == torch.uint8 and enc.nbytes == x.numel() + 8 * enc.scales.shape[1]
+    assert enc.codes.dtype == torch.uint8 and enc.nbytes == math.ceil(x.numel() * bits / 8) + 8 * enc.scales.shape[1]
     if x.numel() == 0:
         return
     starts = enc.layout.starts[0].tolist()
     for b in range(enc.scales.shape[1]):
         sl = slice(starts[b], starts[b + 1])
         lo, hi = x[sl].min().double(), x[sl].max().double()
-        bound = (hi - lo) / 255 + 1e-6 * max(abs(lo), abs(hi))
+        bound = (hi - lo) / (2 * top) * (1 + 1e-6) + 1e-6 * max(abs(lo), abs(hi))
         assert (y[sl].double() - x[sl].double()).abs().max() <= bound
+        slack = 1e-6 * (hi - lo) + 1e-6 * max(abs(lo), abs(hi))  # decode stays inside [min, max]
+        assert y[sl].double().min() >= lo - slack and y[sl].double().max() <= hi + slack
+
+
+@pytest.mark.parametrize("backend", ["torch", "numba"])
+def test_packed_minmax_codes_are_little_endian_within_a_byte(backend):
+    """The wire format of 4- and 2-bit codes: element i at bit (i * bits) % 8 of byte i * bits // 8."""
+    x = torch.tensor([0.0, 1.0, 2.0, 3.0, 3.0, 0.0, 1.0])  # min 0, max 3: 2-bit codes are the values
+    enc = MinMaxCodec(2, backend=backend).encode(x)
+    assert enc.codes.tolist() == [[0b11100100, 0b010011]]
+    assert torch.equal(MinMaxCodec(2, backend=backend).decode(enc), x)
+    x = torch.tensor([15.0, 14.0, 13.0, 12.0, 0.0])  # min 0, max 15: 4-bit codes are the values
+    enc = MinMaxCodec(4, backend=backend).encode(x)
+    assert enc.codes.tolist() == [[0xEF, 0xCD, 0x00]] and enc.nbytes == 3 + 8
+    assert torch.equal(MinMaxCodec(4, backend=backend).decode(enc), x)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        MinMaxCodec(3)
 
 
 @pytest.mark.parametrize("backend", ["torch", "numba"])

@@ -1,4 +1,4 @@
-"""Compression codecs: 1-bit sign (l2 or l1 scale) and 8-bit min-max quantisation.
+"""Compression codecs: 1-bit sign (l2 or l1 scale) and 8-, 4- and 2-bit min-max quantisation.
 
 A codec turns an fp32/fp16/bf16 vector into an :class:`Encoded` message (packed codes +
 fp32 scales) and back. Besides plain ``encode``/``decode`` it offers the fused operations
@@ -28,6 +28,8 @@ from .kernels.layout import (
     DIFF,
     ERROR_FEEDBACK,
     MARKOV,
+    MINMAX_U2,
+    MINMAX_U4,
     MINMAX_U8,
     PLAIN,
     SIGN_L1,
@@ -36,12 +38,13 @@ from .kernels.layout import (
     code_bytes_padded,
     code_bytes_per_row,
     is_sign,
+    levels,
     make_layout,
     scale_width,
 )
 from .source import Sink, Source
 
-__all__ = ["Codec", "Encoded", "MinMaxUInt8Codec", "SignCodec"]
+__all__ = ["Codec", "Encoded", "MinMaxCodec", "MinMaxUInt8Codec", "SignCodec"]
 
 MODES = {"plain": PLAIN, "error_feedback": ERROR_FEEDBACK, "markov": MARKOV, "diff": DIFF}
 #: server stages of at most this many rows decode the workers' mean inside the reduction and the
@@ -382,16 +385,39 @@ class SignCodec(Codec):
         return f"scale={self.scale!r}, block_size={self.block_size}"
 
 
-class MinMaxUInt8Codec(Codec):
-    """8-bit min-max quantisation per block (Bagua's MinMaxUInt8).
+class MinMaxCodec(Codec):
+    """``bits``-bit min-max quantisation per block (8: Bagua's MinMaxUInt8; 4 and 2: the outer
+    gradients of Streaming DiLoCo and MuLoCo), codes packed ``8 // bits`` to a byte.
+
+    With L = 2**bits - 1: q = round((v - min) * L / (max - min)) in [0, L] (ties to even);
+    decode = min + q * (max - min) / L, so |v - decode| <= (max - min) / (2 L). A constant block
+    decodes exactly to its value. Each block also sends its (min, max): 8 bytes, so at 2 bits a
+    block of ``n`` elements costs n / 4 + 8 bytes.
+    """
+
+    _KINDS = {8: MINMAX_U8, 4: MINMAX_U4, 2: MINMAX_U2}
+
+    def __init__(self, bits: int = 8, block_size: int | None = None, backend: str | None = None) -> None:
+        if bits not in self._KINDS:
+            raise ValueError(f"MinMaxCodec bits must be one of {sorted(self._KINDS)}, got {bits!r}")
+        super().__init__(block_size, backend)
+        self.bits = bits
+        self.kind = self._KINDS[bits]
+        assert levels(self.kind) == (1 << bits) - 1
+
+    def _extra_repr(self) -> str:
+        return f"bits={self.bits}, block_size={self.block_size}"
+
+
+class MinMaxUInt8Codec(MinMaxCodec):
+    """8-bit min-max quantisation per block (Bagua's MinMaxUInt8): ``MinMaxCodec(bits=8)``.
 
     q = round((v - min) * 255 / (max - min)) in [0, 255]; decode = min + q * (max - min) / 255,
     so |v - decode| <= (max - min) / 510. A constant block decodes exactly to its value.
     """
 
-    kind = MINMAX_U8
-
     def __init__(self, block_size: int | None = None, backend: str | None = None) -> None:
-        super().__init__(block_size, backend)
+        super().__init__(8, block_size, backend)
 
-
+    def _extra_repr(self) -> str:
+        return f"block_size={self.block_size}"

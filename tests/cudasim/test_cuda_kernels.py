@@ -35,6 +35,17 @@ def test_cuda_matches_reference_with_groups(kind, block_size, nseg):
     assert_matches_reference(kind, block_size, "cuda", x, nseg=nseg, groups=[3, 17, 18, 50, 95])
 
 
+@pytest.mark.parametrize("kind", ["minmax4", "minmax2"])
+@pytest.mark.parametrize("block_size,n,nseg,groups", [(None, 77, 1, None), (8, 96, 3, None), (None, 90, 3, None),
+                                                       (16, 96, 2, [3, 17, 18, 50, 95])])
+def test_cuda_packed_minmax_matches_reference(kind, block_size, n, nseg, groups):
+    """4- and 2-bit codes packed through shared memory: odd lengths end inside a byte, blocks and
+    groups start inside one, several rows (the cases of the two tests above the costliest leave out)."""
+    g = torch.Generator().manual_seed(n + nseg)
+    x = torch.randn(n, generator=g) * torch.logspace(-3, 3, n)
+    assert_matches_reference(kind, block_size, "cuda", x, nseg=nseg, groups=groups)
+
+
 @pytest.mark.parametrize("kind", ["l2", "minmax"])
 def test_cuda_rejects_non_finite(kind):
     assert_rejects_nonfinite(kind, None, "cuda", n=20)

@@ -30,6 +30,9 @@ import numpy as np
 SIGN_L2 = 0  # 1-bit sign, scale = ||v||_2 / sqrt(len)        (1-bit Adam)
 SIGN_L1 = 1  # 1-bit sign, scale = ||v||_1 / len              (scaled sign, CD-Adam / EF21)
 MINMAX_U8 = 2  # 8-bit min-max quantisation per block           (QAdam / Bagua MinMaxUInt8)
+MINMAX_U4 = 3  # 4-bit min-max, two codes per byte                (Streaming DiLoCo's outer gradients)
+MINMAX_U2 = 4  # 2-bit min-max, four codes per byte               (MuLoCo / SparseLoCo)
+# every kind from MINMAX_U8 on is min-max: the kernels test ``kind >= MINMAX_U8``
 
 # How the value v that gets encoded is formed from the source s and a state buffer b.
 PLAIN = 0  # v = s
@@ -50,13 +53,24 @@ def is_sign(kind: int) -> bool:
     return kind in (SIGN_L2, SIGN_L1)
 
 
+def code_bits(kind: int) -> int:
+    """Bits per element: 1 (sign), 8, 4 or 2 (min-max). Codes are packed little-endian within a
+    byte (element i of a row in byte ``i * bits // 8`` at bit ``(i * bits) % 8``)."""
+    return {SIGN_L2: 1, SIGN_L1: 1, MINMAX_U8: 8, MINMAX_U4: 4, MINMAX_U2: 2}[kind]
+
+
+def levels(kind: int) -> float:
+    """The largest min-max code (255, 15, 3): decode = min + q * (max - min) / levels."""
+    return float((1 << code_bits(kind)) - 1)
+
+
 def scale_width(kind: int) -> int:
     """fp32 values per scale block: one scale (sign), or (min, max)."""
     return 1 if is_sign(kind) else 2
 
 
 def code_bytes_per_row(kind: int, seg_len: int) -> int:
-    return (seg_len + 7) // 8 if is_sign(kind) else seg_len
+    return (seg_len * code_bits(kind) + 7) // 8
 
 
 def code_bytes_padded(kind: int, seg_len: int) -> int:

@@ -28,7 +28,7 @@ import torch
 from numba import njit, prange
 
 from ..source import Source
-from .layout import DIFF, ERROR_FEEDBACK, MARKOV, MINMAX_U8, PLAIN, REDUCE_TILE, Layout, is_sign
+from .layout import DIFF, ERROR_FEEDBACK, MARKOV, MINMAX_U4, MINMAX_U8, PLAIN, REDUCE_TILE, Layout, is_sign
 from .numba_decode import decode_run, mean_run
 from .numba_source import NO_ROWS, SCRATCH, mean_of_rows, pack
 from .numba_source import apply_sink as _apply_sink
@@ -50,6 +50,7 @@ from .numba_tiles import (
     minmax_run,
     minmax_run_plain,
     pack_bits,
+    pack_codes,
     sign_bits_plain,
     sign_bits_run,
     tile_span,
@@ -140,7 +141,7 @@ def _reduce_minmax(kind, a, src, rws, st, seg_len, t_row, t_lo, t_hi, out):
 def _combine(kind, ptr, partials, totals):
     """Per-block totals from the tile partials, tiles in order (minmax: min, max, probe sum)."""
     for b in prange(ptr.size - 1):
-        if kind == MINMAX_U8:
+        if kind >= MINMAX_U8:
             mn, mx, probe = np.inf, -np.inf, 0.0
             for t in range(ptr[b], ptr[b + 1]):
                 mn = min(mn, partials[t, 0])
@@ -178,22 +179,36 @@ def _encode_sign_piece(mode, a, xs, ss, r, lo, hi, starts, ends, scales, codes, 
 
 
 @njit(inline="always", cache=True)
-def _encode_minmax_piece(mode, a, xs, ss, r, lo, hi, starts, ends, scales, codes):
+def _encode_minmax_piece(kind, mode, a, xs, ss, r, lo, hi, starts, ends, scales, codes, qs):
+    """Min-max codes of elements [lo, hi) of row r (a piece that starts on a code byte) and the state.
+    8-bit codes go straight to the row; 4- and 2-bit ones to ``qs`` (a uint8 each), then packed."""
     nb = starts.shape[1] - 1
     j = block_at(starts[r], lo)
     end = min(hi, ends[r])
+    top = 255.0 if kind == MINMAX_U8 else (15.0 if kind == MINMAX_U4 else 3.0)
     while j < nb and starts[r, j] < end:
         p, q = max(lo, starts[r, j]), min(end, starts[r, j + 1])
         if q > p:
             g = r * nb + j
-            if ss is None:
-                minmax_run_plain(xs[p - lo : q - lo], codes[r, p:q], scales[2 * g], scales[2 * g + 1])
+            sc0, sc1 = scales[2 * g], scales[2 * g + 1]
+            if kind == MINMAX_U8:
+                if ss is None:
+                    minmax_run_plain(xs[p - lo : q - lo], codes[r, p:q], sc0, sc1, top)
+                else:
+                    minmax_run(mode, a, xs[p - lo : q - lo], ss[p - lo : q - lo], codes[r, p:q], sc0, sc1, top)
+            elif ss is None:
+                minmax_run_plain(xs[p - lo : q - lo], qs[p - lo : q - lo], sc0, sc1, top)
             else:
-                minmax_run(mode, a, xs[p - lo : q - lo], ss[p - lo : q - lo], codes[r, p:q], scales[2 * g],
-                           scales[2 * g + 1])
+                minmax_run(mode, a, xs[p - lo : q - lo], ss[p - lo : q - lo], qs[p - lo : q - lo], sc0, sc1, top)
         j += 1
-    if end < hi:
-        codes[r, max(end, lo) : hi] = 0  # padding: defined bytes on the wire (sign codes: +1)
+    if kind == MINMAX_U8:
+        if end < hi:
+            codes[r, max(end, lo) : hi] = 0  # padding: defined bytes on the wire (sign codes: +1)
+    else:
+        if end < hi:
+            qs[max(end, lo) - lo : hi - lo] = 0
+        bits = 4 if kind == MINMAX_U4 else 2
+        pack_codes(qs, hi - lo, bits, codes[r, (lo * bits) >> 3 : (hi * bits + 7) >> 3])
 
 
 @njit(cache=True)
@@ -222,13 +237,13 @@ def _encode_sign(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, cod
 
 
 @njit(cache=True)
-def _encode_minmax_tile(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, codes, r, t_lo, t_hi, buf):
+def _encode_minmax_tile(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, codes, r, t_lo, t_hi, buf, qs):
     base = r * seg_len
-    for lo in range(t_lo, t_hi, SUB):
+    for lo in range(t_lo, t_hi, SUB):  # pieces start on a code byte (SUB: a multiple of 8)
         hi = min(lo + SUB, t_hi)
         xs = _fill(src, rws, kind, base + lo, hi - lo, buf)
         ss = None if st is None else st[base + lo : base + hi]
-        _encode_minmax_piece(mode, a, xs, ss, r, lo, hi, starts, ends, scales, codes)
+        _encode_minmax_piece(kind, mode, a, xs, ss, r, lo, hi, starts, ends, scales, codes, qs)
 
 
 @parallel_and_serial
@@ -237,11 +252,13 @@ def _encode_minmax(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, c
     for t in prange(starts.shape[0] * per_row):
         r, t_lo, t_hi = tile_span(t, per_row, seg_len)
         buf = np.empty(SUB + SCRATCH, np.float32)
+        qs = np.empty(SUB, np.uint8)
         if st.size:
-            _encode_minmax_tile(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, codes, r, t_lo, t_hi, buf)
+            _encode_minmax_tile(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, codes, r, t_lo, t_hi, buf,
+                                qs)
         else:
             _encode_minmax_tile(kind, mode, a, src, rws, None, seg_len, starts, ends, scales, codes, r, t_lo, t_hi,
-                                buf)
+                                buf, qs)
 
 
 # --- decode -------------------------------------------------------------------------------------
@@ -380,7 +397,7 @@ def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
     partials = np.empty((t_row.size, width), np.float64)
     src, rws, sa = _source(x, st)
     n = layout.nseg * layout.seg_len
-    kernel = _reduce_minmax if kind == MINMAX_U8 else _reduce_sign
+    kernel = _reduce_sign if is_sign(kind) else _reduce_minmax
     kernel(n, kind, _mode_factor(mode), src, rws, sa, layout.seg_len, t_row, t_lo, t_hi, partials)
     totals = np.empty((layout.nblocks, width), np.float64)
     _combine(t_row.size * 64, kind, ptr, partials, totals)  # a few tiles per block: parallel only for many
@@ -390,7 +407,7 @@ def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
 @parallel_kernel
 def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     src, rws, sa = _source(x, st)
-    kernel = _encode_minmax if kind == MINMAX_U8 else _encode_sign
+    kernel = _encode_sign if is_sign(kind) else _encode_minmax
     kernel(layout.nseg * layout.seg_len, kind, mode, _mode_factor(mode), src, rws, sa, layout.seg_len, layout.starts,
            layout.data_ends, scales.reshape(-1).contiguous().numpy(), _rows(codes))
 

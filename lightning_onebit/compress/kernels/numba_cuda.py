@@ -24,7 +24,18 @@ import numpy as np
 import torch
 from numba import cuda, float32, float64, int32
 
-from .layout import DIFF, ERROR_FEEDBACK, MARKOV, MINMAX_U8, REDUCE_LANES, REDUCE_TILE, SIGN_L2, Layout, is_sign
+from .layout import (
+    DIFF,
+    ERROR_FEEDBACK,
+    MARKOV,
+    MINMAX_U4,
+    MINMAX_U8,
+    REDUCE_LANES,
+    REDUCE_TILE,
+    SIGN_L2,
+    Layout,
+    is_sign,
+)
 from .numba_cuda_source import SIMULATED, accepts, kernel_input, source_at
 from .numba_cuda_source import arr as _arr
 
@@ -50,11 +61,25 @@ def _block_at(starts, r, pos):
 
 
 @cuda.jit(device=True, inline=True)
-def _decode_one(kind, codes, scales, row, i, b):
+def _top(kind):
+    """The largest min-max code of ``kind``: 255, 15 or 3."""
     if kind == MINMAX_U8:
+        return 255.0
+    return 15.0 if kind == MINMAX_U4 else 3.0
+
+
+@cuda.jit(device=True, inline=True)
+def _decode_one(kind, codes, scales, row, i, b):
+    if kind >= MINMAX_U8:
         lo = float64(scales[row, 2 * b])
         hi = float64(scales[row, 2 * b + 1])
-        return float32(lo + float64(codes[row, i]) * ((hi - lo) / 255.0))
+        if kind == MINMAX_U8:
+            c = codes[row, i]
+        elif kind == MINMAX_U4:
+            c = (codes[row, i >> 1] >> ((i & 1) << 2)) & 15
+        else:
+            c = (codes[row, i >> 2] >> ((i & 3) << 1)) & 3
+        return float32(lo + float64(c) * ((hi - lo) / _top(kind)))
     s = scales[row, b]
     if (codes[row, i >> 3] >> (i & 7)) & 1:
         return s
@@ -117,7 +142,7 @@ def _reduce_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, 
             i = t_lo[t] + lane
             while i < hi:
                 v = float64(_value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, base + i))
-                if kind == MINMAX_U8:
+                if kind >= MINMAX_U8:
                     mn = min(mn, v)
                     mx = max(mx, v)
                     a += v * 0.0
@@ -127,7 +152,7 @@ def _reduce_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, 
                     a += abs(v)
                 i += LANES
             s_a[lane] = a
-            if kind == MINMAX_U8:
+            if kind >= MINMAX_U8:
                 s_b[lane] = mn
                 s_c[lane] = mx
             lane += RTHREADS
@@ -137,14 +162,14 @@ def _reduce_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, 
             lane = tid
             while lane < h:
                 s_a[lane] += s_a[lane + h]
-                if kind == MINMAX_U8:
+                if kind >= MINMAX_U8:
                     s_b[lane] = min(s_b[lane], s_b[lane + h])
                     s_c[lane] = max(s_c[lane], s_c[lane + h])
                 lane += RTHREADS
             cuda.syncthreads()
             h //= 2
         if tid == 0:
-            if kind == MINMAX_U8:
+            if kind >= MINMAX_U8:
                 out[t, 0] = s_b[0]
                 out[t, 1] = s_c[0]
                 out[t, 2] = s_a[0]
@@ -158,7 +183,7 @@ def _reduce_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, 
 def _combine_kernel(kind, ptr, partials, totals):
     b = cuda.grid(1)
     while b < ptr.size - 1:  # one thread per block: its tiles in order, like the CPU backend
-        if kind == MINMAX_U8:
+        if kind >= MINMAX_U8:
             mn = math.inf
             mx = -math.inf
             probe = 0.0
@@ -218,33 +243,53 @@ def _encode_sign_kernel(mode, op, x, end, bounds, w, factors, mask, nonfinite, v
 
 
 @cuda.jit(cache=True)
-def _encode_minmax_kernel(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, starts,
-                          ends, scales, codes):
+def _encode_minmax_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len,
+                          starts, ends, scales, codes):
+    # One thread per element, a tile of THREADS elements of one row per block (its row found once).
+    # 8-bit codes are written by their thread; 4- and 2-bit ones meet in shared memory and a thread
+    # packs each byte, as the sign kernel does (a tile starts on a byte: THREADS is a multiple of 4).
+    qs = cuda.shared.array(THREADS, int32)
     nb = starts.shape[1] - 1
-    tiles = (seg_len + THREADS - 1) // THREADS  # a tile of one row per block: its row found once
+    tid = cuda.threadIdx.x
+    tiles = (seg_len + THREADS - 1) // THREADS
+    top = _top(kind)
     t = cuda.blockIdx.x
-    while t < starts.shape[0] * tiles:
+    while t < starts.shape[0] * tiles:  # grid-stride over tiles; uniform per block
         r, i = _tile_element(t, tiles)
+        i0 = i - tid
+        qi = 0
+        if i < seg_len:
+            e = r * seg_len + i
+            g = r * nb + _block_at(starts, r, i)
+            smin = float64(scales[2 * g])
+            rng = float64(scales[2 * g + 1]) - smin
+            inv = top / rng if rng > 0 else 0.0
+            v = _value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, e)
+            q = min(max(_round_half_even((float64(v) - smin) * inv), 0.0), top)
+            if i >= ends[r]:
+                q = 0.0  # padding: defined bytes on the wire
+            qi = int32(q)
+            if kind == MINMAX_U8:
+                codes[r, i] = qi
+            dec = float32(smin + q * (rng / top))
+            if i >= ends[r]:
+                pass
+            elif mode == ERROR_FEEDBACK:
+                st[e] = v - dec
+            elif mode == MARKOV:
+                st[e] += dec
+        if kind != MINMAX_U8:
+            qs[tid] = qi
+            cuda.syncthreads()
+            bits = 4 if kind == MINMAX_U4 else 2
+            per = 8 // bits
+            if tid < THREADS // per and i0 + per * tid < seg_len:
+                byte = 0
+                for k in range(per):
+                    byte |= qs[per * tid + k] << (bits * k)
+                codes[r, (i0 // per) + tid] = byte
+            cuda.syncthreads()
         t += cuda.gridDim.x
-        if i >= seg_len:
-            continue
-        e = r * seg_len + i
-        g = r * nb + _block_at(starts, r, i)
-        smin = float64(scales[2 * g])
-        rng = float64(scales[2 * g + 1]) - smin
-        inv = 255.0 / rng if rng > 0 else 0.0
-        v = _value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, e)
-        q = min(max(_round_half_even((float64(v) - smin) * inv), 0.0), 255.0)
-        if i >= ends[r]:
-            q = 0.0  # padding: defined bytes on the wire
-        codes[r, i] = q
-        dec = float32(smin + q * (rng / 255.0))
-        if i >= ends[r]:
-            pass
-        elif mode == ERROR_FEEDBACK:
-            st[e] = v - dec
-        elif mode == MARKOV:
-            st[e] += dec
 
 
 @cuda.jit(cache=True)
@@ -354,7 +399,7 @@ def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
         if is_sign(kind):
             _encode_sign_kernel[_grid(tiles, 1), THREADS, _stream(device)](*args)
         else:
-            _encode_minmax_kernel[_grid(tiles, 1), THREADS, _stream(device)](*args)
+            _encode_minmax_kernel[_grid(tiles, 1), THREADS, _stream(device)](kind, *args)
 
 
 def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False) -> None:
@@ -385,7 +430,7 @@ def kernel_signatures() -> dict[str, tuple]:
         "_reduce_kernel": (i64, i64, *src, f32v, i64, i64v, i64v, i64v, f64m),
         "_combine_kernel": (i64, i64v, f64m, f64m),
         "_encode_sign_kernel": encode_args,
-        "_encode_minmax_kernel": encode_args,
+        "_encode_minmax_kernel": (i64, *encode_args),
         "_decode_kernel": (i64, u8m, f32m, i64, i64m, i64v, f32v, flag, flag),
     }
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .layout import MINMAX_U8
+from .layout import MINMAX_U4, MINMAX_U8
 from .numba_tiles import block_at
 
 _F32 = np.float32
@@ -53,18 +53,37 @@ def sign_run(cw, s, p, q, out):
 
 
 @njit(inline="always", cache=True)
-def minmax_dec_run(cw, sc0, sc1, p, q, out):
+def mm_code(kind, cw, i):
+    """The min-max code of element i of a row whose codes are cw (8, 4 or 2 bits, packed)."""
+    if kind == MINMAX_U8:
+        return cw[i]
+    if kind == MINMAX_U4:
+        return (cw[i >> 1] >> ((i & 1) << 2)) & 15
+    return (cw[i >> 2] >> ((i & 3) << 1)) & 3
+
+
+@njit(inline="always", cache=True)
+def mm_top(kind):
+    return 255.0 if kind == MINMAX_U8 else (15.0 if kind == MINMAX_U4 else 3.0)
+
+
+@njit(inline="always", cache=True)
+def minmax_dec_run(kind, cw, sc0, sc1, p, q, out):
     smin = np.float64(sc0)
-    step = (np.float64(sc1) - smin) / 255.0
-    cs = cw[p:q]
-    for i in range(q - p):
-        out[i] = _F32(smin + np.float64(cs[i]) * step)
+    step = (np.float64(sc1) - smin) / mm_top(kind)
+    if kind == MINMAX_U8:
+        cs = cw[p:q]
+        for i in range(q - p):
+            out[i] = _F32(smin + np.float64(cs[i]) * step)
+    else:
+        for i in range(q - p):
+            out[i] = _F32(smin + np.float64(mm_code(kind, cw, p + i)) * step)
 
 
 @njit(inline="always", cache=True)
 def decode_run(kind, cw, sc, g, p, q, out):
-    if kind == MINMAX_U8:
-        minmax_dec_run(cw, sc[2 * g], sc[2 * g + 1], p, q, out)
+    if kind >= MINMAX_U8:
+        minmax_dec_run(kind, cw, sc[2 * g], sc[2 * g + 1], p, q, out)
     else:
         sign_run(cw, sc[g], p, q, out)
 
@@ -80,9 +99,10 @@ def mean_elem(kind, mc, ms, j, i):
     nw = mc.shape[0]
     acc = 0.0
     for w in range(nw):
-        if kind == MINMAX_U8:
+        if kind >= MINMAX_U8:
             smin = np.float64(ms[w, 2 * j])
-            acc += np.float64(_F32(smin + np.float64(mc[w, i]) * ((np.float64(ms[w, 2 * j + 1]) - smin) / 255.0)))
+            step = (np.float64(ms[w, 2 * j + 1]) - smin) / mm_top(kind)
+            acc += np.float64(_F32(smin + np.float64(mm_code(kind, mc[w], i)) * step))
         else:
             s = ms[w, j]
             acc += np.float64(s if (mc[w, i >> 3] >> (i & 7)) & 1 else -s)
@@ -147,7 +167,7 @@ def mean_sign_lut(mc, ms, j, k0, nbytes, out, lut):
 def mean_run(kind, mc, ms, j, p, q, out, lut):
     """out[0 : q - p] = mean over the rows of elements [p, q), all in block j."""
     nw = mc.shape[0]
-    if kind != MINMAX_U8 and nw <= 4:
+    if kind < MINMAX_U8 and nw <= 4:
         i, k = p, 0
         while i < q and i & 7:
             out[k] = mean_elem(kind, mc, ms, j, i)

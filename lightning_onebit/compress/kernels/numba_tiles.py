@@ -232,24 +232,44 @@ def pack_bits(bits, n, cs):
 
 
 @njit(inline="always", cache=True)
-def minmax_run_plain(xs, cs, sc0, sc1):
-    """:func:`minmax_run` of v = xs, no state (a loop of its own, see :func:`lanes_add_plain`)."""
-    smin = np.float64(sc0)
-    rng = np.float64(sc1) - smin
-    inv = 255.0 / rng if rng > 0 else 0.0
-    for i in range(xs.size):
-        cs[i] = np.uint8(min(max(np.rint((np.float64(xs[i]) - smin) * inv), 0.0), 255.0))
+def pack_codes(qs, n, bits, cs):
+    """Pack the codes qs[0:n] (uint8, each < 2**bits; bits 4 or 2) into the bytes cs, element i at
+    bit (i * bits) % 8 of byte i * bits // 8, as :func:`pack_bits` packs signs."""
+    per = 8 // bits
+    full = n // per
+    for k in range(full):
+        byte = np.uint8(0)
+        for j in range(per):
+            byte |= qs[per * k + j] << np.uint8(bits * j)
+        cs[k] = byte
+    if n > full * per:
+        byte = np.uint8(0)
+        for i in range(full * per, n):
+            byte |= qs[i] << np.uint8(bits * (i - full * per))
+        cs[full] = byte
 
 
 @njit(inline="always", cache=True)
-def minmax_run(mode, a, xs, ss, cs, sc0, sc1):
+def minmax_run_plain(xs, cs, sc0, sc1, top):
+    """:func:`minmax_run` of v = xs, no state (a loop of its own, see :func:`lanes_add_plain`)."""
     smin = np.float64(sc0)
     rng = np.float64(sc1) - smin
-    inv = 255.0 / rng if rng > 0 else 0.0
-    step = rng / 255.0
+    inv = top / rng if rng > 0 else 0.0
+    for i in range(xs.size):
+        cs[i] = np.uint8(min(max(np.rint((np.float64(xs[i]) - smin) * inv), 0.0), top))
+
+
+@njit(inline="always", cache=True)
+def minmax_run(mode, a, xs, ss, cs, sc0, sc1, top):
+    """Min-max codes (one uint8 each, ``top`` the largest: 255, 15 or 3) of a run of elements that
+    share the scales (sc0, sc1) into ``cs``, and their state in the same loop (see sign_bits_run)."""
+    smin = np.float64(sc0)
+    rng = np.float64(sc1) - smin
+    inv = top / rng if rng > 0 else 0.0
+    step = rng / top
     for i in range(xs.size):
         v = xs[i] + a * ss[i]
-        q = min(max(np.rint((np.float64(v) - smin) * inv), 0.0), 255.0)
+        q = min(max(np.rint((np.float64(v) - smin) * inv), 0.0), top)
         cs[i] = np.uint8(q)
         dec = _F32(smin + q * step)
         if mode == ERROR_FEEDBACK:

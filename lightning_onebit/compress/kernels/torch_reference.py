@@ -10,13 +10,38 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .layout import DIFF, ERROR_FEEDBACK, MARKOV, PLAIN, SIGN_L2, Layout, is_sign
+from .layout import DIFF, ERROR_FEEDBACK, MARKOV, PLAIN, SIGN_L2, Layout, code_bits, is_sign, levels
 
 
 def _unpack_bits(codes: torch.Tensor, seg_len: int) -> torch.Tensor:
     shifts = torch.arange(8, device=codes.device, dtype=torch.uint8)
     bits = (codes.unsqueeze(-1) >> shifts) & 1
     return bits.reshape(codes.shape[0], -1)[:, :seg_len].bool()
+
+
+def _unpack_codes(kind: int, codes: torch.Tensor, seg_len: int) -> torch.Tensor:
+    """Min-max codes as one uint8 per element [nseg, seg_len] (4- and 2-bit codes unpacked)."""
+    bits = code_bits(kind)
+    if bits == 8:
+        return codes[:, :seg_len]
+    shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
+    q = (codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return q.reshape(codes.shape[0], -1)[:, :seg_len]
+
+
+def _pack_codes(kind: int, q: torch.Tensor, codes: torch.Tensor) -> None:
+    """Write one uint8 code per element [nseg, seg_len] into ``codes``, packed to the kind's width."""
+    bits = code_bits(kind)
+    nseg, seg_len = q.shape
+    if bits == 8:
+        codes[:, :seg_len] = q
+        return
+    per = 8 // bits
+    cb = -(-seg_len // per)
+    padded = torch.zeros(nseg, cb * per, dtype=torch.uint8, device=q.device)
+    padded[:, :seg_len] = q
+    shifts = torch.arange(0, 8, bits, device=q.device, dtype=torch.uint8)
+    codes[:, :cb] = (padded.view(nseg, cb, per) << shifts).sum(-1).to(torch.uint8)
 
 
 def _block_index(layout: Layout, device: torch.device) -> torch.Tensor:
@@ -47,8 +72,8 @@ def _decode_rows(kind: int, layout: Layout, codes: torch.Tensor, scales: torch.T
     else:
         mm = _per_element(scales.reshape(layout.nseg, -1, 2), layout).double()
         lo, hi = mm[..., 0], mm[..., 1]
-        step = (hi - lo) / 255.0
-        dec = (lo + codes[:, : layout.seg_len].double() * step).float()
+        step = (hi - lo) / levels(kind)
+        dec = (lo + _unpack_codes(kind, codes, layout.seg_len).double() * step).float()
     return dec.masked_fill_(~_data(layout, dec.device), 0.0)
 
 
@@ -99,12 +124,13 @@ def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
         mm = _per_element(scales.reshape(layout.nseg, -1, 2), layout).double()
         lo, hi = mm[..., 0], mm[..., 1]
         rng = hi - lo
+        top = levels(kind)
         # torch's scalar / tensor multiplies by a reciprocal; a tensor / tensor division
-        # rounds like the kernels' 255.0 / rng.
-        inv = torch.where(rng > 0, torch.full_like(rng, 255.0) / rng, torch.zeros_like(rng))
-        q = torch.round((v.double() - lo) * inv).clamp_(0, 255)
-        codes[:, : layout.seg_len] = q.to(torch.uint8).masked_fill_(~_data(layout, v.device), 0)
-        dec = (lo + q * (rng / 255.0)).float()
+        # rounds like the kernels' levels / rng.
+        inv = torch.where(rng > 0, torch.full_like(rng, top) / rng, torch.zeros_like(rng))
+        q = torch.round((v.double() - lo) * inv).clamp_(0, top)
+        _pack_codes(kind, q.to(torch.uint8).masked_fill_(~_data(layout, v.device), 0), codes)
+        dec = (lo + q * (rng / top)).float()
     # padding keeps its state: EF's v - dec is then the state itself, Markov adds nothing
     src = x.view(layout.nseg, layout.seg_len)
     dec = torch.where(~_data(layout, v.device), src if mode == ERROR_FEEDBACK else torch.zeros_like(v), dec)
