@@ -28,12 +28,18 @@ each fragment's outer step completes before the next inner step.)
 * ``"bf16"``: as PyTorch's ``bf16_compress_hook`` (each rank divides by n, casts to bf16, all-reduces
   in bf16: 2 (n-1)/n x 2 B), with error feedback: what the cast dropped is added to the next
   pseudo-gradient;
-* ``"8bit"``, ``"1bit"``: the package's two-stage compressed all-reduce (min-max 8-bit, or sign with
-  per-tensor l2 scales), worker and server error feedback (about 2 (n-1)/n x 1 B, or x 1/8 B, plus
-  the scales); the outer update is the same on every rank.
+* ``"8bit"``, ``"4bit"``, ``"2bit"``, ``"1bit"``: the package's two-stage compressed all-reduce (min-max
+  8-, 4- or 2-bit codes, or signs with l2 scales; every tensor its own scales), worker and server error
+  feedback (about 2 (n-1)/n x 1, 1/2, 1/4 or 1/8 B, plus 8 or 4 B of scales per tensor and chunk); the
+  outer update is the same on every rank. With several ranks per node (``ranks_per_node``, by default
+  the launcher's ``LOCAL_WORLD_SIZE``) these use the two-level layout of
+  :class:`~lightning_onebit.comm.HierarchicalAllreduce`: an fp32 mean inside each node, the compressed
+  all-reduce between nodes only (``hierarchical=False`` forces the flat one). fp32 and bf16 are one
+  flat all-reduce, as DDP runs them.
 
 Memory per parameter beyond AdamW's (8 B): the anchor and the outer momentum (4 + 4 B, fp32), and
-for the compressed modes the error state (4 B, plus 4/n B on the server side for 8/1 bit).
+for the compressed modes the error state (4 B, plus 4/n B on the server side, or 4/N B with the
+two-level layout's N nodes, which also keeps fp32 buffers of a shard inside the node).
 Non-finite gradients: an inner step with a NaN/inf gradient raises :class:`NonFiniteGradientError`
 on its rank (``on_nonfinite="raise"``, the default) or is skipped there (``"skip"``; counted in
 ``skipped_steps``); nothing is exchanged in inner steps, so the ranks need not agree. A non-finite
@@ -43,21 +49,25 @@ pseudo-gradient fails the outer step on every rank before any state changes.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from collections.abc import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch.optim.adam import adam
 
-from ..comm import CompressedAllreduce
+from ..comm import CompressedAllreduce, HierarchicalAllreduce
 from ..comm.accounting import ByteCounter, ring_allreduce_bytes
 from ..comm.dense import all_finite, any_across, group_size
-from ..compress import MinMaxUInt8Codec, SignCodec
+from ..comm.hierarchical import node_groups
+from ..compress import Codec, MinMaxCodec, SignCodec
 from .nonfinite import NonFiniteGradientError
 
 __all__ = ["COMPRESSIONS", "DiLoCo", "outer_nesterov_"]
 
-COMPRESSIONS = ("fp32", "bf16", "8bit", "1bit")
+COMPRESSIONS = ("fp32", "bf16", "8bit", "4bit", "2bit", "1bit")
+log = logging.getLogger(__name__)
 
 
 def outer_nesterov_(anchor: torch.Tensor, delta: torch.Tensor, buf: torch.Tensor | None, *, lr: float,
@@ -88,7 +98,8 @@ class DiLoCo(torch.optim.Optimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, sync_every: int = 16, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, compression: str = "fp32",
-                 fragments: int = 1, on_nonfinite: str = "raise", process_group=None) -> None:
+                 fragments: int = 1, on_nonfinite: str = "raise", process_group=None,
+                 ranks_per_node: int | None = None, hierarchical: bool | None = None) -> None:
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
         if not outer_lr > 0:
@@ -103,12 +114,20 @@ class DiLoCo(torch.optim.Optimizer):
             raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+                                           or ranks_per_node < 1):
+            raise ValueError(f"ranks_per_node must be a positive int or None, got {ranks_per_node!r}")
+        if hierarchical not in (None, True, False):
+            raise ValueError(f"hierarchical must be None (automatic), True or False, got {hierarchical!r}")
         # torch.optim.AdamW validates the inner arguments and gives its defaults
         inner = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(inner.param_groups, inner.defaults)
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
         self.nesterov, self.compression, self.on_nonfinite = bool(nesterov), compression, on_nonfinite
         self.process_group = process_group
+        self.ranks_per_node, self.hierarchical = ranks_per_node, hierarchical
+        self._node_groups: tuple | None = None
+        self.intra_node_counter = ByteCounter()  # the two-level layout's fp32 traffic inside nodes
         # per inner step: the fp32 ring all-reduce DDP would have sent (the baseline) and what was sent;
         # steps = inner steps, rounds = outer steps
         self.comm_counter = ByteCounter()
@@ -121,7 +140,7 @@ class DiLoCo(torch.optim.Optimizer):
         self._last_sync = [0] * fragments  # the clock at each fragment's last outer step
         # flat fp32: the anchor; per fragment f: "momentum{f}", and "error{f}" (bf16)
         self._outer: dict[str, torch.Tensor] = {}
-        self._collectives: dict[int, CompressedAllreduce] = {}
+        self._collectives: dict[int, CompressedAllreduce | HierarchicalAllreduce] = {}
         self._spans: list[tuple[int, int, list[int]]] | None = None  # per fragment: lo, hi, tensor offsets
 
     # -- the flat view of every parameter, in param_groups order -----------------------------------
@@ -280,11 +299,39 @@ class DiLoCo(torch.optim.Optimizer):
             self._collectives[f] = self._make_collective(f)
         return self._collectives[f](delta)
 
-    def _make_collective(self, f: int) -> CompressedAllreduce:
-        codec = MinMaxUInt8Codec() if self.compression == "8bit" else SignCodec("l2")
-        # every tensor of the fragment gets its own scales
-        return CompressedAllreduce(codec, "error_feedback", group=self.process_group, counter=self._wire,
-                                   groups=self._fragment_spans()[f][2])
+    def _codec(self) -> Codec:
+        return SignCodec("l2") if self.compression == "1bit" else MinMaxCodec(int(self.compression[0]))
+
+    def two_level(self) -> int | None:
+        """Ranks per node when the compressed outer all-reduce runs two-level, else None (flat)."""
+        if self.compression in ("fp32", "bf16") or self.hierarchical is False:
+            return None
+        local = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
+        n, group, why = group_size(self.process_group), self.process_group, None
+        if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):
+            why = "it runs on a group of every rank only (node groups are cut from the default group)"
+        elif local is None:
+            why = "the ranks per node are unknown (ranks_per_node=... or LOCAL_WORLD_SIZE)"
+        elif n % local:
+            why = f"{local} ranks per node do not divide the {n} ranks"
+        elif local in (1, n):
+            why = "one node, or one rank per node: nothing to gain"
+        if why is None:
+            return local
+        if self.hierarchical:
+            log.warning(f"DiLoCo: the two-level outer all-reduce falls back to flat: {why}")
+        return None
+
+    def _make_collective(self, f: int) -> CompressedAllreduce | HierarchicalAllreduce:
+        offsets = self._fragment_spans()[f][2]  # every tensor of the fragment gets its own scales
+        if (local := self.two_level()) is not None:
+            if self._node_groups is None:  # collective: every rank reaches here at the same outer step
+                self._node_groups = node_groups(local)
+            lg, cg = self._node_groups
+            return HierarchicalAllreduce(self._codec(), "error_feedback", local_group=lg, cross_group=cg,
+                                         counter=self._wire, intra_counter=self.intra_node_counter, groups=offsets)
+        return CompressedAllreduce(self._codec(), "error_feedback", group=self.process_group, counter=self._wire,
+                                   groups=offsets)
 
     # -- conversion, the anchor, the end of an interval ---------------------------------------------
     @classmethod
@@ -357,6 +404,7 @@ class DiLoCo(torch.optim.Optimizer):
             "outer": {k: v.clone() for k, v in self._outer.items()},
             "comm_counter": self.comm_counter.state_dict(),
             "collectives": {f: c.state_dict() for f, c in self._collectives.items()},
+            "two_level": self.two_level(),
         }
         return sd
 
@@ -369,6 +417,12 @@ class DiLoCo(torch.optim.Optimizer):
             if mine[key] != getattr(self, key):
                 raise ValueError(f"state was saved with {key}={mine[key]!r}, this optimizer has "
                                  f"{key}={getattr(self, key)!r}")
+        here = self.two_level()
+        if mine.get("collectives") and mine.get("two_level") != here:
+            def say(k):
+                return "flat" if k is None else f"two-level with {k} ranks per node"
+            raise ValueError(f"state was saved with a {say(mine.get('two_level'))} outer all-reduce, this run has "
+                             f"a {say(here)} one: its error state does not fit (resume with the same layout)")
         super().load_state_dict(sd)
         self._t, self._last_sync, self.inner_steps = mine["t"], list(mine["last_sync"]), mine["inner_steps"]
         self.outer_steps, self.skipped_steps = mine["outer_steps"], mine["skipped_steps"]

@@ -38,22 +38,23 @@ class DiLoCoStrategy(BaseDDPStrategy):
     """DDP + :class:`~lightning_onebit.DiLoCo` (see the module docstring).
 
     Args:
-        sync_every, outer_lr, outer_momentum, nesterov, compression, fragments, on_nonfinite: DiLoCo's (checked
-            here, before any rank starts).
+        sync_every, outer_lr, outer_momentum, nesterov, compression, fragments, on_nonfinite, hierarchical:
+            DiLoCo's (checked here, before any rank starts). The ranks per node are the trainer's devices,
+            so a compressed outer all-reduce over several nodes of several devices runs two-level.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
             ``gradient_as_bucket_view`` defaults to ``True``.
     """
 
     def __init__(self, sync_every: int = 16, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, compression: str = "fp32", fragments: int = 1,
-                 on_nonfinite: str = "raise", **kwargs: Any) -> None:
+                 on_nonfinite: str = "raise", hierarchical: bool | None = None, **kwargs: Any) -> None:
         if kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("DiLoCoStrategy installs its own DDP comm hook; ddp_comm_hook cannot be set")
         kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(**kwargs)
         self.diloco_kwargs = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
                               "nesterov": nesterov, "compression": compression, "fragments": fragments,
-                              "on_nonfinite": on_nonfinite}
+                              "on_nonfinite": on_nonfinite, "hierarchical": hierarchical}
         DiLoCo([torch.zeros(1, requires_grad=True)], **self.diloco_kwargs)  # bad options fail here
         self._in_anchor: list = []
 
@@ -75,10 +76,11 @@ class DiLoCoStrategy(BaseDDPStrategy):
         out = []
         for opt in self.optimizers:
             if isinstance(opt, DiLoCo):
+                opt.ranks_per_node = opt.ranks_per_node or self.num_processes
                 out.append(opt)
                 continue
             try:
-                new = DiLoCo.from_optimizer(opt, **self.diloco_kwargs)
+                new = DiLoCo.from_optimizer(opt, ranks_per_node=self.num_processes, **self.diloco_kwargs)
             except ValueError as exc:
                 raise ValueError(f"strategy 'diloco': {exc}. Return torch.optim.AdamW (or DiLoCo) from "
                                  "configure_optimizers") from exc
