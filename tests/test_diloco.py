@@ -1,6 +1,8 @@
 """DiLoCo (optim/diloco.py): the paper's algorithm written out here in plain torch, real gloo ranks,
 no collective in the inner steps, the compressed outer all-reduce, exact resume, bad input."""
 
+import io
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -42,7 +44,8 @@ def _backward(net: nn.Module, rank: int, step: int) -> None:
     nn.functional.cross_entropy(net(tok).reshape(-1, 40), tok.roll(1, 1).reshape(-1)).backward()
 
 
-def _reference(world: int, fragments: list[list[int]] | None = None, steps: int = H * OUTER) -> list[torch.Tensor]:
+def _reference(world: int, fragments: list[list[int]] | None = None, steps: int = H * OUTER, overlap: int = 0,
+               mixing: float = 0.0, replicas: bool = False) -> list[torch.Tensor]:
     """The paper's algorithm in a few lines: replicas with their own AdamW, the mean of anchor - local,
     torch.optim.SGD(nesterov) on the anchor, every replica restarts from it. On one thread, as the
     ranks run: the attention's key bias gets a gradient of pure rounding noise, whose sign AdamW
@@ -50,33 +53,63 @@ def _reference(world: int, fragments: list[list[int]] | None = None, steps: int 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference_steps(world, fragments, steps)
+        return _reference_steps(world, fragments, steps, overlap, mixing, replicas)
     finally:
         torch.set_num_threads(threads)
 
 
-def _reference_steps(world: int, fragments: list[list[int]] | None, steps: int) -> list[torch.Tensor]:
+def _reference_steps(world: int, fragments: list[list[int]] | None, steps: int, overlap: int, mixing: float,
+                     want_replicas: bool):
+    """(Streaming DiLoCo with ``overlap`` and ``mixing``: fragment f's pseudo-gradient is taken after step
+    t, its outer step lands after step t + overlap, and each replica keeps ``mixing`` of its own values.)"""
     replicas = [_model() for _ in range(world)]
     inner = [torch.optim.AdamW(r.parameters(), lr=3e-3, weight_decay=0.01) for r in replicas]
     anchor = [p.detach().clone().requires_grad_(True) for p in replicas[0].parameters()]
     fragments = fragments or [list(range(len(anchor)))]
     F = len(fragments)
     outer = [torch.optim.SGD([anchor[i] for i in frag], lr=0.7, momentum=0.9, nesterov=True) for frag in fragments]
+    in_flight: dict[int, tuple[int, list[torch.Tensor]]] = {}
+
+    def land(f):
+        _, grads = in_flight.pop(f)
+        for i, g in zip(fragments[f], grads, strict=True):
+            anchor[i].grad = g
+        outer[f].step()
+        with torch.no_grad():
+            for net in replicas:
+                for i in fragments[f]:
+                    p = list(net.parameters())[i]
+                    p.copy_(p.mul(mixing).add_(anchor[i], alpha=1 - mixing) if mixing else anchor[i])
+
     for t in range(1, steps + 1):
         for r, (net, opt) in enumerate(zip(replicas, inner, strict=True)):
             _backward(net, r, t - 1)
             opt.step()
+        for f in [f for f, (at, _) in in_flight.items() if at == t]:
+            land(f)
         for f, frag in enumerate(fragments):  # Streaming DiLoCo: fragment f after steps (f + 1) H / F mod H
             if t % H != (H * (f + 1) // F) % H:
                 continue
             with torch.no_grad():
-                for i in frag:
-                    anchor[i].grad = sum((anchor[i] - list(net.parameters())[i]) / world for net in replicas)
-            outer[f].step()
-            with torch.no_grad():
-                for net in replicas:
-                    for i in frag:
-                        list(net.parameters())[i].copy_(anchor[i])
+                grads = [sum((anchor[i] - list(net.parameters())[i]) / world for net in replicas) for i in frag]
+            in_flight[f] = (t + overlap, grads)
+            if overlap == 0:
+                land(f)
+    for f in sorted(in_flight):  # the end of the run: what is in flight lands, the fragments with inner
+        land(f)  # steps since their last outer step take one, and every replica takes the anchor
+    last = {f: max(t for t in range(1, steps + 1) if t % H == (H * (f + 1) // F) % H) for f in range(F)}
+    for f in [f for f in range(F) if last[f] < steps and (overlap or mixing)]:  # (those runs call outer_step())
+        with torch.no_grad():
+            in_flight[f] = (steps, [sum((anchor[i] - list(net.parameters())[i]) / world for net in replicas)
+                                    for i in fragments[f]])
+        land(f)
+    if overlap or mixing:
+        with torch.no_grad():
+            for net in replicas:
+                for p, a in zip(net.parameters(), anchor, strict=True):
+                    p.copy_(a)
+    if want_replicas:
+        return [a.detach() for a in anchor], [[p.detach() for p in net.parameters()] for net in replicas]
     return [a.detach() for a in anchor]
 
 
@@ -209,6 +242,7 @@ def test_bad_input_is_named_and_a_nonfinite_gradient_follows_the_policy():
     params = list(_model().parameters())
     for kw, msg in (({"sync_every": 0}, "sync_every"), ({"compression": "3bit"}, "compression must be one of"),
                     ({"ranks_per_node": 0}, "ranks_per_node"), ({"hierarchical": "yes"}, "hierarchical"),
+                    ({"overlap": 3, "sync_every": 3}, "overlap must be"), ({"mixing": 1.0}, "mixing must be"),
                     ({"outer_momentum": 1.0}, "outer_momentum"), ({"outer_lr": 0}, "outer_lr"),
                     ({"on_nonfinite": "ignore"}, "on_nonfinite"), ({"lr": -1.0}, "learning rate")):
         with pytest.raises(ValueError, match=msg):
@@ -303,3 +337,47 @@ def test_streaming_fragments_each_sync_on_their_own_schedule_like_the_reference(
     assert synced == [1, 2, 3, 4, 5, 6]  # H = F = 3: one fragment's outer step after every inner step
     ref = _reference(2, frags, steps=2 * H)
     assert all(torch.equal(a, b) and torch.equal(a, r) for a, b, r in zip(p0, p1, ref, strict=True))
+
+
+def _overlapped(rank: int, world: int):
+    """Streaming DiLoCo with overlap 1 and mixing 0.5, once straight through and once saved while an
+    outer step is in flight and resumed into a fresh model and optimizer."""
+    kw = {"lr": 3e-3, "weight_decay": 0.01, "sync_every": H, "fragments": 3, "overlap": 1, "mixing": 0.5}
+    net = _model()
+    opt = DiLoCo(net.parameters(), **kw)
+    for t in range(2 * H):
+        _backward(net, rank, t)
+        opt.step()
+        if t == H:  # after inner step H + 1: fragment 0 was sent and lands at the next step
+            assert not opt.synced
+            buf = io.BytesIO()  # as a checkpoint file: the live optimizer state goes on changing
+            torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    opt.outer_step()  # the end of a fit: the step in flight lands
+    assert opt.synced
+    views = opt.anchor_views()
+    full = ([views[id(p)].clone() for p in net.parameters()], [p.detach().clone() for p in net.parameters()])
+    net2 = _model()
+    net2.load_state_dict(saved["model"])
+    opt2 = DiLoCo(net2.parameters(), **kw)
+    opt2.load_state_dict(saved["opt"])
+    for t in range(H + 1, 2 * H):
+        _backward(net2, rank, t)
+        opt2.step()
+    opt2.outer_step()
+    views = opt2.anchor_views()
+    resumed = ([views[id(p)].clone() for p in net2.parameters()], [p.detach().clone() for p in net2.parameters()])
+    return full, resumed, opt.fragment_tensors()
+
+
+def test_streaming_overlap_and_mixing_are_the_papers_and_resume_in_flight():
+    (full0, resumed0, frags), (full1, resumed1, _) = values(run_ranks(_overlapped, 2))
+    ref_anchor, ref_replicas = _reference(2, frags, steps=2 * H, overlap=1, mixing=0.5, replicas=True)
+    for rank, (full, resumed) in enumerate(((full0, resumed0), (full1, resumed1))):
+        assert all(torch.equal(a, r) for a, r in zip(full[0], ref_anchor, strict=True))
+        # the fit's end: every replica, mixed until then, takes the anchor
+        assert all(torch.equal(a, r) for a, r in zip(full[1], ref_replicas[rank], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(full[0] + full[1], resumed[0] + resumed[1], strict=True))
+    unmixed = _reference(2, frags, steps=2 * H, overlap=1, mixing=0.0)  # so the mixing shows in the anchor
+    assert any(not torch.equal(a, r) for a, r in zip(full0[0], unmixed, strict=True))

@@ -18,9 +18,13 @@ settings; the outer step is ``torch.optim.SGD(nesterov=True)``'s arithmetic on t
 ``fragments`` = F > 1 is Streaming DiLoCo's schedule (Douillard et al., arXiv 2501.18512): the
 parameter tensors are cut into F consecutive fragments of about equal size, each with its own outer
 step every H inner steps, fragment f after inner steps ``(f + 1) H / F`` mod H, so one fragment
-travels every H / F steps and the peak traffic drops F-fold. (The paper's overlap of a fragment's
-all-reduce with the next inner steps, and its mixing of local and global values, are not done here:
-each fragment's outer step completes before the next inner step.)
+travels every H / F steps and the peak traffic drops F-fold. ``overlap`` = tau > 0 is its overlap: a
+fragment's all-reduce starts after inner step t and its outer step is applied after inner step t + tau,
+while the replicas go on training (fp32 and bf16 run the all-reduce asynchronously meanwhile; the
+compressed modes compute it at t and apply it at t + tau, the same arithmetic without the wall-clock
+gain on this path). ``mixing`` = alpha is its merge of the arriving global fragment into the replica:
+:math:`\theta_r \leftarrow \alpha\,\theta_r + (1 - \alpha)\,\theta` (0, the default, replaces the
+replica as DiLoCo does; the paper mixes local and global values when it overlaps).
 
 ``compression`` (what each rank puts on the wire per outer step and parameter, ``n`` ranks):
 
@@ -99,7 +103,8 @@ class DiLoCo(torch.optim.Optimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, *, sync_every: int = 16, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, compression: str = "fp32",
                  fragments: int = 1, on_nonfinite: str = "raise", process_group=None,
-                 ranks_per_node: int | None = None, hierarchical: bool | None = None) -> None:
+                 ranks_per_node: int | None = None, hierarchical: bool | None = None, overlap: int = 0,
+                 mixing: float = 0.0) -> None:
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
         if not outer_lr > 0:
@@ -117,6 +122,10 @@ class DiLoCo(torch.optim.Optimizer):
         if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
                                            or ranks_per_node < 1):
             raise ValueError(f"ranks_per_node must be a positive int or None, got {ranks_per_node!r}")
+        if not isinstance(overlap, int) or isinstance(overlap, bool) or not 0 <= overlap < sync_every:
+            raise ValueError(f"overlap must be an int in [0, sync_every={sync_every}), got {overlap!r}")
+        if not 0 <= mixing < 1:
+            raise ValueError(f"mixing must be in [0, 1), got {mixing!r}")
         if hierarchical not in (None, True, False):
             raise ValueError(f"hierarchical must be None (automatic), True or False, got {hierarchical!r}")
         # torch.optim.AdamW validates the inner arguments and gives its defaults
@@ -126,6 +135,10 @@ class DiLoCo(torch.optim.Optimizer):
         self.nesterov, self.compression, self.on_nonfinite = bool(nesterov), compression, on_nonfinite
         self.process_group = process_group
         self.ranks_per_node, self.hierarchical = ranks_per_node, hierarchical
+        self.overlap, self.mixing = overlap, float(mixing)
+        # outer steps in flight (overlap > 0): per fragment, the clock at which it lands, the all-reduce's
+        # handle (None once done) and its result
+        self._pending: dict[int, tuple[int, object, torch.Tensor]] = {}
         self._node_groups: tuple | None = None
         self.intra_node_counter = ByteCounter()  # the two-level layout's fp32 traffic inside nodes
         # per inner step: the fp32 ring all-reduce DDP would have sent (the baseline) and what was sent;
@@ -219,6 +232,9 @@ class DiLoCo(torch.optim.Optimizer):
         self._t += 1
         n = group_size(self.process_group)
         self.comm_counter.add_baseline(sum(p.numel() for p in self._params()), n)
+        landed = [f for f, (at, _, _) in self._pending.items() if at == self._t]
+        if landed:
+            self._land(landed)
         due = self._due(self._t)
         if due:
             self.outer_step(due, _in_step=True)
@@ -250,13 +266,19 @@ class DiLoCo(torch.optim.Optimizer):
 
     @torch.no_grad()
     def outer_step(self, fragments: list[int] | None = None, _in_step: bool = False) -> None:
-        """Average the pseudo-gradients of ``fragments`` (default: every fragment with inner steps since
-        its last outer step) and take their outer steps; every rank ends on the same anchor. Called by
-        :meth:`step` on the schedule, and by the strategy at the end of a fit inside an interval: all
-        ranks must call it together."""
+        """Average the pseudo-gradients of ``fragments`` and take their outer steps; every rank ends on the
+        same anchor. Called by :meth:`step` on the schedule (with ``overlap``, the steps land ``overlap``
+        inner steps later), and by the strategy at the end of a fit (``fragments=None``: every outer step
+        in flight lands, every fragment with inner steps since its last one is synced at once, and every
+        replica takes the anchor's values, mixed or not). All ranks must call it together."""
         self._ensure_anchor()
-        if fragments is None:
+        finish = fragments is None
+        if finish:
+            self._land(list(self._pending))
             fragments = [f for f in range(self.fragments) if self._last_sync[f] < self._t]
+            if not fragments:
+                self._unflatten_into_params(self._outer["anchor"])  # mixed replicas too end on the anchor
+                return
         anchor, local = self._outer["anchor"], self._flat()
         spans = self._fragment_spans()
         deltas = [anchor[spans[f][0]:spans[f][1]] - local[spans[f][0]:spans[f][1]] for f in fragments]
@@ -265,39 +287,60 @@ class DiLoCo(torch.optim.Optimizer):
         if bool(any_across(bad.reshape(1), self.process_group, self._wire)[0]):
             raise NonFiniteGradientError(f"DiLoCo: a non-finite pseudo-gradient at outer step {self.outer_steps + 1} "
                                          "on some rank; no state changed")
+        delay = 0 if finish else self.overlap
         for f, delta in zip(fragments, deltas, strict=True):
-            lo, hi, _ = spans[f]
-            delta = self._average(delta, f)
-            key = f"momentum{f}"
-            self._outer[key] = outer_nesterov_(anchor[lo:hi], delta, self._outer.get(key), lr=self.outer_lr,
-                                               momentum=self.outer_momentum, nesterov=self.nesterov)
-            self._unflatten_into_params(anchor, lo, hi)
+            work, result = self._average(delta, f, asynchronous=delay > 0)
+            self._pending[f] = (self._t + delay, work, result)
             self._last_sync[f] = self._t
+        if delay == 0:
+            self._land(fragments)
+        if finish:
+            self._unflatten_into_params(anchor)
         self.outer_steps += 1
         self.comm_counter.add(self._wire.total.bytes_sent - before, 0, group_size(self.process_group))
         if not _in_step:
             self.comm_counter.end_round()
 
-    def _average(self, delta: torch.Tensor, f: int) -> torch.Tensor:
+    def _land(self, fragments: list[int]) -> None:
+        """The outer steps of ``fragments`` (in flight) on the anchor, and the anchor into the replica
+        (mixed with it when ``mixing`` > 0)."""
+        anchor, spans = self._outer["anchor"], self._fragment_spans()
+        mixed = self._flat() if self.mixing else anchor
+        for f in sorted(fragments):
+            _, work, delta = self._pending.pop(f)
+            if work is not None:
+                work.wait()
+            lo, hi, _ = spans[f]
+            key = f"momentum{f}"
+            self._outer[key] = outer_nesterov_(anchor[lo:hi], delta.float(), self._outer.get(key), lr=self.outer_lr,
+                                               momentum=self.outer_momentum, nesterov=self.nesterov)
+            if self.mixing:
+                mixed[lo:hi].mul_(self.mixing).add_(anchor[lo:hi], alpha=1 - self.mixing)
+            self._unflatten_into_params(mixed, lo, hi)
+
+    def _average(self, delta: torch.Tensor, f: int, asynchronous: bool = False) -> tuple[object, torch.Tensor]:
+        """(the all-reduce's handle or None, the mean pseudo-gradient once it completes; bf16 stays bf16)."""
         n, group = group_size(self.process_group), self.process_group
         if self.compression == "fp32":
+            work = None
             if n > 1:
                 delta.div_(n)
-                dist.all_reduce(delta, group=group)
+                work = dist.all_reduce(delta, group=group, async_op=asynchronous)
                 self._wire.add(ring_allreduce_bytes(delta.numel(), n), delta.numel(), n)
-            return delta
+            return work, delta
         if self.compression == "bf16":
             err = self._outer.setdefault(f"error{f}", torch.zeros_like(delta))
             e = delta.add_(err).div_(n)  # what this rank should contribute, with the last call's residual
             q = e.to(torch.bfloat16)
             err.copy_(e.sub_(q.float()).mul_(n))  # the residual, in pseudo-gradient units
+            work = None
             if n > 1:
-                dist.all_reduce(q, group=group)
+                work = dist.all_reduce(q, group=group, async_op=asynchronous)
                 self._wire.add(ring_allreduce_bytes(q.numel(), n, 2), q.numel(), n)
-            return q.float()
+            return work, q
         if f not in self._collectives:
             self._collectives[f] = self._make_collective(f)
-        return self._collectives[f](delta)
+        return None, self._collectives[f](delta)
 
     def _codec(self) -> Codec:
         return SignCodec("l2") if self.compression == "1bit" else MinMaxCodec(int(self.compression[0]))
@@ -384,6 +427,12 @@ class DiLoCo(torch.optim.Optimizer):
         """Inner steps since the oldest fragment's last outer step (the same on every rank)."""
         return self._t - min(self._last_sync)
 
+    @property
+    def synced(self) -> bool:
+        """Whether every rank holds the anchor's values: no inner step since an outer step and none in
+        flight (else ``outer_step()`` ends the interval: the strategy calls it when a fit ends)."""
+        return self.since_sync == 0 and not self._pending
+
     def local_state(self) -> dict:
         """What only this rank holds: its replica (flat fp32) and :meth:`state_dict` (its AdamW moments, its
         error state). A checkpoint keeps every rank's, so a resume continues bit for bit."""
@@ -394,17 +443,27 @@ class DiLoCo(torch.optim.Optimizer):
         self.load_state_dict(local["optimizer"])
         self._unflatten_into_params(local["params"])
 
+    def _wait(self, f: int) -> torch.Tensor:
+        """Fragment f's outer all-reduce in flight, completed (a checkpoint keeps its result)."""
+        at, work, result = self._pending[f]
+        if work is not None:
+            work.wait()
+            self._pending[f] = (at, None, result)
+        return result
+
     # -- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["diloco"] = {
             "sync_every": self.sync_every, "compression": self.compression, "fragments": self.fragments,
+            "overlap": self.overlap, "mixing": self.mixing,
             "t": self._t, "last_sync": list(self._last_sync),
             "inner_steps": self.inner_steps, "outer_steps": self.outer_steps, "skipped_steps": self.skipped_steps,
             "outer": {k: v.clone() for k, v in self._outer.items()},
             "comm_counter": self.comm_counter.state_dict(),
             "collectives": {f: c.state_dict() for f, c in self._collectives.items()},
             "two_level": self.two_level(),
+            "pending": {f: (at, self._wait(f).clone()) for f, (at, _, _) in self._pending.items()},
         }
         return sd
 
@@ -413,9 +472,9 @@ class DiLoCo(torch.optim.Optimizer):
         mine = sd.pop("diloco", None)
         if mine is None:
             raise ValueError("not a DiLoCo state_dict (no 'diloco' section)")
-        for key in ("sync_every", "compression", "fragments"):
-            if mine[key] != getattr(self, key):
-                raise ValueError(f"state was saved with {key}={mine[key]!r}, this optimizer has "
+        for key, default in (("sync_every", None), ("compression", None), ("fragments", None), ("overlap", 0)):
+            if mine.get(key, default) != getattr(self, key):
+                raise ValueError(f"state was saved with {key}={mine.get(key, default)!r}, this optimizer has "
                                  f"{key}={getattr(self, key)!r}")
         here = self.two_level()
         if mine.get("collectives") and mine.get("two_level") != here:
@@ -427,6 +486,7 @@ class DiLoCo(torch.optim.Optimizer):
         self._t, self._last_sync, self.inner_steps = mine["t"], list(mine["last_sync"]), mine["inner_steps"]
         self.outer_steps, self.skipped_steps = mine["outer_steps"], mine["skipped_steps"]
         self._outer = {k: v.clone() for k, v in mine["outer"].items()}
+        self._pending = {int(f): (at, None, r.clone()) for f, (at, r) in mine.get("pending", {}).items()}
         self.comm_counter.load_state_dict(mine["comm_counter"])
         self._collectives = {}
         for f, sd_f in mine["collectives"].items():

@@ -38,7 +38,8 @@ class DiLoCoStrategy(BaseDDPStrategy):
     """DDP + :class:`~lightning_onebit.DiLoCo` (see the module docstring).
 
     Args:
-        sync_every, outer_lr, outer_momentum, nesterov, compression, fragments, on_nonfinite, hierarchical:
+        sync_every, outer_lr, outer_momentum, nesterov, compression, fragments, on_nonfinite, hierarchical,
+        overlap, mixing:
             DiLoCo's (checked here, before any rank starts). The ranks per node are the trainer's devices,
             so a compressed outer all-reduce over several nodes of several devices runs two-level.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
@@ -47,14 +48,16 @@ class DiLoCoStrategy(BaseDDPStrategy):
 
     def __init__(self, sync_every: int = 16, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, compression: str = "fp32", fragments: int = 1,
-                 on_nonfinite: str = "raise", hierarchical: bool | None = None, **kwargs: Any) -> None:
+                 on_nonfinite: str = "raise", hierarchical: bool | None = None, overlap: int = 0,
+                 mixing: float = 0.0, **kwargs: Any) -> None:
         if kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("DiLoCoStrategy installs its own DDP comm hook; ddp_comm_hook cannot be set")
         kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(**kwargs)
         self.diloco_kwargs = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
                               "nesterov": nesterov, "compression": compression, "fragments": fragments,
-                              "on_nonfinite": on_nonfinite, "hierarchical": hierarchical}
+                              "on_nonfinite": on_nonfinite, "hierarchical": hierarchical, "overlap": overlap,
+                              "mixing": mixing}
         DiLoCo([torch.zeros(1, requires_grad=True)], **self.diloco_kwargs)  # bad options fail here
         self._in_anchor: list = []
 
@@ -122,9 +125,9 @@ class DiLoCoStrategy(BaseDDPStrategy):
 
     def _finish_interval(self) -> None:
         """An outer step over a partial interval, so that the fit ends on one model on every rank
-        (``since_sync`` is the same everywhere: all ranks take it together)."""
+        (``synced`` is the same everywhere: all ranks take it together)."""
         for opt in self._dilocos():
-            if opt.since_sync:
+            if not opt.synced:
                 opt.outer_step()
 
     # -- checkpoints -------------------------------------------------------------------------------
