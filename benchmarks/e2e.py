@@ -94,10 +94,10 @@ PROFILE_TAG = "LOBPROF "
 
 METHODS = ("ddp_adamw", "ddp_fp16", "ddp_bf16", "powersgd_r1", "powersgd_r4",
            "onebit_adam", "onebit_lamb", "qadam", "cd_adam", "zero_one_adam",
-           "onebit_adam_hier", "onebit_lamb_hier", "qadam_hier", "cd_adam_hier", "diloco", "diloco_1bit")
+           "onebit_adam_hier", "onebit_lamb_hier", "qadam_hier", "cd_adam_hier", "diloco", "diloco_4bit", "diloco_1bit")
 DILOCO_H = 8
 """DiLoCo's ``sync_every`` here (its phase-2 figures are means over whole intervals of this many steps)."""
-DILOCO = ("diloco", "diloco_1bit")
+DILOCO = ("diloco", "diloco_4bit", "diloco_1bit")
 HIER = ("onebit_adam_hier", "onebit_lamb_hier", "qadam_hier", "cd_adam_hier")
 """The two-level collective (``hierarchical=True``); the plain names run flat (``hierarchical=False``)."""
 COMPRESSED = ("onebit_adam", "onebit_lamb", "qadam", "cd_adam", "zero_one_adam", *HIER, *DILOCO)
@@ -118,6 +118,7 @@ LABEL = {
     "zero_one_adam": "zero_one_adam (mean over intervals)",
     **{m: f"{m[:-5]} two-level" for m in HIER},
     "diloco": f"diloco H={DILOCO_H}, fp32 (mean over intervals)",
+    "diloco_4bit": f"diloco H={DILOCO_H}, 4-bit (mean over intervals)",
     "diloco_1bit": f"diloco H={DILOCO_H}, 1-bit (mean over intervals)",
 }
 WORKLOADS = ("mlp", "transformer")
@@ -372,7 +373,8 @@ def make_strategy(method: str, warmup: int) -> Any:
     if method in DILOCO:
         from lightning_onebit import DiLoCoStrategy
 
-        return DiLoCoStrategy(sync_every=DILOCO_H, compression="1bit" if method == "diloco_1bit" else "fp32", **views)
+        compression = method.partition("_")[2] or "fp32"
+        return DiLoCoStrategy(sync_every=DILOCO_H, compression=compression, **views)
     if method in COMPRESSED:
         from lightning_onebit import CompressedDDPStrategy
 
