@@ -1,0 +1,527 @@
+"""Time to accuracy on emulated slow links: each method as a user would run it, against what they could run instead.
+
+Every other benchmark here reports a step time or a byte count; users pick a method by the wall-clock time it
+takes to reach a quality on their link. This script trains one language model to a fixed step budget with each
+method on emulated nodes (``netns_cluster.py``: a network namespace per node behind a tc-tbf shaped veth, one
+torchrun per node, gloo, one thread per process), validates every ``--eval-every`` steps, and reports per method
+and link:
+
+* **target**: the validation loss DDP + ``AdamW(fused=True)`` reaches at 80% of its step budget (same seed);
+* wall time, steps and inter-node bytes (the veth's tx counter, headers included) to the first validation at or
+  below the target; "-" when a method never gets there within the budget;
+* rounds per step (steps in which the node sent more than 4 KiB), final validation loss at the budget, and the
+  compute-only step time (the same model and batch in one process, no DDP), so readers can project to other
+  links: time per step ~ compute + bytes per step / rate + rounds per step x latency terms.
+
+Wall time is training only: validation pauses it (each rank's time from ``on_train_batch_start`` to
+``on_train_batch_end``, summed, the slowest rank). Validation evaluates what the method holds as its model: the
+anchor for DiLoCo, rank 0's replica for post-local SGD between averagings, the shared model otherwise.
+
+Methods, each as its documentation says to run it (the same AdamW hyperparameters everywhere; only the learning
+rate comes from a grid, ``--lrs``, the same for all): ``ddp_adamw`` (DDP, fp32, ``AdamW(fused=True)``),
+``ddp_bf16`` (PyTorch's ``bf16_compress_hook``), ``powersgd_r4`` (PowerSGD rank 4 after ``--warmup`` steps of
+fp32 all-reduce, PyTorch's hook), ``postlocal_8``/``postlocal_32`` (PyTorch's ``post_localSGD_hook`` with a
+``PeriodicModelAverager`` of that period after ``--warmup`` global steps, AdamW inside: Lightning's own
+``DDPStrategy(model_averaging_period=...)`` path, with the hook registered on CPU by ``HookDDPStrategy``, since
+Lightning registers comm hooks only on CUDA), ``diloco`` (fp32 outer all-reduce, H = 16, outer lr 0.7, momentum
+0.9: the paper's), ``diloco_4bit``, ``onebit_adam``, ``zero_one_adam`` and ``qadam`` (the package's strategies,
+warm-up ``--warmup`` where they have one).
+
+Latency: ``tc netem`` adds a delay where the kernel has it (``--rtt``); the script says so and stops where it
+does not (the sandbox this was written in has no ``sch_netem``).
+
+Run as root: ``python benchmarks/time_to_accuracy.py --rates 1gbit 100mbit --seeds 0 --out FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    add_out_argument,
+    emit_tagged,
+    header,
+    parse_tagged,
+    read_link_counter,
+    repo_on_path,
+    require_root,
+    write_out,
+)
+from netns_cluster import EmulatedCluster, _run, cleanup_stale, node_env, report_failures, run_torchrun
+
+repo_on_path()
+
+TAG = "LOBTTA "
+METHODS = ("ddp_adamw", "ddp_bf16", "powersgd_r4", "postlocal_8", "postlocal_32", "diloco", "diloco_4bit",
+           "onebit_adam", "zero_one_adam", "qadam")
+PEERS = ("ddp_adamw", "ddp_bf16", "powersgd_r4", "postlocal_8", "postlocal_32", "diloco")
+"""What a user could run instead of the package (DiLoCo fp32 is the paper's own algorithm)."""
+OURS = ("diloco_4bit", "onebit_adam", "zero_one_adam", "qadam")
+DILOCO_H = 16
+MODEL = {"vocab": 64, "d_model": 192, "heads": 4, "layers": 4, "ff": 768, "context": 32}
+BATCH, LENGTH = 16, 33  # sequences per rank and step; 32 next-token predictions each
+TARGET_AT = 0.8
+
+
+# ---------------------------------------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _data(seed: int, rank: int, steps: int) -> tuple[Any, Any]:
+    """(this rank's ``steps`` batches, the shared validation batches) from the recipes' Markov source."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from recipes.lm import MarkovSource
+
+    src = MarkovSource(MODEL["vocab"], 3, 0)
+    train = src.sample(steps * BATCH, LENGTH, torch.Generator().manual_seed(1000 * seed + rank))
+    val = src.sample(512, LENGTH, torch.Generator().manual_seed(999))
+    return (DataLoader(TensorDataset(train), batch_size=BATCH, shuffle=False),
+            DataLoader(TensorDataset(val), batch_size=128, shuffle=False))
+
+
+def _module(seed: int, lr: float) -> Any:
+    import lightning as L
+    import torch
+
+    from recipes.lm import TinyLM, lm_loss
+
+    torch.manual_seed(seed)  # the same initial weights on every rank and for every method
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = TinyLM(**MODEL)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return lm_loss(self.net, batch[0])
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", lm_loss(self.net, batch[0]), on_epoch=True, sync_dist=False)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.01, fused=True)
+
+    return LM()
+
+
+def make_strategy(method: str, warmup: int) -> Any:
+    """The Lightning strategy of ``method`` (see the module docstring)."""
+    from lightning_onebit import CompressedDDPStrategy, DiLoCoStrategy
+    from lightning_onebit.strategies.ddp_hooks import HookDDPStrategy, hook_strategy
+    from lightning_onebit.strategies.launch import BaseDDPStrategy
+
+    views = {"gradient_as_bucket_view": True}  # the compressed strategies' default, for every DDP too
+    if method == "ddp_adamw":
+        return BaseDDPStrategy(**views)
+    if method == "ddp_bf16":
+        return hook_strategy("bf16", **views)
+    if method == "powersgd_r4":
+        return hook_strategy("powersgd", rank=4, start_iter=warmup, **views)
+    if method.startswith("postlocal_"):
+        return _post_local_sgd(HookDDPStrategy, int(method.split("_")[1]), warmup, **views)
+    if method.startswith("diloco"):
+        return DiLoCoStrategy(sync_every=DILOCO_H, compression="4bit" if method.endswith("4bit") else "fp32")
+    if method == "zero_one_adam":
+        return CompressedDDPStrategy("zero_one_adam", optimizer_kwargs={"var_freeze_step": warmup})
+    return CompressedDDPStrategy(method, warmup=warmup)
+
+
+def _post_local_sgd(base: type, period: int, warmup: int, **kwargs: Any) -> Any:
+    """PyTorch's post-local SGD through Lightning: ``post_localSGD_hook`` (global all-reduce for ``warmup`` steps,
+    then each node's own subgroup) and Lightning's ``PeriodicModelAverager`` every ``period`` steps. The state
+    needs the process group, so it is made when DDP registers its hook; its subgroup is the node (a subgroup per
+    node of LOCAL_WORLD_SIZE ranks: ``new_subgroups`` would size it by the CUDA devices)."""
+
+    class PostLocalSGD(base):  # type: ignore[misc, valid-type]
+        def _register_ddp_hooks(self) -> None:
+            import torch.distributed as dist
+            from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook as pl
+
+            sub, _ = dist.new_subgroups(group_size=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            self._ddp_comm_state = pl.PostLocalSGDState(process_group=None, subgroup=sub,
+                                                        start_localSGD_iter=warmup)
+            self._ddp_comm_hook = pl.post_localSGD_hook
+            super()._register_ddp_hooks()
+
+    return PostLocalSGD(model_averaging_period=period, **kwargs)
+
+
+def _recorder(iface: str | None, eval_every: int) -> Any:
+    import lightning as L
+
+    class Recorder(L.Callback):
+        """Training time (validation excluded), link bytes and validation loss at every validation."""
+
+        def __init__(self) -> None:
+            self.train_s, self.t0 = 0.0, 0.0
+            self.points: list[dict[str, float]] = []  # step, train_s, tx, val_loss
+            self.step_tx: list[int] = []
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.tx0 = read_link_counter(iface, "tx_bytes")
+            self.last_tx = self.tx0
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            self.train_s += time.perf_counter() - self.t0
+            tx = read_link_counter(iface, "tx_bytes")
+            self.step_tx.append(tx - self.last_tx)
+            self.last_tx = tx
+
+        def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+            if trainer.sanity_checking:
+                return
+            self.points.append({"step": trainer.global_step, "train_s": self.train_s,
+                                "tx": self.last_tx - self.tx0,
+                                "val_loss": float(trainer.callback_metrics["val_loss"])})
+
+    return Recorder()
+
+
+def run_method(method: str, args: argparse.Namespace, lr: float, rank: int, world: int, iface: str) -> Any:
+    import lightning as L
+    import torch.distributed as dist
+
+    rec = _recorder(iface, args.eval_every)
+    train, val = _data(args.seed, rank, args.steps)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    trainer = L.Trainer(accelerator="cpu", devices=local, num_nodes=world // local,
+                        strategy=make_strategy(method, args.warmup), max_steps=args.steps, max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, val_check_interval=args.eval_every, use_distributed_sampler=False,
+                        callbacks=[rec])
+    trainer.fit(_module(args.seed, lr), train_dataloaders=train, val_dataloaders=val)
+    mine = {"points": rec.points, "step_tx": rec.step_tx, "train_s": rec.train_s}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if rank != 0:
+        return None
+    for i, p in enumerate(everyone[0]["points"]):  # the slowest rank's clock, the mean node's bytes
+        p["train_s"] = max(r["points"][i]["train_s"] for r in everyone)
+        p["tx"] = statistics.mean(r["points"][i]["tx"] for r in everyone) * local
+    step_tx = [statistics.mean(r["step_tx"][i] for r in everyone) * local for i in range(args.steps)]
+    return {"method": method, "lr": lr, "seed": args.seed, "nodes": world // local, "ranks_per_node": local,
+            "rate": args.rate, "steps": args.steps, "points": everyone[0]["points"],
+            "rounds_per_step": sum(b > 4096 for b in step_tx) / len(step_tx),
+            "bytes_per_step": statistics.mean(step_tx)}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    _quiet()
+    import lightning_onebit  # noqa: F401 - registers the strategies
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chosen = dict(kv.split("=") for kv in args.lr_of)
+    for method in args.methods:
+        for lr in [float(chosen[method])] if method in chosen else args.lrs:
+            row = run_method(method, args, lr, rank, world, os.environ["GLOO_SOCKET_IFNAME"])
+            if row is not None:
+                emit_tagged(TAG, row)
+    dist.barrier()
+
+
+def compute_alone(args: argparse.Namespace) -> None:
+    """The same model, batch and AdamW(fused=True) in one process without DDP: median step time."""
+    import lightning as L
+    import torch
+
+    torch.set_num_threads(1)
+    _quiet()
+    rec = _recorder(None, 10**9)
+    times: list[float] = []
+
+    class Steps(L.Callback):
+        def on_train_batch_start(self, *a: Any) -> None:
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, *a: Any) -> None:
+            times.append(time.perf_counter() - self.t)
+
+    train, _ = _data(0, 0, 30)
+    L.Trainer(accelerator="cpu", devices=1, max_steps=30, logger=False, enable_checkpointing=False,
+              enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+              callbacks=[rec, Steps()]).fit(_module(0, args.lrs[0]), train_dataloaders=train)
+    emit_tagged(TAG, {"kind": "compute_alone", "median_s": statistics.median(times[5:])})
+
+
+def _quiet() -> None:
+    import logging
+    import warnings
+
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric", "lightning_onebit"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# driver side (root namespace, as root)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def add_delay(cluster: EmulatedCluster, rtt_ms: float) -> None:
+    """``rtt_ms`` of round trip between any two nodes: a quarter on each of the four egresses a round trip
+    crosses (node, bridge, node, bridge), as a netem parent of each link's tbf."""
+    if not rtt_ms:
+        return
+    from netns_cluster import _tbf_args
+
+    for k in range(cluster.nodes):
+        for ns, dev in ((cluster.ns(k), cluster.iface(k)), (cluster.bridge_ns, f"vb{k}")):
+            try:
+                _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "netem", "delay",
+                      f"{rtt_ms / 4}ms", "limit", "100000"])
+            except RuntimeError as exc:
+                raise SystemExit(f"--rtt needs tc netem (the kernel's sch_netem), which this machine lacks: "
+                                 f"{exc}") from exc
+            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
+                  *_tbf_args(cluster.rate, cluster.latency)])
+
+
+def _alone(cluster: EmulatedCluster, args: argparse.Namespace) -> float:
+    import subprocess
+
+    p = cluster.popen(0, [sys.executable, __file__, "--alone", "--lrs", str(args.lrs[0])], node_env(cluster, 0),
+                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = p.communicate(timeout=600)
+    got = parse_tagged(out.decode(errors="replace"), TAG)
+    if p.returncode or not got:
+        raise SystemExit(f"compute-alone run failed:\n{out.decode(errors='replace')[-3000:]}")
+    return got[0]["median_s"]
+
+
+def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
+    cleanup_stale()
+    rows: list[dict[str, Any]] = []
+    port = 29700
+    with EmulatedCluster(args.nodes, rate=args.rates[0]) as cluster:
+        alone = _alone(cluster, args)
+        print(f"compute alone: {alone:.3f} s/step", file=sys.stderr, flush=True)
+        for rate in args.rates:
+            cluster.set_rate(rate)
+            add_delay(cluster, args.rtt)
+            link = rate + (f" + {args.rtt:g} ms RTT" if args.rtt else "")
+            for seed in args.seeds:
+                wargs = ["--worker", "--rate", link, "--seed", str(seed), "--steps", str(args.steps), "--warmup",
+                         str(args.warmup), "--eval-every", str(args.eval_every), "--pg-timeout",
+                         str(args.timeout), "--lrs", *map(str, args.lrs), "--methods", *args.methods]
+                if args.lr_of:
+                    wargs += ["--lr-of", *args.lr_of]
+                t0 = time.monotonic()
+                results = run_torchrun(cluster, __file__, wargs, master_port=port, timeout=args.timeout,
+                                       nproc_per_node=args.ranks_per_node)
+                port += 1
+                got = parse_tagged(results[0].stdout, TAG)
+                for r in got:
+                    r["compute_alone_s"] = alone
+                    print(f"  [{link}, seed {seed}] {r['method']:<14} lr {r['lr']:g}: final "
+                          f"{r['points'][-1]['val_loss']:.4f} in {r['points'][-1]['train_s']:.0f} s",
+                          file=sys.stderr, flush=True)
+                rows.extend(got)
+                if args.raw:  # what has finished survives a later failure
+                    Path(args.raw).write_text(json.dumps(rows))
+                print(f"[{link}, seed {seed}] {len(got)} runs in {time.monotonic() - t0:.0f} s", file=sys.stderr,
+                      flush=True)
+                report_failures(results, f"{link} seed {seed}", keep_going=args.keep_going, stdout_tail=2000,
+                                stderr_tail=6000)
+    return rows
+
+
+# -- reporting ---------------------------------------------------------------------------------------------
+
+
+def best_lr(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (link, method, seed) the run of the grid's learning rate with the lowest final validation loss."""
+    best: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        key = (r["rate"], r["method"], r["seed"])
+        if key not in best or r["points"][-1]["val_loss"] < best[key]["points"][-1]["val_loss"]:
+            best[key] = r
+    return list(best.values())
+
+
+def to_target(r: dict[str, Any], target: float) -> dict[str, Any] | None:
+    return next((p for p in r["points"] if p["val_loss"] <= target), None)
+
+
+def target_of(rows: list[dict[str, Any]], rate: str, seed: int) -> float | None:
+    ddp = next((r for r in rows if (r["rate"], r["method"], r["seed"]) == (rate, "ddp_adamw", seed)), None)
+    if ddp is None:
+        return None
+    at = TARGET_AT * ddp["steps"]
+    return next(p["val_loss"] for p in ddp["points"] if p["step"] >= at)
+
+
+def _ms(values: Sequence[float]) -> str:
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.4g}"
+    return f"{statistics.mean(values):.4g} ± {statistics.stdev(values):.2g}"
+
+
+def tables(rows: list[dict[str, Any]]) -> str:
+    out = []
+    for rate in dict.fromkeys(r["rate"] for r in rows):
+        sub = [r for r in rows if r["rate"] == rate]
+        seeds = sorted({r["seed"] for r in sub})
+        targets = {s: target_of(rows, rate, s) for s in seeds}
+        out.append(f"### {sub[0]['nodes']} nodes x {sub[0]['ranks_per_node']} rank, {rate}: target val_loss "
+                   f"{_ms([t for t in targets.values() if t is not None])} (DDP + AdamW at {TARGET_AT:.0%} of "
+                   f"{sub[0]['steps']} steps; seeds {seeds})\n")
+        out.append("| method | lr | wall s to target | steps to target | MB/node to target | reached | rounds/step"
+                   " | MB/node/step | final val_loss | vs DDP: time to target |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|")
+        ddp_t = [to_target(r, targets[r["seed"]]) for r in sub if r["method"] == "ddp_adamw"]
+        ddp_s = statistics.mean(p["train_s"] for p in ddp_t if p) if any(ddp_t) else None
+        for m in METHODS:
+            runs = [r for r in sub if r["method"] == m]
+            if not runs:
+                continue
+            hits = [to_target(r, targets[r["seed"]]) for r in runs if targets[r["seed"]] is not None]
+            ok = [h for h in hits if h]
+            t = [h["train_s"] for h in ok]
+            speed = f"{ddp_s / statistics.mean(t):.2f}x" if t and ddp_s and len(ok) == len(runs) else "-"
+            lrs = "/".join(sorted({format(r["lr"], "g") for r in runs}))
+            cells = [m, lrs, _ms(t), _ms([h["step"] for h in ok]), _ms([h["tx"] / 1e6 for h in ok]),
+                     f"{len(ok)}/{len(runs)}", _ms([r["rounds_per_step"] for r in runs]),
+                     _ms([r["bytes_per_step"] / 1e6 for r in runs]), _ms([r["points"][-1]["val_loss"] for r in runs]),
+                     speed]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _mean_time(rows: list[dict[str, Any]], rate: str, method: str) -> float | None:
+    """Mean wall time to the target over seeds; None unless every seed's run reached it."""
+    runs = [r for r in rows if r["rate"] == rate and r["method"] == method]
+    hits = [to_target(r, target_of(rows, rate, r["seed"]) or -1.0) for r in runs]
+    return statistics.mean(h["train_s"] for h in hits) if runs and all(hits) else None
+
+
+def verdict(rows: list[dict[str, Any]]) -> str:
+    """The package's target: at <= 100 Mbit/s its best method reaches the target >= 2x sooner than the best
+    peer; on 1 Gbit/s never later than DDP."""
+    lines = []
+    for rate in dict.fromkeys(r["rate"] for r in rows):
+        times = {m: _mean_time(rows, rate, m) for m in METHODS}
+        peers = {m: t for m, t in times.items() if m in PEERS and t}
+        ours = {m: t for m, t in times.items() if m in OURS and t}
+        if not peers or not ours:
+            lines.append(f"- {rate}: not enough methods reached the target to compare")
+            continue
+        bp, bo = min(peers, key=peers.get), min(ours, key=ours.get)
+        lines.append(f"- {rate}: best of the package {bo} {ours[bo]:.1f} s, best peer {bp} {peers[bp]:.1f} s: "
+                     f"{peers[bp] / ours[bo]:.2f}x; DDP + AdamW {times['ddp_adamw'] or float('nan'):.1f} s")
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = list(dict.fromkeys(r["rate"] for r in rows))
+    fig, axes = plt.subplots(2, len(rates), figsize=(6.5 * len(rates), 9), squeeze=False)
+    colors = dict(zip(METHODS, plt.get_cmap("tab10").colors, strict=False))
+    for j, rate in enumerate(rates):
+        for m in METHODS:
+            runs = [r for r in rows if r["rate"] == rate and r["method"] == m]
+            for i, r in enumerate(runs):
+                x_t = [p["train_s"] for p in r["points"]]
+                x_b = [p["tx"] / 1e6 for p in r["points"]]
+                y = [p["val_loss"] for p in r["points"]]
+                style = "--" if m in PEERS else "-"
+                axes[0, j].plot(x_t, y, style, color=colors[m], label=m if i == 0 else None, lw=1.2)
+                axes[1, j].plot(x_b, y, style, color=colors[m], lw=1.2)
+        targets = [t for s in {r["seed"] for r in rows} if (t := target_of(rows, rate, s)) is not None]
+        for ax, xl in ((axes[0, j], "training wall time (s)"), (axes[1, j], "MB sent per node (link counter)")):
+            if targets:
+                ax.axhline(statistics.mean(targets), color="k", lw=0.8, ls=":")
+            ax.set_xlabel(xl)
+            ax.set_ylabel("validation loss")
+            ax.set_title(rate, fontsize=10)
+        axes[1, j].set_xscale("log")
+        axes[0, j].legend(fontsize=7)
+    fig.suptitle("Validation loss against training wall time and bytes (dashed: what users run instead; "
+                 "dotted: the target)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--alone", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rate", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--pg-timeout", type=int, default=1800, help=argparse.SUPPRESS)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--ranks-per-node", type=int, default=1)
+    ap.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"])
+    ap.add_argument("--rtt", type=float, default=0.0, help="round-trip delay in ms between nodes (tc netem)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=200, help="the step budget of every method")
+    ap.add_argument("--warmup", type=int, default=30, help="warm-up steps (1-bit Adam, QAdam, PowerSGD, post-local)")
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--lrs", type=float, nargs="+", default=[1e-3], help="the learning-rate grid, the same for all")
+    ap.add_argument("--lr-of", nargs="+", default=[], metavar="METHOD=LR",
+                    help="a method's learning rate chosen from an earlier grid (instead of --lrs)")
+    ap.add_argument("--raw", help="also write every run's points (JSON), for --report")
+    ap.add_argument("--report", nargs="+", metavar="RAW", help="no runs: the tables and chart of saved --raw files")
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--timeout", type=int, default=3600, help="per torchrun (every method of one link and seed)")
+    ap.add_argument("--keep-going", action="store_true")
+    add_out_argument(ap)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.alone:
+        compute_alone(args)
+        return 0
+    if args.report:
+        rows = [r for f in args.report for r in json.loads(Path(f).read_text())]
+    else:
+        if not require_root():
+            return 1
+        rows = run_grid(args)
+        if args.raw:
+            Path(args.raw).write_text(json.dumps(rows))
+    alone = statistics.mean(r["compute_alone_s"] for r in rows)
+    rows = best_lr(rows)
+    chart_path = Path(args.out).with_suffix(".png") if args.out else None
+    if chart_path:
+        chart(rows, chart_path)
+    text = (f"{tables(rows)}\nCompute alone (one process, no DDP): {alone:.3f} s/step.\n\n"
+            f"Target check (the best of the package against the best peer, mean wall time to target):\n"
+            f"{verdict(rows)}\n" + (f"\nChart: `{chart_path}`\n" if chart_path else ""))
+    print(text)
+    if args.out:
+        write_out(args.out, header("time_to_accuracy.py", sys.argv[1:] if argv is None else list(argv)) + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
