@@ -1,0 +1,33 @@
+"""The reporting of benchmarks/time_to_accuracy.py on rows written here: the target is DDP's loss at 80% of
+its budget, time to target is the first validation at or below it, the learning rate is chosen per run by
+the final loss, and the verdict compares the package's best with the best peer."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import time_to_accuracy as tta  # noqa: E402
+
+
+def _run(method, losses, seconds_per_step, lr=1e-3, seed=0, rate="100mbit"):
+    points = [{"step": 10 * (i + 1), "train_s": 10 * (i + 1) * seconds_per_step, "tx": 1e6 * (i + 1),
+               "val_loss": v} for i, v in enumerate(losses)]
+    return {"method": method, "lr": lr, "seed": seed, "rate": rate, "nodes": 2, "ranks_per_node": 1, "steps": 50,
+            "points": points, "rounds_per_step": 1.0, "bytes_per_step": 1e5, "compute_alone_s": 0.1}
+
+
+def test_target_time_to_target_lr_choice_and_verdict():
+    ddp = _run("ddp_adamw", [2.0, 1.5, 1.2, 1.0, 0.9], 1.0)  # at 80% of 50 steps (step 40): 1.0
+    assert tta.target_of([ddp], "100mbit", 0) == 1.0
+    ours = _run("zero_one_adam", [1.8, 1.1, 0.95, 0.9, 0.85], 0.2)  # reaches 1.0 at step 30, 6 s
+    ours_bad_lr = _run("zero_one_adam", [1.9, 1.7, 1.6, 1.5, 1.4], 0.2, lr=3e-3)
+    peer = _run("powersgd_r4", [1.9, 1.4, 1.1, 1.0, 0.95], 0.5)  # step 40, 20 s
+    never = _run("qadam", [2.0, 1.9, 1.8, 1.7, 1.6], 0.1)
+    rows = tta.best_lr([ddp, ours, ours_bad_lr, peer, never])
+    assert {(r["method"], r["lr"]) for r in rows} == {("ddp_adamw", 1e-3), ("zero_one_adam", 1e-3),
+                                                      ("powersgd_r4", 1e-3), ("qadam", 1e-3)}
+    assert tta.to_target(ours, 1.0)["train_s"] == 6.0 and tta.to_target(never, 1.0) is None
+    table = tta.tables(rows)
+    assert "| zero_one_adam | 0.001 | 6 | 30 | 3 | 1/1 |" in table and "| qadam | 0.001 | - | - | - | 0/1 |" in table
+    assert "6.67x" in table  # DDP's 40 s over 6 s
+    assert "best of the package zero_one_adam 6.0 s, best peer powersgd_r4 20.0 s: 3.33x" in tta.verdict(rows)
