@@ -455,9 +455,12 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
                 axes[0, j].plot(x_t, y, style, color=colors[m], label=m if i == 0 else None, lw=1.2)
                 axes[1, j].plot(x_b, y, style, color=colors[m], lw=1.2)
         targets = [t for s in {r["seed"] for r in rows} if (t := target_of(rows, rate, s)) is not None]
+        low = min(p["val_loss"] for r in rows if r["rate"] == rate for p in r["points"])
         for ax, xl in ((axes[0, j], "training wall time (s)"), (axes[1, j], "MB sent per node (link counter)")):
             if targets:
                 ax.axhline(statistics.mean(targets), color="k", lw=0.8, ls=":")
+            # the end of the runs matters; DiLoCo's anchor is the initial model until its first outer step
+            ax.set_ylim(low - 0.02, low + 0.4)
             ax.set_xlabel(xl)
             ax.set_ylabel("validation loss")
             ax.set_title(rate, fontsize=10)
