@@ -148,6 +148,22 @@ def read_link_counter(iface: str | None, name: str) -> int:
         return int(f.read())
 
 
+def init_gloo_worker(timeout_s: float) -> tuple[int, int]:
+    """A torchrun worker of the emulated cluster: one thread (the nodes share the machine's cores), the
+    package's strategies registered, the gloo group joined. Returns (rank, world size)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    import lightning_onebit  # noqa: F401 - registers the strategies
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
 def emit_tagged(tag: str, row: dict[str, Any]) -> None:
     """Print one result as a tagged JSON line, for the driver to pick out of the worker's stdout."""
     print(tag + json.dumps(row), flush=True)

@@ -55,7 +55,6 @@ The same file is the worker (``--worker`` under torchrun, ``--local`` for the co
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -71,6 +70,7 @@ from _common import (
     add_out_argument,
     emit_tagged,
     header,
+    init_gloo_worker,
     load_text,
     parse_tagged,
     read_link_counter,
@@ -496,16 +496,10 @@ def run_method(method: str, args: argparse.Namespace, rank: int, world: int, ifa
 
 def worker(args: argparse.Namespace) -> None:
     """Under torchrun in a namespace: the fp32 allreduce reference, then every method in turn."""
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
     _quiet()
-    import lightning_onebit  # noqa: F401 - registers the strategies
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_gloo_worker(args.pg_timeout)
     iface = os.environ["GLOO_SOCKET_IFNAME"]
     numel = model_numel(args.workload)
     t_fp32 = measure_fp32_allreduce(numel)

@@ -36,7 +36,6 @@ Run as root: ``python benchmarks/time_to_accuracy.py --rates 1gbit 100mbit --see
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -50,6 +49,7 @@ from _common import (
     add_out_argument,
     emit_tagged,
     header,
+    init_gloo_worker,
     parse_tagged,
     read_link_counter,
     repo_on_path,
@@ -221,16 +221,10 @@ def run_method(method: str, args: argparse.Namespace, lr: float, rank: int, worl
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
     _quiet()
-    import lightning_onebit  # noqa: F401 - registers the strategies
-
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_gloo_worker(args.pg_timeout)
     chosen = dict(kv.split("=") for kv in args.lr_of)
     for method in args.methods:
         for lr in [float(chosen[method])] if method in chosen else args.lrs:

@@ -67,6 +67,7 @@ from ..comm.dense import all_finite, any_across, group_size
 from ..comm.hierarchical import node_groups
 from ..compress import Codec, MinMaxCodec, SignCodec
 from .nonfinite import NonFiniteGradientError
+from .sync import _spans_the_world
 
 __all__ = ["COMPRESSIONS", "DiLoCo", "outer_nesterov_"]
 
@@ -351,7 +352,7 @@ class DiLoCo(torch.optim.Optimizer):
             return None
         local = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
         n, group, why = group_size(self.process_group), self.process_group, None
-        if group is not None and dist.get_process_group_ranks(group) != list(range(dist.get_world_size())):
+        if not _spans_the_world(group):
             why = "it runs on a group of every rank only (node groups are cut from the default group)"
         elif local is None:
             why = "the ranks per node are unknown (ranks_per_node=... or LOCAL_WORLD_SIZE)"

@@ -29,7 +29,7 @@ from numba import njit, prange
 
 from ..source import Source
 from .layout import DIFF, ERROR_FEEDBACK, MARKOV, MINMAX_U4, MINMAX_U8, PLAIN, REDUCE_TILE, Layout, is_sign
-from .numba_decode import decode_run, mean_run
+from .numba_decode import decode_run, mean_run, mm_top
 from .numba_source import NO_ROWS, SCRATCH, mean_of_rows, pack
 from .numba_source import apply_sink as _apply_sink
 from .numba_source import fill as _fill
@@ -185,7 +185,7 @@ def _encode_minmax_piece(kind, mode, a, xs, ss, r, lo, hi, starts, ends, scales,
     nb = starts.shape[1] - 1
     j = block_at(starts[r], lo)
     end = min(hi, ends[r])
-    top = 255.0 if kind == MINMAX_U8 else (15.0 if kind == MINMAX_U4 else 3.0)
+    top = mm_top(kind)
     while j < nb and starts[r, j] < end:
         p, q = max(lo, starts[r, j]), min(end, starts[r, j + 1])
         if q > p:
