@@ -33,6 +33,7 @@ import dataclasses
 import itertools
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -92,14 +93,14 @@ def _ns_pids(ns: str) -> list[int]:
     return [int(p) for p in out.split() if p.isdigit()]
 
 
-def _kill_ns_processes(ns: str, grace: float = 3.0) -> None:
+def _kill_ns_processes(ns: str, grace: float = 3.0, keep: Sequence[int] = ()) -> None:
     """SIGTERM, then SIGKILL, every process left in ``ns``.
 
     Needed because torchrun starts its workers in their own sessions, so killing the process group of
     what we launched does not reach them; and a namespace (with its veth and the ports its processes
     hold) only goes away once no process is left in it.
     """
-    pids = _ns_pids(ns)
+    pids = [p for p in _ns_pids(ns) if p not in keep]
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -107,7 +108,7 @@ def _kill_ns_processes(ns: str, grace: float = 3.0) -> None:
         deadline = time.monotonic() + grace
         while pids and time.monotonic() < deadline:
             time.sleep(0.05)
-            pids = _ns_pids(ns)
+            pids = [p for p in _ns_pids(ns) if p not in keep]
         if not pids:
             return
 
@@ -228,6 +229,8 @@ class EmulatedCluster:
         self._procs: list[subprocess.Popen[bytes]] = []
         self._up = False
         self._closed = False
+        self._delay_lines: list[subprocess.Popen[bytes]] = []
+        self.rtt_ms = 0.0
 
     # -- naming -----------------------------------------------------------------------------------------
     def ns(self, k: int) -> str:
@@ -327,6 +330,51 @@ class EmulatedCluster:
                           *_tbf_args(rate, self.latency)])
         self.rate = rate
 
+    def set_delay(self, rtt_ms: float) -> None:
+        """Add ``rtt_ms`` of round trip between any two nodes: each node's egress waits ``rtt_ms / 2`` in a
+        user-space delay line (``delay_line.py``: a TUN device in the node's namespace) before its shaped link.
+
+        The kernel's ``tc netem`` would do this in one command; this one works where the kernel lacks it.
+        Call once, after ``open``; the delay lines stop with the cluster.
+        """
+        if rtt_ms <= 0:
+            raise ValueError(f"rtt_ms must be > 0, got {rtt_ms}")
+        if self._delay_lines:
+            raise RuntimeError("set_delay was already called on this cluster")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delay_line.py")
+        for k in range(self.nodes):
+            ns, dev, table = self.ns(k), f"dl{k}", "100"
+            proc = self.popen(k, [sys.executable, script, dev, str(rtt_ms / 2)], None, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE)
+            self._delay_lines.append(proc)
+            assert proc.stdout is not None
+            ready, _, _ = select.select([proc.stdout], [], [], 10.0)
+            if not ready or proc.stdout.readline().strip() != b"ready":
+                raise RuntimeError(f"the delay line of node {k} did not start (rc={proc.poll()})")
+            for key, value in (("net.ipv4.ip_forward", "1"), ("net.ipv4.conf.all.rp_filter", "0"),
+                               (f"net.ipv4.conf.{dev}.rp_filter", "0"), (f"net.ipv4.conf.{dev}.accept_local", "1")):
+                _run(["ip", "netns", "exec", ns, "sysctl", "-qw", f"{key}={value}"])
+            # the held packets are a round trip's worth of traffic: the default 500 could drop at 1 Gbit/s
+            _run(["ip", "-n", ns, "link", "set", dev, "up", "txqueuelen", "20000"])
+            for j in range(self.nodes):  # into the delay line: more specific than the link's /24
+                if j != k:
+                    _run(["ip", "-n", ns, "route", "add", f"{self.node_ip(j)}/32", "dev", dev, "src",
+                          self.node_ip(k)])
+            # out of the delay line: what enters from it leaves by the real link
+            _run(["ip", "-n", ns, "route", "add", f"{_SUBNET_BASE}.{self.subnet}.0/24", "dev", self.iface(k),
+                  "table", table])
+            _run(["ip", "-n", ns, "rule", "add", "iif", dev, "lookup", table, "pref", "100"])
+        self.rtt_ms = rtt_ms
+
+    def delay_cpu_s(self) -> float:
+        """CPU seconds the delay lines have used so far (their share of the machine's cores)."""
+        total = 0.0
+        for p in self._delay_lines:
+            with contextlib.suppress(OSError):
+                stat = open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()
+                total += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
     def close(self) -> None:
         """Kill every process we started (and anything else left inside), delete all our namespaces.
 
@@ -335,7 +383,7 @@ class EmulatedCluster:
         if self._closed or not self._up:
             return
         with _signals_blocked():
-            self.kill_processes()
+            self.kill_processes(keep_delay_lines=False)
             for ns in reversed(self._created):  # nodes first, bridge last
                 try:
                     _delete_ns(ns)
@@ -370,9 +418,11 @@ class EmulatedCluster:
         self._procs.append(proc)
         return proc
 
-    def kill_processes(self, grace: float = 5.0) -> None:
-        """SIGTERM our process groups, wait ``grace`` s, then SIGKILL anything still in the namespaces."""
-        running = [p for p in self._procs if p.poll() is None]
+    def kill_processes(self, grace: float = 5.0, *, keep_delay_lines: bool = True) -> None:
+        """SIGTERM our process groups, wait ``grace`` s, then SIGKILL anything still in the namespaces
+        (but the delay lines, unless ``keep_delay_lines`` is false: the cluster outlives a failed run)."""
+        keep = [p.pid for p in self._delay_lines if p.poll() is None] if keep_delay_lines else []
+        running = [p for p in self._procs if p.poll() is None and p.pid not in keep]
         for p in running:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(p.pid, signal.SIGTERM)
@@ -385,7 +435,7 @@ class EmulatedCluster:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(p.pid, signal.SIGKILL)
         for ns in self._created:
-            _kill_ns_processes(ns, grace=1.0)
+            _kill_ns_processes(ns, grace=1.0, keep=keep)
         for p in running:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 p.wait(timeout=2.0)
@@ -519,6 +569,8 @@ _SINK = """
 import socket, sys, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind((sys.argv[1], 29400)); s.listen(1); c, _ = s.accept(); n = 0; t0 = None
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+for _ in range(20): c.sendall(c.recv(1))  # the source's round trips
 while True:
     b = c.recv(1 << 20)
     if not b: break
@@ -531,43 +583,56 @@ import socket, sys, time
 for _ in range(100):
     try: c = socket.create_connection((sys.argv[1], 29400)); break
     except OSError: time.sleep(0.05)
+c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+rtts = []
+for _ in range(20):
+    t = time.perf_counter(); c.sendall(b"x"); c.recv(1); rtts.append(time.perf_counter() - t)
+print(min(rtts) * 1e3, flush=True)
 buf = b"x" * (1 << 20)
 for _ in range(int(sys.argv[2])): c.sendall(buf)
 c.close()
 """
 
 
-def selftest(rate: str | None, megabytes: int = 200) -> float:
-    """Push ``megabytes`` MiB over a TCP socket from node 1 to node 0; return the achieved Gbit/s."""
+def selftest(rate: str | None, megabytes: int = 200, rtt_ms: float = 0.0) -> float:
+    """Time 20 one-byte TCP round trips, then push ``megabytes`` MiB from node 1 to node 0; return the achieved
+    Gbit/s."""
     with EmulatedCluster(2, rate=rate) as c:
+        if rtt_ms:
+            c.set_delay(rtt_ms)
         env = node_env(c, 0)
         sink = c.popen(0, [sys.executable, "-c", _SINK, c.node_ip(0)], env, stdout=subprocess.PIPE)
         time.sleep(0.3)
         tx0 = c.tx_bytes(1)
-        src = c.popen(1, [sys.executable, "-c", _SOURCE, c.node_ip(0), str(megabytes)], node_env(c, 1))
-        out, _ = sink.communicate(timeout=120)
-        src.wait(timeout=30)
+        src = c.popen(1, [sys.executable, "-c", _SOURCE, c.node_ip(0), str(megabytes)], node_env(c, 1),
+                      stdout=subprocess.PIPE)
+        out, _ = sink.communicate(timeout=300)
+        src_out, _ = src.communicate(timeout=30)
         sent = c.tx_bytes(1) - tx0
         nbytes, gbps = out.decode().split()
-        print(f"rate={rate}: {int(nbytes) / 2**20:.0f} MiB payload, {sent / 2**20:.0f} MiB on the link, "
-              f"{float(gbps):.2f} Gbit/s")
+        delay = f", delay lines {c.delay_cpu_s():.2f} CPU s" if rtt_ms else ""
+        print(f"rate={rate} rtt={rtt_ms:g} ms: round trip {float(src_out.decode()):.2f} ms (min of 20), "
+              f"{int(nbytes) / 2**20:.0f} MiB payload, {sent / 2**20:.0f} MiB on the link, "
+              f"{float(gbps):.3f} Gbit/s{delay}")
         return float(gbps)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: ``--cleanup`` removes stale namespaces; ``--selftest`` measures raw link throughput."""
+    """CLI: ``--cleanup`` removes stale namespaces; ``--selftest`` measures round trip and raw link throughput."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cleanup", action="store_true", help="delete namespaces left by dead runs")
     ap.add_argument("--all", action="store_true", help="with --cleanup: also those of live processes")
     ap.add_argument("--selftest", nargs="*", metavar="RATE",
-                    help="TCP throughput between 2 emulated nodes at each RATE ('none' = unshaped)")
+                    help="TCP round trip and throughput between 2 emulated nodes at each RATE ('none' = unshaped)")
+    ap.add_argument("--rtt", type=float, default=0.0, help="with --selftest: round-trip delay in ms (set_delay)")
+    ap.add_argument("--megabytes", type=int, default=200, help="with --selftest: MiB to push")
     args = ap.parse_args(argv)
     if args.cleanup:
         removed = cleanup_stale(include_live_owners=args.all)
         print(f"removed {len(removed)} namespace(s)")
     if args.selftest is not None:
         for rate in args.selftest or ["1gbit", "10gbit", "none"]:
-            selftest(None if rate == "none" else rate)
+            selftest(None if rate == "none" else rate, args.megabytes, args.rtt)
     if not args.cleanup and args.selftest is None:
         ap.print_help()
     return 0
