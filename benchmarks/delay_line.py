@@ -7,7 +7,7 @@ routes to the other nodes point into it, and every packet read from it is writte
 Packets written to a TUN device enter the namespace as if received on it, and a policy rule routes what enters
 from the TUN device out of the node's real (rate-shaped) link::
 
-    app -> route to peer -> tun dl<k> -> [this process: hold delay ms] -> tun dl<k> -> rule iif dl<k>
+    app -> route to peer -> tun 'delay' -> [this process: hold delay ms] -> tun 'delay' -> rule iif delay
         -> table 100 -> veth vn<k> (tbf) -> bridge -> peer
 
 Each node delays its own egress by half the round trip, so any two nodes see the full round trip.

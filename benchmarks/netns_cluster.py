@@ -48,6 +48,9 @@ PREFIX = "lob"
 
 _NAME_RE = re.compile(rf"^{PREFIX}(?P<pid>\d+)c(?P<seq>\d+)-(?:n\d+|br)$")
 _SUBNET_BASE = "10.213"
+DELAY_IFACE = "delay"
+"""The delay line's TUN device in every node's namespace (``set_delay``); its tx counter is what the node sent,
+before the delay (the veth's counts it half a round trip later)."""
 _seq = itertools.count()
 _live: list[EmulatedCluster] = []
 _live_lock = threading.Lock()
@@ -343,7 +346,7 @@ class EmulatedCluster:
             raise RuntimeError("set_delay was already called on this cluster")
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delay_line.py")
         for k in range(self.nodes):
-            ns, dev, table = self.ns(k), f"dl{k}", "100"
+            ns, dev, table = self.ns(k), DELAY_IFACE, "100"
             proc = self.popen(k, [sys.executable, script, dev, str(rtt_ms / 2)], None, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE)
             self._delay_lines.append(proc)
@@ -498,6 +501,8 @@ def node_env(cluster: EmulatedCluster, k: int, extra: Mapping[str, str] | None =
         NUMBA_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
     )
+    if cluster.rtt_ms:
+        env["LOB_DELAY_IFACE"] = DELAY_IFACE
     if extra:
         env.update(extra)
     return env

@@ -232,11 +232,15 @@ def _recorder(iface: str | None, eval_every: int) -> Any:
         def __init__(self) -> None:
             self.train_s, self.t0 = 0.0, 0.0
             self.points: list[dict[str, float]] = []  # step, train_s, tx, val_loss
-            self.step_tx: list[int] = []
+            self.step_tx: list[int] = []  # bytes on the link per step
+            self.step_sent: list[int] = []  # bytes sent per step, before a delay line (the rounds)
+            # with a delay line the veth counts a step's bytes half a round trip late, in the next step
+            self.sent_iface = os.environ.get("LOB_DELAY_IFACE") or iface
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.tx0 = read_link_counter(iface, "tx_bytes")
             self.last_tx = self.tx0
+            self.last_sent = read_link_counter(self.sent_iface, "tx_bytes")
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self.t0 = time.perf_counter()
@@ -246,6 +250,9 @@ def _recorder(iface: str | None, eval_every: int) -> Any:
             tx = read_link_counter(iface, "tx_bytes")
             self.step_tx.append(tx - self.last_tx)
             self.last_tx = tx
+            sent = read_link_counter(self.sent_iface, "tx_bytes")
+            self.step_sent.append(sent - self.last_sent)
+            self.last_sent = sent
 
         def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
             if trainer.sanity_checking:
@@ -270,7 +277,7 @@ def run_method(method: str, args: argparse.Namespace, lr: float, rank: int, worl
                         num_sanity_val_steps=0, val_check_interval=args.eval_every, use_distributed_sampler=False,
                         callbacks=[rec])
     trainer.fit(_module(args.workload, args.seed, lr, args.steps), train_dataloaders=train, val_dataloaders=val)
-    mine = {"points": rec.points, "step_tx": rec.step_tx, "train_s": rec.train_s}
+    mine = {"points": rec.points, "step_tx": rec.step_tx, "step_sent": rec.step_sent, "train_s": rec.train_s}
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank != 0:
@@ -279,9 +286,10 @@ def run_method(method: str, args: argparse.Namespace, lr: float, rank: int, worl
         p["train_s"] = max(r["points"][i]["train_s"] for r in everyone)
         p["tx"] = statistics.mean(r["points"][i]["tx"] for r in everyone) * local
     step_tx = [statistics.mean(r["step_tx"][i] for r in everyone) * local for i in range(args.steps)]
+    step_sent = [statistics.mean(r["step_sent"][i] for r in everyone) * local for i in range(args.steps)]
     return {"method": method, "lr": lr, "seed": args.seed, "nodes": world // local, "ranks_per_node": local,
             "rate": args.rate, "workload": args.workload, "steps": args.steps, "points": everyone[0]["points"],
-            "rounds_per_step": sum(b > 4096 for b in step_tx) / len(step_tx),
+            "rounds_per_step": sum(b > 4096 for b in step_sent) / len(step_sent),
             "bytes_per_step": statistics.mean(step_tx)}
 
 
