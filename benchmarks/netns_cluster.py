@@ -49,8 +49,7 @@ PREFIX = "lob"
 _NAME_RE = re.compile(rf"^{PREFIX}(?P<pid>\d+)c(?P<seq>\d+)-(?:n\d+|br)$")
 _SUBNET_BASE = "10.213"
 DELAY_IFACE = "delay"
-"""The delay line's TUN device in every node's namespace (``set_delay``); its tx counter is what the node sent,
-before the delay (the veth's counts it half a round trip later)."""
+"""The delay line's TUN device in every node's namespace (``set_delay``)."""
 _seq = itertools.count()
 _live: list[EmulatedCluster] = []
 _live_lock = threading.Lock()
@@ -501,8 +500,6 @@ def node_env(cluster: EmulatedCluster, k: int, extra: Mapping[str, str] | None =
         NUMBA_NUM_THREADS="1",
         PYTHONUNBUFFERED="1",
     )
-    if cluster.rtt_ms:
-        env["LOB_DELAY_IFACE"] = DELAY_IFACE
     if extra:
         env.update(extra)
     return env

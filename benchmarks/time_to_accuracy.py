@@ -9,11 +9,13 @@ and link:
 * **target**: the validation loss DDP + ``AdamW(fused=True)`` reaches at 80% of its step budget (same seed);
 * wall time, steps and inter-node bytes (the veth's tx counter, headers included) to the first validation at or
   below the target; "-" when a method never gets there within the budget;
-* rounds per step (steps in which the node sent more than 4 KiB), final validation loss at the budget, and the
-  compute-only step time (the same model and batch, one process per rank of the layout running at once, no
-  communication), and the wall time to target beyond it (wall time less steps x compute alone: what the link
-  and the waiting for it cost, which stays when compute gets faster), so readers can project to other links
-  and faster compute: time per step ~ compute + bytes per step / rate + rounds per step x latency terms.
+* rounds per step (steps in which a rank passed more than 4 KiB to its sockets, ``/proc/self/io``'s ``wchar``:
+  the veth's counter would put the tail of a step's traffic, held by the shaper or a delay line, in the next),
+  final validation loss at the budget, and the compute-only step time (the same model and batch, one process
+  per rank of the layout running at once, no communication), and the wall time to target beyond it (wall time
+  less steps x compute alone: what the link and the waiting for it cost, which stays when compute gets faster),
+  so readers can project to other links and faster compute: time per step ~ compute + bytes per step / rate +
+  rounds per step x latency terms.
 
 Wall time is training only: validation pauses it (each rank's time from ``on_train_batch_start`` to
 ``on_train_batch_end``, summed, the slowest rank). Validation evaluates what the method holds as its model: the
@@ -225,6 +227,13 @@ def _post_local_sgd(base: type, period: int, warmup: int, **kwargs: Any) -> Any:
     return PostLocalSGD(model_averaging_period=period, **kwargs)
 
 
+def _written() -> int:
+    """Bytes this process has passed to write-type system calls (``wchar``): gloo's socket sends; the runs
+    write no files."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
+
 def _recorder(iface: str | None, eval_every: int) -> Any:
     import lightning as L
 
@@ -235,14 +244,14 @@ def _recorder(iface: str | None, eval_every: int) -> Any:
             self.train_s, self.t0 = 0.0, 0.0
             self.points: list[dict[str, float]] = []  # step, train_s, tx, val_loss
             self.step_tx: list[int] = []  # bytes on the link per step
-            self.step_sent: list[int] = []  # bytes sent per step, before a delay line (the rounds)
-            # with a delay line the veth counts a step's bytes half a round trip late, in the next step
-            self.sent_iface = os.environ.get("LOB_DELAY_IFACE") or iface
+            # bytes this process handed to its sockets per step (the rounds): the veth counts a step's tail
+            # later, when the shaper or a delay line lets it out, and so in the next step
+            self.step_sent: list[int] = []
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.tx0 = read_link_counter(iface, "tx_bytes")
             self.last_tx = self.tx0
-            self.last_sent = read_link_counter(self.sent_iface, "tx_bytes")
+            self.last_sent = _written()
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self.t0 = time.perf_counter()
@@ -252,7 +261,7 @@ def _recorder(iface: str | None, eval_every: int) -> Any:
             tx = read_link_counter(iface, "tx_bytes")
             self.step_tx.append(tx - self.last_tx)
             self.last_tx = tx
-            sent = read_link_counter(self.sent_iface, "tx_bytes")
+            sent = _written()
             self.step_sent.append(sent - self.last_sent)
             self.last_sent = sent
 

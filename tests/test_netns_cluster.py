@@ -55,14 +55,11 @@ def _round_trip_ms(cluster: nc.EmulatedCluster) -> float:
 def test_delay_lines_give_the_round_trip_survive_a_failed_run_and_go_with_the_cluster():
     with nc.EmulatedCluster(2, rate="100mbit") as cluster:
         assert _round_trip_ms(cluster) < 10  # no delay yet: the veth's fraction of a millisecond
-        assert "LOB_DELAY_IFACE" not in nc.node_env(cluster, 0)
         cluster.set_delay(40.0)
         assert 40.0 <= _round_trip_ms(cluster) < 40.0 + 100  # the upper bound only catches a delay applied twice
-        # what the workers count rounds on: the delay line's device, which saw the round trips go out
-        assert nc.node_env(cluster, 1)["LOB_DELAY_IFACE"] == nc.DELAY_IFACE
         sent = nc._run(["ip", "netns", "exec", cluster.ns(1), "cat",
                         f"/sys/class/net/{nc.DELAY_IFACE}/statistics/tx_bytes"])
-        assert int(sent) > 0
+        assert int(sent) > 0  # the round trips went through node 1's delay line
         with pytest.raises(RuntimeError, match="already"):
             cluster.set_delay(40.0)
         cluster.kill_processes()  # what run_torchrun does after a failed node: the delay lines stay
