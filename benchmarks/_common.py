@@ -11,11 +11,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import fcntl
 import json
 import os
 import platform
 import shlex
+import socket
+import struct
 import sys
+import termios
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -146,6 +150,32 @@ def read_link_counter(iface: str | None, name: str) -> int:
         return 0
     with open(f"/sys/class/net/{iface}/statistics/{name}") as f:
         return int(f.read())
+
+
+def bytes_to_other_hosts() -> int:
+    """Bytes this process has handed to its TCP connections with another address (the other nodes; ranks of
+    one node meet on the node's own address): per connection, what the peer acknowledged plus what is still
+    queued (``TCP_INFO``'s ``tcpi_bytes_acked`` + ``SIOCOUTQ``). Counted when written, unlike a link counter,
+    which sees a step's tail only when a shaper or delay line lets it out; connections that closed drop out."""
+    total = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=os.dup(int(name)))  # a duplicate: closing it leaves gloo's own
+        except OSError:
+            continue
+        with sock:
+            try:
+                if (sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM
+                        or sock.getpeername()[0] == sock.getsockname()[0]):
+                    continue
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 232)
+                queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+            except OSError:  # a listening or unconnected socket has no peer
+                continue
+            total += struct.unpack_from("Q", info, 120)[0] + queued  # tcpi_bytes_acked
+    return total
 
 
 def init_gloo_worker(timeout_s: float) -> tuple[int, int]:

@@ -9,8 +9,9 @@ and link:
 * **target**: the validation loss DDP + ``AdamW(fused=True)`` reaches at 80% of its step budget (same seed);
 * wall time, steps and inter-node bytes (the veth's tx counter, headers included) to the first validation at or
   below the target; "-" when a method never gets there within the budget;
-* rounds per step (steps in which a rank passed more than 4 KiB to its sockets, ``/proc/self/io``'s ``wchar``:
-  the veth's counter would put the tail of a step's traffic, held by the shaper or a delay line, in the next),
+* rounds per step (steps in which a node wrote more than 4 KiB to other nodes' connections, counted at the
+  sockets: the veth's counter would put the tail of a step's traffic, held by the shaper or a delay line, in the
+  next; ranks of one node talking to each other are not rounds on the link),
   final validation loss at the budget, and the compute-only step time (the same model and batch, one process
   per rank of the layout running at once, no communication), and the wall time to target beyond it (wall time
   less steps x compute alone: what the link and the waiting for it cost, which stays when compute gets faster),
@@ -51,6 +52,7 @@ from typing import Any
 
 from _common import (
     add_out_argument,
+    bytes_to_other_hosts,
     emit_tagged,
     header,
     init_gloo_worker,
@@ -227,13 +229,6 @@ def _post_local_sgd(base: type, period: int, warmup: int, **kwargs: Any) -> Any:
     return PostLocalSGD(model_averaging_period=period, **kwargs)
 
 
-def _written() -> int:
-    """Bytes this process has passed to write-type system calls (``wchar``): gloo's socket sends; the runs
-    write no files."""
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
-
-
 def _recorder(iface: str | None, eval_every: int) -> Any:
     import lightning as L
 
@@ -244,14 +239,14 @@ def _recorder(iface: str | None, eval_every: int) -> Any:
             self.train_s, self.t0 = 0.0, 0.0
             self.points: list[dict[str, float]] = []  # step, train_s, tx, val_loss
             self.step_tx: list[int] = []  # bytes on the link per step
-            # bytes this process handed to its sockets per step (the rounds): the veth counts a step's tail
-            # later, when the shaper or a delay line lets it out, and so in the next step
+            # bytes this rank wrote to other nodes per step (the rounds): the veth counts a step's tail later,
+            # when the shaper or a delay line lets it out, and so in the next step
             self.step_sent: list[int] = []
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.tx0 = read_link_counter(iface, "tx_bytes")
             self.last_tx = self.tx0
-            self.last_sent = _written()
+            self.last_sent = bytes_to_other_hosts()
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self.t0 = time.perf_counter()
@@ -261,8 +256,8 @@ def _recorder(iface: str | None, eval_every: int) -> Any:
             tx = read_link_counter(iface, "tx_bytes")
             self.step_tx.append(tx - self.last_tx)
             self.last_tx = tx
-            sent = _written()
-            self.step_sent.append(sent - self.last_sent)
+            sent = bytes_to_other_hosts()
+            self.step_sent.append(max(0, sent - self.last_sent))  # a closed connection drops out
             self.last_sent = sent
 
         def on_validation_end(self, trainer: Any, pl_module: Any) -> None:

@@ -35,3 +35,29 @@ def test_target_time_to_target_lr_choice_and_verdict():
     verdict = tta.verdict(rows)
     assert "best of the package zero_one_adam 6.0 s, best peer powersgd_r4 20.0 s: 3.33x" in verdict
     assert "zero_one_adam 3.0 s, powersgd_r4 16.0 s: 5.33x" in verdict  # 20 - 40 x 0.1 against 6 - 30 x 0.1
+
+
+def test_bytes_to_other_hosts_counts_writes_to_other_addresses_only():
+    """What the rounds are counted from: a connection between two addresses of this host stands for one to
+    another node (127.0.0.2 -> 127.0.0.1), one within an address for ranks of one node."""
+    import socket
+
+    from _common import bytes_to_other_hosts
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(2)
+        same = socket.create_connection(srv.getsockname(), timeout=10)
+        same_peer, _ = srv.accept()
+        other = socket.socket()
+        other.settimeout(10)  # a send that cannot complete fails instead of hanging
+        other.bind(("127.0.0.2", 0))
+        other.connect(srv.getsockname())
+        other_peer, _ = srv.accept()
+        with same, same_peer, other, other_peer:
+            before = bytes_to_other_hosts()
+            same.sendall(b"x" * 100_000)
+            assert bytes_to_other_hosts() == before
+            other.sendall(b"y" * 300_000)
+            other_peer.sendall(b"z" * 5)
+            assert bytes_to_other_hosts() - before == 300_005  # acknowledged or still queued, both counted
