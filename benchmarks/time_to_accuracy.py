@@ -421,7 +421,7 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def setting(r: dict[str, Any]) -> str:
     """What a run's numbers are comparable within: the layout and the link."""
-    where = f"{r['nodes']} nodes x {r['ranks_per_node']} rank, {r['rate']}"
+    where = f"{r['nodes']} nodes x {r['ranks_per_node']} rank{'s' if r['ranks_per_node'] > 1 else ''}, {r['rate']}"
     return where if r.get("workload", "lm") == "lm" else f"{r['workload']}, {where}"
 
 
@@ -520,6 +520,9 @@ def verdict(rows: list[dict[str, Any]]) -> str:
         bp, bo = min(peers, key=peers.get), min(ours, key=ours.get)
         lines.append(f"- {where}: best of the package {bo} {ours[bo]:.1f} s, best peer {bp} {peers[bp]:.1f} s: "
                      f"{peers[bp] / ours[bo]:.2f}x; DDP + AdamW {times['ddp_adamw'] or float('nan'):.1f} s")
+        floor = ours[bo] - _mean_time(rows, where, bo, link_only=True)
+        lines.append(f"  {bo}'s steps cost {floor:.1f} s in compute alone: with free communication it would be "
+                     f"{peers[bp] / floor:.2f}x ahead of {bp}")
         link = {m: _mean_time(rows, where, m, link_only=True) for m in (*peers, *ours)}
         lp, lo = min(peers, key=lambda m: link[m]), min(ours, key=lambda m: link[m])
         lines.append(f"  beyond compute (the limit as compute gets faster): {lo} {link[lo]:.1f} s, {lp} "

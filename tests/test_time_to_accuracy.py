@@ -35,6 +35,7 @@ def test_target_time_to_target_lr_choice_and_verdict():
     verdict = tta.verdict(rows)
     assert "best of the package zero_one_adam 6.0 s, best peer powersgd_r4 20.0 s: 3.33x" in verdict
     assert "zero_one_adam 3.0 s, powersgd_r4 16.0 s: 5.33x" in verdict  # 20 - 40 x 0.1 against 6 - 30 x 0.1
+    assert "cost 3.0 s in compute alone: with free communication it would be 6.67x ahead" in verdict  # 20 / 3
 
 
 def test_bytes_to_other_hosts_counts_writes_to_other_addresses_only():
