@@ -232,7 +232,6 @@ class EmulatedCluster:
         self._up = False
         self._closed = False
         self._delay_lines: list[subprocess.Popen[bytes]] = []
-        self.rtt_ms = 0.0
 
     # -- naming -----------------------------------------------------------------------------------------
     def ns(self, k: int) -> str:
@@ -366,15 +365,14 @@ class EmulatedCluster:
             _run(["ip", "-n", ns, "route", "add", f"{_SUBNET_BASE}.{self.subnet}.0/24", "dev", self.iface(k),
                   "table", table])
             _run(["ip", "-n", ns, "rule", "add", "iif", dev, "lookup", table, "pref", "100"])
-        self.rtt_ms = rtt_ms
 
     def delay_cpu_s(self) -> float:
         """CPU seconds the delay lines have used so far (their share of the machine's cores)."""
         total = 0.0
         for p in self._delay_lines:
-            with contextlib.suppress(OSError):
-                stat = open(f"/proc/{p.pid}/stat").read().rsplit(")", 1)[1].split()
-                total += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+            with contextlib.suppress(OSError), open(f"/proc/{p.pid}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+                total += (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
         return total
 
     def close(self) -> None:

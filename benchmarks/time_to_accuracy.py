@@ -291,8 +291,10 @@ def run_method(method: str, args: argparse.Namespace, lr: float, rank: int, worl
     for i, p in enumerate(everyone[0]["points"]):  # the slowest rank's clock, the mean node's bytes
         p["train_s"] = max(r["points"][i]["train_s"] for r in everyone)
         p["tx"] = statistics.mean(r["points"][i]["tx"] for r in everyone) * local
-    step_tx = [statistics.mean(r["step_tx"][i] for r in everyone) * local for i in range(args.steps)]
-    step_sent = [statistics.mean(r["step_sent"][i] for r in everyone) * local for i in range(args.steps)]
+    def per_node(key: str) -> list[float]:  # a node's bytes per step: the mean rank's times the ranks per node
+        return [statistics.mean(r[key][i] for r in everyone) * local for i in range(args.steps)]
+
+    step_tx, step_sent = per_node("step_tx"), per_node("step_sent")
     return {"method": method, "lr": lr, "seed": args.seed, "nodes": world // local, "ranks_per_node": local,
             "rate": args.rate, "workload": args.workload, "steps": args.steps, "points": everyone[0]["points"],
             "rounds_per_step": sum(b > 4096 for b in step_sent) / len(step_sent),
@@ -368,8 +370,9 @@ def _alone(cluster: EmulatedCluster, args: argparse.Namespace) -> float:
     medians = []
     for p, out in procs:
         p.wait(timeout=900)
-        out.seek(0)
-        text = out.read().decode(errors="replace")
+        with out:
+            out.seek(0)
+            text = out.read().decode(errors="replace")
         got = parse_tagged(text, TAG)
         if p.returncode or not got:
             raise SystemExit(f"compute-alone run failed:\n{text[-3000:]}")
@@ -391,9 +394,8 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
             link = rate + (f" + {args.rtt:g} ms RTT" if args.rtt else "")
             for seed in args.seeds:
                 wargs = ["--worker", "--workload", args.workload, "--rate", link, "--seed", str(seed), "--steps",
-                         str(args.steps), "--warmup",
-                         str(args.warmup), "--eval-every", str(args.eval_every), "--pg-timeout",
-                         str(args.timeout), "--lrs", *map(str, args.lrs), "--methods", *args.methods]
+                         str(args.steps), "--warmup", str(args.warmup), "--eval-every", str(args.eval_every),
+                         "--pg-timeout", str(args.timeout), "--lrs", *map(str, args.lrs), "--methods", *args.methods]
                 if args.lr_of:
                     wargs += ["--lr-of", *args.lr_of]
                 t0 = time.monotonic()
@@ -520,10 +522,10 @@ def verdict(rows: list[dict[str, Any]]) -> str:
         bp, bo = min(peers, key=peers.get), min(ours, key=ours.get)
         lines.append(f"- {where}: best of the package {bo} {ours[bo]:.1f} s, best peer {bp} {peers[bp]:.1f} s: "
                      f"{peers[bp] / ours[bo]:.2f}x; DDP + AdamW {times['ddp_adamw'] or float('nan'):.1f} s")
-        floor = ours[bo] - _mean_time(rows, where, bo, link_only=True)
+        link = {m: _mean_time(rows, where, m, link_only=True) for m in (*peers, *ours)}
+        floor = ours[bo] - link[bo]
         lines.append(f"  {bo}'s steps cost {floor:.1f} s in compute alone: with free communication it would be "
                      f"{peers[bp] / floor:.2f}x ahead of {bp}")
-        link = {m: _mean_time(rows, where, m, link_only=True) for m in (*peers, *ours)}
         lp, lo = min(peers, key=lambda m: link[m]), min(ours, key=lambda m: link[m])
         lines.append(f"  beyond compute (the limit as compute gets faster): {lo} {link[lo]:.1f} s, {lp} "
                      f"{link[lp]:.1f} s: {link[lp] / max(link[lo], 1e-9):.2f}x")
@@ -536,12 +538,12 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = list(dict.fromkeys(map(setting, rows)))
-    fig, axes = plt.subplots(2, len(rates), figsize=(6.5 * len(rates), 9), squeeze=False)
+    wheres = list(dict.fromkeys(map(setting, rows)))
+    fig, axes = plt.subplots(2, len(wheres), figsize=(6.5 * len(wheres), 9), squeeze=False)
     colors = dict(zip(METHODS, plt.get_cmap("tab10").colors, strict=False))
-    for j, rate in enumerate(rates):
+    for j, where in enumerate(wheres):
         for m in METHODS:
-            runs = [r for r in rows if setting(r) == rate and r["method"] == m]
+            runs = [r for r in rows if setting(r) == where and r["method"] == m]
             for i, r in enumerate(runs):
                 x_t = [p["train_s"] for p in r["points"]]
                 x_b = [p["tx"] / 1e6 for p in r["points"]]
@@ -549,8 +551,8 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
                 style = "--" if m in PEERS else "-"
                 axes[0, j].plot(x_t, y, style, color=colors[m], label=m if i == 0 else None, lw=1.2)
                 axes[1, j].plot(x_b, y, style, color=colors[m], lw=1.2)
-        targets = [t for s in {r["seed"] for r in rows} if (t := target_of(rows, rate, s)) is not None]
-        low = min(p["val_loss"] for r in rows if setting(r) == rate for p in r["points"])
+        targets = [t for s in {r["seed"] for r in rows} if (t := target_of(rows, where, s)) is not None]
+        low = min(p["val_loss"] for r in rows if setting(r) == where for p in r["points"])
         for ax, xl in ((axes[0, j], "training wall time (s)"), (axes[1, j], "MB sent per node (link counter)")):
             if targets:
                 ax.axhline(statistics.mean(targets), color="k", lw=0.8, ls=":")
@@ -558,7 +560,7 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
             ax.set_ylim(low - 0.02, low + 0.4)
             ax.set_xlabel(xl)
             ax.set_ylabel("validation loss")
-            ax.set_title(rate, fontsize=10)
+            ax.set_title(where, fontsize=10)
         axes[1, j].set_xscale("log")
         axes[0, j].legend(fontsize=7)
     fig.suptitle("Validation loss against training wall time and bytes (dashed: what users run instead; "
