@@ -1,3 +1,4 @@
+import contextlib
 import datetime
 import os
 import sys
@@ -15,6 +16,7 @@ from lightning_onebit import CommunicationMonitor, CompressedDDPStrategy, Onebit
 from lightning_onebit.strategies.compressed import SHARD_DIR, shard_path
 
 from proc_utils import run as proc_run
+from proc_utils import started
 
 HERE = Path(__file__).parent
 
@@ -368,28 +370,55 @@ def test_process_group_keys_are_those_of_the_torchrun_attempt(monkeypatch):
     assert attempt_store(timeout).check(["default_pg/0//cpu//0/rank_1"])
 
 
-def test_gloo_process_group_is_destroyed_at_exit(tmp_path):
-    """Lightning destroys the process group at exit only for NCCL; a gloo one left to interpreter
-    finalisation can abort the process (SIGABRT) after a finished fit. Our hook destroys it first."""
-    script = textwrap.dedent("""
-        import atexit, os
-        import torch.distributed as dist
-        from lightning_onebit.strategies import destroy_process_group_at_exit
-        # atexit runs handlers last-in first-out: this one runs after ours
-        atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
-        dist.init_process_group("gloo", rank=0, world_size=1)
-        destroy_process_group_at_exit()
-        destroy_process_group_at_exit()  # idempotent
-    """)
+_EXIT_SCRIPT = textwrap.dedent("""
+    import atexit, os, sys, time
+    import torch, torch.distributed as dist
+    from lightning_onebit.strategies import destroy_process_group_at_exit
+    # atexit runs handlers last-in first-out: this one runs after ours
+    atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+    dist.init_process_group("gloo")
+    held = dist.group.WORLD  # as a DDP model or an optimizer in a global holds it: it outlives the destroy
+    destroy_process_group_at_exit()
+    destroy_process_group_at_exit()  # idempotent
+
+    class SlowToFinalize:  # releases the GIL while the interpreter finalises, as closing a file does
+        def __del__(self):
+            time.sleep(2.0)
+
+    if dist.get_rank() == 0:
+        time.sleep(1.0)  # joins late: rank 1's worker completes the collective after rank 1 began to exit
+        dist.all_reduce(torch.ones(8))
+    else:
+        slow = SlowToFinalize()
+        slow.cycle = slow  # collected by the interpreter's last garbage collection, in finalisation
+        del slow
+        t = torch.ones(8)
+        work = dist.all_reduce(t, async_op=True)
+        # a callback needs the GIL in the worker thread once the work completes, as releasing a
+        # work whose tensor has its Python object does
+        work.get_future().then(lambda fut: None)
+""")
+
+
+def test_gloo_exit_waits_for_the_workers_and_destroys_the_group(tmp_path):
+    """A gloo worker that needs the GIL after the interpreter began to finalise ends its thread
+    inside a destructor: "terminate called without an active exception", SIGABRT, after a run that
+    completed. Here rank 1's worker completes a collective (and runs a callback) one second into
+    rank 1's exit, as a worker the OS had not scheduled yet does; the exit hook must wait for it
+    (without the wait rank 1 aborts every time) and destroy the group."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = proc_run([sys.executable, "-c", script], timeout=120, env={**os.environ, "PORT": str(port)})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "initialized at exit: False" in proc.stdout
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    with contextlib.ExitStack() as stack:
+        procs = [stack.enter_context(started([sys.executable, "-c", _EXIT_SCRIPT], tmp_path / f"rank{r}.log",
+                                             env={**env, "RANK": str(r)})) for r in (0, 1)]
+        codes = [p.wait(timeout=120) for p in procs]
+    logs = [(tmp_path / f"rank{r}.log").read_text() for r in (0, 1)]
+    assert codes == [0, 0], logs
+    assert all("initialized at exit: False" in log for log in logs), logs
 
 
 def _schedulers():

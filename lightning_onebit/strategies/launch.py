@@ -32,6 +32,7 @@ import datetime
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,18 +51,63 @@ FORKSERVER_PRELOAD = ["__main__", "torch", "torch.distributed", "lightning.pytor
 _CLEANUP_REGISTERED = False
 
 
-def _destroy_process_group() -> None:
+#: futex(2)'s number by machine, to read what a blocked thread waits in from /proc
+_FUTEX_SYSCALL = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "s390x": 238}
+_FUTEX_WAIT_BITSET = 9  # what glibc's pthread_cond_wait waits with (its mutexes use FUTEX_WAIT, 0)
+
+
+def _gloo_workers_idle() -> bool | None:
+    """Whether every gloo worker thread of this process waits for new work; ``None`` where /proc
+    cannot tell (not Linux, an unknown machine).
+
+    An idle worker is blocked in ``pthread_cond_wait`` on its queue: a futex wait-bitset without a
+    timeout. A worker that still has to release a finished work is running, waits for the GIL (a
+    timed wait) or for the queue's mutex (a plain futex wait)."""
+    futex = _FUTEX_SYSCALL.get(os.uname().machine)
+    if futex is None or not os.path.isdir("/proc/self/task"):
+        return None
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "pt_gloo_runloop":
+                    continue
+            with open(f"/proc/self/task/{tid}/syscall") as f:
+                call = f.read().split()  # "running", or: number, 6 arguments, stack and program pointers
+        except OSError:  # the thread has ended
+            continue
+        if not (len(call) >= 5 and call[0] == str(futex) and int(call[2], 16) & 0x7F == _FUTEX_WAIT_BITSET
+                and int(call[4], 16) == 0):
+            return False
+    return True
+
+
+def _destroy_process_group(timeout: float = 5.0) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    # Groups that objects still alive hold (a DDP model in a global, the optimizers) outlive this;
+    # their worker threads must be idle before the interpreter finalises (see the docstring below).
+    # Sleeping lets a worker that waits for the GIL take it.
+    deadline = time.monotonic() + timeout
+    idle = _gloo_workers_idle()
+    while idle is False and time.monotonic() < deadline:
+        time.sleep(0.001)
+        idle = _gloo_workers_idle()
+    if idle is None:
+        time.sleep(0.05)  # cannot see the workers here: a grace period
 
 
 def destroy_process_group_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits, whatever its backend.
+    """At interpreter exit, destroy the default process group (whatever its backend) and wait
+    (5 s at most) until gloo's worker threads are idle.
 
-    Lightning does this only for NCCL. With gloo, the process group's worker threads can still
-    hold finished work objects (with tensors) when the interpreter finalises; freeing them then
-    needs the GIL and aborts the process (SIGABRT, reported by ``spawn`` as "process 1 terminated
-    with signal SIGABRT" after a fit that completed; see pytorch/pytorch#179291). Idempotent.
+    Lightning destroys the group only for NCCL. A gloo worker thread releases each work after
+    completing it, and the release needs the GIL when a tensor of the work still has its Python
+    object. If the main thread has already gone on to exit, the worker takes the GIL while the
+    interpreter finalises, which ends the thread inside a destructor: "terminate called without an
+    active exception", SIGABRT, after a run that completed (reported by ``spawn`` as "process 1
+    terminated with signal SIGABRT", by torchrun as exit code -6). Destroying the group is not
+    enough, since whatever still holds it (DDP, the optimizers) keeps its threads; so the exit also
+    waits, with the GIL released, until every gloo worker waits for new work. Idempotent.
     """
     global _CLEANUP_REGISTERED
     if not _CLEANUP_REGISTERED:
