@@ -74,6 +74,15 @@ class DigitsMLPWithValidation(DigitsMLP):
                           batch_size=64)
 
 
+class DigitsBNWithValidation(DigitsMLPWithValidation):
+    """With a BatchNorm layer: buffers (running statistics) that each rank updates from its own batches."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
+
+
 class SaveParams(L.Callback):
     """Every rank writes its final parameters and comm figures (spawned ranks cannot return them)."""
 
@@ -90,8 +99,9 @@ class SaveParams(L.Callback):
                                getattr(opt, "activated", 0)))
 
     def on_validation_epoch_start(self, trainer, pl_module) -> None:
-        if not trainer.sanity_checking:  # the parameters each rank evaluates
-            self.validated.append((trainer.global_step, [p.detach().clone() for p in pl_module.parameters()]))
+        if not trainer.sanity_checking:  # the parameters (and buffers) each rank evaluates
+            self.validated.append((trainer.global_step, [p.detach().clone() for p in pl_module.parameters()],
+                                   [b.detach().clone() for b in pl_module.buffers()]))
 
     def on_train_end(self, trainer, pl_module) -> None:
         import os
@@ -101,7 +111,9 @@ class SaveParams(L.Callback):
         counter = getattr(opt, "comm_counter", None)
         # what one compressed sync of every bucket sends (codes + per-tensor scales)
         payload = sum(b.comm.bytes_per_call(b.numel) for b in getattr(opt, "_buckets", []) if b.comm is not None)
-        torch.save({"params": params, "steps": self.steps, "global_step": trainer.global_step, "payload": payload,
+        torch.save({"params": params, "buffers": [b.detach().clone() for b in pl_module.buffers()],
+                    "broadcast_buffers": getattr(trainer.strategy.model, "broadcast_buffers", None),
+                    "steps": self.steps, "global_step": trainer.global_step, "payload": payload,
                     "comm_steps": counter.steps if counter else None,
                     "bytes_total": counter.total.bytes_sent if counter else None,
                     "skipped_steps": getattr(opt, "skipped_steps", None), "validated": self.validated,

@@ -266,7 +266,7 @@ def test_bad_input_is_named_and_a_nonfinite_gradient_follows_the_policy():
 def _lightning_fit(out, ckpt_path=None, checkpoint=False):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from lit_models import DigitsMLPWithValidation, SaveParams
+    from lit_models import DigitsBNWithValidation, SaveParams
 
     from lightning_onebit import DiLoCoStrategy
 
@@ -277,28 +277,44 @@ def _lightning_fit(out, ckpt_path=None, checkpoint=False):
     trainer = L.Trainer(strategy=DiLoCoStrategy(sync_every=3, start_method="forkserver"), accelerator="cpu",
                         devices=2, max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=checkpoint, default_root_dir=str(out), callbacks=callbacks)
-    trainer.fit(DigitsMLPWithValidation(), ckpt_path=ckpt_path)
+    trainer.fit(DigitsBNWithValidation(), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.usefixtures("fresh_process_group")
 @pytest.mark.budget(40)  # two 2-rank fits
 def test_strategy_validates_the_anchor_ends_on_one_model_and_resumes_mid_interval_bit_for_bit(tmp_path):
+    """With a BatchNorm model: each rank's running statistics come from its own batches. DDP does not
+    broadcast them in every forward (a round per inner step); the ranks take their mean at each outer
+    step, validate with the mean, and resume each with its own."""
     full = _lightning_fit(tmp_path / "full", checkpoint=True)
+    assert full[0]["broadcast_buffers"] is False
     # 8 steps per epoch, an outer step every 3: validation after step 8 falls inside an interval,
-    # yet both ranks evaluate one model (the anchor); the end of fit adds an outer step (16 = 5 x 3 + 1)
-    (step, v0), (_, v1) = full[0]["validated"][0], full[1]["validated"][0]
-    assert step == 8 and all(torch.equal(a, b) for a, b in zip(v0, v1, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(full[0]["params"], full[1]["params"], strict=True))
+    # yet both ranks evaluate one model (the anchor, the mean of the buffers); the end of fit adds an
+    # outer step (16 = 5 x 3 + 1)
+    (step, v0, b0), (_, v1, b1) = full[0]["validated"][0], full[1]["validated"][0]
+    assert step == 8 and _same(v0, v1) and _same(b0, b1)
+    assert _same(full[0]["params"], full[1]["params"]) and _same(full[0]["buffers"], full[1]["buffers"])
     assert full[0]["global_step"] == 16 and full[0]["comm_steps"] == 16
-    assert full[0]["rounds"] == 6  # 5 outer steps + the one at the end
+    # 6 outer steps, each with its buffer mean; a buffer mean per validation (the sanity check's and
+    # 2 epochs') and per checkpoint (2)
+    assert full[0]["rounds"] == 6 * 2 + 3 + 2
     # resumed from the checkpoint after epoch 1 (mid-interval), each rank continues its own replica
+    # and its own buffers
     (ckpt,) = (tmp_path / "full" / "ckpt").glob("epoch=0-*.ckpt")
     resumed = _lightning_fit(tmp_path / "resumed", ckpt_path=str(ckpt))
     for r in range(2):
-        assert all(torch.equal(a, b) for a, b in zip(full[r]["params"], resumed[r]["params"], strict=True))
+        assert _same(full[r]["params"], resumed[r]["params"]) and _same(full[r]["buffers"], resumed[r]["buffers"])
     saved = torch.load(ckpt, weights_only=False)
-    assert len(saved["optimizer_states"][0]["diloco"]["ranks"]) == 2
+    ranks = saved["optimizer_states"][0]["diloco"]["ranks"]
+    assert len(ranks) == 2 and not torch.equal(ranks[0]["buffers"][0], ranks[1]["buffers"][0])  # own batches
+    # the model's buffers: the mean of the ranks' (running mean; num_batches_tracked is equal)
+    assert torch.allclose(saved["state_dict"]["net.1.running_mean"],
+                          (ranks[0]["buffers"][0] + ranks[1]["buffers"][0]) / 2, rtol=0, atol=1e-6)
 
 
 def test_strategy_refuses_what_it_cannot_run():

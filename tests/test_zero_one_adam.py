@@ -447,8 +447,8 @@ def test_strategy_validates_one_model(tmp_path, accumulate):
     ranks = _fit(tmp_path, DigitsMLPWithValidation(), 2, enable_checkpointing=False,
                  accumulate_grad_batches=accumulate)
     per_epoch = 8 // accumulate
-    assert [s for s, _ in ranks[0]["validated"]] == [s for s, _ in ranks[1]["validated"]] == [per_epoch, 2 * per_epoch]
+    assert [v[0] for v in ranks[0]["validated"]] == [v[0] for v in ranks[1]["validated"]] == [per_epoch, 2 * per_epoch]
     kinds = ZeroOneSchedule(**STRATEGY_SCHEDULE).kinds(2 * per_epoch)
     assert ranks[0]["rounds"] == sum(k != L for k in kinds) + sum(kinds[t - 1] == L for t in (per_epoch, 2 * per_epoch))
-    for (_, a), (_, b) in zip(ranks[0]["validated"], ranks[1]["validated"], strict=True):
+    for (_, a, _), (_, b, _) in zip(ranks[0]["validated"], ranks[1]["validated"], strict=True):
         assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))

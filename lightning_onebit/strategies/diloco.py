@@ -11,7 +11,13 @@ hyperparameters and its LR schedulers follow it. Between outer steps the ranks' 
   on the same number of ranks continues bit for bit mid-interval; on another number of ranks it
   starts from the anchor with rank 0's moments (a warning says so);
 * the fit's last step (or its end, if stopped early) takes one last outer step over a partial interval,
-  so every rank ends on one model.
+  so every rank ends on one model;
+* buffers (BatchNorm's running statistics, BERT's position ids) stay on their rank too: DDP's
+  ``broadcast_buffers`` defaults to ``False`` here (else DDP would broadcast them in every forward, a
+  round per inner step), and after every outer step the ranks take their mean (one all-reduce in fp64;
+  integer buffers are rounded). Validation and the checkpoint's model use the mean of the ranks'
+  current buffers, and the checkpoint's optimizer state keeps every rank's own, so a resume continues
+  bit for bit. ``broadcast_buffers=True`` restores DDP's behaviour instead.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from torch.optim import Optimizer
 
+from ..comm.accounting import ring_allreduce_bytes
 from ..comm.ddp_hook import register_local_hook
 from ..optim.diloco import DiLoCo
 from .launch import BaseDDPStrategy
@@ -43,7 +50,8 @@ class DiLoCoStrategy(BaseDDPStrategy):
             DiLoCo's (checked here, before any rank starts). The ranks per node are the trainer's devices,
             so a compressed outer all-reduce over several nodes of several devices runs two-level.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
-            ``gradient_as_bucket_view`` defaults to ``True``.
+            ``gradient_as_bucket_view`` defaults to ``True`` and ``broadcast_buffers`` to ``False``
+            (buffers are averaged with the outer steps instead; see the module docstring).
     """
 
     def __init__(self, sync_every: int = 16, outer_lr: float = 0.7, outer_momentum: float = 0.9,
@@ -53,13 +61,16 @@ class DiLoCoStrategy(BaseDDPStrategy):
         if kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("DiLoCoStrategy installs its own DDP comm hook; ddp_comm_hook cannot be set")
         kwargs.setdefault("gradient_as_bucket_view", True)
+        kwargs.setdefault("broadcast_buffers", False)
         super().__init__(**kwargs)
+        self._average_buffers_too = not kwargs["broadcast_buffers"]
         self.diloco_kwargs = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
                               "nesterov": nesterov, "compression": compression, "fragments": fragments,
                               "on_nonfinite": on_nonfinite, "hierarchical": hierarchical, "overlap": overlap,
                               "mixing": mixing}
         DiLoCo([torch.zeros(1, requires_grad=True)], **self.diloco_kwargs)  # bad options fail here
         self._in_anchor: list = []
+        self._own_buffers: list[torch.Tensor] | None = None  # this rank's, while validation holds the mean
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
@@ -105,18 +116,31 @@ class DiLoCoStrategy(BaseDDPStrategy):
             self._in_anchor = [opt.anchor_in_params() for opt in self._dilocos()]
             for ctx in self._in_anchor:
                 ctx.__enter__()
+            mean = self._mean_buffers()
+            if mean is not None:
+                self._own_buffers = [b.clone() for b in self._buffers()]
+                self._copy_into_buffers(mean)
 
     def on_validation_end(self) -> None:
         for ctx in reversed(self._in_anchor):
             ctx.__exit__(None, None, None)
         self._in_anchor = []
+        if self._own_buffers is not None:
+            for b, own in zip(self._buffers(), self._own_buffers, strict=True):
+                b.copy_(own)
+            self._own_buffers = None
         super().on_validation_end()
 
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        before = self._outer_steps()
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         trainer = self.lightning_module.trainer
         if trainer.global_step + 1 >= trainer.estimated_stepping_batches:  # the fit's last step
             self._finish_interval()
+        if self._outer_steps() != before:  # the same on every rank: the schedule is
+            mean = self._mean_buffers()
+            if mean is not None:
+                self._copy_into_buffers(mean)
         return out
 
     def on_train_end(self) -> None:
@@ -130,6 +154,37 @@ class DiLoCoStrategy(BaseDDPStrategy):
             if not opt.synced:
                 opt.outer_step()
 
+    def _outer_steps(self) -> int:
+        return sum(opt.outer_steps for opt in self._dilocos())
+
+    # -- buffers: each rank's own between outer steps, their mean at them -----------------------------
+    def _buffers(self) -> list[torch.Tensor]:
+        return list(self.lightning_module.buffers())
+
+    def _mean_buffers(self) -> torch.Tensor | None:
+        """The mean over ranks of every buffer, flat in fp64 (exact for fp32 and for integers below
+        2**53); ``None`` when buffers are DDP's business, there are none, or one rank. All ranks call it."""
+        bufs = self._buffers()
+        if not (self._average_buffers_too and bufs and dist.is_available() and dist.is_initialized()
+                and self.world_size > 1):
+            return None
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in bufs])
+        dist.all_reduce(flat)
+        flat /= self.world_size
+        dilocos = self._dilocos()
+        if dilocos:  # an out-of-step round of the first optimizer's account
+            dilocos[0].comm_counter.add(ring_allreduce_bytes(flat.numel(), self.world_size, 8), 0, self.world_size)
+            dilocos[0].comm_counter.end_round()
+        return flat
+
+    @torch.no_grad()
+    def _copy_into_buffers(self, flat: torch.Tensor) -> None:
+        o = 0
+        for b in self._buffers():
+            part = flat[o:o + b.numel()].view(b.shape)
+            b.copy_(part if b.is_floating_point() or b.is_complex() else part.round())
+            o += b.numel()
+
     # -- checkpoints -------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The anchor as the checkpoint's model (identical on every rank), not this rank's replica."""
@@ -140,6 +195,14 @@ class DiLoCoStrategy(BaseDDPStrategy):
         for name, p in self.lightning_module.named_parameters():
             if id(p) in views and name in sd:
                 sd[name] = views[id(p)].to(p.dtype)
+        mean = self._mean_buffers()
+        if mean is not None:
+            o = 0
+            for name, b in self.lightning_module.named_buffers():
+                part = mean[o:o + b.numel()].view(b.shape)
+                if name in sd:
+                    sd[name] = (part if b.is_floating_point() or b.is_complex() else part.round()).to(b.dtype)
+                o += b.numel()
         return sd
 
     def optimizer_state(self, optimizer: Optimizer) -> dict:
@@ -147,10 +210,13 @@ class DiLoCoStrategy(BaseDDPStrategy):
         if not isinstance(opt, DiLoCo):
             return super().optimizer_state(optimizer)
         sd = opt.state_dict()
-        ranks = [opt.local_state()]
+        local = opt.local_state()
+        if self._average_buffers_too and opt is self._dilocos()[0]:  # the module's buffers, once
+            local["buffers"] = [b.detach().clone() for b in (self._own_buffers or self._buffers())]
+        ranks = [local]
         if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             ranks = [None] * self.world_size
-            dist.all_gather_object(ranks, opt.local_state())
+            dist.all_gather_object(ranks, local)
         sd["diloco"] = dict(sd["diloco"], ranks=ranks)
         return sd
 
@@ -164,6 +230,11 @@ class DiLoCoStrategy(BaseDDPStrategy):
             ranks = section.get("ranks") or []
             if len(ranks) == self.world_size:
                 opt.load_local_state(ranks[self.global_rank])
+                own = ranks[self.global_rank].get("buffers")
+                if own is not None:  # the model state gave every rank the mean
+                    with torch.no_grad():
+                        for b, saved in zip(self._buffers(), own, strict=True):
+                            b.copy_(saved)
             else:
                 warnings.warn(f"checkpoint was written on {len(ranks)} ranks, resuming on {self.world_size}: every "
                               "rank starts from the anchor with rank 0's AdamW moments", stacklevel=2)
