@@ -263,7 +263,7 @@ def test_bad_input_is_named_and_a_nonfinite_gradient_follows_the_policy():
 
 
 # -- through Lightning: strategy="diloco" on 2 processes --------------------------------------------
-def _lightning_fit(out, ckpt_path=None, checkpoint=False):
+def _lightning_fit(out, ckpt_path=None, checkpoint=False, **trainer_kwargs):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lit_models import DigitsBNWithValidation, SaveParams
@@ -276,7 +276,8 @@ def _lightning_fit(out, ckpt_path=None, checkpoint=False):
         callbacks.append(ModelCheckpoint(dirpath=str(out / "ckpt"), save_top_k=-1, every_n_epochs=1))
     trainer = L.Trainer(strategy=DiLoCoStrategy(sync_every=3, start_method="forkserver"), accelerator="cpu",
                         devices=2, max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=checkpoint, default_root_dir=str(out), callbacks=callbacks)
+                        enable_checkpointing=checkpoint, default_root_dir=str(out), callbacks=callbacks,
+                        **trainer_kwargs)
     trainer.fit(DigitsBNWithValidation(), ckpt_path=ckpt_path)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
@@ -315,6 +316,19 @@ def test_strategy_validates_the_anchor_ends_on_one_model_and_resumes_mid_interva
     # the model's buffers: the mean of the ranks' (running mean; num_batches_tracked is equal)
     assert torch.allclose(saved["state_dict"]["net.1.running_mean"],
                           (ranks[0]["buffers"][0] + ranks[1]["buffers"][0]) / 2, rtol=0, atol=1e-6)
+
+
+@pytest.mark.usefixtures("fresh_process_group")
+@pytest.mark.budget(40)  # two 2-rank fits
+def test_a_checkpoint_written_while_validation_holds_the_anchor_resumes_bit_for_bit(tmp_path):
+    """Validating twice an epoch, ModelCheckpoint saves at the end of validation, while the parameters
+    and buffers hold the anchor and the mean: the checkpoint must still keep each rank's own replica."""
+    full = _lightning_fit(tmp_path / "full", checkpoint=True, val_check_interval=0.5)
+    assert [v[0] for v in full[0]["validated"]] == [4, 8, 12, 16]
+    ckpt = tmp_path / "full" / "ckpt" / "epoch=0-step=8.ckpt"  # saved at validation's end, mid-interval
+    resumed = _lightning_fit(tmp_path / "resumed", ckpt_path=str(ckpt), val_check_interval=0.5)
+    for r in range(2):
+        assert _same(full[r]["params"], resumed[r]["params"]) and _same(full[r]["buffers"], resumed[r]["buffers"])
 
 
 def test_strategy_refuses_what_it_cannot_run():

@@ -156,6 +156,7 @@ class DiLoCo(torch.optim.Optimizer):
         self._outer: dict[str, torch.Tensor] = {}
         self._collectives: dict[int, CompressedAllreduce | HierarchicalAllreduce] = {}
         self._spans: list[tuple[int, int, list[int]]] | None = None  # per fragment: lo, hi, tensor offsets
+        self._replica_aside: torch.Tensor | None = None  # this rank's replica while the anchor is in the params
 
     # -- the flat view of every parameter, in param_groups order -----------------------------------
     def _params(self) -> list[torch.Tensor]:
@@ -411,11 +412,12 @@ class DiLoCo(torch.optim.Optimizer):
     def anchor_in_params(self) -> Iterator[None]:
         """Inside: the parameters hold the anchor, the model every rank shares (what validation
         evaluates); on exit this rank's replica comes back."""
-        local = self._flat()
+        local = self._replica_aside = self._flat()  # local_state() inside saves the replica, not the anchor
         self._unflatten_into_params(self._outer["anchor"] if "anchor" in self._outer else local)
         try:
             yield
         finally:
+            self._replica_aside = None
             self._unflatten_into_params(local)
 
     @property
@@ -437,7 +439,8 @@ class DiLoCo(torch.optim.Optimizer):
     def local_state(self) -> dict:
         """What only this rank holds: its replica (flat fp32) and :meth:`state_dict` (its AdamW moments, its
         error state). A checkpoint keeps every rank's, so a resume continues bit for bit."""
-        return {"params": self._flat(), "optimizer": self.state_dict()}
+        replica = self._replica_aside if self._replica_aside is not None else self._flat()
+        return {"params": replica, "optimizer": self.state_dict()}
 
     def load_local_state(self, local: dict) -> None:
         """Restore :meth:`local_state` (after the model holds the anchor)."""
