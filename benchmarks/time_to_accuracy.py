@@ -477,7 +477,8 @@ def tables(rows: list[dict[str, Any]]) -> str:
             runs = [r for r in sub if r["method"] == m]
             if not runs:
                 continue
-            hits = [to_target(r, targets[r["seed"]]) for r in runs if targets[r["seed"]] is not None]
+            # no target without a DDP run of the seed (--methods without ddp_adamw): nothing reached
+            hits = [to_target(r, targets[r["seed"]]) if targets[r["seed"]] is not None else None for r in runs]
             ok = [h for h in hits if h]
             t = [h["train_s"] for h in ok]
             speed = f"{ddp_s / statistics.mean(t):.2f}x" if t and ddp_s and len(ok) == len(runs) else "-"
