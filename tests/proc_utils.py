@@ -100,14 +100,43 @@ def started(cmd: list[str], log: Path, *, err_log: Path | None = None, **popen_k
             kill_tree(proc, tag)
 
 
+class TimedOut(subprocess.TimeoutExpired):
+    """A job that outlived its timeout; its message ends with the tail of its stderr, where every
+    Python process of the job printed the stacks of its threads before it was killed."""
+
+    def __str__(self) -> str:
+        tail = (self.stderr or "")[-STACKS_TAIL:]
+        return f"{super().__str__()}\n--- stderr (tail), the stacks of the job's processes at the timeout ---\n{tail}"
+
+
+STACKS_TAIL = 20_000
+
+
+def dump_stacks(proc: subprocess.Popen, wait_s: float = 3.0) -> None:
+    """SIGABRT to ``proc`` and everything below it: Python processes started with
+    ``PYTHONFAULTHANDLER=1`` print every thread's stack to their stderr as they die, which shows where
+    a job that hangs waits."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGABRT)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=wait_s)
+
+
 def run(cmd: list[str], *, timeout: float, **popen_kw) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`` whose timeout
     cannot hang: output goes to files (``subprocess.run`` reads pipes that grandchildren may hold
     open forever after it killed the child), and on timeout or error the whole job is killed.
-    Raises ``subprocess.TimeoutExpired`` like ``subprocess.run``."""
+    On timeout every process of the job first prints its threads' stacks (see :func:`dump_stacks`)
+    and :class:`TimedOut`, a ``subprocess.TimeoutExpired``, carries them."""
+    env = {**popen_kw.pop("env", os.environ), "PYTHONFAULTHANDLER": "1"}
     with tempfile.TemporaryDirectory() as d:
         out, err = Path(d) / "stdout", Path(d) / "stderr"
-        with started(cmd, out, err_log=err, **popen_kw) as proc:
-            proc.wait(timeout=timeout)
+        with started(cmd, out, err_log=err, env=env, **popen_kw) as proc:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                dump_stacks(proc)
+                raise TimedOut(cmd, timeout, out.read_text(errors="replace"), err.read_text(errors="replace")) from None
         return subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(errors="replace"),
                                            err.read_text(errors="replace"))
