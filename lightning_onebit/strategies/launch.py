@@ -73,8 +73,10 @@ def _gloo_workers_idle() -> bool | None:
                     continue
             with open(f"/proc/self/task/{tid}/syscall") as f:
                 call = f.read().split()  # "running", or: number, 6 arguments, stack and program pointers
-        except OSError:  # the thread has ended
+        except (FileNotFoundError, ProcessLookupError):  # the thread has ended
             continue
+        except OSError:  # not readable here (a ptrace policy): cannot tell
+            return None
         if not (len(call) >= 5 and call[0] == str(futex) and int(call[2], 16) & 0x7F == _FUTEX_WAIT_BITSET
                 and int(call[4], 16) == 0):
             return False
