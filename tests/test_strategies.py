@@ -397,6 +397,7 @@ _EXIT_SCRIPT = textwrap.dedent("""
         # a callback needs the GIL in the worker thread once the work completes, as releasing a
         # work whose tensor has its Python object does
         work.get_future().then(lambda fut: None)
+        time.sleep(0.3)  # the worker has taken the work and waits for rank 0 inside the collective
 """)
 
 

@@ -158,8 +158,18 @@ class DiLoCoStrategy(BaseDDPStrategy):
         return sum(opt.outer_steps for opt in self._dilocos())
 
     # -- buffers: each rank's own between outer steps, their mean at them -----------------------------
+    def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """Real-valued buffers (a complex one would lose its imaginary part in the fp64 mean)."""
+        return [(n, b) for n, b in self.lightning_module.named_buffers() if not b.is_complex()]
+
     def _buffers(self) -> list[torch.Tensor]:
-        return list(self.lightning_module.buffers())
+        return [b for _, b in self._named_buffers()]
+
+    @staticmethod
+    def _mean_as(b: torch.Tensor, flat: torch.Tensor, o: int) -> torch.Tensor:
+        """Buffer ``b``'s part of the flat fp64 mean at offset ``o``, in its dtype (integers rounded)."""
+        part = flat[o:o + b.numel()].view(b.shape)
+        return (part if b.is_floating_point() else part.round()).to(b.dtype)
 
     def _mean_buffers(self) -> torch.Tensor | None:
         """The mean over ranks of every buffer, flat in fp64 (exact for fp32 and for integers below
@@ -181,8 +191,7 @@ class DiLoCoStrategy(BaseDDPStrategy):
     def _copy_into_buffers(self, flat: torch.Tensor) -> None:
         o = 0
         for b in self._buffers():
-            part = flat[o:o + b.numel()].view(b.shape)
-            b.copy_(part if b.is_floating_point() or b.is_complex() else part.round())
+            b.copy_(self._mean_as(b, flat, o))
             o += b.numel()
 
     # -- checkpoints -------------------------------------------------------------------------------
@@ -198,10 +207,9 @@ class DiLoCoStrategy(BaseDDPStrategy):
         mean = self._mean_buffers()
         if mean is not None:
             o = 0
-            for name, b in self.lightning_module.named_buffers():
-                part = mean[o:o + b.numel()].view(b.shape)
+            for name, b in self._named_buffers():
                 if name in sd:
-                    sd[name] = (part if b.is_floating_point() or b.is_complex() else part.round()).to(b.dtype)
+                    sd[name] = self._mean_as(b, mean, o)
                 o += b.numel()
         return sd
 

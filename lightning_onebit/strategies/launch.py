@@ -89,10 +89,12 @@ def _destroy_process_group(timeout: float = 5.0) -> None:
     # Groups that objects still alive hold (a DDP model in a global, the optimizers) outlive this;
     # their worker threads must be idle before the interpreter finalises (see the docstring below).
     # Sleeping lets a worker that waits for the GIL take it.
+    # Idle twice, 5 ms apart: a worker just notified of new work still shows its wait until it runs.
     deadline = time.monotonic() + timeout
-    idle = _gloo_workers_idle()
-    while idle is False and time.monotonic() < deadline:
-        time.sleep(0.001)
+    idle, streak = _gloo_workers_idle(), 0
+    while idle is not None and streak < 2 and time.monotonic() < deadline:
+        streak = streak + 1 if idle else 0
+        time.sleep(0.005 if idle else 0.001)
         idle = _gloo_workers_idle()
     if idle is None:
         time.sleep(0.05)  # cannot see the workers here: a grace period
