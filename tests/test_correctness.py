@@ -333,6 +333,20 @@ def test_token_first_seen_after_the_switch_trains():
     assert torch.equal(emb.weight[15:], start[15:])
     assert all(not torch.equal(emb.weight[r], start[r]) for r in range(15))
     assert opt.comm_counter.total.bytes_sent > 0
+    assert _cache_matches_a_rebuild(opt)
+
+
+def _cache_matches_a_rebuild(opt) -> bool:
+    """The mask and frozen denominators, updated in place as coordinates started to train, equal
+    what a rebuild from the frozen variance gives, bit for bit."""
+    same = True
+    for b in opt._buckets:
+        kept_mask, kept_denom = opt._mask(b), b.cache["denom"].clone()
+        b.cache.clear()
+        mask, denom = opt._mask(b), opt._denominator(b, opt.param_groups[b.group_index])
+        same &= (kept_mask is None) == (mask is None) and (mask is None or torch.equal(kept_mask, mask))
+        same &= torch.equal(kept_denom, denom)
+    return same
 
 
 def _late_token_rank(rank, world_size):
@@ -353,6 +367,7 @@ def _late_token_rank(rank, world_size):
         grads.append([t.clone() for t in local])
         loss.backward()
         opt.step()
+    assert _cache_matches_a_rebuild(opt)
     return [p.detach().clone() for p in model.parameters()], grads, opt.activated, opt.comm_counter.total.bytes_sent
 
 

@@ -70,17 +70,30 @@ class Bucket:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o : o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, self.params, strict=True)]
 
+    def runs(self, idx: torch.Tensor) -> list[tuple[int, int, int]]:
+        """(parameter, start, end) of each parameter's run in the sorted flat positions ``idx``."""
+        cuts = torch.searchsorted(idx, torch.tensor([*self.offsets, self.numel], device=idx.device)).tolist()
+        return [(k, lo, hi) for k, (lo, hi) in enumerate(zip(cuts[:-1], cuts[1:], strict=True)) if lo < hi]
+
     def values_at(self, grad: torch.Tensor | Sequence[torch.Tensor | None], idx: torch.Tensor) -> torch.Tensor:
         """fp32 values at the flat positions ``idx`` (sorted int64) of a flat gradient, or of one
         tensor (or None: zeros) per parameter, read where they are."""
         if isinstance(grad, torch.Tensor):
-            return grad[idx]
-        out = torch.zeros(idx.numel(), dtype=torch.float32, device=idx.device)
-        param = torch.searchsorted(torch.tensor(self.offsets, device=idx.device), idx, right=True) - 1
-        for k in param.unique().tolist():
-            if grad[k] is not None:
-                sel = param == k
-                out[sel] = grad[k].reshape(-1)[idx[sel] - self.offsets[k]].float()
+            return grad.index_select(0, idx)
+        out = torch.empty(idx.numel(), dtype=torch.float32, device=idx.device)  # the runs cover it
+        # index_select reads a run about 3x faster than indexing does (and a per-position search for
+        # the parameter, as this once did, cost more than the rest of a compressed step with a BERT
+        # embedding's unseen rows masked)
+        for k, lo, hi in self.runs(idx):
+            if grad[k] is None:
+                out[lo:hi] = 0.0
+            else:
+                at = idx[lo:hi] if self.offsets[k] == 0 else idx[lo:hi] - self.offsets[k]
+                g = grad[k].reshape(-1)
+                if g.dtype == torch.float32:
+                    torch.index_select(g, 0, at, out=out[lo:hi])
+                else:
+                    out[lo:hi] = g.index_select(0, at)
         return out
 
 

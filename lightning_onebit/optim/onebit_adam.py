@@ -20,6 +20,11 @@ def _bias_correction(beta: float, step: int) -> float:
     return 1 - beta**step if step else 1.0
 
 
+def _frozen_denominator(vhat: torch.Tensor, group: dict) -> torch.Tensor:
+    """d from the bias-corrected frozen variance, in place."""
+    return vhat.add_(group["eps"]).sqrt_() if group["eps_inside_sqrt"] else vhat.sqrt_().add_(group["eps"])
+
+
 class OnebitAdam(CompressedOptimizer):
     r"""1-bit Adam: AdamW warm-up, then frozen variance and 1-bit compressed momentum.
 
@@ -202,15 +207,25 @@ class OnebitAdam(CompressedOptimizer):
 
     def _flag(self, b: Bucket, grad) -> bool | None:
         idx = self._mask(b)
-        return None if idx is None else bool(b.values_at(grad, idx).any())
+        if idx is None:
+            return None
+        at = b.values_at(grad, idx)
+        hit = bool(at.any())
+        # _on_flag needs the same values: kept for it (None: all zero), not gathered twice
+        b.cache["flag_values"] = at if hit else None
+        return hit
 
     def _on_flag(self, b: Bucket, grads: Sequence, simulated: bool) -> None:
         """Masked coordinates that a gradient reached start to train (see the class docstring)."""
         idx = self._mask(b)
         # which masked coordinates got a gradient anywhere (a bit each on gloo), then their mean (fp32)
+        kept = b.cache.pop("flag_values", False)
         if not simulated:
-            at = b.values_at(grads, idx)
-            pos = idx[any_across(at != 0, self.process_group, self.comm_counter)]
+            at = b.values_at(grads, idx) if kept is False else kept
+            touched = (any_across(at != 0, self.process_group, self.comm_counter) if at is not None else
+                       any_across(torch.zeros(idx.numel(), dtype=torch.bool, device=idx.device),
+                                  self.process_group, self.comm_counter))
+            pos = idx[touched]
             g = mean_allreduce(b.values_at(grads, pos), self.process_group, self.comm_counter)
         else:
             at = [b.values_at(w, idx) for w in grads]
@@ -221,17 +236,31 @@ class OnebitAdam(CompressedOptimizer):
             self.comm_counter.add(any_across_bytes(idx.numel(), n), 0, n)
             self.comm_counter.add(ring_allreduce_bytes(pos.numel(), n), pos.numel(), n)
         got = g != 0
-        pos, g = pos[got], g[got]
-        if not pos.numel():  # the workers' gradients cancelled exactly
+        if not bool(got.any()):  # the workers' gradients cancelled exactly
             return
+        pos, g = pos[got], g[got]
         beta1, beta2 = self.param_groups[b.group_index]["betas"]
         param = torch.searchsorted(torch.tensor(b.offsets, device=pos.device), pos, right=True) - 1
         bc2 = torch.tensor([_bias_correction(beta2, t) for t in self._steps(b, "frozen_step")],
                            device=pos.device)[param]
         self._activate(b, pos, g, g * g * bc2, beta1)  # v_hat = g^2 after the frozen bias correction
         self._comm_for(b).zero_state_at(pos)  # the masked coordinates' error feedback was noise
-        b.cache.clear()
+        self._unmask(b, pos)
         self.activated += pos.numel()
+
+    def _unmask(self, b: Bucket, pos: torch.Tensor) -> None:
+        """The cache after the coordinates ``pos`` started to train: the mask is found again (one
+        search over the bucket, faster than taking them out of it), the denominator updated only at
+        ``pos``, with the ops of :meth:`_denominator`, so to the bit what a rebuild would give."""
+        b.cache.pop("mask", None)
+        denom = b.cache.get("denom")
+        if denom is not None:
+            group = self.param_groups[b.group_index]
+            frozen = self._steps(b, "frozen_step")
+            for k, lo, hi in b.runs(pos):
+                at = pos[lo:hi]
+                vhat = torch.div(b.flat["exp_avg_sq"][at], _bias_correction(group["betas"][1], frozen[k]))
+                denom[at] = _frozen_denominator(vhat, group)
 
     def _activate(self, b: Bucket, pos: torch.Tensor, g: torch.Tensor, v: torch.Tensor, beta1: float) -> None:
         b.flat["exp_avg_sq"][pos] = v
@@ -250,7 +279,7 @@ class OnebitAdam(CompressedOptimizer):
         else:
             for out, vv, t in zip(b.views(vhat), b.views(v), frozen, strict=True):
                 torch.div(vv, _bias_correction(beta2, t), out=out)
-        denom = vhat.add_(group["eps"]).sqrt_() if group["eps_inside_sqrt"] else vhat.sqrt_().add_(group["eps"])
+        denom = _frozen_denominator(vhat, group)
         b.cache["denom_key"], b.cache["denom"] = key, denom
         return denom
 
