@@ -349,6 +349,37 @@ def _cache_matches_a_rebuild(opt) -> bool:
     return same
 
 
+def test_masked_gradient_search_matches_the_gather():
+    """``Bucket.nonzero_at`` (which masked coordinates got a gradient) finds what gathering them finds,
+    on both of its paths: an embedding mostly masked with a sparse gradient (searched by its nonzeros)
+    and tensors with a few masked coordinates (gathered); flat or per tensor, a missing gradient, NaN."""
+    emb, dense, head = nn.Embedding(50, 6), nn.Linear(6, 40), nn.Linear(40, 1)
+    opt = OnebitAdam([emb.weight, dense.weight, head.bias, head.weight], warmup_steps=1)
+    (b,) = opt._build_buckets()
+    g = torch.Generator().manual_seed(0)
+    grad = {emb.weight: torch.zeros(50, 6), dense.weight: torch.randn(40, 6, generator=g), head.bias: None,
+            head.weight: torch.randn(1, 40, generator=g)}
+    grad[emb.weight][[3, 17, 40]] = torch.randn(3, 6, generator=g)  # the rows of this batch's tokens
+    grad[emb.weight][17, 2], grad[dense.weight][5, 1], grad[head.weight][0, 7] = 0.0, 0.0, float("nan")
+    masked = torch.zeros(b.numel, dtype=torch.bool)
+
+    def mask(p, at):
+        masked[b.offsets[[id(q) for q in b.params].index(id(p))] + at] = True
+
+    mask(emb.weight, torch.arange(6 * 10, 6 * 45))  # 35 of 50 rows: found by the gradient's nonzeros
+    mask(dense.weight, torch.tensor([0, 5 * 6 + 1, 100, 239]))  # 4 of 240: gathered
+    mask(head.bias, torch.tensor([0]))  # no gradient
+    mask(head.weight, torch.tensor([3, 7]))
+    idx = masked.nonzero().view(-1)
+    grads = [grad[p] for p in b.params]
+    flat = torch.cat([torch.zeros(p.numel()) if grad[p] is None else grad[p].reshape(-1) for p in b.params])
+    want = (flat[idx] != 0).nonzero().view(-1)
+    assert want.numel() == 6 * 2 - 1 + 3 + 2  # rows 17 and 40, the dense layer's 3, the head's 2 (one NaN)
+    assert torch.equal(b.nonzero_at(grads, idx), want)
+    assert torch.equal(b.nonzero_at(flat, idx), want)
+    assert torch.equal((b.values_at(grads, idx) != 0).nonzero().view(-1), want)
+
+
 def _late_token_rank(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as DDP
 

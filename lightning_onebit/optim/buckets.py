@@ -96,6 +96,26 @@ class Bucket:
                     out[lo:hi] = g.index_select(0, at)
         return out
 
+    def nonzero_at(self, grad: torch.Tensor | Sequence[torch.Tensor | None], idx: torch.Tensor) -> torch.Tensor:
+        """The indices ``j`` (sorted int64) into ``idx`` (sorted flat positions) where the gradient
+        (as in :meth:`values_at`) is not zero (NaN counts as not zero)."""
+        out = []
+        for k, lo, hi in self.runs(idx):
+            g = grad[self.offsets[k]:self.offsets[k] + self.numels[k]] if isinstance(grad, torch.Tensor) else grad[k]
+            if g is None:
+                continue
+            g, run = g.reshape(-1), idx[lo:hi]
+            if 2 * (hi - lo) > g.numel():
+                # most of the tensor is masked (a BERT embedding's unseen rows) and its gradient is
+                # sparse: finding its few nonzeros reads it once, cheaper than gathering the run
+                nz = g.nonzero().view(-1).add_(self.offsets[k])
+                j = torch.searchsorted(run, nz).clamp_(max=hi - lo - 1)
+                out.append(j[run[j] == nz].add_(lo))
+            else:
+                at = run if self.offsets[k] == 0 else run - self.offsets[k]
+                out.append(g.index_select(0, at).nonzero().view(-1).add_(lo))
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64, device=idx.device)
+
 
 class BucketState:
     """Mixin of :class:`~lightning_onebit.optim.CompressedOptimizer`: builds its buckets, keeps the

@@ -209,22 +209,19 @@ class OnebitAdam(CompressedOptimizer):
         idx = self._mask(b)
         if idx is None:
             return None
-        at = b.values_at(grad, idx)
-        hit = bool(at.any())
-        # _on_flag needs the same values: kept for it (None: all zero), not gathered twice
-        b.cache["flag_values"] = at if hit else None
-        return hit
+        hits = b.nonzero_at(grad, idx)
+        b.cache["flag_hits"] = hits  # _on_flag needs them: kept, not searched twice
+        return bool(hits.numel())
 
     def _on_flag(self, b: Bucket, grads: Sequence, simulated: bool) -> None:
         """Masked coordinates that a gradient reached start to train (see the class docstring)."""
         idx = self._mask(b)
         # which masked coordinates got a gradient anywhere (a bit each on gloo), then their mean (fp32)
-        kept = b.cache.pop("flag_values", False)
+        hits = b.cache.pop("flag_hits", None)
         if not simulated:
-            at = b.values_at(grads, idx) if kept is False else kept
-            touched = (any_across(at != 0, self.process_group, self.comm_counter) if at is not None else
-                       any_across(torch.zeros(idx.numel(), dtype=torch.bool, device=idx.device),
-                                  self.process_group, self.comm_counter))
+            mine = torch.zeros(idx.numel(), dtype=torch.bool, device=idx.device)
+            mine[b.nonzero_at(grads, idx) if hits is None else hits] = True
+            touched = any_across(mine, self.process_group, self.comm_counter)
             pos = idx[touched]
             g = mean_allreduce(b.values_at(grads, pos), self.process_group, self.comm_counter)
         else:
@@ -240,9 +237,9 @@ class OnebitAdam(CompressedOptimizer):
             return
         pos, g = pos[got], g[got]
         beta1, beta2 = self.param_groups[b.group_index]["betas"]
-        param = torch.searchsorted(torch.tensor(b.offsets, device=pos.device), pos, right=True) - 1
-        bc2 = torch.tensor([_bias_correction(beta2, t) for t in self._steps(b, "frozen_step")],
-                           device=pos.device)[param]
+        frozen, bc2 = self._steps(b, "frozen_step"), torch.empty_like(g)
+        for k, lo, hi in b.runs(pos):
+            bc2[lo:hi] = _bias_correction(beta2, frozen[k])
         self._activate(b, pos, g, g * g * bc2, beta1)  # v_hat = g^2 after the frozen bias correction
         self._comm_for(b).zero_state_at(pos)  # the masked coordinates' error feedback was noise
         self._unmask(b, pos)
