@@ -375,8 +375,10 @@ def test_masked_gradient_search_matches_the_gather():
     flat = torch.cat([torch.zeros(p.numel()) if grad[p] is None else grad[p].reshape(-1) for p in b.params])
     want = (flat[idx] != 0).nonzero().view(-1)
     assert want.numel() == 6 * 2 - 1 + 3 + 2  # rows 17 and 40, the dense layer's 3, the head's 2 (one NaN)
-    assert torch.equal(b.nonzero_at(grads, idx), want)
-    assert torch.equal(b.nonzero_at(flat, idx), want)
+    zero_at = (~masked).float()  # what the frozen variance is to the mask
+    for g_ in (grads, flat):
+        assert torch.equal(b.nonzero_at(g_, idx), want)
+        assert torch.equal(b.nonzero_at(g_, idx, zero_at), want)
     assert torch.equal((b.values_at(grads, idx) != 0).nonzero().view(-1), want)
 
 

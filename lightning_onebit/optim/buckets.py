@@ -96,9 +96,12 @@ class Bucket:
                     out[lo:hi] = g.index_select(0, at)
         return out
 
-    def nonzero_at(self, grad: torch.Tensor | Sequence[torch.Tensor | None], idx: torch.Tensor) -> torch.Tensor:
+    def nonzero_at(self, grad: torch.Tensor | Sequence[torch.Tensor | None], idx: torch.Tensor,
+                   zero_at: torch.Tensor | None = None) -> torch.Tensor:
         """The indices ``j`` (sorted int64) into ``idx`` (sorted flat positions) where the gradient
-        (as in :meth:`values_at`) is not zero (NaN counts as not zero)."""
+        (as in :meth:`values_at`) is not zero (NaN counts as not zero). ``zero_at``: a flat tensor that
+        is zero at the positions ``idx`` (1-bit Adam's frozen variance), which lets the search keep
+        only the gradient's masked nonzeros before it looks them up."""
         out = []
         for k, lo, hi in self.runs(idx):
             g = grad[self.offsets[k]:self.offsets[k] + self.numels[k]] if isinstance(grad, torch.Tensor) else grad[k]
@@ -109,6 +112,8 @@ class Bucket:
                 # most of the tensor is masked (a BERT embedding's unseen rows) and its gradient is
                 # sparse: finding its few nonzeros reads it once, cheaper than gathering the run
                 nz = g.nonzero().view(-1).add_(self.offsets[k])
+                if zero_at is not None:  # the batch's seen rows are most of the nonzeros: a gather drops them
+                    nz = nz[zero_at[nz] == 0]
                 j = torch.searchsorted(run, nz).clamp_(max=hi - lo - 1)
                 out.append(j[run[j] == nz].add_(lo))
             else:

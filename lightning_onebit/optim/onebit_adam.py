@@ -209,7 +209,7 @@ class OnebitAdam(CompressedOptimizer):
         idx = self._mask(b)
         if idx is None:
             return None
-        hits = b.nonzero_at(grad, idx)
+        hits = b.nonzero_at(grad, idx, b.flat["exp_avg_sq"])  # the mask is where it is zero
         b.cache["flag_hits"] = hits  # _on_flag needs them: kept, not searched twice
         return bool(hits.numel())
 
@@ -220,7 +220,7 @@ class OnebitAdam(CompressedOptimizer):
         hits = b.cache.pop("flag_hits", None)
         if not simulated:
             mine = torch.zeros(idx.numel(), dtype=torch.bool, device=idx.device)
-            mine[b.nonzero_at(grads, idx) if hits is None else hits] = True
+            mine[b.nonzero_at(grads, idx, b.flat["exp_avg_sq"]) if hits is None else hits] = True
             touched = any_across(mine, self.process_group, self.comm_counter)
             pos = idx[touched]
             g = mean_allreduce(b.values_at(grads, pos), self.process_group, self.comm_counter)
