@@ -53,27 +53,21 @@ pseudo-gradient fails the outer step on every rank before any state changes.
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch.optim.adam import adam
 
 from ..comm import CompressedAllreduce, HierarchicalAllreduce
-from ..comm.accounting import ByteCounter, ring_allreduce_bytes
+from ..comm.accounting import ByteCounter
 from ..comm.dense import all_finite, any_across, group_size
-from ..comm.hierarchical import node_groups
-from ..compress import Codec, MinMaxCodec, SignCodec
+from .diloco_allreduce import DiLoCoAllreduce
 from .diloco_checkpoint import DiLoCoCheckpoint
 from .nonfinite import NonFiniteGradientError
-from .sync import _spans_the_world
 
 __all__ = ["COMPRESSIONS", "DiLoCo", "outer_nesterov_"]
 
 COMPRESSIONS = ("fp32", "bf16", "8bit", "4bit", "2bit", "1bit")
-log = logging.getLogger(__name__)
 
 
 def outer_nesterov_(anchor: torch.Tensor, delta: torch.Tensor, buf: torch.Tensor | None, *, lr: float,
@@ -92,7 +86,7 @@ def outer_nesterov_(anchor: torch.Tensor, delta: torch.Tensor, buf: torch.Tensor
     return buf
 
 
-class DiLoCo(DiLoCoCheckpoint, torch.optim.Optimizer):
+class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
     """DiLoCo with torch's AdamW inside (see the module docstring for the update rules).
 
     The inner arguments are ``torch.optim.AdamW``'s (``lr`` is the inner learning rate, which LR
@@ -320,64 +314,6 @@ class DiLoCo(DiLoCoCheckpoint, torch.optim.Optimizer):
             if self.mixing:
                 mixed[lo:hi].mul_(self.mixing).add_(anchor[lo:hi], alpha=1 - self.mixing)
             self._unflatten_into_params(mixed, lo, hi)
-
-    def _average(self, delta: torch.Tensor, f: int, asynchronous: bool = False) -> tuple[object, torch.Tensor]:
-        """(the all-reduce's handle or None, the mean pseudo-gradient once it completes; bf16 stays bf16)."""
-        n, group = group_size(self.process_group), self.process_group
-        if self.compression == "fp32":
-            work = None
-            if n > 1:
-                delta.div_(n)
-                work = dist.all_reduce(delta, group=group, async_op=asynchronous)
-                self._wire.add(ring_allreduce_bytes(delta.numel(), n), delta.numel(), n)
-            return work, delta
-        if self.compression == "bf16":
-            err = self._outer.setdefault(f"error{f}", torch.zeros_like(delta))
-            e = delta.add_(err).div_(n)  # what this rank should contribute, with the last call's residual
-            q = e.to(torch.bfloat16)
-            err.copy_(e.sub_(q.float()).mul_(n))  # the residual, in pseudo-gradient units
-            work = None
-            if n > 1:
-                work = dist.all_reduce(q, group=group, async_op=asynchronous)
-                self._wire.add(ring_allreduce_bytes(q.numel(), n, 2), q.numel(), n)
-            return work, q
-        if f not in self._collectives:
-            self._collectives[f] = self._make_collective(f)
-        return None, self._collectives[f](delta)
-
-    def _codec(self) -> Codec:
-        return SignCodec("l2") if self.compression == "1bit" else MinMaxCodec(int(self.compression[0]))
-
-    def two_level(self) -> int | None:
-        """Ranks per node when the compressed outer all-reduce runs two-level, else None (flat)."""
-        if self.compression in ("fp32", "bf16") or self.hierarchical is False:
-            return None
-        local = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
-        n, group, why = group_size(self.process_group), self.process_group, None
-        if not _spans_the_world(group):
-            why = "it runs on a group of every rank only (node groups are cut from the default group)"
-        elif local is None:
-            why = "the ranks per node are unknown (ranks_per_node=... or LOCAL_WORLD_SIZE)"
-        elif n % local:
-            why = f"{local} ranks per node do not divide the {n} ranks"
-        elif local in (1, n):
-            why = "one node, or one rank per node: nothing to gain"
-        if why is None:
-            return local
-        if self.hierarchical:
-            log.warning(f"DiLoCo: the two-level outer all-reduce falls back to flat: {why}")
-        return None
-
-    def _make_collective(self, f: int) -> CompressedAllreduce | HierarchicalAllreduce:
-        offsets = self._fragment_spans()[f][2]  # every tensor of the fragment gets its own scales
-        if (local := self.two_level()) is not None:
-            if self._node_groups is None:  # collective: every rank reaches here at the same outer step
-                self._node_groups = node_groups(local)
-            lg, cg = self._node_groups
-            return HierarchicalAllreduce(self._codec(), "error_feedback", local_group=lg, cross_group=cg,
-                                         counter=self._wire, intra_counter=self.intra_node_counter, groups=offsets)
-        return CompressedAllreduce(self._codec(), "error_feedback", group=self.process_group, counter=self._wire,
-                                   groups=offsets)
 
     # -- conversion, the anchor, the end of an interval ---------------------------------------------
     @classmethod
