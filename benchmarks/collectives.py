@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -46,12 +47,14 @@ from netns_cluster import EmulatedCluster, cleanup_stale, parse_rate, report_fai
 repo_on_path()  # lightning_onebit from this checkout, also when it is not installed
 
 RESULT_TAG = "LOBRESULT "
-METHODS = ("fp32", "onebit", "onebit_serial", "int8", "wire1bit", "onebit_hier", "int8_hier")
-COMPRESSED = ("onebit", "onebit_serial", "int8", "onebit_hier", "int8_hier")
+METHODS = ("fp32", "onebit", "onebit_serial", "onebit_ring", "int8", "int8_ring", "wire1bit", "onebit_hier",
+           "int8_hier")
+COMPRESSED = ("onebit", "onebit_serial", "onebit_ring", "int8", "int8_ring", "onebit_hier", "int8_hier")
 HIER = ("onebit_hier", "int8_hier")
 """Two-level methods (fp32 inside a node, compressed between nodes): they need ``--ranks-per-node`` >= 2."""
 METHOD_LABEL = {"fp32": "fp32 all_reduce", "onebit": "1-bit EF (SignCodec l2)",
                 "onebit_serial": "1-bit EF, not pipelined (pieces=1)", "int8": "8-bit (MinMaxUInt8)",
+                "onebit_ring": "1-bit EF, server rows by gloo's ring all_gather", "int8_ring": "8-bit, ring all_gather",
                 "wire1bit": "1-bit bytes only (no codec)", "onebit_hier": "1-bit EF, two-level",
                 "int8_hier": "8-bit, two-level"}
 FULL = {"nodes": [2, 4], "rates": ["1gbit", "10gbit"], "sizes": ["1M", "25M", "100M"], "iters": 5,
@@ -117,7 +120,9 @@ def _make_op(method: str, world: int, ranks_per_node: int = 1,
     from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
     from lightning_onebit.compress.kernels import resolve_backend_name
 
-    pieces = None  # automatic pipeline
+    pieces, gather = None, "auto"  # automatic pipeline and gather
+    if method.endswith("_ring"):  # the server rows by gloo's ring all_gather, for the ratio
+        method, gather = method[: -len("_ring")], "ring"
     if method in ("onebit", "onebit_hier"):
         codec, mode = SignCodec("l2"), "error_feedback"
     elif method == "onebit_serial":  # the same collective without the pipeline, for the ratio
@@ -138,12 +143,12 @@ def _make_op(method: str, world: int, ranks_per_node: int = 1,
         desc = (f"HierarchicalAllreduce({codec!r}, mode={mode!r}, {ranks_per_node} ranks per node), kernels: "
                 f"{backend}, out= preallocated")
     else:
-        car = CompressedAllreduce(codec, mode=mode, group=None, pieces=pieces)
+        car = CompressedAllreduce(codec, mode=mode, group=None, pieces=pieces, gather=gather)
         counter = car.counter.total
         # of a rank's rows to its n-1 peers, those to the n-L ranks of other nodes cross a link
         inter = (world - ranks_per_node) / (world - 1)
-        desc = (f"CompressedAllreduce({codec!r}, mode={mode!r}, pieces={pieces}), kernels: {backend}, "
-                "out= preallocated")
+        desc = (f"CompressedAllreduce({codec!r}, mode={mode!r}, pieces={pieces}, gather={gather!r}), "
+                f"kernels: {backend}, out= preallocated")
     outs: dict[int, Any] = {}
 
     def op(x: Any) -> Any:
@@ -157,7 +162,8 @@ def _make_op(method: str, world: int, ranks_per_node: int = 1,
 
 
 def _wire1bit_op(world: int, ranks_per_node: int = 1) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
-    """The two collectives of the 1-bit scheme on d/8 bytes of uint8, without encoding or decoding.
+    """The two collectives of the 1-bit scheme on d/8 bytes of uint8, without encoding or decoding (the server
+    rows gathered as ``CompressedAllreduce`` gathers them: fanned out on gloo).
 
     A lower bound for the 1-bit allreduce: what is left of its time is codec (CPU) cost. Same
     pattern as the compressed allreduce (``docs/design.md``, "Data flow of one bucket"):
@@ -167,8 +173,8 @@ def _wire1bit_op(world: int, ranks_per_node: int = 1) -> tuple[Callable[[Any], A
     import torch
     import torch.distributed as dist
 
-    # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (same semantics)
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    from lightning_onebit.comm.dense import all_gather_rows
+
     bufs: dict[str, Any] = {}
     sent = {"n": 0}
 
@@ -179,11 +185,11 @@ def _wire1bit_op(world: int, ranks_per_node: int = 1) -> tuple[Callable[[Any], A
                         recv=torch.empty(world * chunk, dtype=torch.uint8),
                         out=torch.empty(world * chunk, dtype=torch.uint8))
         dist.all_to_all_single(bufs["recv"], bufs["send"])
-        all_gather(bufs["out"], bufs["recv"][:chunk])
+        all_gather_rows(bufs["out"].view(world, chunk), bufs["recv"][:chunk])
         sent["n"] += 2 * (world - ranks_per_node) * chunk  # the rows to other nodes' ranks
         return bufs["out"]
 
-    return op, lambda: sent["n"], "all_to_all_single + all_gather of d/8 uint8 bytes"
+    return op, lambda: sent["n"], "all_to_all_single + all_gather_rows of d/8 uint8 bytes"
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -225,6 +231,8 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
             tx0, rx0 = read_link_counter(iface, "tx_bytes"), read_link_counter(iface, "rx_bytes")
             for _ in range(args.iters):
+                if args.idle:  # a training step's compute between bursts: the link goes idle
+                    time.sleep(args.idle)
                 dist.barrier()  # start together
                 t0 = time.perf_counter()
                 op(x)
@@ -248,6 +256,7 @@ def worker(args: argparse.Namespace) -> None:
                     # the ranks of a node share its link: bytes per node
                     "counted_per_call": statistics.mean(r["counted"] for r in everyone) * L / args.iters,
                     "rel_err": max(r["rel_err"] for r in everyone),
+                    "rtt_ms": args.rtt, "idle_s": args.idle, "slow_start_after_idle": args.ssai,
                 }
                 emit_tagged(RESULT_TAG, row)
             del op
@@ -287,16 +296,23 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
     port = 29500
     for nodes in args.nodes:
         with EmulatedCluster(nodes, rate=args.rates[0]) as cluster:
-            for L in args.ranks_per_node:
+            if args.rtt:
+                cluster.set_delay(args.rtt)
+            for L, ssai in itertools.product(args.ranks_per_node, args.slow_start_after_idle or [None]):
+                if ssai is not None:
+                    cluster.set_slow_start_after_idle(bool(ssai))
                 methods = [m for m in args.methods if L > 1 or m not in HIER]
                 if not methods:
                     continue
                 what = f"{nodes} nodes x {L} ranks" if L > 1 else f"{nodes} nodes"
+                if ssai is not None:
+                    what += f", slow start after idle {ssai}"
                 for rate in args.rates:
                     cluster.set_rate(rate)
                     timeout = args.timeout or estimate_timeout(
-                        nodes, rate, sizes, methods, args.iters + args.warmup + 2, L)
-                    wargs = ["--worker", "--rate", rate, "--iters", str(args.iters), "--warmup",
+                        nodes, rate, sizes, methods, args.iters + args.warmup + 2, L) + args.iters * args.idle
+                    wargs = ["--worker", "--rate", rate, "--rtt", str(args.rtt), "--idle", str(args.idle),
+                             "--ssai", str(ssai), "--iters", str(args.iters), "--warmup",
                              str(args.warmup), "--pg-timeout", str(int(timeout)), "--sizes", *args.sizes,
                              "--methods", *methods]
                     print(f"[{what}, {rate}] running (timeout {timeout:.0f} s) ...", file=sys.stderr, flush=True)
@@ -344,8 +360,8 @@ def _ratio(times: dict[str, float], method: str, base: str = "fp32") -> str:
 def tables(rows: list[dict[str, Any]]) -> str:
     """Markdown: one detail table, one speedup table (fp32 time / compressed time) and, for nodes of
     several ranks, flat against two-level (time and bytes between nodes)."""
-    order = {m: i for i, m in enumerate(("fp32", "wire1bit", "onebit", "onebit_serial", "onebit_hier", "int8",
-                                         "int8_hier"))}
+    order = {m: i for i, m in enumerate(("fp32", "wire1bit", "onebit", "onebit_serial", "onebit_ring", "onebit_hier",
+                                         "int8", "int8_ring", "int8_hier"))}
     rows = sorted(rows, key=lambda r: (*_grid_key(r), order.get(r["method"], 9)))
     by_key: dict[tuple[int, int, str, int], dict[str, dict[str, Any]]] = {}
     for r in rows:
@@ -394,6 +410,23 @@ def tables(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def grouped_tables(rows: list[dict[str, Any]]) -> str:
+    """``tables`` per condition (round trip, idle between calls, slow start after idle), each under a heading
+    where any of them is set."""
+    groups: dict[tuple[float, float, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r.get("rtt_ms", 0.0), r.get("idle_s", 0.0), str(r.get("slow_start_after_idle"))),
+                          []).append(r)
+    parts = []
+    for (rtt, idle, ssai), group in groups.items():
+        if (rtt, idle, ssai) != (0.0, 0.0, "None"):
+            ssai_text = "kernel default" if ssai == "None" else ssai
+            parts.append(f"### round trip {rtt:g} ms, {idle:g} s idle before each call, "
+                         f"tcp_slow_start_after_idle {ssai_text}")
+        parts.append(tables(group))
+    return "\n\n".join(parts)
+
+
 SETUP = ("Each node is a network namespace behind a tc-tbf shaped veth (both directions); one torchrun per "
          "node, gloo, 1 thread per process. Times: median over iterations of the slowest rank, after warm-up. "
          "Link bytes: tx counter of each node's veth (frames incl. TCP/IP headers and ACKs, and a barrier per "
@@ -417,6 +450,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ranks-per-node", type=int, nargs="+",
                     help="ranks per emulated node (default 1); >= 2 adds the two-level methods")
     ap.add_argument("--iters", type=int, help="timed iterations (median reported)")
+    ap.add_argument("--rtt", type=float, default=0.0, help="round-trip delay in ms between nodes")
+    ap.add_argument("--idle", type=float, default=0.0,
+                    help="seconds of sleep before each timed call, as a step's compute leaves the link idle")
+    ap.add_argument("--slow-start-after-idle", type=int, nargs="+", choices=(0, 1),
+                    help="run with the nodes' net.ipv4.tcp_slow_start_after_idle at each value "
+                         "(default: the kernel's, on)")
     ap.add_argument("--warmup", type=int, help="untimed iterations first (>= 1; numba compiles here)")
     ap.add_argument("--timeout", type=float, help="seconds per torchrun (default: estimated)")
     ap.add_argument("--json", metavar="PATH", help="also write the raw rows as JSON")
@@ -424,6 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     add_out_argument(ap)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--rate", help=argparse.SUPPRESS)
+    ap.add_argument("--ssai", default="None", help=argparse.SUPPRESS)
     ap.add_argument("--pg-timeout", type=int, default=600, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     preset = QUICK if args.quick else FULL
@@ -442,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = run_grid(args)
     load = load_text(load0, os.getloadavg())
     print(load, file=sys.stderr)
-    text = tables(rows)
+    text = grouped_tables(rows)
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -366,6 +366,17 @@ class EmulatedCluster:
                   "table", table])
             _run(["ip", "-n", ns, "rule", "add", "iif", dev, "lookup", table, "pref", "100"])
 
+    def set_slow_start_after_idle(self, enabled: bool) -> None:
+        """Set the nodes' ``net.ipv4.tcp_slow_start_after_idle`` (per namespace; the kernel's default is on).
+
+        On, a connection that was idle for longer than its retransmission timeout starts its next burst from
+        the initial congestion window again: a training step's burst after compute then pays slow start's
+        round trips. Applies to open connections too (the kernel reads it at each send).
+        """
+        for k in range(self.nodes):
+            _run(["ip", "netns", "exec", self.ns(k), "sysctl", "-qw",
+                  f"net.ipv4.tcp_slow_start_after_idle={int(enabled)}"])
+
     def delay_cpu_s(self) -> float:
         """CPU seconds the delay lines have used so far (their share of the machine's cores)."""
         total = 0.0

@@ -284,23 +284,44 @@ def _piped_on_rank(rank, world_size):
     out = {}
     for cname, groups in PIPE_GROUPS.items():
         for mode in MODES:
-            car = CompressedAllreduce(PIPE_CODECS[cname](), mode, pieces=3, groups=groups)
-            res = [car(_input(rank, s, 20_011)) for s in range(2)]
-            out[(cname, mode)] = (res, car.num_pieces, car.bytes_sent)
+            for gather in ("auto", "ring"):
+                car = CompressedAllreduce(PIPE_CODECS[cname](), mode, pieces=3, groups=groups, gather=gather)
+                res = [car(_input(rank, s, 20_011)) for s in range(2)]
+                out[(cname, mode, gather)] = (res, car.num_pieces, car.bytes_sent, car.fanout)
     return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_pipelined_distributed_equals_unpipelined_simulation(world_size):
+    """Pipelined, with the server rows fanned out (``auto`` on gloo, one host) or gathered by gloo's ring:
+    both are the unpipelined simulation's bits."""
     ranks = values(run_ranks(_piped_on_rank, world_size))
-    for (cname, mode), (_, pieces, sent) in ranks[0].items():
-        assert pieces == 3
+    for (cname, mode, gather), (_, pieces, sent, fanout) in ranks[0].items():
+        assert pieces == 3 and fanout == (gather == "auto")
         sim = SimulatedCluster(PIPE_CODECS[cname](), mode, world_size, pieces=1, groups=PIPE_GROUPS[cname])
         for s in range(2):
             expected = sim.allreduce([_input(r, s, 20_011) for r in range(world_size)])
             for r in range(world_size):
-                assert torch.equal(ranks[r][(cname, mode)][0][s], expected[r]), (cname, mode, r, s)
+                assert torch.equal(ranks[r][(cname, mode, gather)][0][s], expected[r]), (cname, mode, gather, r, s)
         assert sent == sim.counter.bytes_sent
+
+
+def _gather_choice(rank, world_size):
+    import os
+    os.environ["LOCAL_WORLD_SIZE"] = "2"  # as torchrun sets it: 2 nodes of 2 ranks
+    cars = [CompressedAllreduce(SignCodec(), gather=g) for g in ("auto", "fanout")]
+    for c in cars:
+        c.bind(10, "cpu")
+    return [c.fanout for c in cars]
+
+
+def test_auto_gather_keeps_the_ring_on_nodes_of_several_ranks():
+    """A flat fan-out on nodes of 2 ranks would send each row to both ranks of the other node: ``auto`` keeps
+    gloo's ring there, an explicit ``fanout`` is honoured; a bad value names itself."""
+    for auto, fanout in values(run_ranks(_gather_choice, 4)):
+        assert (auto, fanout) == (False, True)
+    with pytest.raises(ValueError, match="gather must be"):
+        CompressedAllreduce(SignCodec(), gather="tree")
 
 
 def _straggler(rank, world_size):
@@ -342,21 +363,29 @@ def test_padding_does_not_count_in_a_scale():
 
 def _or_flags(rank, world_size):
     from lightning_onebit.comm import any_across
-    counter = ByteCounter()
-    flags = torch.zeros(13, dtype=torch.bool)
-    flags[[rank, 12 - rank]] = True  # ragged length: the last byte is part padding
-    return any_across(flags, None, counter), counter.total.bytes_sent
+    from lightning_onebit.comm.dense import FANOUT_MAX_BYTES
+    got = []
+    # 13 flags (the last byte part padding) go fanned out; past FANOUT_MAX_BYTES as a BOR allreduce
+    for numel in (13, 8 * (FANOUT_MAX_BYTES // (world_size - 1) + 1) + 5):
+        counter = ByteCounter()
+        flags = torch.zeros(numel, dtype=torch.bool)
+        flags[[rank, numel - 1 - rank]] = True
+        got.append((any_across(flags, None, counter), counter.total.bytes_sent))
+    return got
 
 
 def test_any_across_ors_packed_bits():
-    """gloo ORs the flags as bits: 13 flags cost a 2-byte allreduce, and the result is exact."""
+    """gloo ORs the flags as bits, exactly: a few flags as one round of (n - 1) copies of their bytes (one round
+    trip), many as a BOR allreduce of 1 bit each, whose bytes do not grow with n."""
     from lightning_onebit.comm import any_across_bytes
     from lightning_onebit.comm.dense import pack_bits, unpack_bits
-    expected = torch.zeros(13, dtype=torch.bool)
-    expected[[0, 1, 2, 10, 11, 12]] = True
-    for got, nbytes in values(run_ranks(_or_flags, 3)):
-        assert torch.equal(got, expected)
-        assert nbytes == any_across_bytes(13, 3) == ring_allreduce_bytes(2, 3, 1)
+    for (small, small_bytes), (big, big_bytes) in values(run_ranks(_or_flags, 3)):
+        for got in (small, big):
+            expected = torch.zeros(got.numel(), dtype=torch.bool)
+            expected[[0, 1, 2, -3, -2, -1]] = True
+            assert torch.equal(got, expected)
+        assert small_bytes == any_across_bytes(13, 3) == 2 * 2
+        assert big_bytes == any_across_bytes(big.numel(), 3) == ring_allreduce_bytes((big.numel() + 7) // 8, 3, 1)
     for n in (1, 7, 8, 9, 100):
         f = torch.rand(n) < 0.5
         assert torch.equal(unpack_bits(pack_bits(f), n), f)

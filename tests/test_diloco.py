@@ -126,18 +126,23 @@ def _train(rank: int, world: int, compression: str, calls: list | None = None, *
 
 def _fp32_ranks(rank: int, world: int):
     seen: list[int] = []
-    real = dist.all_reduce
+    real = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single")}
     counts = []
 
-    def counting(*a, **k):
-        counts.append(len(seen))
-        return real(*a, **k)
+    def counting(name):
+        def call(*a, **k):
+            counts.append(len(seen))
+            return real[name](*a, **k)
+        return call
 
-    dist.all_reduce = counting  # every collective DiLoCo makes goes through all_reduce here
+    # every collective DiLoCo makes goes through these here (the finiteness OR: an all_to_all on gloo)
+    for name in real:
+        setattr(dist, name, counting(name))
     try:
         params, opt = _train(rank, world, "fp32", seen)
     finally:
-        dist.all_reduce = real
+        for name, f in real.items():
+            setattr(dist, name, f)
     return params, counts, opt.comm_counter.total.bytes_sent, opt.outer_steps
 
 

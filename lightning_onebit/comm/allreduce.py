@@ -22,6 +22,7 @@ verified by DDP itself), trading it for a process-group timeout if a rank goes a
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Sequence
 
@@ -31,7 +32,7 @@ import torch.distributed as dist
 
 from ..compress import Codec, Source, flat_buffer
 from .accounting import ByteCounter
-from .dense import collective_device
+from .dense import all_gather_rows, collective_device, fans_out
 from .two_stage import MODES, TwoStageRank
 
 __all__ = ["CompressedAllreduce"]
@@ -40,13 +41,10 @@ _MODE_ID = {m: i for i, m in enumerate(MODES)}
 _DTYPE_ID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 
 
-# torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def all_gather_rows(out: torch.Tensor, row: torch.Tensor, group=None, async_op: bool = False):
-    """Gather one 1-D ``row`` per rank into the rows of ``out`` ``[n, len]`` (rank order)."""
-    return _all_gather_single(out.view(-1), row.reshape(-1), group=group, async_op=async_op)
+def _one_rank_per_host() -> bool:
+    """The launcher's ``LOCAL_WORLD_SIZE`` says one rank per node, or that this group is on one host."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    return local <= 1 or local >= dist.get_world_size()
 
 
 def _group_rank_size(group) -> tuple[int, int]:
@@ -73,20 +71,32 @@ class CompressedAllreduce(TwoStageRank):
             always use one).
         groups: offsets where the tensors of a flat multi-tensor input start (e.g. a bucket's
             parameters): no scale spans two of them. ``None``: one tensor.
+        gather: how the server rows reach every rank: ``"fanout"`` (each rank sends its row to every
+            rank in one ``all_to_all_single``: one round trip), ``"ring"`` (``all_gather``: gloo's ring
+            waits a round trip per step, n - 1 of them; NCCL's is pipelined) or ``"auto"``: fanout on
+            gloo with CPU tensors where the group has one rank per node (or is on one host), ring
+            elsewhere. The bytes per rank are the same; on nodes of several ranks a flat fanout moves
+            more of them between nodes (each rank's row to every other node's ranks), which is why
+            ``auto`` keeps the ring there (the two-level collective fans out between nodes).
 
     One object serves one tensor (one size): it owns that tensor's error / Markov state.
     """
 
     def __init__(self, codec: Codec, mode: str = "error_feedback", group=None,
                  counter: ByteCounter | None = None, verify: str = "always",
-                 pieces: int | None = None, groups: Sequence[int] | None = None) -> None:
+                 pieces: int | None = None, groups: Sequence[int] | None = None, gather: str = "auto") -> None:
         if verify not in ("always", "first"):
             raise ValueError(f"verify must be 'always' or 'first', got {verify!r}")
+        if gather not in ("auto", "fanout", "ring"):
+            raise ValueError(f"gather must be 'auto', 'fanout' or 'ring', got {gather!r}")
         super().__init__(codec, mode, *_group_rank_size(group), counter=counter, pieces=pieces, groups=groups)
         self.group = group
         self.verify = verify
         self._recv: list[torch.Tensor] | None = None  # all_to_all_single receives piece k in _recv[k]
         self._gathered: list[torch.Tensor] | None = None  # all_gather of the server rows, per piece
+        self.gather = gather
+        self.fanout = False  # resolved from ``gather`` by the first bind
+        self._fan: list[torch.Tensor | None] = []  # fanout: each piece's row copied once per rank
         self._verified = False
         self._sig_host: torch.Tensor | None = None  # pinned staging of the agreement (CUDA)
         self._gathered_ok: torch.Tensor | None = None  # GPU: server scales finite, read at the next agreement
@@ -98,6 +108,11 @@ class CompressedAllreduce(TwoStageRank):
             self._recv = [flat_buffer((self.world_size, p.rb), torch.uint8, self.worker_device) for p in self.plan]
             self._gathered = [flat_buffer((self.world_size, p.rb), torch.uint8, self.worker_device)
                               for p in self.plan]
+            self.fanout = self.world_size > 1 and (
+                self.gather == "fanout" or (self.gather == "auto" and fans_out(self.group, self.worker_device)
+                                            and _one_rank_per_host()))
+            self._fan = [flat_buffer((self.world_size, p.rb), torch.uint8, self.worker_device) if self.fanout
+                         else None for p in self.plan]
 
     # -- the server-overflow check -------------------------------------------------------
     def check_gathered(self, piece0: torch.Tensor) -> None:
@@ -210,7 +225,8 @@ class CompressedAllreduce(TwoStageRank):
         for k in range(self.num_pieces):
             srv = self.server_send(k)
             if remote:
-                gather.append(all_gather_rows(self._gathered[k], srv, group=group, async_op=piecewise))
+                gather.append(all_gather_rows(self._gathered[k], srv, group=group, async_op=piecewise,
+                                              fanout=self.fanout, send=self._fan[k]))
         # stage 4: decode the gathered pieces as they arrive
         dst = self.result_buffer(out, x.dtype)
         gathered = self._gathered if remote else self._srv

@@ -37,8 +37,8 @@ from ..compress import Codec
 from ..compress.kernels import get_backend
 from ..compress.source import Source
 from .accounting import ByteCounter
-from .allreduce import CompressedAllreduce, _all_gather_single, _group_rank_size
-from .dense import all_finite
+from .allreduce import CompressedAllreduce, _group_rank_size
+from .dense import _all_gather_single, all_finite, fans_out
 from .simulated import SimulatedCluster
 from .two_stage import TwoStageRank
 
@@ -152,8 +152,10 @@ class HierarchicalAllreduce:
         self.numel = numel
         L, s = self.ranks_per_node, self.shard_len
         sg = shard_groups(numel, L, self.local_rank, self.groups)
+        # one rank per node by construction: fan out wherever gloo would otherwise ring (see CompressedAllreduce)
+        gather = "fanout" if fans_out(self.cross_group, torch.device(device)) else "ring"
         self.cross = CompressedAllreduce(self.codec, self.mode, group=self.cross_group, counter=self.counter,
-                                         verify="first", pieces=self.pieces, groups=sg)
+                                         verify="first", pieces=self.pieces, groups=sg, gather=gather)
         self.cross.bind(s, device)
         f32 = dict(dtype=torch.float32, device=device)
         self._send = torch.zeros(L * s, **f32)
