@@ -77,7 +77,8 @@ class CompressedAllreduce(TwoStageRank):
             gloo with CPU tensors where the group has one rank per node (or is on one host), ring
             elsewhere. The bytes per rank are the same; on nodes of several ranks a flat fanout moves
             more of them between nodes (each rank's row to every other node's ranks), which is why
-            ``auto`` keeps the ring there (the two-level collective fans out between nodes).
+            ``auto`` keeps the ring there (the two-level collective fans out between nodes). A fanout
+            stages n copies of this rank's server row: as much memory again as the gathered rows.
 
     One object serves one tensor (one size): it owns that tensor's error / Markov state.
     """
