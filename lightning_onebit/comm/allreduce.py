@@ -22,7 +22,6 @@ verified by DDP itself), trading it for a process-group timeout if a rank goes a
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Sequence
 
@@ -32,7 +31,7 @@ import torch.distributed as dist
 
 from ..compress import Codec, Source, flat_buffer
 from .accounting import ByteCounter
-from .dense import all_gather_rows, collective_device, fans_out
+from .dense import all_gather_rows, collective_device, fans_out, launcher_ranks_per_node
 from .two_stage import MODES, TwoStageRank
 
 __all__ = ["CompressedAllreduce"]
@@ -43,8 +42,8 @@ _DTYPE_ID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float6
 
 def _one_rank_per_host() -> bool:
     """The launcher's ``LOCAL_WORLD_SIZE`` says one rank per node, or that this group is on one host."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    return local <= 1 or local >= dist.get_world_size()
+    local = launcher_ranks_per_node()
+    return local is None or local == 1 or local >= dist.get_world_size()
 
 
 def _group_rank_size(group) -> tuple[int, int]:

@@ -15,14 +15,16 @@ that stays under :data:`FANOUT_MAX_BYTES`.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 from .accounting import ByteCounter, ring_allreduce_bytes
 
 __all__ = ["FANOUT_MAX_BYTES", "all_finite", "all_gather_rows", "any_across", "any_across_bytes", "backend_for",
-           "collective_device", "fans_out", "group_size", "mean_allreduce", "mean_allreduce_future", "pack_bits",
-           "unpack_bits"]
+           "collective_device", "fans_out", "group_size", "launcher_ranks_per_node", "mean_allreduce",
+           "mean_allreduce_future", "pack_bits", "unpack_bits"]
 
 FANOUT_MAX_BYTES = 1 << 16
 """The most bytes a rank sends in a fanned-out :func:`any_across` ((n - 1) copies of its packed flags);
@@ -30,6 +32,12 @@ more goes as a ring ``all_reduce``, whose bytes do not grow with n."""
 
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def launcher_ranks_per_node() -> int | None:
+    """Ranks on this host as the launcher says (``LOCAL_WORLD_SIZE``: torchrun and Lightning's launchers set
+    it), or None where it does not."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
 
 
 def group_size(group=None) -> int:
@@ -115,14 +123,14 @@ def any_across(flags: torch.Tensor, group=None, counter: ByteCounter | None = No
         if flags.device.type == "cpu" and _fanned_or(flags.numel(), n):
             rows = packed.new_empty(n, packed.numel())
             all_gather_rows(rows, packed, group, fanout=True)
+            sent = (n - 1) * packed.numel()
             packed = rows[0]
             for r in rows[1:]:
                 packed = packed.bitwise_or(r)
         else:
             dist.all_reduce(packed, op=dist.ReduceOp.BOR, group=group)
+            sent = ring_allreduce_bytes(packed.numel(), n, 1)
         out = unpack_bits(packed, flags.numel()).view(flags.shape)
-        sent = any_across_bytes(flags.numel(), n) if flags.device.type == "cpu" else \
-            ring_allreduce_bytes(packed.numel(), n, 1)
     else:
         u8 = flags.to(torch.uint8)
         dist.all_reduce(u8, op=dist.ReduceOp.MAX, group=group)

@@ -5,14 +5,13 @@ flat or two-level (see the ``compression`` list in DiLoCo's module docstring).""
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
 from ..comm import CompressedAllreduce, HierarchicalAllreduce
 from ..comm.accounting import ring_allreduce_bytes
-from ..comm.dense import group_size
+from ..comm.dense import group_size, launcher_ranks_per_node
 from ..comm.hierarchical import node_groups
 from ..compress import Codec, MinMaxCodec, SignCodec
 from .sync import _spans_the_world
@@ -58,7 +57,7 @@ class DiLoCoAllreduce:
         """Ranks per node when the compressed outer all-reduce runs two-level, else None (flat)."""
         if self.compression in ("fp32", "bf16") or self.hierarchical is False:
             return None
-        local = self.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
+        local = self.ranks_per_node or launcher_ranks_per_node()
         n, group, why = group_size(self.process_group), self.process_group, None
         if not _spans_the_world(group):
             why = "it runs on a group of every rank only (node groups are cut from the default group)"

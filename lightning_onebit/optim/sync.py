@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
@@ -27,6 +26,7 @@ from ..comm import (
     SimulatedHierarchicalCluster,
     node_groups,
 )
+from ..comm.dense import launcher_ranks_per_node
 from ..compress import Codec, Source, flat_buffer
 from .buckets import Bucket
 from .nonfinite import NonFiniteGradientError
@@ -79,7 +79,7 @@ class BucketSync:
             return None
         local = self.ranks_per_node
         if local is None and self.simulate_workers is None:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or None
+            local = launcher_ranks_per_node()
         n = self.world_size
         why = None
         if self.simulate_workers is None and not _spans_the_world(self.process_group):
