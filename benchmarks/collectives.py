@@ -183,9 +183,10 @@ def _wire1bit_op(world: int, ranks_per_node: int = 1) -> tuple[Callable[[Any], A
         if bufs.get("chunk") != chunk:
             bufs.update(chunk=chunk, send=torch.zeros(world * chunk, dtype=torch.uint8),
                         recv=torch.empty(world * chunk, dtype=torch.uint8),
-                        out=torch.empty(world * chunk, dtype=torch.uint8))
+                        out=torch.empty(world * chunk, dtype=torch.uint8),
+                        fan=torch.empty(world, chunk, dtype=torch.uint8))  # the gather's copies, if fanned out
         dist.all_to_all_single(bufs["recv"], bufs["send"])
-        all_gather_rows(bufs["out"].view(world, chunk), bufs["recv"][:chunk])
+        all_gather_rows(bufs["out"].view(world, chunk), bufs["recv"][:chunk], send=bufs["fan"])
         sent["n"] += 2 * (world - ranks_per_node) * chunk  # the rows to other nodes' ranks
         return bufs["out"]
 
