@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from .common import optional_import, require
+from .common import loader_workers, optional_import, preload_fork_server, require
 
 __all__ = ["BUNDLED_BINARY", "LIBSVM_DATASETS", "LIBSVM_URL", "DigitsDataModule", "InMemoryDataModule",
            "libsvm_path", "load_libsvm"]
@@ -36,19 +36,24 @@ BUNDLED_BINARY = ("breast_cancer", "digits")
 class InMemoryDataModule(L.LightningDataModule):
     """Base of the small datamodules whose ``setup`` builds both splits in memory
     (``train_set``, ``val_set``): training batches of ``batch_size``, shuffled; validation
-    batches of 256, in order."""
+    batches of 256, in order; ``num_workers`` processes started by ``worker_start_method``
+    (:func:`recipes.common.loader_workers`)."""
 
-    def __init__(self, batch_size: int, num_workers: int = 0, seed: int = 0) -> None:
+    def __init__(self, batch_size: int, num_workers: int = 0, seed: int = 0,
+                 worker_start_method: str = "forkserver") -> None:
         super().__init__()
         self.batch_size, self.num_workers, self.seed = batch_size, num_workers, seed
+        self.workers = loader_workers(num_workers, worker_start_method)
         self.train_set: Dataset | None = None
         self.val_set: Dataset | None = None
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers)
+        preload_fork_server(self.workers, ("torch",))
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, **self.workers)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=256, shuffle=False, num_workers=self.num_workers)
+        preload_fork_server(self.workers, ("torch",))
+        return DataLoader(self.val_set, batch_size=256, shuffle=False, **self.workers)
 
 
 class DigitsDataModule(InMemoryDataModule):
@@ -57,8 +62,8 @@ class DigitsDataModule(InMemoryDataModule):
     offline; ``root``/``download`` are accepted for a uniform interface and unused."""
 
     def __init__(self, batch_size: int = 32, val_fraction: float = 0.2, num_workers: int = 0, seed: int = 0,
-                 root: str | None = None, download: bool = False) -> None:
-        super().__init__(batch_size, num_workers, seed)
+                 root: str | None = None, download: bool = False, worker_start_method: str = "forkserver") -> None:
+        super().__init__(batch_size, num_workers, seed, worker_start_method)
         self.val_fraction = val_fraction
 
     def setup(self, stage: str | None = None) -> None:

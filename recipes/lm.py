@@ -96,8 +96,9 @@ class MarkovTextDataModule(InMemoryDataModule):
 
     def __init__(self, vocab: int = 64, branching: int = 3, source_seed: int = 0, length: int = 33,
                  train_size: int = 4096, val_size: int = 512, batch_size: int = 16, num_workers: int = 0,
-                 seed: int = 0, root: str | None = None, download: bool = False) -> None:
-        super().__init__(batch_size, num_workers, seed)
+                 seed: int = 0, root: str | None = None, download: bool = False,
+                 worker_start_method: str = "forkserver") -> None:
+        super().__init__(batch_size, num_workers, seed, worker_start_method)
         self.source = MarkovSource(vocab, branching, source_seed)
         self.length, self.train_size, self.val_size = length, train_size, val_size
 

@@ -41,7 +41,7 @@ from torchmetrics.regression import PearsonCorrCoef, SpearmanCorrCoef
 from torchmetrics.text import SQuAD
 
 from .algorithms import build_optimizer
-from .common import StopOnDivergence, optional_import, require
+from .common import StopOnDivergence, loader_workers, optional_import, preload_fork_server, require
 from .shipped import build_movie_reviews, model_path, pretrained_source
 
 # the recipes' other experiments do not need them
@@ -187,11 +187,12 @@ class _HFDataModule(L.LightningDataModule):
 
     def __init__(self, tokenizer: str, path: str | None = None, root: str | None = "data", download: bool = False,
                  global_batch_size: int = 32, eval_batch_size: int = 64, max_length: int = 128, num_workers: int = 0,
-                 seed: int = 0) -> None:
+                 seed: int = 0, worker_start_method: str = "forkserver") -> None:
         super().__init__()
         self.tokenizer_name = str(tokenizer)
         self.global_batch_size, self.eval_batch_size = global_batch_size, eval_batch_size
         self.max_length, self.num_workers, self.seed = max_length, num_workers, seed
+        self.workers = loader_workers(num_workers, worker_start_method)
         fetch = ", ".join(map(repr, self.hub))
         self.location = Path(path) if path else Path(root or "data") / self.subdir
         self.fetch = bool(not path and (download or self.shipped) and not self.location.exists())
@@ -247,14 +248,16 @@ class _HFDataModule(L.LightningDataModule):
         return self.global_batch_size // n
 
     def train_dataloader(self) -> DataLoader:
+        preload_fork_server(self.workers, (__name__, "datasets"))
         return DataLoader(self.train_set, batch_size=self.per_process_batch(), shuffle=True,
-                          collate_fn=_Collate(self.tokenizer.pad_token_id), num_workers=self.num_workers)
+                          collate_fn=_Collate(self.tokenizer.pad_token_id), **self.workers)
 
     def val_dataloader(self) -> DataLoader:
         t = self.trainer
         sampler = EvalShards(self.val_set, self.val_groups, t.world_size if t else 1, t.global_rank if t else 0)
+        preload_fork_server(self.workers, (__name__, "datasets"))
         return DataLoader(_Keep(self.val_set), batch_size=self.eval_batch_size, sampler=sampler,
-                          collate_fn=_Collate(self.tokenizer.pad_token_id), num_workers=self.num_workers)
+                          collate_fn=_Collate(self.tokenizer.pad_token_id), **self.workers)
 
 
 class GlueDataModule(_HFDataModule):

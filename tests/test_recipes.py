@@ -31,6 +31,7 @@ from lightning_onebit.strategies.ddp_hooks import HookDDPStrategy, hook_step_byt
 from recipes.algorithms import build_optimizer, build_strategy, is_compressed  # noqa: E402
 from recipes.common import DatasetMissingError  # noqa: E402
 from recipes.data import LIBSVM_URL, libsvm_path, load_libsvm  # noqa: E402
+from recipes.registry import build_datamodule  # noqa: E402
 from recipes.report import main as report_main  # noqa: E402
 from recipes.runners import _start_method, run  # noqa: E402
 
@@ -215,6 +216,27 @@ def test_popen_launcher_falls_back_to_spawn_where_it_cannot_work(monkeypatch):
     assert _start_method("popen", n_fits=2, multirun=True) == "popen"
     assert _start_method("spawn", n_fits=1, multirun=False) == "popen"  # spawning from each rank: 4 ranks
     assert _start_method("forkserver", n_fits=1, multirun=False) == "popen"
+
+
+@pytest.mark.parametrize("name", ["digits", "markov"])
+def test_dataloader_workers_start_from_a_fork_server(name):
+    """A rank forks its DataLoader workers while gloo's and OpenMP's threads run, and a worker
+    forked while one of them holds a lock can block forever: workers start from a fork server
+    unless data.worker_start_method says otherwise; bad settings fail in the constructor."""
+    def loaders(**data):
+        dm = build_datamodule({"name": name, "batch_size": 8, **data})
+        dm.setup("fit")
+        return dm.train_dataloader(), dm.val_dataloader()
+
+    for loader in loaders(num_workers=2):
+        assert loader.num_workers == 2 and loader.multiprocessing_context.get_start_method() == "forkserver"
+    assert all(ld.multiprocessing_context.get_start_method() == "fork"
+               for ld in loaders(num_workers=1, worker_start_method="fork"))
+    assert all(ld.multiprocessing_context is None for ld in loaders())  # no workers: DataLoader takes no method
+    with pytest.raises(ValueError, match="data.worker_start_method='thread'"):
+        build_datamodule({"name": name, "batch_size": 8, "num_workers": 2, "worker_start_method": "thread"})
+    with pytest.raises(ValueError, match="data.num_workers must be an integer >= 0, not -1"):
+        build_datamodule({"name": name, "batch_size": 8, "num_workers": -1})
 
 
 @pytest.mark.budget(40)  # a CLI run

@@ -32,6 +32,8 @@ from recipes.vision import (  # noqa: E402
     CIFAR10_STD,
     CIFAR10_URL,
     CIFAR10DataModule,
+    SharedImages,
+    _unverified_class,
 )
 
 PER_BATCH, TEST_SIZE = 16, 32  # images per data_batch_i (5 of them) and in test_batch
@@ -123,7 +125,8 @@ def test_experiments_hold_the_paper_setting(experiment, monkeypatch):
     assert (optim["milestones"], optim["gamma"], optim["warmup"]) == ([50, 75], 0.1, 0.13)
     assert cfg["algorithm"]["warmup"] == 0.13  # 1-bit Adam: 13 of 100 epochs
     assert cfg["data"] == {"name": "cifar10", "root": "data", "download": False, "batch_size": 128, "num_workers": 4,
-                           "verify": True, "train_subset": None, "val_subset": None}
+                           "worker_start_method": "forkserver", "verify": True, "train_subset": None,
+                           "val_subset": None}
     assert cfg["model"]["name"] == experiment.split("_")[0] + "_cifar" and cfg["model"]["num_classes"] == 10
     assert cfg["model"].get("batch_norm") == {"vgg16_cifar10": False, "vgg16_bn_cifar10": True}.get(experiment)
     assert (cfg["report"]["primary"], cfg["report"]["goal"]) == ("val_acc", "max")
@@ -184,6 +187,8 @@ def test_subsets_and_verification(cifar_root):
     assert (len(dm.train_set), len(dm.val_set)) == (20, 6)
     assert [dm.val_set[i][1] for i in range(6)] == written["test_batch"][1][:6]
     assert len(dm.val_dataloader()) == 2
+    assert CIFAR10DataModule(root=root, verify=False).workers == {"num_workers": 4,
+                                                                  "multiprocessing_context": "forkserver"}
     again = pickle.loads(pickle.dumps(dm.val_set))  # as DataLoader workers started by spawn receive it
     assert type(again.dataset).__name__ == "UnverifiedCIFAR10" and again[5][1] == written["test_batch"][1][5]
     with pytest.raises(ValueError, match="subset of 200"):
@@ -191,6 +196,32 @@ def test_subsets_and_verification(cifar_root):
     # verify=True (the configs' default) is torchvision's md5 check: generated files fail it
     with pytest.raises(RuntimeError, match="corrupted"):
         CIFAR10DataModule(root=root, num_workers=0).setup("fit")
+
+
+@pytest.mark.budget(20)  # a fork server that imports torchvision
+def test_fork_server_workers_get_the_images_in_shared_memory(cifar_root, monkeypatch):
+    """Workers from a fork server (the default) receive the images as a shared-memory handle, not
+    a pickled copy per worker and epoch, and load exactly what a loader without workers does."""
+    root, _ = cifar_root
+    plain = CIFAR10DataModule(batch_size=8, num_workers=0, root=root, verify=False)
+    shared = CIFAR10DataModule(batch_size=8, num_workers=2, root=root, verify=False)
+    for dm in (plain, shared):
+        dm.setup("fit")
+    assert isinstance(shared.train_set, SharedImages) and shared.train_set.images.is_shared()
+    torch.manual_seed(0)  # the augmentation draws from torch's generator
+    a = shared.train_set[3][0]
+    torch.manual_seed(0)
+    assert torch.equal(a, plain.train_set[3][0])
+    for x, y in zip(plain.val_dataloader(), shared.val_dataloader(), strict=True):
+        assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+
+    def no_room(self):
+        raise RuntimeError("unable to allocate shared memory: No space left on device")
+
+    monkeypatch.setattr(torch.Tensor, "share_memory_", no_room)  # a container's 64 MB /dev/shm
+    with pytest.warns(UserWarning, match="do not fit in shared memory"):
+        private = SharedImages(_unverified_class()(str(root), train=False, transform=plain.val_set.transform))
+    assert not private.images.is_shared() and torch.equal(private[0][0], plain.val_set[0][0])
 
 
 def test_missing_data_fails_at_once_with_path_and_remedy(tmp_path):
