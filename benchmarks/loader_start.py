@@ -3,8 +3,9 @@
 The recipes start a rank's workers from a fork server (``data.worker_start_method``, see
 ``recipes.common.loader_workers``) rather than forking the rank, whose gloo/NCCL and OpenMP
 threads make a fork able to hang. The price: the rank starts its server once (it imports the
-dataset's modules), and every epoch's workers receive the dataset pickled (the recipe's loaders
-do not keep workers across epochs, so that a resumed run draws the same augmentations). This
+dataset's modules), and every epoch's workers receive the dataset again (the recipe's loaders do
+not keep workers across epochs, so that a resumed run draws the same augmentations; the images go
+as a shared-memory handle, ``recipes.vision.SharedImages``). This
 measures it on full-size data in the real format (50000 + 10000 random images, written as the
 python batches torchvision reads; nothing is downloaded): for each method, in a fresh process
 (so a server start is counted), the wait from ``iter(loader)`` to the first batch and the time of
@@ -30,7 +31,8 @@ import numpy as np
 from _common import ROOT, add_out_argument, emit_tagged, header, parse_tagged, repo_on_path, tee_stdout
 
 TAG = "LOADER "
-TRAIN, TEST = 50000, 10000
+PER_BATCH = 10000  # images per batch file, as in the archive
+TRAIN = 5 * PER_BATCH
 
 
 def write_cifar10(root: Path, seed: int = 0) -> None:
@@ -41,15 +43,16 @@ def write_cifar10(root: Path, seed: int = 0) -> None:
     base.mkdir(parents=True, exist_ok=True)
     names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
     for name in names:
-        labels = rng.integers(0, 10, 10000)
+        labels = rng.integers(0, 10, PER_BATCH)
         # str keys: what torchvision's reader (latin1) makes of the archive's Python 2 pickles
         d = {"batch_label": name, "labels": [int(y) for y in labels],
-             "data": rng.integers(0, 256, (10000, 3072), dtype=np.uint8),
-             "filenames": [f"{i}.png" for i in range(10000)]}
+             "data": rng.integers(0, 256, (PER_BATCH, 3072), dtype=np.uint8),
+             "filenames": [f"{i}.png" for i in range(PER_BATCH)]}
         with open(base / name, "wb") as f:
             pickle.dump(d, f, protocol=2)
     with open(base / "batches.meta", "wb") as f:
-        pickle.dump({"label_names": [f"c{i}" for i in range(10)], "num_cases_per_batch": 10000, "num_vis": 3072},
+        pickle.dump({"label_names": [f"c{i}" for i in range(10)], "num_cases_per_batch": PER_BATCH,
+                     "num_vis": 3072},
                     f, protocol=2)
 
 
