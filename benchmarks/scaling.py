@@ -89,8 +89,8 @@ COLLECTIVES_REF = [  # one rank per emulated node; 1-bit: pipelined, serial: pie
     dict(nodes=4, gbit=10, numel=25_000_000, fp32=0.2376, onebit=0.0994, serial=0.1043, wire=0.0118),
 ]
 
-E2E_SOURCE = ("benchmarks/RESULTS.md, 'End-to-end training on emulated links (e2e.py)': run 2026-11-22 "
-              "08:35-08:52 UTC, torch 2.13.0+cpu, commit 03b437b; compression-phase step, seconds")
+E2E_SOURCE = ("benchmarks/E2E.md (then a section of RESULTS.md), 'End-to-end training on emulated links': "
+              "run 2026-11-22 08:35-08:52 UTC, torch 2.13.0+cpu, commit 03b437b; compression-phase step, seconds")
 E2E_REF = [  # compute: 'compute alone' of the ideal column (an input); ddp: DDP + AdamW; onebit: onebit_adam
     dict(workload="mlp", nodes=2, gbit=1, compute=0.196, ddp=1.013, onebit=0.197),
     dict(workload="mlp", nodes=2, gbit=10, compute=0.196, ddp=0.332, onebit=0.201),
