@@ -4,7 +4,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_onebit.comm import ByteCounter, CompressedAllreduce, SimulatedCluster, TwoStageRank, ring_allreduce_bytes
+from lightning_onebit.comm import (
+    ByteCounter,
+    CompressedAllreduce,
+    NonFiniteInputError,
+    SimulatedCluster,
+    TwoStageRank,
+    ring_allreduce_bytes,
+)
 from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec, TopKCodec
 
 from dist_utils import run_ranks, values
@@ -90,20 +97,25 @@ def _mismatch(rank, world_size, what):
     if what == "nan" and rank == 1:
         x[3] = float("nan")
     err_before = None
-    if what == "nan":
+    if what in ("nan", "vouched"):
         car(torch.randn(numel))  # a good call first, so there is error state to protect
         err_before = car.worker.clone()
+    # "vouched": a finite input, but rank 1 says its other data is not (the policy "skip")
+    kw = {"finite": torch.tensor(rank != 1)} if what == "vouched" else {}
     t0 = time.monotonic()
     try:
-        car(x)
+        car(x, **kw)
     except ValueError as exc:
         unchanged = err_before is None or torch.equal(car.worker, err_before)
+        if what in ("nan", "vouched"):
+            assert isinstance(exc, NonFiniteInputError), type(exc)
         return str(exc), time.monotonic() - t0, unchanged
     return None, time.monotonic() - t0, True
 
 
 @pytest.mark.parametrize("what,needle", [("numel", "disagree on numel"), ("codec", "disagree on codec kind"),
-                                         ("groups", "disagree on groups"), ("nan", "not finite")])
+                                         ("groups", "disagree on groups"), ("nan", "not finite"),
+                                         ("vouched", "rank(s) [1] is not finite")])
 def test_mismatch_fails_fast_on_every_rank(what, needle):
     ranks = values(run_ranks(_mismatch, 2, what, timeout_s=30))
     for msg, elapsed, unchanged in ranks:

@@ -82,13 +82,14 @@ def _mismatch(rank, world_size, what):
         x = _input(rank, 0)[: NUMEL - (rank == 3 and what == "numel")]
         if what == "nan" and rank == 2:
             x[5] = float("nan")
-        h(x)
+        h(x, **({"finite": rank != 2} if what == "vouched" else {}))  # rank 2 vouches for a NaN elsewhere
     except ValueError as exc:
         return str(exc), time.monotonic() - t0
     return None, time.monotonic() - t0
 
 
 @pytest.mark.parametrize("what,needle", [("numel", "disagree on numel"), ("nan", "not finite"),
+                                         ("vouched", "rank(s) [2] is not finite"),
                                          ("layout", "disagree on ranks_per_node")])
 def test_mismatch_fails_fast_on_every_rank(what, needle):
     for msg, elapsed in values(run_ranks(_mismatch, 4, what, timeout_s=30)):
@@ -116,6 +117,7 @@ def _train(rank, world_size, hierarchical, via_ddp):
     model = _model()
     opt = OnebitAdam(model.parameters(), lr=1e-2, warmup_steps=2)
     opt.set_topology(hierarchical=hierarchical, ranks_per_node=2)
+    opt.set_nonfinite_policy("skip")
     net = torch.nn.parallel.DistributedDataParallel(model) if via_ddp else model
     if via_ddp:
         opt.attach(net)
@@ -124,6 +126,8 @@ def _train(rank, world_size, hierarchical, via_ddp):
         x, y = _batch(rank, step)
         opt.zero_grad()
         torch.nn.functional.cross_entropy(net(x), y).backward()
+        if step == 3 and rank == 3:  # compression phase, one rank of the second node
+            model[3].weight.grad[0, 0] = float("nan")
         opt.step()
         compressed_bytes.append(opt.comm_counter.last.bytes_sent)
     kinds = {type(b.comm).__name__ for b in opt._buckets}
@@ -135,19 +139,21 @@ def _train(rank, world_size, hierarchical, via_ddp):
         warnings.simplefilter("always")
         other.load_state_dict(opt.state_dict())
     reset = [str(w.message) for w in caught if "error state was reset" in str(w.message)]
-    return params, kinds, compressed_bytes[-1], opt.intra_node_counter.total.bytes_sent, reset
+    return params, kinds, compressed_bytes[-1], opt.intra_node_counter.total.bytes_sent, reset, opt.skipped_steps
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("via_ddp", [True, False])
 def test_optimizer_on_two_levels(via_ddp):
-    """2 nodes x 2 ranks: the replicas stay identical, the buckets use the two-level collective, a
-    compressed step sends >= 1.8x fewer bytes between nodes than the flat one, and a checkpoint of
-    one layout resumes on the other with the error state reset (and a warning)."""
+    """2 nodes x 2 ranks: the replicas stay identical (through a step one rank's NaN makes every rank
+    skip), the buckets use the two-level collective, a compressed step sends >= 1.8x fewer bytes between
+    nodes than the flat one, and a checkpoint of one layout resumes on the other with the error state
+    reset (and a warning)."""
     hier = values(run_ranks(_train, 4, None, via_ddp))
     flat = values(run_ranks(_train, 4, False, via_ddp))
     for r in range(1, 4):
         assert torch.equal(hier[r][0], hier[0][0]) and torch.equal(flat[r][0], flat[0][0])
+    assert {r[5] for r in hier + flat} == {1}
     assert hier[0][1] == {"HierarchicalAllreduce"} and flat[0][1] == {"CompressedAllreduce"}
     assert hier[0][3] > 0 and flat[0][3] == 0  # fp32 bytes inside the node only on two levels
     # flat: of a rank's 2 (n - 1) rows, those to the L ranks of the other node cross the slow link

@@ -1,4 +1,5 @@
 import contextlib
+import copy
 import io
 
 import pytest
@@ -495,34 +496,79 @@ def test_skip_policy_leaves_every_state_alone_and_raises_after_a_run(cls, kw):
     assert opt.skipped_steps == 5
 
 
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
+                "broadcast", "reduce_scatter_tensor", "gather", "scatter", "barrier")
+
+
+def _counting(f, name: str, calls: list):
+    def wrapped(*a, **k):
+        calls.append(name)
+        return f(*a, **k)
+    return wrapped
+
+
+def _counting_collectives(saved: dict, calls: list) -> None:
+    """Count torch.distributed's collectives into ``calls``; ``saved`` gets the originals back."""
+    for name in _COLLECTIVES:
+        saved[name] = getattr(dist, name)
+        setattr(dist, name, _counting(saved[name], name, calls))
+
+
 def _skip_on_one_rank(rank, world_size):
     from lightning_onebit import OnebitAdam
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Embedding(30, 8), nn.LayerNorm(8), nn.Flatten(), nn.Linear(32, 5))
-    opt = OnebitAdam(m.parameters(), lr=1e-2, warmup_steps=2)
+    # 500-byte buckets: the embedding, the LayerNorm and the linear layer sync in separate calls
+    opt = OnebitAdam(m.parameters(), lr=1e-2, warmup_steps=2, bucket_cap_mb=5e-4)
     opt.set_nonfinite_policy("skip")
     g = torch.Generator().manual_seed(rank)
-    for step in range(6):
+    nan_at = {1: m[3].weight, 4: m[3].weight, 5: m[0].weight}  # warm-up, then two buckets of the compression
+    calls: dict[str, list] = {"skip": [], "raise": []}
+    for step in range(8):
         x, y = torch.randint(0, 30, (8, 4), generator=g), torch.randint(0, 5, (8,), generator=g)
+        if step == 0:  # every token in warm-up: no masked rows, whose first gradients would add collectives
+            x = torch.arange(32).remainder(30).reshape(8, 4)
         opt.zero_grad()
         nn.functional.cross_entropy(m(x), y).backward()
-        if step in (1, 4) and rank == 1:  # warm-up and compression, on one rank only
-            m[3].weight.grad[0, 0] = float("nan")
+        if step in nan_at and rank == 1:  # on one rank only
+            nan_at[step].grad[0, 0] = float("nan")
         before = [p.detach().clone() for p in m.parameters()]
-        opt.step()
-        if step in (1, 4):
+        state = copy.deepcopy(opt.state_dict())
+        saved: dict = {}
+        if step >= 6:  # two clean compression steps: "skip" and "raise" make the same collectives
+            policy = "skip" if step == 6 else "raise"
+            opt.set_nonfinite_policy(policy)
+            _counting_collectives(saved, calls[policy])
+        try:
+            opt.step()
+        finally:
+            for name, f in saved.items():
+                setattr(dist, name, f)
+        if step in nan_at:
             assert all(torch.equal(p, q) for p, q in zip(before, m.parameters(), strict=True))
-    return torch.cat([p.detach().reshape(-1) for p in m.parameters()]), opt.skipped_steps
+            after = opt.state_dict()
+            for k, per_param in state["state"].items():
+                for key, v in per_param.items():
+                    assert not torch.is_tensor(v) or torch.equal(v, after["state"][k][key]), (step, k, key)
+            for c0, c1 in zip(state["onebit"]["comm"], after["onebit"]["comm"], strict=True):
+                assert c0 is None or all(torch.equal(c0[k], c1[k]) for k in c0 if torch.is_tensor(c0[k])), step
+    return (torch.cat([p.detach().reshape(-1) for p in m.parameters()]), opt.skipped_steps, len(opt._buckets),
+            calls)
 
 
 def test_skip_policy_agrees_across_ranks():
-    """A NaN on one of 2 gloo ranks: both skip the same steps (warm-up and compression) and stay identical."""
+    """A NaN on one of 2 gloo ranks: both skip the same steps (warm-up, and in the compression phase a NaN in
+    the first or in a later bucket), change no state, and stay identical. In the compression phase the
+    check rides in the first call's agreement: a step makes the same collectives as with the policy "raise"."""
     from dist_utils import run_ranks, values
 
     out = values(run_ranks(_skip_on_one_rank, 2))
-    assert out[0][1] == out[1][1] == 2
+    assert out[0][1] == out[1][1] == 3
+    assert out[0][2] >= 3  # several buckets
     assert torch.equal(out[0][0], out[1][0])
+    for *_, calls in out:  # which parameters have gradients (no DDP here), then 3 per bucket
+        assert calls["skip"] == calls["raise"] and len(calls["raise"]) == 1 + 3 * out[0][2], calls
 
 
 def _lost_rank(rank, world_size, how):

@@ -2,7 +2,7 @@
 simulated cluster."""
 
 from .accounting import ByteCounter, StepStats, ring_allreduce_bytes
-from .allreduce import CompressedAllreduce
+from .allreduce import CompressedAllreduce, NonFiniteInputError
 from .ddp_hook import (
     CompressionHookState,
     compression_hook,
@@ -16,6 +16,7 @@ from .simulated import SimulatedCluster
 from .two_stage import MODES, TwoStageRank
 
 __all__ = ["MODES", "ByteCounter", "CompressedAllreduce", "CompressionHookState", "HierarchicalAllreduce",
-           "SimulatedCluster", "SimulatedHierarchicalCluster", "StepStats", "TwoStageRank", "all_finite", "any_across",
-           "any_across_bytes", "compression_hook", "group_size", "local_gradients_hook", "mean_allreduce",
-           "node_groups", "register_compression_hook", "register_local_hook", "ring_allreduce_bytes"]
+           "NonFiniteInputError", "SimulatedCluster", "SimulatedHierarchicalCluster", "StepStats", "TwoStageRank",
+           "all_finite", "any_across", "any_across_bytes", "compression_hook", "group_size", "local_gradients_hook",
+           "mean_allreduce", "node_groups", "register_compression_hook", "register_local_hook",
+           "ring_allreduce_bytes"]

@@ -34,10 +34,15 @@ from .accounting import ByteCounter
 from .dense import all_gather_rows, collective_device, fans_out, launcher_ranks_per_node
 from .two_stage import MODES, TwoStageRank
 
-__all__ = ["CompressedAllreduce"]
+__all__ = ["CompressedAllreduce", "NonFiniteInputError"]
 
 _MODE_ID = {m: i for i, m in enumerate(MODES)}
 _DTYPE_ID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+class NonFiniteInputError(ValueError):
+    """Some rank's input (or what it vouched for with ``finite=``) held NaN/inf: every rank raises
+    this in the agreement round, before any state is written."""
 
 
 def _one_rank_per_host() -> bool:
@@ -148,8 +153,8 @@ class CompressedAllreduce(TwoStageRank):
             if prev is not None and not bool(prev):
                 self._server_overflowed()
             if not bool(ok):
-                raise ValueError("CompressedAllreduce: the input is not finite (NaN or inf); "
-                                 "no state was changed")
+                raise NonFiniteInputError("CompressedAllreduce: the input is not finite (NaN or inf); "
+                                          "no state was changed")
             return
         dev = collective_device(self.group, x.device)
         sig = self._signature(x, bool(flag), ok if isinstance(ok, bool) else True)
@@ -179,32 +184,41 @@ class CompressedAllreduce(TwoStageRank):
             self._server_overflowed()
         nonfinite = [r for r in range(self.world_size) if not int(allsig[r, -1])]
         if nonfinite:
-            raise ValueError(f"CompressedAllreduce: the input on rank(s) {nonfinite} is not finite "
-                             "(NaN or inf); every rank skipped this call and no state was changed")
+            raise NonFiniteInputError(f"CompressedAllreduce: the input on rank(s) {nonfinite} is not finite "
+                                      "(NaN or inf); every rank skipped this call and no state was changed")
         self._verified = True
 
     # -- the collective ------------------------------------------------------------------
     def __call__(self, x: torch.Tensor | Source, out: torch.Tensor | None = None, flag: bool | None = None,
-                 defer: bool = False) -> torch.Tensor | None:
+                 defer: bool = False, finite: bool | torch.Tensor | None = None) -> torch.Tensor | None:
         """Return the compressed mean of ``x`` over the group (bit-identical on all ranks).
 
         ``flag``: a bit every rank contributes to the agreement round at no extra cost; after the
         call ``any_flag`` is their OR (e.g. "some rank has a gradient where the optimizer masks").
         Needs ``verify="always"`` (with "first" later calls have no agreement round).
 
+        ``finite``: whether this rank's other data (e.g. the gradients of later buckets) is finite,
+        ANDed into the agreement's finiteness bit (a bool, or a 0-d bool tensor left on its device):
+        a NaN anywhere on any rank then fails this call on every rank with
+        :class:`NonFiniteInputError` before any state is written, with no round of its own. Needs
+        ``verify="always"``.
+
         ``defer``: stop after the result is gathered and checked, and return ``None``;
         :meth:`decode_pending` decodes it later (into ``out``), e.g. with a sink that updates the
         parameters in the same pass. Not when a flag was raised (``any_flag``): then the result is
         decoded now, so that the caller can act on it.
         """
-        if flag is not None and self.verify != "always" and self.world_size > 1:
-            raise ValueError("CompressedAllreduce: flag= needs verify='always' (the flag rides in the "
-                             "per-call agreement round)")
+        for name, arg in (("flag", flag), ("finite", finite)):
+            if arg is not None and self.verify != "always" and self.world_size > 1:
+                raise ValueError(f"CompressedAllreduce: {name}= needs verify='always' (it rides in the "
+                                 "per-call agreement round)")
         if self.numel is not None and x.numel() != self.numel:
             if self.world_size > 1:
                 self._agree(x, True)  # ranks that disagree all raise here instead of hanging
             self.bind(x.numel(), x.device)  # every rank made the same mistake: raise the local explanation
         xp, scales, ok = self.prepare(x)
+        if finite is not None:
+            ok = ok & torch.as_tensor(finite, device=ok.device)
         self._agree(x, ok, flag)
         if self.numel == 0:
             return x.detach().clone() if out is None else out

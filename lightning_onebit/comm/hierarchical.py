@@ -173,13 +173,21 @@ class HierarchicalAllreduce:
         probe = TwoStageRank(self.codec, self.mode, self.node, self.nodes, pieces=self.pieces, groups=sg)
         return probe.bytes_per_call(_shard_len(numel, self.ranks_per_node))
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, flag: bool | None = None) -> torch.Tensor:
-        """The compressed mean of ``x`` over every rank of every node (bit-identical on all ranks)."""
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, flag: bool | None = None,
+                 finite: bool | torch.Tensor | None = None) -> torch.Tensor:
+        """The compressed mean of ``x`` over every rank of every node (bit-identical on all ranks);
+        ``flag`` and ``finite`` ride in the agreement round as in :class:`~.allreduce.CompressedAllreduce`."""
         if isinstance(x, Source):
             x = x.materialize()  # the node's fp32 mean needs it in memory
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError("HierarchicalAllreduce expects a floating-point tensor")
+        for name, arg in (("flag", flag), ("finite", finite)):
+            if arg is not None and self._agreement.verify != "always" and self._agreement.world_size > 1:
+                raise ValueError(f"HierarchicalAllreduce: {name}= needs verify='always' (it rides in the "
+                                 "per-call agreement round)")
         ok = all_finite(x)
+        if finite is not None:
+            ok = ok & torch.as_tensor(finite, device=ok.device)
         self._agreement._agree(x, ok, flag)  # every rank raises together on a mismatch or NaN
         self.bind(x.numel(), x.device)
         d, L, s = self.numel, self.ranks_per_node, self.shard_len

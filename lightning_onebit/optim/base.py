@@ -44,6 +44,7 @@ from torch.optim import Optimizer
 
 from ..comm import (
     ByteCounter,
+    NonFiniteInputError,
     any_across,
     group_size,
     mean_allreduce,
@@ -55,7 +56,7 @@ from .checkpointing import OptimizerCheckpoint
 from .conversion import AdamConversion, check_hyperparameters
 from .ddp import DDPHookPath
 from .functional import decoupled_update_
-from .nonfinite import NonFiniteGradientError, NonFinitePolicy, check_nonfinite_policy
+from .nonfinite import NonFiniteGradientError, NonFinitePolicy, SkippedEverywhere, check_nonfinite_policy
 from .sync import BucketSync, CollectiveError
 
 log = logging.getLogger(__name__)
@@ -320,18 +321,25 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
     def _run_step(self, worker_grads) -> None:
         buckets = self._build_buckets()
         self._update_phase()
-        if self.on_nonfinite == "skip" and self._nonfinite_anywhere(buckets, worker_grads):
+        finite = None
+        if self.on_nonfinite == "skip":
+            if self._finiteness_rides_in_sync(buckets, worker_grads):
+                finite = self._locally_finite(buckets)  # ORed over ranks by the first call's agreement
+            elif self._nonfinite_anywhere(buckets, worker_grads):
+                self._skip_step(buckets)
+                return
+        try:
+            plan = self._synchronise(buckets, worker_grads, finite)
+        except SkippedEverywhere:
             self._skip_step(buckets)
             return
-        self._skip_run = []
-        try:
-            plan = self._synchronise(buckets, worker_grads)
         except BaseException:
             for b in buckets:  # the next step starts from scratch (the hook's work included)
                 b.done, b.ready, b.pending = False, 0, []
                 if b.comm is not None and getattr(b.comm, "pending", False):
                     b.comm.discard_pending()
             raise
+        self._skip_run = []
         # Pass 2: updates.
         self._step += 1
         for b, has, grad, saved in plan:
@@ -350,9 +358,11 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
         self.comm_counter.end_step()
         self.intra_node_counter.end_step()
 
-    def _synchronise(self, buckets: list[Bucket], worker_grads) -> list[tuple]:
+    def _synchronise(self, buckets: list[Bucket], worker_grads, finite: torch.Tensor | None = None) -> list[tuple]:
         """Pass 1 of a step: every bucket's gradient synchronised (a NaN anywhere raises before any
-        update); returns (bucket, has_grad, averaged warm-up gradient, state to put back) per bucket."""
+        update); returns (bucket, has_grad, averaged warm-up gradient, state to put back) per bucket.
+        ``finite`` (the policy "skip"): this rank's gradients are all finite, sent with the first
+        compressed call's agreement, which raises :class:`SkippedEverywhere` on every rank if not."""
         has_all = self._has_grad(buckets, worker_grads)
         plan = []
         for b, has in zip(buckets, has_all, strict=True):
@@ -385,7 +395,13 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
                         self._check_finite([g for g in own if g is not None] if own is not None else b.grad,
                                            "gradient")
                     saved = self._snapshot(b, skipped)
-                    self._sync_bucket(b, wflat, own)
+                    try:
+                        self._sync_bucket(b, wflat, own, finite=finite)
+                    except NonFiniteGradientError as exc:
+                        if finite is not None and isinstance(exc.__cause__, NonFiniteInputError):
+                            raise SkippedEverywhere() from exc  # the agreement failed before any write
+                        raise
+                    finite = None  # every rank's gradients are finite: later calls need not carry it
             elif direct is not None:
                 self._check_finite(direct, "averaged gradient")
                 grad = direct

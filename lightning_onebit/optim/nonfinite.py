@@ -3,8 +3,11 @@
 A NaN/inf gradient on any rank must change nothing on any rank: "raise" lets the collectives find
 it (the compressed allreduce checks every rank's input in its agreement round; the warm-up checks
 the averaged gradient) and every rank raises :class:`NonFiniteGradientError` at the same step;
-"skip" checks every gradient before the first collective (one tiny OR across ranks per step) and
-skips the step on every rank, until too many in a row were skipped.
+"skip" checks every gradient before the first collective changes any state and skips the step on
+every rank, until too many in a row were skipped. Where every bucket compresses in ``step()`` (the
+compression phase) that check rides in the first collective's agreement round, which every rank
+fails together before anything is written; elsewhere (warm-up, simulated workers, buckets
+synchronised in DDP's hook) it is one tiny OR across ranks first.
 """
 
 from __future__ import annotations
@@ -36,6 +39,11 @@ def check_nonfinite_policy(policy: str, max_consecutive: int) -> None:
         raise ValueError(f"max_consecutive must be a positive int, got {max_consecutive!r}")
 
 
+class SkippedEverywhere(Exception):
+    """Internal: the first compressed call's agreement found a NaN/inf gradient on some rank, so
+    every rank skips the step (the policy "skip"); nothing was written."""
+
+
 class NonFinitePolicy:
     """Mixin of :class:`~lightning_onebit.optim.CompressedOptimizer`: what a NaN/inf gradient does."""
 
@@ -44,7 +52,8 @@ class NonFinitePolicy:
         rank, or ``"skip"`` the step on every rank - no parameter, moment or error state changes, the skip
         is counted (``skipped_steps``) and logged - until ``max_consecutive`` steps in a row were skipped,
         which raises with their step numbers. "skip" checks every gradient before the first collective
-        (one tiny OR across ranks per step), so with DDP the compressed sync moves from the backward hook
+        writes anything (in the compression phase inside its agreement round, else one tiny OR across
+        ranks per step), so with DDP the compressed sync moves from the backward hook
         to ``step()`` (``defer_sync_to_step``), as GradScaler needs too."""
         check_nonfinite_policy(policy, max_consecutive)
         self.on_nonfinite, self.max_consecutive_skips = policy, max_consecutive
@@ -63,6 +72,20 @@ class NonFinitePolicy:
                 "rank and no optimizer state was changed (lower the learning rate, use gradient "
                 "clipping, or a GradScaler with fp16)"
             )
+
+    def _finiteness_rides_in_sync(self, buckets: list[Bucket], worker_grads) -> bool:
+        """Can the first compressed call's agreement carry the finiteness check? When this step's
+        first collective is such a call on every rank: real ranks, every bucket compressing in
+        ``step()`` (not synchronised in DDP's hook already). The same answer on every rank."""
+        return (worker_grads is None and self.world_size > 1 and bool(buckets)
+                and all(b.compressing and not b.done for b in buckets))
+
+    def _locally_finite(self, buckets: list[Bucket]) -> torch.Tensor:
+        """This rank's gradients are all finite: a 0-d bool tensor, left on the device."""
+        grads = [p.grad for b in buckets for p in b.params if p.grad is not None]
+        if not grads:
+            return torch.ones((), dtype=torch.bool, device=buckets[0].device)
+        return torch.stack([all_finite(g) for g in grads]).all()
 
     def _nonfinite_anywhere(self, buckets: list[Bucket], worker_grads) -> bool:
         """Does any rank (or simulated worker) hold a NaN/inf gradient? One OR across ranks."""

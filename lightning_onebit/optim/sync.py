@@ -171,9 +171,11 @@ class BucketSync:
         ``simulated`` every simulated worker's; each flat, or one tensor per parameter)."""
 
     def _sync_bucket(self, b: Bucket, worker_grads: Sequence | None = None,
-                     grad: torch.Tensor | Sequence[torch.Tensor | None] | None = None) -> None:
+                     grad: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
+                     finite: torch.Tensor | None = None) -> None:
         """The compressed synchronisation of ``b``: this rank's gradient (``b.grad``, or ``grad``: one
-        tensor per parameter), or every simulated worker's (``worker_grads``, flat or per parameter)."""
+        tensor per parameter), or every simulated worker's (``worker_grads``, flat or per parameter).
+        ``finite``: this rank's other gradients are finite, checked in the call's agreement round."""
         comm = self._comm_for(b)
         target = self._sync_target(b)
         if worker_grads is not None:
@@ -194,7 +196,8 @@ class BucketSync:
             src = self._payload(b, grads, b.payload)
             try:
                 with self._collective(f"compressed allreduce ({type(comm).__name__})", b):
-                    comm(b.payload if src is None else src, out=target, flag=self._flag(b, grads), **self._defer_kw(b))
+                    extra = self._defer_kw(b) if finite is None else {**self._defer_kw(b), "finite": finite}
+                    comm(b.payload if src is None else src, out=target, flag=self._flag(b, grads), **extra)
             except ValueError as exc:
                 if "not finite" in str(exc):
                     raise NonFiniteGradientError(
