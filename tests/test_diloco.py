@@ -158,9 +158,57 @@ def test_fp32_on_gloo_ranks_is_the_papers_algorithm_and_inner_steps_send_nothing
     assert sent > OUTER * numel * 4 * 2 * (2 - 1) / 2  # two fp32 ring all-reduces, plus the flags
 
 
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single")
+
+
 def _compressed(rank: int, world: int, compression: str):
-    params, opt = _train(rank, world, compression)
-    return params, opt.comm_counter.total.bytes_sent, opt.state_dict()["diloco"]["outer"]["anchor"]
+    real = {name: getattr(dist, name) for name in _COLLECTIVES}
+    calls: list[str] = []
+
+    def counting(name):
+        def call(*a, **k):
+            calls.append(name)
+            return real[name](*a, **k)
+        return call
+
+    for name in real:
+        setattr(dist, name, counting(name))
+    try:
+        params, opt = _train(rank, world, compression)
+    finally:
+        for name, f in real.items():
+            setattr(dist, name, f)
+    anchor = opt.state_dict()["diloco"]["outer"]["anchor"]
+    # a NaN in one rank's replica: the outer step fails on every rank and changes nothing
+    replica = [p for g in opt.param_groups for p in g["params"]]
+    for p in replica:
+        p.grad = torch.zeros_like(p)
+    opt.step()  # an inner step, so that an outer step has something to average
+    if rank == 1:
+        with torch.no_grad():
+            replica[0][0, 0] = float("nan")
+    before = opt.state_dict()["diloco"]
+    failed = None
+    try:
+        opt.outer_step()
+    except NonFiniteGradientError as exc:
+        failed = str(exc)
+    after = opt.state_dict()["diloco"]
+    same = [torch.equal(a, b) for k in ("outer", "collectives") for a, b in zip(_tensors(before[k]), _tensors(after[k]),
+                                                                                  strict=True)]
+    unchanged = after["outer_steps"] == before["outer_steps"] and all(same) and len(same) > 2
+    return params, opt.comm_counter.total.bytes_sent, anchor, len(calls), failed, unchanged
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    """Every tensor of a nested state (dicts in key order)."""
+    if torch.is_tensor(tree):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for k in sorted(tree, key=str) for t in _tensors(tree[k])]
+    if isinstance(tree, list | tuple):
+        return [t for x in tree for t in _tensors(x)]
+    return []
 
 
 def _every_compression(rank: int, world: int):
@@ -179,8 +227,13 @@ def test_compressed_outer_updates_agree_on_every_rank_and_send_fewer_bytes():
     # steps: the error feedback of the coarse codes has barely started)
     bound = {"bf16": 0.02, "8bit": 0.02, "4bit": 0.12, "2bit": 0.4, "1bit": 1.0}
     for compression, want in expected.items():
-        (p0, sent, anchor0), (p1, _, anchor1) = r0[compression], r1[compression]
+        (p0, sent, anchor0, calls, *failed0), (p1, _, anchor1, _, *failed1) = r0[compression], r1[compression]
         assert all(torch.equal(a, b) for a, b in zip(p0, p1, strict=True)) and torch.equal(anchor0, anchor1)
+        # per outer step: bf16 an OR of the finiteness flags and the all-reduce; the compressed call carries
+        # the flags in its agreement round, then its all-to-all and the gather of the server rows
+        assert calls == OUTER * (2 if compression == "bf16" else 3), (compression, calls)
+        for msg, unchanged in (failed0, failed1):  # one rank's NaN fails the outer step on both
+            assert msg is not None and "non-finite pseudo-gradient" in msg and unchanged, (compression, msg)
         assert fp32 / sent >= want, (compression, fp32 / sent)
         err = max(float((a - r).abs().max() / r.abs().max()) for a, r in zip(p0, ref, strict=True))
         assert err < bound[compression], (compression, err)

@@ -58,7 +58,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch.optim.adam import adam
 
-from ..comm import CompressedAllreduce, HierarchicalAllreduce
+from ..comm import CompressedAllreduce, HierarchicalAllreduce, NonFiniteInputError
 from ..comm.accounting import ByteCounter
 from ..comm.dense import all_finite, any_across, group_size
 from .diloco_allreduce import DiLoCoAllreduce
@@ -281,12 +281,20 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
         deltas = [anchor[spans[f][0]:spans[f][1]] - local[spans[f][0]:spans[f][1]] for f in fragments]
         bad = torch.stack([~all_finite(d) for d in deltas]).any() if deltas else torch.zeros((), dtype=torch.bool)
         before = self._wire.total.bytes_sent
-        if bool(any_across(bad.reshape(1), self.process_group, self._wire)[0]):
-            raise NonFiniteGradientError(f"DiLoCo: a non-finite pseudo-gradient at outer step {self.outer_steps + 1} "
-                                         "on some rank; no state changed")
+        why = (f"DiLoCo: a non-finite pseudo-gradient at outer step {self.outer_steps + 1} on some rank; "
+               "no state changed")
+        # the compressed collective's agreement round carries the flag (it fails on every rank before
+        # any write); fp32 and bf16 have no agreement round, so they OR it first
+        finite = ~bad if self.compression not in ("fp32", "bf16") and deltas else None
+        if finite is None and bool(any_across(bad.reshape(1), self.process_group, self._wire)[0]):
+            raise NonFiniteGradientError(why)
         delay = 0 if finish else self.overlap
         for f, delta in zip(fragments, deltas, strict=True):
-            work, result = self._average(delta, f, asynchronous=delay > 0)
+            try:
+                work, result = self._average(delta, f, asynchronous=delay > 0, finite=finite)
+            except NonFiniteInputError as exc:
+                raise NonFiniteGradientError(why) from exc
+            finite = None  # every rank's pseudo-gradients are finite
             self._pending[f] = (self._t + delay, work, result)
             self._last_sync[f] = self._t
         if delay == 0:

@@ -26,8 +26,10 @@ class DiLoCoAllreduce:
     collective (built on first use, one per fragment, every tensor with its own scales). Uses DiLoCo's
     settings, byte counters, fragments and error state."""
 
-    def _average(self, delta: torch.Tensor, f: int, asynchronous: bool = False) -> tuple[object, torch.Tensor]:
-        """(the all-reduce's handle or None, the mean pseudo-gradient once it completes; bf16 stays bf16)."""
+    def _average(self, delta: torch.Tensor, f: int, asynchronous: bool = False,
+                 finite: torch.Tensor | None = None) -> tuple[object, torch.Tensor]:
+        """(the all-reduce's handle or None, the mean pseudo-gradient once it completes; bf16 stays bf16).
+        ``finite`` (compressed modes): this rank's pseudo-gradients are finite, checked in the agreement."""
         n, group = group_size(self.process_group), self.process_group
         if self.compression == "fp32":
             work = None
@@ -48,7 +50,7 @@ class DiLoCoAllreduce:
             return work, q
         if f not in self._collectives:
             self._collectives[f] = self._make_collective(f)
-        return None, self._collectives[f](delta)
+        return None, self._collectives[f](delta, finite=finite)
 
     def _codec(self) -> Codec:
         return SignCodec("l2") if self.compression == "1bit" else MinMaxCodec(int(self.compression[0]))
