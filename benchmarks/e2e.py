@@ -48,6 +48,8 @@ Usage (as root)::
     python benchmarks/e2e.py --out e2e.md --chart e2e.png     # full grid: tables to e2e.md, bar chart
     python benchmarks/e2e.py --quick --methods ddp_adamw onebit_adam --profile onebit_adam
     python benchmarks/e2e.py --quick --ranks-per-node 2 --methods ddp_adamw onebit_adam onebit_adam_hier
+    python benchmarks/e2e.py --quick --nodes 4 --rates 100mbit --rtt 50 --workloads transformer \
+        --methods onebit_adam qadam zero_one_adam           # what a step waits for on a long link
 
 The same file is the worker (``--worker`` under torchrun, ``--local`` for the compute-alone runs).
 """
@@ -584,7 +586,8 @@ def estimate_timeout(nodes: int, rate: str, workload: str, args: argparse.Namesp
     compute = {"mlp": 0.5, "transformer": 0.8}[workload] * max(1.0, nodes * ranks_per_node / 2)
     steps = args.warmup + args.skip + args.compress_steps + 4  # + DDP's initial broadcast etc.
     runs = len(args.methods) + len(args.profile or [])
-    return 180.0 + 3.0 * (runs * steps * (wire + 3 * compute) + 5 * wire)
+    waits = 10 * args.rtt / 1000  # a step's round trips (DDP's ring: a few per bucket)
+    return 180.0 + 3.0 * (runs * steps * (wire + 3 * compute + waits) + 5 * wire)
 
 
 def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[str]]:
@@ -597,6 +600,8 @@ def run_grid(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[
     port = 29600
     for nodes in args.nodes:
         with EmulatedCluster(nodes, rate=args.rates[0]) as cluster:
+            if args.rtt:
+                cluster.set_delay(args.rtt)
             for L in args.ranks_per_node:
                 methods = [m for m in args.methods if L > 1 or m not in HIER]
                 if not methods:
@@ -678,8 +683,9 @@ def ideal_of(refs: list[dict[str, Any]], nodes: int, rate: str, workload: str,
     return None
 
 
-def tables(rows: list[dict[str, Any]], refs: list[dict[str, Any]]) -> str:
-    """Markdown: one table per (workload, nodes, rate), then the target check."""
+def tables(rows: list[dict[str, Any]], refs: list[dict[str, Any]], rtt: float = 0.0) -> str:
+    """Markdown: one table per (workload, nodes, rate), then the target check (``rtt``: the round trip
+    every link had, for the titles)."""
     out = []
     settings = sorted({_setting(r) for r in rows}, key=_setting_key)
     for workload, nodes, L, rate in settings:
@@ -687,7 +693,8 @@ def tables(rows: list[dict[str, Any]], refs: list[dict[str, Any]]) -> str:
         sub.sort(key=lambda r: METHODS.index(r["method"]))
         ideal = ideal_of(refs, nodes, rate, workload, L)
         base = next((r["compress_median_s"] for r in sub if r["method"] == "ddp_adamw"), None)
-        out.append(f"### {workload}, {_layout(nodes, L)}, {rate}\n")
+        link = f"{rate} + {rtt:g} ms RTT" if rtt else rate
+        out.append(f"### {workload}, {_layout(nodes, L)}, {link}\n")
         if ideal:
             out.append(f"Ideal step: compute alone {ideal['compute']:.3f} s + fp32 all_reduce "
                        f"{ideal['fp32']:.3f} s / 32 = **{ideal['ideal']:.3f} s**\n")
@@ -866,6 +873,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rates", nargs="+", help=f"tc rates, default {FULL['rates']}")
     ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, help=f"default {FULL['workloads']}")
     ap.add_argument("--methods", nargs="+", choices=METHODS, help=f"default {list(DEFAULT_METHODS)}")
+    ap.add_argument("--rtt", type=float, default=0.0,
+                    help="round-trip delay in ms between nodes (a delay line, as time_to_accuracy.py's)")
     ap.add_argument("--ranks-per-node", type=int, nargs="+", default=[1],
                     help="ranks per emulated node (default 1); the *_hier methods need >= 2")
     ap.add_argument("--warmup", type=int, help="warm-up steps before compression starts (default 6, quick 5)")
@@ -911,7 +920,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows, refs, profiles = run_grid(args)
     load = f"{load_text(load0, os.getloadavg())}; {time.monotonic() - t0:.0f} s"
     print(load, file=sys.stderr)
-    text = tables(rows, refs)
+    text = tables(rows, refs, args.rtt)
     print(text)
     for p in profiles:
         print(p)
