@@ -3,16 +3,42 @@ and collect what each returns."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+               "all_to_all_single", "broadcast", "reduce_scatter_tensor", "gather", "scatter", "barrier")
+
+
+@contextlib.contextmanager
+def counting_collectives(on_call: Callable[[str], None]) -> Iterator[None]:
+    """Inside, every torch.distributed collective this process starts first calls ``on_call(name)``
+    (the package calls them as ``dist.<name>``); the originals come back on exit."""
+    real = {name: getattr(dist, name) for name in COLLECTIVES}
+
+    def counted(name: str, f: Callable) -> Callable:
+        def call(*a, **k):
+            on_call(name)
+            return f(*a, **k)
+        return call
+
+    for name, f in real.items():
+        setattr(dist, name, counted(name, f))
+    try:
+        yield
+    finally:
+        for name, f in real.items():
+            setattr(dist, name, f)
 
 
 def free_port() -> int:

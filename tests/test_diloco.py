@@ -5,13 +5,12 @@ import io
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from lightning_onebit import DiLoCo
 from lightning_onebit.optim import NonFiniteGradientError
 
-from dist_utils import run_ranks, values
+from dist_utils import counting_collectives, run_ranks, values
 
 H, OUTER = 3, 2  # inner steps per outer step, outer steps per run
 
@@ -126,23 +125,10 @@ def _train(rank: int, world: int, compression: str, calls: list | None = None, *
 
 def _fp32_ranks(rank: int, world: int):
     seen: list[int] = []
-    real = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single")}
     counts = []
-
-    def counting(name):
-        def call(*a, **k):
-            counts.append(len(seen))
-            return real[name](*a, **k)
-        return call
-
-    # every collective DiLoCo makes goes through these here (the finiteness OR: an all_to_all on gloo)
-    for name in real:
-        setattr(dist, name, counting(name))
-    try:
+    # each collective's place: how many inner steps had run (the finiteness OR is an all_to_all on gloo)
+    with counting_collectives(lambda name: counts.append(len(seen))):
         params, opt = _train(rank, world, "fp32", seen)
-    finally:
-        for name, f in real.items():
-            setattr(dist, name, f)
     return params, counts, opt.comm_counter.total.bytes_sent, opt.outer_steps
 
 
@@ -158,26 +144,10 @@ def test_fp32_on_gloo_ranks_is_the_papers_algorithm_and_inner_steps_send_nothing
     assert sent > OUTER * numel * 4 * 2 * (2 - 1) / 2  # two fp32 ring all-reduces, plus the flags
 
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single")
-
-
 def _compressed(rank: int, world: int, compression: str):
-    real = {name: getattr(dist, name) for name in _COLLECTIVES}
     calls: list[str] = []
-
-    def counting(name):
-        def call(*a, **k):
-            calls.append(name)
-            return real[name](*a, **k)
-        return call
-
-    for name in real:
-        setattr(dist, name, counting(name))
-    try:
+    with counting_collectives(calls.append):
         params, opt = _train(rank, world, compression)
-    finally:
-        for name, f in real.items():
-            setattr(dist, name, f)
     anchor = opt.state_dict()["diloco"]["outer"]["anchor"]
     # a NaN in one rank's replica: the outer step fails on every rank and changes nothing
     replica = [p for g in opt.param_groups for p in g["params"]]

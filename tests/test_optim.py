@@ -496,26 +496,10 @@ def test_skip_policy_leaves_every_state_alone_and_raises_after_a_run(cls, kw):
     assert opt.skipped_steps == 5
 
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
-                "broadcast", "reduce_scatter_tensor", "gather", "scatter", "barrier")
-
-
-def _counting(f, name: str, calls: list):
-    def wrapped(*a, **k):
-        calls.append(name)
-        return f(*a, **k)
-    return wrapped
-
-
-def _counting_collectives(saved: dict, calls: list) -> None:
-    """Count torch.distributed's collectives into ``calls``; ``saved`` gets the originals back."""
-    for name in _COLLECTIVES:
-        saved[name] = getattr(dist, name)
-        setattr(dist, name, _counting(saved[name], name, calls))
-
-
 def _skip_on_one_rank(rank, world_size):
     from lightning_onebit import OnebitAdam
+
+    from dist_utils import counting_collectives
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Embedding(30, 8), nn.LayerNorm(8), nn.Flatten(), nn.Linear(32, 5))
@@ -534,18 +518,15 @@ def _skip_on_one_rank(rank, world_size):
         if step in nan_at and rank == 1:  # on one rank only
             nan_at[step].grad[0, 0] = float("nan")
         before = [p.detach().clone() for p in m.parameters()]
-        state = copy.deepcopy(opt.state_dict())
-        saved: dict = {}
+        state = copy.deepcopy(opt.state_dict()) if step in nan_at else None
         if step >= 6:  # two clean compression steps: "skip" and "raise" make the same collectives
             policy = "skip" if step == 6 else "raise"
             opt.set_nonfinite_policy(policy)
-            _counting_collectives(saved, calls[policy])
-        try:
+            with counting_collectives(calls[policy].append):
+                opt.step()
+        else:
             opt.step()
-        finally:
-            for name, f in saved.items():
-                setattr(dist, name, f)
-        if step in nan_at:
+        if state is not None:
             assert all(torch.equal(p, q) for p, q in zip(before, m.parameters(), strict=True))
             after = opt.state_dict()
             for k, per_param in state["state"].items():

@@ -6,7 +6,6 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lightning_onebit import ZeroOneAdam
@@ -211,22 +210,17 @@ def test_without_compression_it_is_adam_with_the_variance_frozen(clipper, wd, mo
 
 
 # -- DDP == simulation --------------------------------------------------------------------------
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all_single", "broadcast",
-                "all_gather_object", "barrier", "reduce_scatter_tensor")
-
-
 def _ddp_rank(rank, world_size, steps):
+    from dist_utils import counting_collectives
+
+    calls: list[str] = []
+    with counting_collectives(calls.append):  # every collective this process starts
+        return _ddp_steps(rank, steps, calls)
+
+
+def _ddp_steps(rank, steps, calls: list):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    calls = [0]
-    for name in _COLLECTIVES:  # count every collective this process starts
-        real = getattr(dist, name)
-
-        def counted(*a, _real=real, **k):
-            calls[0] += 1
-            return _real(*a, **k)
-
-        setattr(dist, name, counted)
     model = _model()
     ddp = DDP(model)
     opt = ZeroOneAdam(model.parameters(), lr=3e-3, **SMALL)
@@ -236,11 +230,11 @@ def _ddp_rank(rank, world_size, steps):
         x, y = _batch(t, rank)
         before = [p.detach().clone() for p in model.parameters()]
         local = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()))
-        start = calls[0]
+        start = len(calls)
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
-        record.append({"before": before, "grads": [g.clone() for g in local], "calls": calls[0] - start,
+        record.append({"before": before, "grads": [g.clone() for g in local], "calls": len(calls) - start,
                        "bytes": opt.comm_counter.last.bytes_sent})
     return record, [p.detach().clone() for p in model.parameters()], opt.comm_counter.rounds
 

@@ -142,11 +142,20 @@ class CompressedAllreduce(TwoStageRank):
         return [x.numel(), _DTYPE_ID.get(x.dtype, 9), self.codec.kind, bs, _MODE_ID[self.mode],
                 int(getattr(self.codec, "scale", "l2") == "l1"), groups, int(flag), 1, int(ok)]
 
-    def _agree(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: bool | None = None) -> None:
+    def _agree(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: bool | None = None,
+               finite: bool | torch.Tensor | None = None) -> None:
         """All ranks exchange (size, dtype, codec, mode, flag, finite) and raise together on disagreement.
 
         ``ok`` may be a 0-d bool tensor on the data's device: it is written into the signature on
-        the device, and the gathered signatures are the one thing the host waits for."""
+        the device, and the gathered signatures are the one thing the host waits for. ``finite`` (the
+        caller's other data) is ANDed into it; it and ``flag`` need ``verify="always"``, whose every
+        call has the round they ride in."""
+        for name, arg in (("flag", flag), ("finite", finite)):
+            if arg is not None and self.verify != "always" and self.world_size > 1:
+                raise ValueError(f"{type(self).__name__}: {name}= needs verify='always' (it rides in the "
+                                 "per-call agreement round)")
+        if finite is not None:
+            ok = torch.as_tensor(ok, device=x.device) & torch.as_tensor(finite, device=x.device)
         self.any_flag = bool(flag)
         prev, self._gathered_ok = self._gathered_ok, None
         if self.world_size == 1 or (self.verify == "first" and self._verified and bool(ok)):
@@ -208,18 +217,12 @@ class CompressedAllreduce(TwoStageRank):
         parameters in the same pass. Not when a flag was raised (``any_flag``): then the result is
         decoded now, so that the caller can act on it.
         """
-        for name, arg in (("flag", flag), ("finite", finite)):
-            if arg is not None and self.verify != "always" and self.world_size > 1:
-                raise ValueError(f"CompressedAllreduce: {name}= needs verify='always' (it rides in the "
-                                 "per-call agreement round)")
         if self.numel is not None and x.numel() != self.numel:
             if self.world_size > 1:
                 self._agree(x, True)  # ranks that disagree all raise here instead of hanging
             self.bind(x.numel(), x.device)  # every rank made the same mistake: raise the local explanation
         xp, scales, ok = self.prepare(x)
-        if finite is not None:
-            ok = ok & torch.as_tensor(finite, device=ok.device)
-        self._agree(x, ok, flag)
+        self._agree(x, ok, flag, finite)
         if self.numel == 0:
             return x.detach().clone() if out is None else out
         piecewise, remote = self.num_pieces > 1, self.world_size > 1

@@ -181,14 +181,7 @@ class HierarchicalAllreduce:
             x = x.materialize()  # the node's fp32 mean needs it in memory
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError("HierarchicalAllreduce expects a floating-point tensor")
-        for name, arg in (("flag", flag), ("finite", finite)):
-            if arg is not None and self._agreement.verify != "always" and self._agreement.world_size > 1:
-                raise ValueError(f"HierarchicalAllreduce: {name}= needs verify='always' (it rides in the "
-                                 "per-call agreement round)")
-        ok = all_finite(x)
-        if finite is not None:
-            ok = ok & torch.as_tensor(finite, device=ok.device)
-        self._agreement._agree(x, ok, flag)  # every rank raises together on a mismatch or NaN
+        self._agreement._agree(x, all_finite(x), flag, finite)  # every rank raises together on a mismatch or NaN
         self.bind(x.numel(), x.device)
         d, L, s = self.numel, self.ranks_per_node, self.shard_len
         if d == 0:

@@ -80,24 +80,20 @@ class NonFinitePolicy:
         return (worker_grads is None and self.world_size > 1 and bool(buckets)
                 and all(b.compressing and not b.done for b in buckets))
 
-    def _locally_finite(self, buckets: list[Bucket]) -> torch.Tensor:
-        """This rank's gradients are all finite: a 0-d bool tensor, left on the device."""
-        grads = [p.grad for b in buckets for p in b.params if p.grad is not None]
-        if not grads:
-            return torch.ones((), dtype=torch.bool, device=buckets[0].device)
-        return torch.stack([all_finite(g) for g in grads]).all()
-
-    def _nonfinite_anywhere(self, buckets: list[Bucket], worker_grads) -> bool:
-        """Does any rank (or simulated worker) hold a NaN/inf gradient? One OR across ranks."""
+    def _locally_finite(self, buckets: list[Bucket], worker_grads=None) -> torch.Tensor:
+        """This rank's gradients (or every simulated worker's) are all finite: a 0-d bool tensor, left
+        on the device (no sync per tensor on a GPU)."""
         if worker_grads is not None:
             grads = [g for w in worker_grads for g in w if g is not None]
         else:
             grads = [p.grad for b in buckets for p in b.params if p.grad is not None]
-        # the flags stay on the device until the one host read below (no sync per tensor on a GPU)
-        if grads:
-            bad = ~torch.stack([all_finite(g) for g in grads]).all().reshape(1)
-        else:
-            bad = torch.zeros(1, dtype=torch.bool, device=buckets[0].device if buckets else "cpu")
+        if not grads:
+            return torch.ones((), dtype=torch.bool, device=buckets[0].device if buckets else "cpu")
+        return torch.stack([all_finite(g) for g in grads]).all()
+
+    def _nonfinite_anywhere(self, buckets: list[Bucket], worker_grads) -> bool:
+        """Does any rank (or simulated worker) hold a NaN/inf gradient? One OR across ranks."""
+        bad = ~self._locally_finite(buckets, worker_grads).reshape(1)  # read on the host once, below
         if worker_grads is None and self.world_size > 1:
             with self._collective("agreement on finite gradients"):
                 bad = any_across(bad, self.process_group)
