@@ -403,6 +403,7 @@ def _fit(tmp_path, model, max_epochs, ckpt_path=None, callbacks=(), **kw):
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
+@pytest.mark.usefixtures("fresh_process_group")
 def test_strategy_checkpoints_one_model_mid_interval_and_resumes_exactly(tmp_path):
     """strategy zero_one_adam on 2 processes, 8 steps an epoch: the epoch ends (8, 16, 32) fall inside
     local intervals, so the checkpoint synchronises first (one extra round) and holds one model; the
@@ -432,6 +433,7 @@ def test_strategy_checkpoints_one_model_mid_interval_and_resumes_exactly(tmp_pat
     assert resumed[0]["rounds"] == full[0]["rounds"]
 
 
+@pytest.mark.usefixtures("fresh_process_group")
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_strategy_validates_one_model(tmp_path, accumulate):
     """Validation at the end of each epoch (inside a local interval): every rank evaluates the same model.
