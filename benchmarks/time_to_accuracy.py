@@ -177,7 +177,13 @@ def _module(workload: str, seed: int, lr: float, steps: int) -> Any:
             return self._loss(batch)
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
-            self.log("val_loss", self._loss(batch), on_epoch=True, sync_dist=False, batch_size=len(batch["labels"]))
+            out = self.net(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
+                           attention_mask=batch["attention_mask"], labels=batch["labels"])
+            n = len(batch["labels"])
+            self.log("val_loss", out.loss, on_epoch=True, sync_dist=False, batch_size=n)
+            # what a fine-tune is judged by; the target stays the loss, as for the language model
+            acc = (out.logits.argmax(-1) == batch["labels"]).float().mean()
+            self.log("val_acc", acc, on_epoch=True, sync_dist=False, batch_size=n)
 
         def configure_optimizers(self) -> Any:
             import transformers
@@ -265,9 +271,10 @@ def _recorder(iface: str | None, eval_every: int) -> Any:
         def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
             if trainer.sanity_checking:
                 return
+            metrics = trainer.callback_metrics
             self.points.append({"step": trainer.global_step, "train_s": self.train_s,
-                                "tx": self.last_tx - self.tx0,
-                                "val_loss": float(trainer.callback_metrics["val_loss"])})
+                                "tx": self.last_tx - self.tx0, "val_loss": float(metrics["val_loss"]),
+                                **({"val_acc": float(metrics["val_acc"])} if "val_acc" in metrics else {})})
 
     return Recorder()
 
@@ -490,9 +497,11 @@ def tables(rows: list[dict[str, Any]]) -> str:
         out.append(f"### {where}: target val_loss "
                    f"{_ms([t for t in targets.values() if t is not None])} (DDP + AdamW at {TARGET_AT:.0%} of "
                    f"{sub[0]['steps']} steps; seeds {seeds}; compute alone {alone:.3f} s/step)\n")
+        acc = all("val_acc" in r["points"][-1] for r in sub)  # the fine-tune's runs record accuracy too
         out.append("| method | lr | wall s to target | beyond compute, s | steps to target | MB/node to target"
-                   " | reached | rounds/step | MB/node/step | final val_loss | vs DDP: time to target |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+                   " | reached | rounds/step | MB/node/step | final val_loss |" + " final val_acc |" * acc
+                   + " vs DDP: time to target |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * acc)
         ddp_t = [to_target(r, targets[r["seed"]]) for r in sub if r["method"] == "ddp_adamw"]
         ddp_s = statistics.mean(p["train_s"] for p in ddp_t if p) if any(ddp_t) else None
         for m in METHODS:
@@ -509,7 +518,7 @@ def tables(rows: list[dict[str, Any]]) -> str:
             cells = [m, lrs, _ms(t), _ms(beyond), _ms([h["step"] for h in ok]), _ms([h["tx"] / 1e6 for h in ok]),
                      f"{len(ok)}/{len(runs)}", _ms([r["rounds_per_step"] for r in runs]),
                      _ms([r["bytes_per_step"] / 1e6 for r in runs]), _ms([r["points"][-1]["val_loss"] for r in runs]),
-                     speed]
+                     *([_ms([r["points"][-1]["val_acc"] for r in runs])] if acc else []), speed]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
