@@ -466,6 +466,24 @@ def best_lr(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(best.values())
 
 
+def smoothed(rows: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
+    """The runs with each validation's loss (and accuracy) replaced by the mean of the last ``k`` validations,
+    the first ``k - 1`` dropped: for a fine-tune whose loss swings between validations, where the raw target
+    can be one of DDP's worst points and a single lucky validation would count as reaching it."""
+    if k <= 1:
+        return rows
+    out = []
+    for r in rows:
+        pts = r["points"]
+        if len(pts) < k:
+            raise ValueError(f"--smooth {k}: {r['method']} (seed {r['seed']}) has only {len(pts)} validations")
+        means = [{**pts[i], **{key: statistics.mean(p[key] for p in pts[i - k + 1:i + 1])
+                               for key in ("val_loss", "val_acc") if key in pts[i]}}
+                 for i in range(k - 1, len(pts))]
+        out.append({**r, "points": means})
+    return out
+
+
 def to_target(r: dict[str, Any], target: float) -> dict[str, Any] | None:
     return next((p for p in r["points"] if p["val_loss"] <= target), None)
 
@@ -627,6 +645,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="a method's learning rate chosen from an earlier grid (instead of --lrs)")
     ap.add_argument("--raw", help="also write every run's points (JSON), for --report")
     ap.add_argument("--report", nargs="+", metavar="RAW", help="no runs: the tables and chart of saved --raw files")
+    ap.add_argument("--smooth", type=int, default=1, metavar="K",
+                    help="report the mean of the last K validations (target and runs alike) instead of each one")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--timeout", type=int, default=3600, help="per torchrun (every method of one link and seed)")
     ap.add_argument("--keep-going", action="store_true")
@@ -648,11 +668,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = run_grid(args)
         if args.raw:
             Path(args.raw).write_text(json.dumps(rows))
-    rows = best_lr(rows)
+    rows = best_lr(smoothed(rows, args.smooth))
     chart_path = Path(args.out).with_suffix(".png") if args.out else None
     if chart_path:
         chart(rows, chart_path)
-    text = (f"{tables(rows)}\nCompute alone: every rank's process at once, no communication.\n\n"
+    text = (f"Validation loss and accuracy: the mean of the last {args.smooth} validations.\n\n" * (args.smooth > 1)
+            + f"{tables(rows)}\nCompute alone: every rank's process at once, no communication.\n\n"
             f"Target check (the best of the package against the best peer, mean wall time to target):\n"
             f"{verdict(rows)}\n" + (f"\nChart: `{chart_path}`\n" if chart_path else ""))
     print(text)

@@ -5,6 +5,8 @@ the final loss, and the verdict compares the package's best with the best peer."
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import time_to_accuracy as tta  # noqa: E402
 
@@ -62,3 +64,22 @@ def test_bytes_to_other_hosts_counts_writes_to_other_addresses_only():
             other.sendall(b"y" * 300_000)
             other_peer.sendall(b"z" * 5)
             assert bytes_to_other_hosts() - before == 300_005  # acknowledged or still queued, both counted
+
+
+def test_smoothing_judges_the_mean_of_the_last_validations():
+    """--smooth 2: DDP's swinging loss gives the target as the mean of its validations at steps 30 and 40, and
+    a run reaches it when the mean of its last two does, not at one lucky validation."""
+    ddp = _run("ddp_adamw", [2.0, 1.0, 1.4, 0.8, 1.0], 1.0)
+    lucky = _run("onebit_adam", [1.9, 0.7, 1.9, 1.1, 0.9], 0.2, lr=1e-3)  # 0.7 at step 20 is below either target
+    for p, acc in zip(lucky["points"], [0.5, 0.5, 0.5, 0.5, 1.0], strict=True):
+        p["val_acc"] = acc
+    assert tta.target_of([ddp], "2 nodes x 1 rank, 100mbit", 0) == 0.8  # each validation on its own
+    assert tta.to_target(lucky, 0.8)["step"] == 20
+    smooth = tta.smoothed([ddp, lucky], 2)
+    assert [p["step"] for p in smooth[0]["points"]] == [20, 30, 40, 50]  # a full window first
+    assert tta.target_of(smooth, "2 nodes x 1 rank, 100mbit", 0) == 1.1  # (1.4 + 0.8) / 2
+    assert tta.to_target(smooth[1], 1.1)["step"] == 50  # (1.1 + 0.9) / 2; 1.3 at step 20, 1.5 at step 40
+    assert smooth[1]["points"][-1]["val_acc"] == 0.75 and lucky["points"][1]["val_loss"] == 0.7  # not in place
+    assert tta.smoothed([ddp], 1) == [ddp]
+    with pytest.raises(ValueError, match="only 5 validations"):
+        tta.smoothed([ddp], 6)
