@@ -486,17 +486,23 @@ def smoothed(rows: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
     return out
 
 
-def to_target(r: dict[str, Any], target: float) -> dict[str, Any] | None:
-    return next((p for p in r["points"] if p["val_loss"] <= target), None)
+# what a target can be read from, and whether lower is better
+METRICS = {"val_loss": True, "val_acc": False}
+NAMES = {"val_loss": "validation loss", "val_acc": "validation accuracy"}
 
 
-def target_of(rows: list[dict[str, Any]], where: str, seed: int) -> float | None:
-    """DDP + AdamW's validation loss at ``TARGET_AT`` of its budget in setting ``where`` with ``seed``."""
+def to_target(r: dict[str, Any], target: float, metric: str = "val_loss") -> dict[str, Any] | None:
+    lower = METRICS[metric]
+    return next((p for p in r["points"] if (p[metric] <= target if lower else p[metric] >= target)), None)
+
+
+def target_of(rows: list[dict[str, Any]], where: str, seed: int, metric: str = "val_loss") -> float | None:
+    """DDP + AdamW's validation ``metric`` at ``TARGET_AT`` of its budget in setting ``where`` with ``seed``."""
     ddp = next((r for r in rows if (setting(r), r["method"], r["seed"]) == (where, "ddp_adamw", seed)), None)
     if ddp is None:
         return None
     at = TARGET_AT * ddp["steps"]
-    return next(p["val_loss"] for p in ddp["points"] if p["step"] >= at)
+    return next(p[metric] for p in ddp["points"] if p["step"] >= at)
 
 
 def _ms(values: Sequence[float]) -> str:
@@ -507,14 +513,14 @@ def _ms(values: Sequence[float]) -> str:
     return f"{statistics.mean(values):.4g} ± {statistics.stdev(values):.2g}"
 
 
-def tables(rows: list[dict[str, Any]]) -> str:
+def tables(rows: list[dict[str, Any]], metric: str = "val_loss") -> str:
     out = []
     for where in dict.fromkeys(map(setting, rows)):
         sub = [r for r in rows if setting(r) == where]
         seeds = sorted({r["seed"] for r in sub})
-        targets = {s: target_of(rows, where, s) for s in seeds}
+        targets = {s: target_of(rows, where, s, metric) for s in seeds}
         alone = statistics.mean(r["compute_alone_s"] for r in sub)
-        out.append(f"### {where}: target val_loss "
+        out.append(f"### {where}: target {metric} "
                    f"{_ms([t for t in targets.values() if t is not None])} (DDP + AdamW at {TARGET_AT:.0%} of "
                    f"{sub[0]['steps']} steps; seeds {seeds}; compute alone {alone:.3f} s/step)\n")
         acc = all("val_acc" in r["points"][-1] for r in sub)  # the fine-tune's runs record accuracy too
@@ -522,14 +528,15 @@ def tables(rows: list[dict[str, Any]]) -> str:
                    " | reached | rounds/step | MB/node/step | final val_loss |" + " final val_acc |" * acc
                    + " vs DDP: time to target |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * acc)
-        ddp_t = [to_target(r, targets[r["seed"]]) for r in sub if r["method"] == "ddp_adamw"]
+        ddp_t = [to_target(r, targets[r["seed"]], metric) for r in sub if r["method"] == "ddp_adamw"]
         ddp_s = statistics.mean(p["train_s"] for p in ddp_t if p) if any(ddp_t) else None
         for m in METHODS:
             runs = [r for r in sub if r["method"] == m]
             if not runs:
                 continue
             # no target without a DDP run of the seed (--methods without ddp_adamw): nothing reached
-            hits = [to_target(r, targets[r["seed"]]) if targets[r["seed"]] is not None else None for r in runs]
+            hits = [to_target(r, targets[r["seed"]], metric) if targets[r["seed"]] is not None else None
+                    for r in runs]
             ok = [h for h in hits if h]
             t = [h["train_s"] for h in ok]
             speed = f"{ddp_s / statistics.mean(t):.2f}x" if t and ddp_s and len(ok) == len(runs) else "-"
@@ -550,22 +557,24 @@ def beyond_compute(r: dict[str, Any], hit: dict[str, float]) -> float:
     return hit["train_s"] - hit["step"] * r["compute_alone_s"]
 
 
-def _mean_time(rows: list[dict[str, Any]], where: str, method: str, link_only: bool = False) -> float | None:
+def _mean_time(rows: list[dict[str, Any]], where: str, method: str, link_only: bool = False,
+               metric: str = "val_loss") -> float | None:
     """Mean wall time to the target over seeds (``link_only``: beyond compute); None unless every seed's run
     reached it."""
     runs = [r for r in rows if setting(r) == where and r["method"] == method]
-    hits = [to_target(r, target_of(rows, where, r["seed"]) or -1.0) for r in runs]
+    targets = [target_of(rows, where, r["seed"], metric) for r in runs]
+    hits = [to_target(r, t, metric) if t is not None else None for r, t in zip(runs, targets, strict=True)]
     if not runs or not all(hits):
         return None
     return statistics.mean(beyond_compute(r, h) if link_only else h["train_s"] for r, h in zip(runs, hits, strict=True))
 
 
-def verdict(rows: list[dict[str, Any]]) -> str:
+def verdict(rows: list[dict[str, Any]], metric: str = "val_loss") -> str:
     """The package's target: at <= 100 Mbit/s its best method reaches the target >= 2x sooner than the best
     peer; on 1 Gbit/s never later than DDP."""
     lines = []
     for where in dict.fromkeys(map(setting, rows)):
-        times = {m: _mean_time(rows, where, m) for m in METHODS}
+        times = {m: _mean_time(rows, where, m, metric=metric) for m in METHODS}
         peers = {m: t for m, t in times.items() if m in PEERS and t}
         ours = {m: t for m, t in times.items() if m in OURS and t}
         if not peers or not ours:
@@ -574,7 +583,7 @@ def verdict(rows: list[dict[str, Any]]) -> str:
         bp, bo = min(peers, key=peers.get), min(ours, key=ours.get)
         lines.append(f"- {where}: best of the package {bo} {ours[bo]:.1f} s, best peer {bp} {peers[bp]:.1f} s: "
                      f"{peers[bp] / ours[bo]:.2f}x; DDP + AdamW {times['ddp_adamw'] or float('nan'):.1f} s")
-        link = {m: _mean_time(rows, where, m, link_only=True) for m in (*peers, *ours)}
+        link = {m: _mean_time(rows, where, m, link_only=True, metric=metric) for m in (*peers, *ours)}
         floor = ours[bo] - link[bo]
         lines.append(f"  {bo}'s steps cost {floor:.1f} s in compute alone: with free communication it would be "
                      f"{peers[bp] / floor:.2f}x ahead of {bp}")
@@ -587,7 +596,7 @@ def verdict(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def chart(rows: list[dict[str, Any]], path: Path) -> None:
+def chart(rows: list[dict[str, Any]], path: Path, metric: str = "val_loss") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -602,24 +611,25 @@ def chart(rows: list[dict[str, Any]], path: Path) -> None:
             for i, r in enumerate(runs):
                 x_t = [p["train_s"] for p in r["points"]]
                 x_b = [p["tx"] / 1e6 for p in r["points"]]
-                y = [p["val_loss"] for p in r["points"]]
+                y = [p[metric] for p in r["points"]]
                 style = "--" if m in PEERS else "-"
                 axes[0, j].plot(x_t, y, style, color=colors[m], label=m if i == 0 else None, lw=1.2)
                 axes[1, j].plot(x_b, y, style, color=colors[m], lw=1.2)
-        targets = [t for s in {r["seed"] for r in rows} if (t := target_of(rows, where, s)) is not None]
-        low = min(p["val_loss"] for r in rows if setting(r) == where for p in r["points"])
+        targets = [t for s in {r["seed"] for r in rows} if (t := target_of(rows, where, s, metric)) is not None]
+        ends = [p[metric] for r in rows if setting(r) == where for p in r["points"]]
         for ax, xl in ((axes[0, j], "training wall time (s)"), (axes[1, j], "MB sent per node (link counter)")):
             if targets:
                 ax.axhline(statistics.mean(targets), color="k", lw=0.8, ls=":")
             # the end of the runs matters; DiLoCo's anchor is the initial model until its first outer step
-            ax.set_ylim(low - 0.02, low + 0.4)
+            ax.set_ylim(*((min(ends) - 0.02, min(ends) + 0.4) if METRICS[metric] else
+                          (max(ends) - 0.4, max(ends) + 0.02)))
             ax.set_xlabel(xl)
-            ax.set_ylabel("validation loss")
+            ax.set_ylabel(NAMES[metric])
             ax.set_title(where, fontsize=10)
         axes[1, j].set_xscale("log")
         axes[0, j].legend(fontsize=7)
-    fig.suptitle("Validation loss against training wall time and bytes (dashed: what users run instead; "
-                 "dotted: the target)", fontsize=10)
+    fig.suptitle(f"{NAMES[metric].capitalize()} against training wall time and bytes\n(dashed: what users run "
+                 "instead; dotted: the target)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -649,6 +659,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--report", nargs="+", metavar="RAW", help="no runs: the tables and chart of saved --raw files")
     ap.add_argument("--smooth", type=int, default=1, metavar="K",
                     help="report the mean of the last K validations (target and runs alike) instead of each one")
+    ap.add_argument("--metric", choices=tuple(METRICS), default="val_loss",
+                    help="what the target is read from (val_acc: the MiniLM fine-tune's accuracy, higher is better)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     ap.add_argument("--timeout", type=int, default=3600, help="per torchrun (every method of one link and seed)")
     ap.add_argument("--keep-going", action="store_true")
@@ -673,11 +685,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = best_lr(smoothed(rows, args.smooth))
     chart_path = Path(args.out).with_suffix(".png") if args.out else None
     if chart_path:
-        chart(rows, chart_path)
+        chart(rows, chart_path, args.metric)
     text = (f"Validation loss and accuracy: the mean of the last {args.smooth} validations.\n\n" * (args.smooth > 1)
-            + f"{tables(rows)}\nCompute alone: every rank's process at once, no communication.\n\n"
+            + f"{tables(rows, args.metric)}\nCompute alone: every rank's process at once, no communication.\n\n"
             f"Target check (the best of the package against the best peer, mean wall time to target):\n"
-            f"{verdict(rows)}\n" + (f"\nChart: `{chart_path}`\n" if chart_path else ""))
+            f"{verdict(rows, args.metric)}\n" + (f"\nChart: `{chart_path}`\n" if chart_path else ""))
     print(text)
     if args.out:
         write_out(args.out, header("time_to_accuracy.py", sys.argv[1:] if argv is None else list(argv)) + text)

@@ -98,3 +98,21 @@ def test_minilm_validates_on_both_classes_and_the_same_sentences_for_every_seed(
     (ids, labels), (ids_1, labels_1) = dev(0), dev(1)
     assert len(labels) == tta.MINILM_VAL and 0.45 < labels.float().mean().item() < 0.55
     assert torch.equal(ids, ids_1) and torch.equal(labels, labels_1)
+
+
+def test_an_accuracy_target_counts_from_below():
+    """--metric val_acc: the target is DDP's accuracy at 80% of its budget, reached at the first validation
+    at or above it; the tables and the verdict rank by that time."""
+    accs = {"ddp_adamw": [0.5, 0.6, 0.7, 0.8, 0.85], "diloco": [0.6, 0.7, 0.75, 0.78, 0.79],
+            "diloco_4bit": [0.6, 0.7, 0.8, 0.8, 0.81]}
+    rows = [_run(m, [1.0] * 5, 0.5 if m == "ddp_adamw" else 0.2) for m in accs]
+    for r in rows:
+        for p, a in zip(r["points"], accs[r["method"]], strict=True):
+            p["val_acc"] = a
+    assert tta.target_of(rows, "2 nodes x 1 rank, 100mbit", 0, "val_acc") == 0.8
+    assert tta.to_target(rows[1], 0.8, "val_acc") is None and tta.to_target(rows[2], 0.8, "val_acc")["step"] == 30
+    table = tta.tables(rows, "val_acc")
+    assert "target val_acc 0.8 " in table and "| diloco | 0.001 | - | - | - | - | 0/1 |" in table
+    assert "| diloco_4bit | 0.001 | 6 |" in table and "3.33x |" in table  # DDP's 20 s over 6 s
+    # fp32 DiLoCo never gets there, so the best peer is DDP itself
+    assert "diloco_4bit 6.0 s, best peer ddp_adamw 20.0 s: 3.33x" in tta.verdict(rows, "val_acc")
