@@ -171,16 +171,15 @@ def _module(workload: str, seed: int, lr: float, steps: int) -> Any:
                                                                                         num_labels=2)
             self.net.train()  # from_pretrained returns eval mode: fine-tuning runs with dropout
 
-        def _loss(self, batch: Any) -> Any:
+        def _forward(self, batch: Any) -> Any:
             return self.net(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
-                            attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+                            attention_mask=batch["attention_mask"], labels=batch["labels"])
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
-            return self._loss(batch)
+            return self._forward(batch).loss
 
         def validation_step(self, batch: Any, batch_idx: int) -> None:
-            out = self.net(input_ids=batch["input_ids"], token_type_ids=batch["token_type_ids"],
-                           attention_mask=batch["attention_mask"], labels=batch["labels"])
+            out = self._forward(batch)
             n = len(batch["labels"])
             self.log("val_loss", out.loss, on_epoch=True, sync_dist=False, batch_size=n)
             # what a fine-tune is judged by; the target stays the loss, as for the language model
@@ -468,6 +467,11 @@ def best_lr(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(best.values())
 
 
+# what a target can be read from, and whether lower is better
+METRICS = {"val_loss": True, "val_acc": False}
+NAMES = {"val_loss": "validation loss", "val_acc": "validation accuracy"}
+
+
 def smoothed(rows: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
     """The runs with each validation's loss (and accuracy) replaced by the mean of the last ``k`` validations,
     the first ``k - 1`` dropped: for a fine-tune whose loss swings between validations, where the raw target
@@ -480,15 +484,10 @@ def smoothed(rows: list[dict[str, Any]], k: int) -> list[dict[str, Any]]:
         if len(pts) < k:
             raise ValueError(f"--smooth {k}: {r['method']} (seed {r['seed']}) has only {len(pts)} validations")
         means = [{**pts[i], **{key: statistics.mean(p[key] for p in pts[i - k + 1:i + 1])
-                               for key in ("val_loss", "val_acc") if key in pts[i]}}
+                               for key in METRICS if key in pts[i]}}
                  for i in range(k - 1, len(pts))]
         out.append({**r, "points": means})
     return out
-
-
-# what a target can be read from, and whether lower is better
-METRICS = {"val_loss": True, "val_acc": False}
-NAMES = {"val_loss": "validation loss", "val_acc": "validation accuracy"}
 
 
 def to_target(r: dict[str, Any], target: float, metric: str = "val_loss") -> dict[str, Any] | None:

@@ -91,7 +91,7 @@ def test_minilm_validates_on_both_classes_and_the_same_sentences_for_every_seed(
     pytest.importorskip("transformers")
     import torch
 
-    def dev(seed: int) -> torch.Tensor:
+    def dev(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
         _, val = tta._data("minilm", seed, 0, 2, 1)
         return torch.cat([b["input_ids"][:, :8].flatten() for b in val]), torch.cat([b["labels"] for b in val])
 
