@@ -44,7 +44,7 @@ def _backward(net: nn.Module, rank: int, step: int) -> None:
 
 
 def _reference(world: int, fragments: list[list[int]] | None = None, steps: int = H * OUTER, overlap: int = 0,
-               mixing: float = 0.0, replicas: bool = False) -> list[torch.Tensor]:
+               mixing: float = 0.0, replicas: bool = False, fused: bool | None = None) -> list[torch.Tensor]:
     """The paper's algorithm in a few lines: replicas with their own AdamW, the mean of anchor - local,
     torch.optim.SGD(nesterov) on the anchor, every replica restarts from it. On one thread, as the
     ranks run: the attention's key bias gets a gradient of pure rounding noise, whose sign AdamW
@@ -52,17 +52,17 @@ def _reference(world: int, fragments: list[list[int]] | None = None, steps: int 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference_steps(world, fragments, steps, overlap, mixing, replicas)
+        return _reference_steps(world, fragments, steps, overlap, mixing, replicas, fused)
     finally:
         torch.set_num_threads(threads)
 
 
 def _reference_steps(world: int, fragments: list[list[int]] | None, steps: int, overlap: int, mixing: float,
-                     want_replicas: bool):
+                     want_replicas: bool, fused: bool | None = None):
     """(Streaming DiLoCo with ``overlap`` and ``mixing``: fragment f's pseudo-gradient is taken after step
     t, its outer step lands after step t + overlap, and each replica keeps ``mixing`` of its own values.)"""
     replicas = [_model() for _ in range(world)]
-    inner = [torch.optim.AdamW(r.parameters(), lr=3e-3, weight_decay=0.01) for r in replicas]
+    inner = [torch.optim.AdamW(r.parameters(), lr=3e-3, weight_decay=0.01, fused=fused) for r in replicas]
     anchor = [p.detach().clone().requires_grad_(True) for p in replicas[0].parameters()]
     fragments = fragments or [list(range(len(anchor)))]
     F = len(fragments)
@@ -129,15 +129,20 @@ def _fp32_ranks(rank: int, world: int):
     # each collective's place: how many inner steps had run (the finiteness OR is an all_to_all on gloo)
     with counting_collectives(lambda name: counts.append(len(seen))):
         params, opt = _train(rank, world, "fp32", seen)
-    return params, counts, opt.comm_counter.total.bytes_sent, opt.outer_steps
+    fused, _ = _train(rank, world, "fp32", fused=True)
+    return params, counts, opt.comm_counter.total.bytes_sent, opt.outer_steps, fused
 
 
 def test_fp32_on_gloo_ranks_is_the_papers_algorithm_and_inner_steps_send_nothing():
-    (p0, calls0, sent, outer), (p1, _, _, _) = values(run_ranks(_fp32_ranks, 2))
+    (p0, calls0, sent, outer, fused0), (p1, _, _, _, fused1) = values(run_ranks(_fp32_ranks, 2))
     ref = _reference(2)
     for a, b, r in zip(p0, p1, ref, strict=True):
         assert torch.equal(a, b)  # one model on every rank after the outer step
         assert torch.equal(a, r)  # two ranks: (a / 2 + b / 2) rounds the same in any order
+    # fused=True: torch's fused AdamW kernel inside, which rounds differently from the for-loop
+    ref_fused = _reference(2, fused=True)
+    assert all(torch.equal(a, b) and torch.equal(a, r) for a, b, r in zip(fused0, fused1, ref_fused, strict=True))
+    assert not all(torch.equal(a, r) for a, r in zip(fused0, ref, strict=True))
     # collectives only at the outer steps (after inner steps 3 and 6): the finiteness agreement and the mean
     assert calls0 == [H - 1, H - 1, 2 * H - 1, 2 * H - 1] and outer == OUTER
     numel = sum(p.numel() for p in p0)
@@ -372,9 +377,11 @@ def test_strategy_refuses_what_it_cannot_run():
         DiLoCo.from_optimizer(torch.optim.Adam(_model().parameters(), weight_decay=0.1))
     with pytest.raises(ValueError, match="cannot convert SGD"):
         DiLoCo.from_optimizer(torch.optim.SGD(_model().parameters(), lr=0.1))
-    adamw = torch.optim.AdamW(_model().parameters(), lr=2e-3, betas=(0.8, 0.99), weight_decay=0.05)
+    adamw = torch.optim.AdamW(_model().parameters(), lr=2e-3, betas=(0.8, 0.99), weight_decay=0.05, fused=True)
     new = DiLoCo.from_optimizer(adamw, sync_every=8)
-    assert [(g["lr"], g["betas"], g["weight_decay"]) for g in new.param_groups] == [(2e-3, (0.8, 0.99), 0.05)]
+    # the user's fused kernel stays the inner step's
+    assert [(g["lr"], g["betas"], g["weight_decay"], g["fused"]) for g in new.param_groups] == [
+        (2e-3, (0.8, 0.99), 0.05, True)]
 
 
 def _fragmented(rank: int, world: int):
