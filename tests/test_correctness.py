@@ -10,6 +10,7 @@ from torch import nn
 from lightning_onebit import CDAdam, OnebitAdam, OnebitLamb, QAdam
 from lightning_onebit.comm import CompressedAllreduce
 from lightning_onebit.compress import SignCodec
+from lightning_onebit.optim.buckets import MAX_DROPPED_RUNS, drop_positions
 
 from dist_utils import run_ranks, values
 
@@ -334,6 +335,28 @@ def test_token_first_seen_after_the_switch_trains():
     assert all(not torch.equal(emb.weight[r], start[r]) for r in range(15))
     assert opt.comm_counter.total.bytes_sent > 0
     assert _cache_matches_a_rebuild(opt)
+    # row 18 starts to train; row 19's gradient squares to 0, so its variance stays 0 and it stays masked
+    grad = torch.zeros(20, 8)
+    grad[18], grad[19, 3] = 1e-3, 1e-30
+    opt.step_workers([[grad, torch.zeros(1, 8), torch.zeros(1)]] * 2)
+    assert opt.activated == 5 * 8 + 8 + 1 and _cache_matches_a_rebuild(opt)
+
+
+def test_dropping_positions_from_the_mask_is_a_search_without_them():
+    """``drop_positions``: slices between the runs of the dropped positions, what removing them by a
+    boolean mask gives; None (search again) when they fall apart into too many runs."""
+    idx = torch.tensor([2, 3, 4, 7, 8, 9, 10, 15, 16, 30])
+    for pos in ([], [2], [3, 4, 7], [30], [2, 3, 4, 7, 8, 9, 10, 15, 16, 30], [4, 9, 10, 16]):
+        pos = torch.tensor(pos, dtype=torch.int64)
+        want = idx[~torch.isin(idx, pos)]
+        assert torch.equal(drop_positions(idx, pos), want)
+        spare = torch.full((idx.numel(),), -1)  # memory for the result, reused
+        got = drop_positions(idx, pos, out=spare)
+        assert torch.equal(got, want) and (pos.numel() == 0 or not got.numel() or got.data_ptr() == spare.data_ptr())
+    many = torch.arange(0, 8 * MAX_DROPPED_RUNS, 2)
+    assert drop_positions(many, many[::2]) is None
+    at_most = many[: 2 * MAX_DROPPED_RUNS : 2]  # as many runs as allowed
+    assert torch.equal(drop_positions(many, at_most), many[~torch.isin(many, at_most)])
 
 
 def _cache_matches_a_rebuild(opt) -> bool:
