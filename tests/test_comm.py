@@ -401,3 +401,7 @@ def test_any_across_ors_packed_bits():
     for n in (1, 7, 8, 9, 100):
         f = torch.rand(n) < 0.5
         assert torch.equal(unpack_bits(pack_bits(f), n), f)
+    # the layout every rank and device agrees on: the first flag in the lowest bit, the tail padded
+    f = torch.tensor([True, False, False, False, False, False, False, False, False, True, True])
+    assert pack_bits(f).tolist() == [1, 6]
+    assert unpack_bits(torch.tensor([1, 6], dtype=torch.uint8), 11).tolist() == f.tolist()

