@@ -3,8 +3,8 @@ r"""DiLoCo: ``sync_every`` local AdamW steps, then one outer Nesterov step on th
 Douillard et al., *DiLoCo: Distributed Low-Communication Training of Language Models* (arXiv 2311.08105).
 Every rank ``r`` trains its own replica :math:`\theta_r` with AdamW (the inner optimizer: torch's own
 update, by the kernel its ``foreach``/``fused`` options choose, its state per rank, never averaged) and
-sends nothing. Every ``sync_every`` = H inner steps,
-with :math:`\theta` the anchor (the model every rank held after the previous outer step):
+sends nothing. Every ``sync_every`` = H inner steps, with :math:`\theta` the anchor (the model every
+rank held after the previous outer step):
 
 .. math::
     \Delta_r &= \theta - \theta_r \qquad\text{(rank } r\text{'s pseudo-gradient)}\\
