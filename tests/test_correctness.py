@@ -408,38 +408,48 @@ def test_masked_gradient_search_matches_the_gather():
 def _late_token_rank(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 4))
-    ddp = DDP(model)
-    opt = OnebitAdam(model.parameters(), lr=1e-2, warmup_steps=4)
-    opt.attach(ddp)
-    grads = []
-    for s in range(12):
-        hi = 10 if s < 4 else (14 if rank == 1 else 10)  # only rank 1 ever sees tokens 10..13
-        idx = torch.randint(0, hi, (8,), generator=torch.Generator().manual_seed(100 * s + rank))
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(ddp(idx), idx % 4)
-        local = torch.autograd.grad(nn.functional.cross_entropy(model(idx), idx % 4), list(model.parameters()))
-        grads.append([t.clone() for t in local])
-        loss.backward()
-        opt.step()
-    assert _cache_matches_a_rebuild(opt)
-    return [p.detach().clone() for p in model.parameters()], grads, opt.activated, opt.comm_counter.total.bytes_sent
+    out = {}
+    for wire in (None, "bf16"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+        ddp = DDP(model)
+        opt = OnebitAdam(model.parameters(), lr=1e-2, warmup_steps=4, warmup_comm_dtype=wire)
+        opt.attach(ddp)
+        grads = []
+        for s in range(12):
+            hi = 10 if s < 4 else (14 if rank == 1 else 10)  # only rank 1 ever sees tokens 10..13
+            idx = torch.randint(0, hi, (8,), generator=torch.Generator().manual_seed(100 * s + rank))
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(ddp(idx), idx % 4)
+            local = torch.autograd.grad(nn.functional.cross_entropy(model(idx), idx % 4), list(model.parameters()))
+            grads.append([t.clone() for t in local])
+            loss.backward()
+            opt.step()
+        assert _cache_matches_a_rebuild(opt)
+        out[wire] = ([p.detach().clone() for p in model.parameters()], grads, opt.activated,
+                     opt.comm_counter.total.bytes_sent)
+    return out
 
 
 def test_late_tokens_activate_identically_on_ranks_and_in_the_simulation():
     """The activation travels with the collective's agreement (DDP hook path, 2 gloo ranks): every rank
-    activates the same coordinates, and the run equals the simulation bit for bit, bytes included."""
-    (p0, g0, a0, b0), (p1, g1, a1, _) = values(run_ranks(_late_token_rank, 2, timeout_s=120))
-    assert a0 == a1 == 4 * 8 and all(torch.equal(p, q) for p, q in zip(p0, p1, strict=True))
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 4))
-    sim = OnebitAdam(model.parameters(), lr=1e-2, warmup_steps=4, simulate_workers=2)
-    for s in range(12):
-        sim.step_workers([g0[s], g1[s]])
-    assert sim.activated == a0 and sim.comm_counter.total.bytes_sent == b0
-    for p, q in zip(model.parameters(), p0, strict=True):
-        assert torch.equal(p, q)
+    activates the same coordinates, and the run equals the simulation bit for bit, bytes included; with
+    the warm-up sent in bf16 as well, which halves the warm-up's bytes and changes the result."""
+    r0, r1 = values(run_ranks(_late_token_rank, 2, timeout_s=120))
+    for wire in (None, "bf16"):
+        (p0, g0, a0, b0), (p1, g1, a1, _) = r0[wire], r1[wire]
+        assert a0 == a1 == 4 * 8 and all(torch.equal(p, q) for p, q in zip(p0, p1, strict=True))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+        sim = OnebitAdam(model.parameters(), lr=1e-2, warmup_steps=4, simulate_workers=2, warmup_comm_dtype=wire)
+        for s in range(12):
+            sim.step_workers([g0[s], g1[s]])
+        assert sim.activated == a0 and sim.comm_counter.total.bytes_sent == b0
+        for p, q in zip(model.parameters(), p0, strict=True):
+            assert torch.equal(p, q)
+    numel = sum(p.numel() for p in r0[None][0])
+    assert r0[None][3] - r0["bf16"][3] == 4 * numel * 2  # 4 warm-up steps, 2 bytes less per element (2 ranks)
+    assert not all(torch.equal(p, q) for p, q in zip(r0[None][0], r0["bf16"][0], strict=True))
 
 
 @pytest.mark.parametrize("block_size", [None, 8])

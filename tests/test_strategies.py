@@ -162,6 +162,7 @@ def test_save_killed_before_the_main_file_resumes_from_the_previous_shard(tmp_pa
 
 @pytest.mark.parametrize("rank_kwargs,needle", [
     ({"warmup_steps": [5, 7]}, "warmup_steps: rank 0 5, rank 1 7"),
+    ({"warmup_comm_dtype": ["bf16", None]}, "warmup_comm_dtype: rank 0 torch.bfloat16, rank 1 torch.float32"),
     ({"block_size": [None, 16]}, "param group 0: block_size: rank 0 None, rank 1 16"),
 ])
 def test_ranks_that_disagree_fail_at_setup_on_every_rank(tmp_path, rank_kwargs, needle):

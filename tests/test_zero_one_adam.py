@@ -210,20 +210,23 @@ def test_without_compression_it_is_adam_with_the_variance_frozen(clipper, wd, mo
 
 
 # -- DDP == simulation --------------------------------------------------------------------------
-def _ddp_rank(rank, world_size, steps):
+def _ddp_rank(rank, world_size, steps, wires):
     from dist_utils import counting_collectives
 
-    calls: list[str] = []
-    with counting_collectives(calls.append):  # every collective this process starts
-        return _ddp_steps(rank, steps, calls)
+    out = {}
+    for wire in wires:
+        calls: list[str] = []
+        with counting_collectives(calls.append):  # every collective this process starts
+            out[wire] = _ddp_steps(rank, steps, calls, wire)
+    return out
 
 
-def _ddp_steps(rank, steps, calls: list):
+def _ddp_steps(rank, steps, calls: list, wire):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = _model()
     ddp = DDP(model)
-    opt = ZeroOneAdam(model.parameters(), lr=3e-3, **SMALL)
+    opt = ZeroOneAdam(model.parameters(), lr=3e-3, warmup_comm_dtype=wire, **SMALL)
     opt.attach(ddp)
     record = []
     for t in range(1, steps + 1):
@@ -242,26 +245,33 @@ def _ddp_steps(rank, steps, calls: list):
 def test_ddp_hook_equals_the_simulation_and_local_steps_send_nothing():
     """2 gloo ranks with the DDP comm hook against the simulated cluster fed the ranks' own gradients:
     every worker's replica equals its rank's before every step, bit for bit, through refresh, 1-bit,
-    local and synchronising steps; the local steps start no collective at all, DDP's included."""
-    steps = 28
-    (r0, p0, rounds0), (r1, p1, _) = values(run_ranks(_ddp_rank, 2, steps, timeout_s=120))
+    local and synchronising steps; the local steps start no collective at all, DDP's included. The
+    same with the refreshes' mean sent in fp16: equal to the simulation too, and half their bytes."""
+    steps, wires = 28, (None, "fp16")
+    runs = values(run_ranks(_ddp_rank, 2, steps, wires, timeout_s=120))
     kinds = ZeroOneSchedule(**SMALL).kinds(steps)
-    assert [s["calls"] for s, k in zip(r0, kinds, strict=True) if k == L] == [0] * kinds.count(L)
-    assert all(s["calls"] > 0 for s, k in zip(r0, kinds, strict=True) if k != L)
-    assert [s["bytes"] for s in r0] == [s["bytes"] for s in r1] and rounds0 == steps - kinds.count(L)
-    model = _model()
-    sim = ZeroOneAdam(model.parameters(), lr=3e-3, simulate_workers=2, **SMALL)
-    parted = False
-    for t, (s0, s1) in enumerate(zip(r0, r1, strict=True), 1):
-        for w, rec in enumerate((s0, s1)):
-            with sim.worker_parameters(w):
-                assert all(torch.equal(p, q) for p, q in zip(model.parameters(), rec["before"], strict=True)), (t, w)
-        parted |= any(not torch.equal(p, q) for p, q in zip(s0["before"], s1["before"], strict=True))
-        sim.step_workers([s0["grads"], s1["grads"]])
-        assert sim.comm_counter.last.bytes_sent == s0["bytes"], t
-    assert parted, "the replicas never differed: no local step was taken"
-    assert kinds[-1] == S and all(torch.equal(p, q) for p, q in zip(p0, p1, strict=True))
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), p0, strict=True))
+    for wire in wires:
+        (r0, p0, rounds0), (r1, p1, _) = runs[0][wire], runs[1][wire]
+        assert [s["calls"] for s, k in zip(r0, kinds, strict=True) if k == L] == [0] * kinds.count(L)
+        assert all(s["calls"] > 0 for s, k in zip(r0, kinds, strict=True) if k != L)
+        assert [s["bytes"] for s in r0] == [s["bytes"] for s in r1] and rounds0 == steps - kinds.count(L)
+        model = _model()
+        sim = ZeroOneAdam(model.parameters(), lr=3e-3, simulate_workers=2, warmup_comm_dtype=wire, **SMALL)
+        parted = False
+        for t, (s0, s1) in enumerate(zip(r0, r1, strict=True), 1):
+            for w, rec in enumerate((s0, s1)):
+                with sim.worker_parameters(w):
+                    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), rec["before"], strict=True)), \
+                        (wire, t, w)
+            parted |= any(not torch.equal(p, q) for p, q in zip(s0["before"], s1["before"], strict=True))
+            sim.step_workers([s0["grads"], s1["grads"]])
+            assert sim.comm_counter.last.bytes_sent == s0["bytes"], (wire, t)
+        assert parted, "the replicas never differed: no local step was taken"
+        assert kinds[-1] == S and all(torch.equal(p, q) for p, q in zip(p0, p1, strict=True))
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), p0, strict=True))
+    numel = sum(p.numel() for p in runs[0][None][1])
+    refresh = [t for t, k in enumerate(kinds) if k == R]
+    assert refresh and all(runs[0][None][0][t]["bytes"] - runs[0]["fp16"][0][t]["bytes"] == numel * 2 for t in refresh)
 
 
 def test_two_level_simulation_keeps_the_replicas_apart_until_they_meet():

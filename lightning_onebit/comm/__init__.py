@@ -10,7 +10,7 @@ from .ddp_hook import (
     register_compression_hook,
     register_local_hook,
 )
-from .dense import all_finite, any_across, any_across_bytes, group_size, mean_allreduce
+from .dense import all_finite, any_across, any_across_bytes, group_size, mean_allreduce, wire_dtype
 from .hierarchical import HierarchicalAllreduce, SimulatedHierarchicalCluster, node_groups
 from .simulated import SimulatedCluster
 from .two_stage import MODES, TwoStageRank
@@ -19,4 +19,4 @@ __all__ = ["MODES", "ByteCounter", "CompressedAllreduce", "CompressionHookState"
            "NonFiniteInputError", "SimulatedCluster", "SimulatedHierarchicalCluster", "StepStats", "TwoStageRank",
            "all_finite", "any_across", "any_across_bytes", "compression_hook", "group_size", "local_gradients_hook",
            "mean_allreduce", "node_groups", "register_compression_hook", "register_local_hook",
-           "ring_allreduce_bytes"]
+           "ring_allreduce_bytes", "wire_dtype"]

@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from .accounting import ByteCounter, ring_allreduce_bytes
 
-__all__ = ["FANOUT_MAX_BYTES", "all_finite", "all_gather_rows", "any_across", "any_across_bytes", "backend_for",
-           "collective_device", "fans_out", "group_size", "launcher_ranks_per_node", "mean_allreduce",
-           "mean_allreduce_future", "pack_bits", "unpack_bits"]
+__all__ = ["FANOUT_MAX_BYTES", "WIRE_DTYPES", "all_finite", "all_gather_rows", "any_across", "any_across_bytes",
+           "backend_for", "collective_device", "fans_out", "group_size", "launcher_ranks_per_node", "mean_allreduce",
+           "mean_allreduce_future", "pack_bits", "unpack_bits", "wire_dtype"]
 
 FANOUT_MAX_BYTES = 1 << 16
 """The most bytes a rank sends in a fanned-out :func:`any_across` ((n - 1) copies of its packed flags);
@@ -48,30 +48,60 @@ def group_size(group=None) -> int:
     return 1
 
 
-def mean_allreduce(t: torch.Tensor, group=None, counter: ByteCounter | None = None) -> torch.Tensor:
+WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The dtypes a full-precision mean may travel in, by their short names."""
+
+
+def wire_dtype(dtype: torch.dtype | str | None, name: str = "dtype") -> torch.dtype:
+    """``dtype`` as one of :data:`WIRE_DTYPES` (a name or the dtype; ``None``: fp32), else a ValueError
+    that calls it ``name``."""
+    if dtype is None:
+        return torch.float32
+    got = WIRE_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if got not in WIRE_DTYPES.values():
+        raise ValueError(f"{name} must be one of {sorted(WIRE_DTYPES)} (or the torch dtypes "
+                         f"{', '.join(map(str, WIRE_DTYPES.values()))}), got {dtype!r}")
+    return got
+
+
+def _to_wire(t: torch.Tensor, n: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t / n`` (in place) in the dtype it is sent in: divided in fp32 before the cast, so fp16's sum of
+    n quotients stays in range where the sum of the gradients would not."""
+    t.div_(n)
+    return t if dtype is None or dtype == t.dtype else t.to(dtype)
+
+
+def mean_allreduce(t: torch.Tensor, group=None, counter: ByteCounter | None = None, *,
+                   dtype: torch.dtype | None = None) -> torch.Tensor:
     """In place: ``t`` <- the mean of ``t`` over the group, as DDP computes it (each rank divides
-    by n, then the sum). Counted as an fp32 ring allreduce."""
+    by n, then the sum), counted as a ring allreduce. ``dtype`` (bf16, fp16): sent and summed in
+    that dtype, as PyTorch's ``bf16_compress_hook``/``fp16_compress_hook`` do, for half the bytes."""
     n = group_size(group)
     if n > 1:
-        t.div_(n)
-        dist.all_reduce(t, group=group)
+        wire = _to_wire(t, n, dtype)
+        dist.all_reduce(wire, group=group)
+        if wire is not t:
+            t.copy_(wire)
         if counter is not None:
-            counter.add(ring_allreduce_bytes(t.numel(), n, t.element_size()), t.numel(), n)
+            counter.add(ring_allreduce_bytes(t.numel(), n, wire.element_size()), t.numel(), n)
     return t
 
 
-def mean_allreduce_future(t: torch.Tensor, group=None,
-                          counter: ByteCounter | None = None) -> torch.futures.Future[torch.Tensor]:
-    """:func:`mean_allreduce` started asynchronously (a DDP comm hook's return value)."""
+def mean_allreduce_future(t: torch.Tensor, group=None, counter: ByteCounter | None = None, *,
+                          dtype: torch.dtype | None = None) -> torch.futures.Future[torch.Tensor]:
+    """:func:`mean_allreduce` started asynchronously (a DDP comm hook's return value: ``t``)."""
     n = group_size(group)
     if n == 1:
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(t)
         return fut
-    t.div_(n)
+    wire = _to_wire(t, n, dtype)
     if counter is not None:
-        counter.add(ring_allreduce_bytes(t.numel(), n, t.element_size()), t.numel(), n)
-    return dist.all_reduce(t, group=group, async_op=True).get_future().then(lambda f: f.value()[0])
+        counter.add(ring_allreduce_bytes(t.numel(), n, wire.element_size()), t.numel(), n)
+    work = dist.all_reduce(wire, group=group, async_op=True).get_future()
+    if wire is t:
+        return work.then(lambda f: f.value()[0])
+    return work.then(lambda f: t.copy_(f.value()[0]))
 
 
 def all_finite(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,8 @@ Every compressed optimizer here works the same way (docs/design.md, "Data flow o
 * **Warm-up** (``step <= warmup_steps`` and no external switch): the gradient is averaged
   in full precision (by DDP's allreduce when a DDP model is attached, else by ``step()``
   itself) and the warm-up rule (AdamW, LAMB) runs, with per-parameter step counts as
-  ``torch.optim.AdamW`` keeps them.
+  ``torch.optim.AdamW`` keeps them. ``warmup_comm_dtype`` (bf16, fp16) sends that mean as
+  PyTorch's ``bf16_compress_hook`` does, for half the bytes of the phase that costs the most.
 * **Compression**: per bucket, the subclass forms the local payload (momentum or gradient),
   a :class:`~lightning_onebit.comm.CompressedAllreduce` synchronises it and the subclass
   absorbs the result into its state. With DDP this happens in the communication hook
@@ -49,6 +50,7 @@ from ..comm import (
     group_size,
     mean_allreduce,
     ring_allreduce_bytes,
+    wire_dtype,
 )
 from ..compress.kernels import apply_thread_budget
 from .buckets import Bucket, BucketState, _simulated_mean
@@ -77,7 +79,19 @@ def _thread_budget_from_launcher() -> None:
 
 class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath, OptimizerCheckpoint,
                           AdamConversion, Optimizer):
-    """Base class. Subclasses define the flat state, the payload, and the update rules."""
+    """Base class. Subclasses define the flat state, the payload, and the update rules.
+
+    Args (keyword-only in every subclass):
+        bucket_cap_mb: the most fp32 megabytes of parameters per bucket.
+        group: the process group (``None``: the default group, or DDP's once attached).
+        simulate_workers: run that many workers in one process (see :meth:`step_workers`).
+        warmup_comm_dtype: the dtype the full-precision mean of the warm-up (and of 0/1 Adam's
+            variance refreshes) is sent and summed in: fp32 (default, exact), or ``"bf16"``/``"fp16"``
+            (or the torch dtypes): half the bytes, each rank's g / n rounded once and the sum in that
+            dtype, as with PyTorch's ``bf16_compress_hook``. The variance that the compression phase
+            freezes is then estimated from those gradients (bf16 keeps 8 significant bits, the
+            precision DeepSpeed's 1-bit Adam warms up in when it trains in half precision).
+    """
 
     #: the Lightning strategy name this optimizer registers under (``None``: an abstract base)
     strategy_name: ClassVar[str | None] = None
@@ -110,7 +124,8 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
 
     def __init__(self, params: Iterable, defaults: dict, *, warmup_steps: int | None,
                  bucket_cap_mb: float = 25.0, group: dist.ProcessGroup | None = None,
-                 simulate_workers: int | None = None) -> None:
+                 simulate_workers: int | None = None,
+                 warmup_comm_dtype: torch.dtype | str | None = None) -> None:
         super().__init__(params, defaults)
         if warmup_steps is not None and (not isinstance(warmup_steps, int) or warmup_steps < 0):
             raise ValueError(f"warmup_steps must be a non-negative int or None, got {warmup_steps!r}")
@@ -119,6 +134,7 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
         if simulate_workers is not None and simulate_workers < 1:
             raise ValueError(f"simulate_workers must be >= 1, got {simulate_workers}")
         self.warmup_steps = warmup_steps
+        self.warmup_comm_dtype = wire_dtype(warmup_comm_dtype, "warmup_comm_dtype")
         self.bucket_cap_mb = bucket_cap_mb
         self.process_group = group
         self.simulate_workers = simulate_workers
@@ -236,15 +252,21 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
 
     # -- gradients -----------------------------------------------------------------------
     def _average_warmup(self, b: Bucket, worker_grads: Sequence[torch.Tensor] | None) -> torch.Tensor:
-        """Full-precision mean gradient of a bucket (fp32), exactly as DDP would compute it."""
+        """Full-precision mean gradient of a bucket, exactly as DDP would compute it (in fp32, or sent
+        in ``warmup_comm_dtype``)."""
+        wire = self._warmup_wire()
         if worker_grads is not None:  # simulation: (g_0 / n) + (g_1 / n) + ... in worker order
-            _simulated_mean(worker_grads, out=b.grad, scratch=b.worker_buffers("quotient", 1)[0])
-            n = len(worker_grads)  # counted as the real path counts its fp32 allreduce
-            self.comm_counter.add(ring_allreduce_bytes(b.numel, n), b.numel, n)
+            _simulated_mean(worker_grads, out=b.grad, scratch=b.worker_buffers("quotient", 1)[0], dtype=wire)
+            n = len(worker_grads)  # counted as the real path counts its allreduce
+            self.comm_counter.add(ring_allreduce_bytes(b.numel, n, self.warmup_comm_dtype.itemsize), b.numel, n)
         elif not b.via_ddp:
-            with self._collective("fp32 allreduce (warm-up)", b):
-                mean_allreduce(b.grad, self.process_group, self.comm_counter)
+            with self._collective(f"{self.warmup_comm_dtype} allreduce (warm-up)", b):
+                mean_allreduce(b.grad, self.process_group, self.comm_counter, dtype=wire)
         return b.grad
+
+    def _warmup_wire(self) -> torch.dtype | None:
+        """The dtype the warm-up mean travels in, ``None`` for the buckets' own fp32."""
+        return None if self.warmup_comm_dtype == torch.float32 else self.warmup_comm_dtype
 
     # -- updates (subclasses) ------------------------------------------------------------
     def _update_warmup(self, b: Bucket, grad: torch.Tensor | list[torch.Tensor], group: dict,

@@ -255,10 +255,16 @@ class BucketState:
 
 
 def _simulated_mean(worker_grads: Sequence[torch.Tensor], out: torch.Tensor | None = None,
-                    scratch: torch.Tensor | None = None) -> torch.Tensor:
+                    scratch: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
     """(g_0 / n) + (g_1 / n) + ... in worker order: what DDP's divide-then-sum gives on n ranks
-    (into ``out``, with ``scratch`` for the quotients, when given: no fresh buffers)."""
+    (into ``out``, with ``scratch`` for the quotients, when given: no fresh buffers). ``dtype``: the
+    quotients and the sum in that dtype, rounded after each add as a collective summing it would."""
     n = len(worker_grads)
+    if dtype is not None and dtype != worker_grads[0].dtype and n > 1:
+        acc = (worker_grads[0] / n).to(dtype)
+        for g in worker_grads[1:]:
+            acc += (g / n).to(dtype)
+        return out.copy_(acc) if out is not None else acc.to(worker_grads[0].dtype)
     acc = torch.div(worker_grads[0], n, out=out) if out is not None else worker_grads[0] / n
     for g in worker_grads[1:]:
         acc += torch.div(g, n, out=scratch) if scratch is not None else g / n

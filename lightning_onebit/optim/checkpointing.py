@@ -40,7 +40,8 @@ class OptimizerCheckpoint:
         strategies compare it across ranks at setup, so a mismatch fails there on every rank."""
         out = {"algorithm": type(self).__name__, "codec": getattr(getattr(self, "codec_cls", None), "__name__", "-"),
                "comm_mode": str(self.comm_mode),
-               "warmup_steps": repr(self.warmup_steps), "bucket_cap_mb": repr(self.bucket_cap_mb),
+               "warmup_steps": repr(self.warmup_steps), "warmup_comm_dtype": str(self.warmup_comm_dtype),
+               "bucket_cap_mb": repr(self.bucket_cap_mb),
                "hierarchical": repr(self.hierarchical), "ranks_per_node": repr(self.ranks_per_node),
                "param groups": str(len(self.param_groups))}
         for i, g in enumerate(self.param_groups):

@@ -1,7 +1,8 @@
 """The DDP path of a compressed optimizer: ``attach`` a DDP model, then its comm hook delivers
 each gradient bucket while backward runs (see :mod:`lightning_onebit.comm.ddp_hook`).
 
-During warm-up the hook averages in fp32 (one allreduce per DDP bucket, as DDP would); in the
+During warm-up the hook averages in fp32 (one allreduce per DDP bucket, as DDP would; or in
+``warmup_comm_dtype``, as PyTorch's ``bf16_compress_hook`` would); in the
 compression phase it copies the local gradients into the optimizer's own buckets and
 synchronises each one, compressed, as soon as all its gradients have arrived. The future
 completes with the local gradients: the optimizer already holds the synchronised result.
@@ -100,7 +101,7 @@ class DDPHookPath:
         buf = bucket.buffer()
         self._update_phase()
         if not self._compressing:
-            return mean_allreduce_future(buf, self.process_group, self.comm_counter)
+            return mean_allreduce_future(buf, self.process_group, self.comm_counter, dtype=self._warmup_wire())
         if self.defer_sync_to_step:
             fut0: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut0.set_result(buf)  # local gradients; step() synchronises them

@@ -78,7 +78,8 @@ class OnebitAdam(CompressedOptimizer):
             ``AdamW(fused=True)`` rather than of the default AdamW). ``None`` (default) or
             ``False``: the warm-up is torch's default AdamW, op for op. A converted
             ``AdamW(fused=True)`` carries it over. Parameters that are not fp32 take the default path.
-        bucket_cap_mb, group, simulate_workers: see :class:`CompressedOptimizer`.
+        bucket_cap_mb, group, simulate_workers, warmup_comm_dtype: see :class:`CompressedOptimizer`
+            (``warmup_comm_dtype="bf16"`` halves the warm-up's bytes).
     """
 
     strategy_name = "onebit_adam"
@@ -91,13 +92,14 @@ class OnebitAdam(CompressedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, warmup_steps: int | None = 1000, *,
                  eps_inside_sqrt: bool = True, block_size: int | None = None,
                  bucket_cap_mb: float = 25.0, group=None, simulate_workers: int | None = None,
-                 fused: bool | None = None, _defaults: dict | None = None) -> None:
+                 fused: bool | None = None, warmup_comm_dtype: torch.dtype | str | None = None,
+                 _defaults: dict | None = None) -> None:
         check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         eps_inside_sqrt=eps_inside_sqrt, block_size=block_size, fused=fused, **(_defaults or {}))
         self.block_size = block_size
         super().__init__(params, defaults, warmup_steps=warmup_steps, bucket_cap_mb=bucket_cap_mb,
-                         group=group, simulate_workers=simulate_workers)
+                         group=group, simulate_workers=simulate_workers, warmup_comm_dtype=warmup_comm_dtype)
         self.activated = 0  # masked coordinates that have started to train (see the class docstring)
 
     def add_param_group(self, param_group: dict) -> None:

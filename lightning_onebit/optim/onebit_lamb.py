@@ -77,14 +77,15 @@ class OnebitLamb(OnebitAdam):
                  max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                  factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                  eps_inside_sqrt: bool = True, block_size: int | None = None,
-                 bucket_cap_mb: float = 25.0, group=None, simulate_workers: int | None = None) -> None:
+                 bucket_cap_mb: float = 25.0, group=None, simulate_workers: int | None = None,
+                 warmup_comm_dtype: torch.dtype | str | None = None) -> None:
         bounds = dict(max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
                       factor_min=factor_min, factor_threshold=factor_threshold)
         _check_bounds(bounds)
         self._united_scale: float | None = None
         super().__init__(params, lr, betas, eps, weight_decay, warmup_steps, eps_inside_sqrt=eps_inside_sqrt,
                          block_size=block_size, bucket_cap_mb=bucket_cap_mb, group=group,
-                         simulate_workers=simulate_workers, _defaults=bounds)
+                         simulate_workers=simulate_workers, warmup_comm_dtype=warmup_comm_dtype, _defaults=bounds)
 
     @classmethod
     def conversion_advice(cls, opt: torch.optim.Optimizer) -> str | None:

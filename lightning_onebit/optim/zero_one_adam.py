@@ -89,6 +89,8 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
         local_step_scaler: phase-B steps per local interval before it doubles (int, or a fraction).
         local_step_clipper: the longest local interval (H).
         eps_inside_sqrt, block_size, bucket_cap_mb, group, simulate_workers: as :class:`OnebitAdam`.
+        warmup_comm_dtype: the dtype the refresh steps' mean gradient travels in (see
+            :class:`CompressedOptimizer`).
     """
 
     strategy_name = "zero_one_adam"
@@ -105,7 +107,8 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, *, var_freeze_step: int | float = 100000,
                  var_update_scaler: int = 16, local_step_scaler: int | float = 32678, local_step_clipper: int = 16,
                  eps_inside_sqrt: bool = True, block_size: int | None = None, bucket_cap_mb: float = 25.0,
-                 group=None, simulate_workers: int | None = None) -> None:
+                 group=None, simulate_workers: int | None = None,
+                 warmup_comm_dtype: torch.dtype | str | None = None) -> None:
         check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         check_steps("var_freeze_step", var_freeze_step, fraction=True)
         check_steps("var_update_scaler", var_update_scaler, fraction=False)
@@ -115,7 +118,7 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
                         eps_inside_sqrt=eps_inside_sqrt, block_size=block_size)
         self.block_size = block_size
         super().__init__(params, defaults, warmup_steps=None, bucket_cap_mb=bucket_cap_mb, group=group,
-                         simulate_workers=simulate_workers)
+                         simulate_workers=simulate_workers, warmup_comm_dtype=warmup_comm_dtype)
         self.schedule_args = {"var_freeze_step": var_freeze_step, "var_update_scaler": var_update_scaler,
                               "local_step_scaler": local_step_scaler, "local_step_clipper": local_step_clipper}
         self._total_steps: int | None = None
@@ -250,11 +253,12 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
         self.schedule().advance(t)
 
     def ddp_bucket_ready(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """Refresh steps average in fp32, 1-bit steps synchronise in the optimizer's buckets, and
-        phase-B steps send nothing: the future holds the local gradients at once."""
+        """Refresh steps average in full precision (or ``warmup_comm_dtype``), 1-bit steps synchronise in
+        the optimizer's buckets, and phase-B steps send nothing: the future holds the local gradients at once."""
         self._update_phase()
         if self._kind == "refresh":
-            return mean_allreduce_future(bucket.buffer(), self.process_group, self.comm_counter)
+            return mean_allreduce_future(bucket.buffer(), self.process_group, self.comm_counter,
+                                         dtype=self._warmup_wire())
         if self._kind in ("local", "sync"):
             fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(bucket.buffer())
