@@ -32,7 +32,8 @@ fp32 all-reduce, PyTorch's hook), ``postlocal_8``/``postlocal_32`` (PyTorch's ``
 ``DDPStrategy(model_averaging_period=...)`` path, with the hook registered on CPU by ``HookDDPStrategy``, since
 Lightning registers comm hooks only on CUDA), ``diloco`` (fp32 outer all-reduce, H = 16, outer lr 0.7, momentum
 0.9: the paper's), ``diloco_4bit``, ``onebit_adam``, ``zero_one_adam`` and ``qadam`` (the package's strategies,
-warm-up ``--warmup`` where they have one).
+warm-up ``--warmup`` where they have one), and ``onebit_adam_bf16warm``/``zero_one_adam_bf16warm``: the same with
+``warmup_comm_dtype="bf16"`` (the warm-up's, or the variance refreshes', mean gradient sent in bf16).
 
 Latency: ``--rtt`` adds a round-trip delay between nodes with ``EmulatedCluster.set_delay`` (a user-space delay
 line per node, since the kernel here has no ``tc netem``); ranks of one node are not delayed.
@@ -69,11 +70,13 @@ from netns_cluster import EmulatedCluster, cleanup_stale, node_env, report_failu
 repo_on_path()
 
 TAG = "LOBTTA "
+BF16_WARM = "_bf16warm"
+"""A package method with its full-precision phase (warm-up, 0/1 Adam's refreshes) sent in bf16."""
 METHODS = ("ddp_adamw", "ddp_bf16", "powersgd_r4", "postlocal_8", "postlocal_32", "diloco", "diloco_4bit",
-           "onebit_adam", "zero_one_adam", "qadam")
+           "onebit_adam", "zero_one_adam", "qadam", "onebit_adam" + BF16_WARM, "zero_one_adam" + BF16_WARM)
 PEERS = ("ddp_adamw", "ddp_bf16", "powersgd_r4", "postlocal_8", "postlocal_32", "diloco")
 """What a user could run instead of the package (DiLoCo fp32 is the paper's own algorithm)."""
-OURS = ("diloco_4bit", "onebit_adam", "zero_one_adam", "qadam")
+OURS = ("diloco_4bit", "onebit_adam", "zero_one_adam", "qadam", "onebit_adam" + BF16_WARM, "zero_one_adam" + BF16_WARM)
 DILOCO_H = 16
 MODEL = {"vocab": 64, "d_model": 192, "heads": 4, "layers": 4, "ff": 768, "context": 32}
 BATCH, LENGTH = 16, 33  # sequences per rank and step; 32 next-token predictions each
@@ -213,9 +216,11 @@ def make_strategy(method: str, warmup: int) -> Any:
         return _post_local_sgd(HookDDPStrategy, int(method.split("_")[1]), warmup, **views)
     if method.startswith("diloco"):
         return DiLoCoStrategy(sync_every=DILOCO_H, compression="4bit" if method.endswith("4bit") else "fp32")
-    if method == "zero_one_adam":
-        return CompressedDDPStrategy("zero_one_adam", optimizer_kwargs={"var_freeze_step": warmup})
-    return CompressedDDPStrategy(method, warmup=warmup)
+    algorithm = method.removesuffix(BF16_WARM)
+    wire = {"warmup_comm_dtype": "bf16"} if method.endswith(BF16_WARM) else {}
+    if algorithm == "zero_one_adam":
+        return CompressedDDPStrategy(algorithm, optimizer_kwargs={"var_freeze_step": warmup, **wire})
+    return CompressedDDPStrategy(algorithm, warmup=warmup, optimizer_kwargs=wire)
 
 
 def _post_local_sgd(base: type, period: int, warmup: int, **kwargs: Any) -> Any:
@@ -603,7 +608,9 @@ def chart(rows: list[dict[str, Any]], path: Path, metric: str = "val_loss") -> N
 
     wheres = list(dict.fromkeys(map(setting, rows)))
     fig, axes = plt.subplots(2, len(wheres), figsize=(6.5 * len(wheres), 9), squeeze=False)
-    colors = dict(zip(METHODS, plt.get_cmap("tab10").colors, strict=False))
+    # tab20's dark shades are tab10's; a bf16-warm-up variant takes the light shade of its method's hue
+    shades = plt.get_cmap("tab20").colors
+    colors = {m: shades[2 * METHODS.index(m.removesuffix(BF16_WARM)) + m.endswith(BF16_WARM)] for m in METHODS}
     for j, where in enumerate(wheres):
         for m in METHODS:
             runs = [r for r in rows if setting(r) == where and r["method"] == m]
