@@ -12,6 +12,7 @@ from lightning_onebit.comm import (
     SimulatedHierarchicalCluster,
     node_groups,
 )
+from lightning_onebit.comm.hierarchical import shard_groups
 from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
 
 from dist_utils import run_ranks, values
@@ -71,6 +72,17 @@ def test_simulation_with_one_rank_per_node_is_the_flat_simulation():
     for s in range(2):
         xs = [_input(r, s) for r in range(3)]
         assert torch.equal(flat.allreduce(xs)[0], hier.allreduce(xs)[0])
+
+
+def test_a_shard_keeps_the_block_phase_of_the_tensor_it_starts_inside():
+    """Shard 1 of 1000 elements on 2 ranks per node starts at 500, inside the tensor at 300, whose blocks
+    of 128 start at 428 and 556: the shard's first block ends at 556 (56 in the shard), as in the flat
+    collective, so that an embedding row stays one block on either side of the shard boundary."""
+    assert shard_groups(1000, 2, 1, [0, 300]) == [0]
+    assert shard_groups(1000, 2, 1, [0, 300], block_size=128) == [0, 56]
+    assert shard_groups(1000, 2, 1, [0, 300, 540], block_size=128) == [0, 40]  # the next tensor comes first
+    assert shard_groups(1000, 2, 1, [0, 372], block_size=128) == [0]  # 500 is a block start already
+    assert shard_groups(1000, 2, 0, [0, 300], block_size=128) == [0, 300]
 
 
 def _mismatch(rank, world_size, what):

@@ -71,12 +71,22 @@ def _shard_len(numel: int, ranks_per_node: int) -> int:
     return -(-numel // ranks_per_node)
 
 
-def shard_groups(numel: int, ranks_per_node: int, local_rank: int, groups: Sequence[int]) -> list[int]:
+def shard_groups(numel: int, ranks_per_node: int, local_rank: int, groups: Sequence[int],
+                 block_size: int | None = None) -> list[int]:
     """The tensor starts (``groups`` offsets of the flat input) that fall inside shard
-    ``local_rank``, relative to the shard: its collective keeps one scale per piece of a tensor."""
+    ``local_rank``, relative to the shard: its collective keeps one scale per piece of a tensor.
+    With the codec's ``block_size``, the tensor the shard starts inside keeps the phase of its blocks
+    (a cut where its next block begins), so blocks fall where the flat collective puts them: an
+    embedding row stays one block."""
     s = _shard_len(numel, ranks_per_node)
     lo = local_rank * s
-    return sorted({0} | {g - lo for g in groups if lo < g < lo + s})
+    cuts = {0} | {g - lo for g in groups if lo < g < lo + s}
+    if block_size:
+        first = max((g for g in groups if g <= lo), default=0)
+        nxt = block_size - (lo - first) % block_size
+        if nxt < min(block_size, s) and not any(0 < c <= nxt for c in cuts):
+            cuts.add(nxt)
+    return sorted(cuts)
 
 
 def _node_mean(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -151,7 +161,7 @@ class HierarchicalAllreduce:
             return
         self.numel = numel
         L, s = self.ranks_per_node, self.shard_len
-        sg = shard_groups(numel, L, self.local_rank, self.groups)
+        sg = shard_groups(numel, L, self.local_rank, self.groups, self.codec.block_size)
         # one rank per node by construction: fan out wherever gloo would otherwise ring (see CompressedAllreduce)
         gather = "fanout" if fans_out(self.cross_group, torch.device(device)) else "ring"
         self.cross = CompressedAllreduce(self.codec, self.mode, group=self.cross_group, counter=self.counter,
@@ -169,7 +179,7 @@ class HierarchicalAllreduce:
 
     def inter_node_bytes_per_call(self, numel: int) -> int:
         """Bytes this rank sends between nodes per call (its shard's compressed collective)."""
-        sg = shard_groups(numel, self.ranks_per_node, self.local_rank, self.groups)
+        sg = shard_groups(numel, self.ranks_per_node, self.local_rank, self.groups, self.codec.block_size)
         probe = TwoStageRank(self.codec, self.mode, self.node, self.nodes, pieces=self.pieces, groups=sg)
         return probe.bytes_per_call(_shard_len(numel, self.ranks_per_node))
 
@@ -285,7 +295,8 @@ class SimulatedHierarchicalCluster:
         L = self.ranks_per_node
         self.clusters = [SimulatedCluster(self.codec, self.mode, self.nodes, pieces=self.pieces,
                                           counter=self.counter if j == 0 else None,
-                                          groups=shard_groups(numel, L, j, self.groups)) for j in range(L)]
+                                          groups=shard_groups(numel, L, j, self.groups, self.codec.block_size))
+                         for j in range(L)]
         for c in self.clusters:
             c.bind(self.shard_len, device)
 
