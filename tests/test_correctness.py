@@ -405,13 +405,20 @@ def test_masked_gradient_search_matches_the_gather():
     assert torch.equal((b.values_at(grads, idx) != 0).nonzero().view(-1), want)
 
 
+WIDTH = 128  # an embedding row is one block of the uint8 warm-up's codes
+
+
+def _late_token_model() -> nn.Module:
+    return nn.Sequential(nn.Embedding(20, WIDTH), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 4))
+
+
 def _late_token_rank(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     out = {}
-    for wire in (None, "bf16"):
+    for wire in (None, "bf16", "uint8"):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+        model = _late_token_model()
         ddp = DDP(model)
         opt = OnebitAdam(model.parameters(), lr=1e-2, warmup_steps=4, warmup_comm_dtype=wire)
         opt.attach(ddp)
@@ -434,22 +441,76 @@ def _late_token_rank(rank, world_size):
 def test_late_tokens_activate_identically_on_ranks_and_in_the_simulation():
     """The activation travels with the collective's agreement (DDP hook path, 2 gloo ranks): every rank
     activates the same coordinates, and the run equals the simulation bit for bit, bytes included; with
-    the warm-up sent in bf16 as well, which halves the warm-up's bytes and changes the result."""
+    the warm-up sent in bf16 as well, which halves the warm-up's bytes and changes the result, and as
+    8-bit codes, which keep the unused rows at exactly zero (they activate as in fp32) for fewer bytes."""
+    wires = (None, "bf16", "uint8")
     r0, r1 = values(run_ranks(_late_token_rank, 2, timeout_s=120))
-    for wire in (None, "bf16"):
+    for wire in wires:
         (p0, g0, a0, b0), (p1, g1, a1, _) = r0[wire], r1[wire]
-        assert a0 == a1 == 4 * 8 and all(torch.equal(p, q) for p, q in zip(p0, p1, strict=True))
+        assert a0 == a1 == 4 * WIDTH and all(torch.equal(p, q) for p, q in zip(p0, p1, strict=True)), wire
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+        model = _late_token_model()
         sim = OnebitAdam(model.parameters(), lr=1e-2, warmup_steps=4, simulate_workers=2, warmup_comm_dtype=wire)
         for s in range(12):
             sim.step_workers([g0[s], g1[s]])
-        assert sim.activated == a0 and sim.comm_counter.total.bytes_sent == b0
+        assert sim.activated == a0 and sim.comm_counter.total.bytes_sent == b0, wire
         for p, q in zip(model.parameters(), p0, strict=True):
-            assert torch.equal(p, q)
+            assert torch.equal(p, q), wire
     numel = sum(p.numel() for p in r0[None][0])
     assert r0[None][3] - r0["bf16"][3] == 4 * numel * 2  # 4 warm-up steps, 2 bytes less per element (2 ranks)
-    assert not all(torch.equal(p, q) for p, q in zip(r0[None][0], r0["bf16"][0], strict=True))
+    assert r0[None][3] - r0["uint8"][3] > 4 * numel * 2.5  # codes + one (min, max) per 128 elements
+    for wire in ("bf16", "uint8"):
+        assert not all(torch.equal(p, q) for p, q in zip(r0[None][0], r0[wire][0], strict=True))
+
+
+def _block_ranges(t: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """Each element's (max - min) over its block of ``block`` elements from the tensor's first one."""
+    flat = t.reshape(-1)
+    pad = torch.cat([flat, flat[-1:].expand(-flat.numel() % block)]).view(-1, block)  # the tail's own value
+    return (pad.amax(1) - pad.amin(1)).repeat_interleave(block)[: flat.numel()].view_as(t)
+
+
+def test_uint8_warmup_mean_is_within_a_code_step_and_keeps_unused_rows_zero():
+    """The uint8 warm-up on 2 simulated nodes x 2 ranks (fp32 inside a node, codes between nodes): every
+    step's mean is within a code step per stage of the exact one (each tensor's blocks of 128; a node's
+    shard starts inside the 200 x 128 weight, whose blocks stay its rows there too), the rows
+    of tokens no rank saw keep exactly zero moments and do not move, and the nodes exchange under a third
+    of what fp32's flat all-reduce sends (the two-level layout also keeps fp32 inside each node)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(30, WIDTH), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, 200), nn.ReLU(),
+                          nn.Linear(200, 4))
+    runs = {}
+    for wire in (None, "uint8"):
+        params = [p.detach().clone().requires_grad_() for p in model.parameters()]
+        opt = OnebitAdam(params, lr=1e-3, warmup_steps=10, simulate_workers=4, warmup_comm_dtype=wire)
+        opt.set_topology(hierarchical=True, ranks_per_node=2)
+        runs[wire] = (params, opt)
+    g = torch.Generator().manual_seed(1)
+    params, opt = runs["uint8"]
+    for _ in range(3):
+        grads = []
+        for _ in range(4):
+            idx = torch.randint(0, 20, (16,), generator=g)  # rows 20..29: no rank sees them
+            loss = nn.functional.cross_entropy(model(idx), idx % 4)
+            grads.append([t.clone() for t in torch.autograd.grad(loss, list(model.parameters()))])
+        for _, o in runs.values():
+            o.step_workers(grads)
+        (b,) = opt._buckets
+        got = b.views(b.worker_buffers("warm-up mean", 1)[0])
+        order = [next(i for i, p in enumerate(params) if p is q) for q in b.params]
+        for v, i in zip(got, order, strict=True):
+            nodes = [(grads[0][i] + grads[1][i]) / 2, (grads[2][i] + grads[3][i]) / 2]
+            exact = (nodes[0] + nodes[1]) / 2
+            step = torch.maximum(*[_block_ranges(x) for x in nodes]) / 255  # a half step per stage, two stages
+            assert ((v - exact).abs() <= step + 1e-7).all(), i
+            assert not torch.equal(v, exact) or step.max() == 0, i
+    (pf, of), (pq, oq) = runs[None], runs["uint8"]
+    for st in (of.state[pf[0]], oq.state[pq[0]]):
+        assert st["exp_avg"][:20].abs().sum() > 0
+        assert st["exp_avg"][20:].abs().sum() == 0 and st["exp_avg_sq"][20:].abs().sum() == 0
+    assert torch.equal(pq[0][20:], model[0].weight[20:].detach())
+    assert oq.comm_counter.total.bytes_sent < of.comm_counter.total.bytes_sent / 3
+    assert oq.intra_node_counter.total.bytes_sent > 0 == of.intra_node_counter.total.bytes_sent  # fp32: DDP's flat ring
 
 
 @pytest.mark.parametrize("block_size", [None, 8])

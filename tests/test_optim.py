@@ -320,8 +320,8 @@ def test_misuse_errors():
         OnebitAdam(m.parameters(), simulate_workers=2).step()
     with pytest.raises(ValueError, match="warmup_steps"):
         OnebitAdam(m.parameters(), warmup_steps=-1)
-    for bad in (torch.int8, "float8"):
-        with pytest.raises(ValueError, match=r"warmup_comm_dtype must be one of \['bf16', 'fp16', 'fp32'\]"):
+    for bad in (torch.int8, "float8", "8bit"):
+        with pytest.raises(ValueError, match=r"warmup_comm_dtype must be one of \['bf16', 'fp16', 'fp32', 'uint8'\]"):
             OnebitAdam(m.parameters(), warmup_comm_dtype=bad)
     with pytest.raises(ValueError, match="multiple of 8"):
         OnebitAdam(m.parameters(), block_size=10)

@@ -246,8 +246,9 @@ def test_ddp_hook_equals_the_simulation_and_local_steps_send_nothing():
     """2 gloo ranks with the DDP comm hook against the simulated cluster fed the ranks' own gradients:
     every worker's replica equals its rank's before every step, bit for bit, through refresh, 1-bit,
     local and synchronising steps; the local steps start no collective at all, DDP's included. The
-    same with the refreshes' mean sent in fp16: equal to the simulation too, and half their bytes."""
-    steps, wires = 28, (None, "fp16")
+    same with the refreshes' mean sent in fp16 (half their bytes) and as 8-bit codes sent by ``step()``
+    (fewer still): equal to the simulation too."""
+    steps, wires = 28, (None, "fp16", "uint8")
     runs = values(run_ranks(_ddp_rank, 2, steps, wires, timeout_s=120))
     kinds = ZeroOneSchedule(**SMALL).kinds(steps)
     for wire in wires:
@@ -272,6 +273,7 @@ def test_ddp_hook_equals_the_simulation_and_local_steps_send_nothing():
     numel = sum(p.numel() for p in runs[0][None][1])
     refresh = [t for t, k in enumerate(kinds) if k == R]
     assert refresh and all(runs[0][None][0][t]["bytes"] - runs[0]["fp16"][0][t]["bytes"] == numel * 2 for t in refresh)
+    assert all(runs[0]["uint8"][0][t]["bytes"] < runs[0]["fp16"][0][t]["bytes"] for t in refresh)
 
 
 def test_two_level_simulation_keeps_the_replicas_apart_until_they_meet():

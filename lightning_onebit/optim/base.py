@@ -10,7 +10,8 @@ Every compressed optimizer here works the same way (docs/design.md, "Data flow o
   in full precision (by DDP's allreduce when a DDP model is attached, else by ``step()``
   itself) and the warm-up rule (AdamW, LAMB) runs, with per-parameter step counts as
   ``torch.optim.AdamW`` keeps them. ``warmup_comm_dtype`` (bf16, fp16) sends that mean as
-  PyTorch's ``bf16_compress_hook`` does, for half the bytes of the phase that costs the most.
+  PyTorch's ``bf16_compress_hook`` does, for half the bytes of the phase that costs the most, or
+  (uint8) as QAdam's 8-bit codes through the optimizer's buckets, for a quarter.
 * **Compression**: per bucket, the subclass forms the local payload (momentum or gradient),
   a :class:`~lightning_onebit.comm.CompressedAllreduce` synchronises it and the subclass
   absorbs the result into its state. With DDP this happens in the communication hook
@@ -43,23 +44,15 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ..comm import (
-    ByteCounter,
-    NonFiniteInputError,
-    any_across,
-    group_size,
-    mean_allreduce,
-    ring_allreduce_bytes,
-    wire_dtype,
-)
+from ..comm import ByteCounter, NonFiniteInputError, any_across, group_size
 from ..compress.kernels import apply_thread_budget
-from .buckets import Bucket, BucketState, _simulated_mean
+from .buckets import Bucket, BucketState
 from .checkpointing import OptimizerCheckpoint
 from .conversion import AdamConversion, check_hyperparameters
 from .ddp import DDPHookPath
 from .functional import decoupled_update_
 from .nonfinite import NonFiniteGradientError, NonFinitePolicy, SkippedEverywhere, check_nonfinite_policy
-from .sync import BucketSync, CollectiveError
+from .sync import BucketSync, CollectiveError, warmup_wire
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +84,11 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
             dtype, as with PyTorch's ``bf16_compress_hook``. The variance that the compression phase
             freezes is then estimated from those gradients (bf16 keeps 8 significant bits, the
             precision DeepSpeed's 1-bit Adam warms up in when it trains in half precision).
+            ``"uint8"``: a quarter of fp32's bytes, as 8-bit min-max codes (QAdam's, one (min, max)
+            per 128 elements of a tensor) through the two-stage compressed allreduce without error
+            feedback, in ``step()`` (a DDP hook then leaves the local gradients to it): the mean is
+            off by at most half a code step (1/510 of a
+            block's range) per stage; all-zero blocks stay exactly zero.
     """
 
     #: the Lightning strategy name this optimizer registers under (``None``: an abstract base)
@@ -134,7 +132,7 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
         if simulate_workers is not None and simulate_workers < 1:
             raise ValueError(f"simulate_workers must be >= 1, got {simulate_workers}")
         self.warmup_steps = warmup_steps
-        self.warmup_comm_dtype = wire_dtype(warmup_comm_dtype, "warmup_comm_dtype")
+        self.warmup_comm_dtype = warmup_wire(warmup_comm_dtype)
         self.bucket_cap_mb = bucket_cap_mb
         self.process_group = group
         self.simulate_workers = simulate_workers
@@ -249,24 +247,6 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
         if self.simulate_workers is not None:
             return self.simulate_workers
         return group_size(self.process_group)
-
-    # -- gradients -----------------------------------------------------------------------
-    def _average_warmup(self, b: Bucket, worker_grads: Sequence[torch.Tensor] | None) -> torch.Tensor:
-        """Full-precision mean gradient of a bucket, exactly as DDP would compute it (in fp32, or sent
-        in ``warmup_comm_dtype``)."""
-        wire = self._warmup_wire()
-        if worker_grads is not None:  # simulation: (g_0 / n) + (g_1 / n) + ... in worker order
-            _simulated_mean(worker_grads, out=b.grad, scratch=b.worker_buffers("quotient", 1)[0], dtype=wire)
-            n = len(worker_grads)  # counted as the real path counts its allreduce
-            self.comm_counter.add(ring_allreduce_bytes(b.numel, n, self.warmup_comm_dtype.itemsize), b.numel, n)
-        elif not b.via_ddp:
-            with self._collective(f"{self.warmup_comm_dtype} allreduce (warm-up)", b):
-                mean_allreduce(b.grad, self.process_group, self.comm_counter, dtype=wire)
-        return b.grad
-
-    def _warmup_wire(self) -> torch.dtype | None:
-        """The dtype the warm-up mean travels in, ``None`` for the buckets' own fp32."""
-        return None if self.warmup_comm_dtype == torch.float32 else self.warmup_comm_dtype
 
     # -- updates (subclasses) ------------------------------------------------------------
     def _update_warmup(self, b: Bucket, grad: torch.Tensor | list[torch.Tensor], group: dict,
@@ -399,7 +379,8 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
             # a warm-up whose gradient is averaged already (one rank, or DDP's allreduce) may run on
             # the parameters' own gradients: no copy into the bucket
             direct = None
-            if wflat is None and not b.compressing and (b.via_ddp or self.world_size == 1) and any(has):
+            averaged = self.world_size == 1 or (b.via_ddp and not self._warmup_in_codes)
+            if wflat is None and not b.compressing and averaged and any(has):
                 direct = self._warmup_on_own_grads(b, has)
             if (wflat is None and direct is None and own is None and not b.done
                     and not (b.via_ddp and b.compressing and b.ready)):

@@ -65,6 +65,7 @@ class Bucket:
         self.grad = flat_buffer(self.numel, device=dev)  # local gradient
         self._synced: torch.Tensor | None = None
         self.comm: CompressedAllreduce | SimulatedCluster | None = None
+        self.warmup_comm: CompressedAllreduce | SimulatedCluster | None = None  # warmup_comm_dtype="uint8"
         self.payload: torch.Tensor | None = None  # reused every step: fresh buffers cost page faults
         self._worker_bufs: dict[str, list[torch.Tensor]] = {}  # the same for simulated workers
         self.cache: dict = {}  # per-bucket values that only change at the switch (see subclasses)

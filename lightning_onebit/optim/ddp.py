@@ -2,7 +2,8 @@
 each gradient bucket while backward runs (see :mod:`lightning_onebit.comm.ddp_hook`).
 
 During warm-up the hook averages in fp32 (one allreduce per DDP bucket, as DDP would; or in
-``warmup_comm_dtype``, as PyTorch's ``bf16_compress_hook`` would); in the
+``warmup_comm_dtype``, as PyTorch's ``bf16_compress_hook`` would; its 8-bit codes are sent by
+``step()`` through the optimizer's buckets, whose tensors have scales of their own); in the
 compression phase it copies the local gradients into the optimizer's own buckets and
 synchronises each one, compressed, as soon as all its gradients have arrived. The future
 completes with the local gradients: the optimizer already holds the synchronised result.
@@ -101,11 +102,9 @@ class DDPHookPath:
         buf = bucket.buffer()
         self._update_phase()
         if not self._compressing:
-            return mean_allreduce_future(buf, self.process_group, self.comm_counter, dtype=self._warmup_wire())
+            return self._warmup_future(buf)
         if self.defer_sync_to_step:
-            fut0: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            fut0.set_result(buf)  # local gradients; step() synchronises them
-            return fut0
+            return _done(buf)  # local gradients; step() synchronises them
         with torch.no_grad():
             for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
                 ob, i = self._param_bucket[id(p)]
@@ -117,6 +116,17 @@ class DDPHookPath:
                 ob.ready += 1
                 if ob.ready == len(ob.params):
                     self._sync_bucket(ob)
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(buf)
-        return fut
+        return _done(buf)
+
+    def _warmup_future(self, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """The warm-up's mean of a DDP bucket, dense; or the local gradients, which ``step()`` sends as codes."""
+        if self._warmup_in_codes:
+            return _done(buf)
+        return mean_allreduce_future(buf, self.process_group, self.comm_counter, dtype=self._warmup_wire())
+
+
+def _done(buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future that already holds ``buf``."""
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(buf)
+    return fut

@@ -24,16 +24,36 @@ from ..comm import (
     HierarchicalAllreduce,
     SimulatedCluster,
     SimulatedHierarchicalCluster,
+    mean_allreduce,
     node_groups,
+    ring_allreduce_bytes,
+    wire_dtype,
 )
-from ..comm.dense import launcher_ranks_per_node
-from ..compress import Codec, Source, flat_buffer
-from .buckets import Bucket
+from ..comm.dense import WIRE_DTYPES, launcher_ranks_per_node
+from ..compress import Codec, MinMaxUInt8Codec, Source, flat_buffer
+from .buckets import Bucket, _simulated_mean
 from .nonfinite import NonFiniteGradientError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BucketSync", "CollectiveError"]
+__all__ = ["WARMUP_CODE_BLOCK", "BucketSync", "CollectiveError", "warmup_wire"]
+
+#: ``warmup_comm_dtype="uint8"``: one (min, max) per this many elements of a tensor, so that an embedding
+#: row whose width is a multiple of it and that got no gradient on any rank stays exactly zero (a constant
+#: block decodes exactly), as it does in fp32; 8 B of scales per 128 B of codes
+WARMUP_CODE_BLOCK = 128
+
+
+def warmup_wire(dtype: torch.dtype | str | None) -> torch.dtype:
+    """``warmup_comm_dtype`` resolved: a dense wire dtype (``None``: fp32) or ``torch.uint8`` (8-bit codes)."""
+    if dtype == "uint8" or dtype is torch.uint8:
+        return torch.uint8
+    try:
+        return wire_dtype(dtype, "warmup_comm_dtype")
+    except ValueError:
+        names = sorted([*WIRE_DTYPES, "uint8"])
+        raise ValueError(f"warmup_comm_dtype must be one of {names} (or the torch dtypes "
+                         f"{', '.join(map(str, [*WIRE_DTYPES.values(), torch.uint8]))}), got {dtype!r}") from None
 
 
 class CollectiveError(RuntimeError):
@@ -60,7 +80,7 @@ class BucketSync:
         A layout whose ranks per node do not divide the world size falls back to flat, logged."""
         if (hierarchical, ranks_per_node) == (self.hierarchical, self.ranks_per_node):
             return
-        if any(b.comm is not None for b in self._buckets):
+        if any(b.comm is not None or b.warmup_comm is not None for b in self._buckets):
             raise RuntimeError(f"{type(self).__name__}.set_topology: the collectives exist already; call it "
                                "before the first compressed step (or before loading a state_dict)")
         if ranks_per_node is not None and (not isinstance(ranks_per_node, int) or ranks_per_node < 1):
@@ -118,27 +138,75 @@ class BucketSync:
 
     def _comm_for(self, b: Bucket):
         if b.comm is None:
-            codec = self._make_codec(b)
-            # groups: one scale never spans two parameter tensors of the bucket
-            if self.simulate_workers is not None and (local := self._ranks_per_node()) is not None:
-                b.comm = SimulatedHierarchicalCluster(codec, self.comm_mode, self.simulate_workers // local, local,
-                                                      counter=self.comm_counter,
-                                                      intra_counter=self.intra_node_counter, groups=b.offsets)
-            elif self.simulate_workers is not None:
-                b.comm = SimulatedCluster(codec, self.comm_mode, self.simulate_workers, counter=self.comm_counter,
-                                          groups=b.offsets)
-            elif (local := self._ranks_per_node()) is not None:
-                lg, cg = self._groups_of_nodes(local)
-                b.comm = HierarchicalAllreduce(codec, self.comm_mode, local_group=lg, cross_group=cg,
-                                               counter=self.comm_counter, intra_counter=self.intra_node_counter,
-                                               groups=b.offsets)
-            else:
-                # verify="always": the per-call agreement is also how every rank learns that
-                # some rank's gradient was not finite, so they all skip the step together
-                b.comm = CompressedAllreduce(codec, self.comm_mode, group=self.process_group,
-                                             counter=self.comm_counter, verify="always", groups=b.offsets)
-            b.comm.bind(b.numel, b.device)  # state exists before the first sync (see _snapshot)
+            b.comm = self._new_collective(b, self._make_codec(b), self.comm_mode)
         return b.comm
+
+    def _new_collective(self, b: Bucket, codec: Codec, mode: str):
+        """A collective of ``b``'s size: flat, two-level or simulated, as the topology says."""
+        # groups: one scale never spans two parameter tensors of the bucket
+        if self.simulate_workers is not None and (local := self._ranks_per_node()) is not None:
+            comm = SimulatedHierarchicalCluster(codec, mode, self.simulate_workers // local, local,
+                                                counter=self.comm_counter, intra_counter=self.intra_node_counter,
+                                                groups=b.offsets)
+        elif self.simulate_workers is not None:
+            comm = SimulatedCluster(codec, mode, self.simulate_workers, counter=self.comm_counter, groups=b.offsets)
+        elif (local := self._ranks_per_node()) is not None:
+            lg, cg = self._groups_of_nodes(local)
+            comm = HierarchicalAllreduce(codec, mode, local_group=lg, cross_group=cg, counter=self.comm_counter,
+                                         intra_counter=self.intra_node_counter, groups=b.offsets)
+        else:
+            # verify="always": the per-call agreement is also how every rank learns that
+            # some rank's gradient was not finite, so they all skip the step together
+            comm = CompressedAllreduce(codec, mode, group=self.process_group, counter=self.comm_counter,
+                                       verify="always", groups=b.offsets)
+        comm.bind(b.numel, b.device)  # state exists before the first sync (see _snapshot)
+        return comm
+
+    # -- the warm-up's mean --------------------------------------------------------------
+    @property
+    def _warmup_in_codes(self) -> bool:
+        """The warm-up mean travels as 8-bit codes through the optimizer's buckets (not DDP's all-reduce)."""
+        return self.warmup_comm_dtype == torch.uint8
+
+    def _warmup_wire(self) -> torch.dtype | None:
+        """The dtype a dense warm-up mean travels in, ``None`` for the buckets' own fp32."""
+        return None if self.warmup_comm_dtype in (torch.float32, torch.uint8) else self.warmup_comm_dtype
+
+    def _average_warmup(self, b: Bucket, worker_grads: Sequence[torch.Tensor] | None) -> torch.Tensor:
+        """The mean gradient of a bucket in the warm-up: exactly as DDP computes it (fp32), sent in
+        ``warmup_comm_dtype`` bf16/fp16 as PyTorch's compress hooks send it, or as 8-bit codes."""
+        n = len(worker_grads) if worker_grads is not None else self.world_size
+        if self._warmup_in_codes and n > 1:
+            return self._coded_warmup_mean(b, worker_grads)
+        wire = self._warmup_wire()
+        if worker_grads is not None:  # simulation: (g_0 / n) + (g_1 / n) + ... in worker order
+            _simulated_mean(worker_grads, out=b.grad, scratch=b.worker_buffers("quotient", 1)[0], dtype=wire)
+            size = 4 if wire is None else wire.itemsize  # counted as the real path counts its allreduce
+            self.comm_counter.add(ring_allreduce_bytes(b.numel, n, size), b.numel, n)
+        elif not b.via_ddp:
+            with self._collective(f"{self.warmup_comm_dtype} allreduce (warm-up)", b):
+                mean_allreduce(b.grad, self.process_group, self.comm_counter, dtype=wire)
+        return b.grad
+
+    def _coded_warmup_mean(self, b: Bucket, worker_grads: Sequence[torch.Tensor] | None) -> torch.Tensor:
+        """The warm-up mean through the two-stage collective with QAdam's 8-bit min-max codes, no error
+        feedback (nothing to carry across steps or into a checkpoint): each rank's gradient quantised,
+        the server's mean quantised again, every tensor its own (min, max) per ``WARMUP_CODE_BLOCK``."""
+        if b.warmup_comm is None:
+            b.warmup_comm = self._new_collective(b, MinMaxUInt8Codec(block_size=WARMUP_CODE_BLOCK), "plain")
+        out = b.worker_buffers("warm-up mean", 1)[0]
+        try:
+            if worker_grads is not None:
+                b.warmup_comm.allreduce_into(list(worker_grads), out)
+            else:
+                with self._collective(f"uint8 allreduce (warm-up, {type(b.warmup_comm).__name__})", b):
+                    b.warmup_comm(b.grad, out=out)
+        except ValueError as exc:
+            if "not finite" in str(exc):
+                raise NonFiniteGradientError(
+                    f"{type(self).__name__}: {exc}. Lower the learning rate or clip gradients.") from exc
+            raise
+        return out
 
     #: the payload reads the gradients where they are (a Source over the parameters' ``.grad``), so the
     #: compression phase copies no gradient into the bucket (outside DDP's hook)

@@ -8,7 +8,6 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
-from ..comm.dense import mean_allreduce_future
 from ..compress import Codec, SignCodec, flat_buffer
 from .base import CompressedOptimizer, check_hyperparameters
 from .buckets import Bucket
@@ -257,8 +256,7 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
         the optimizer's buckets, and phase-B steps send nothing: the future holds the local gradients at once."""
         self._update_phase()
         if self._kind == "refresh":
-            return mean_allreduce_future(bucket.buffer(), self.process_group, self.comm_counter,
-                                         dtype=self._warmup_wire())
+            return self._warmup_future(bucket.buffer())
         if self._kind in ("local", "sync"):
             fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(bucket.buffer())
