@@ -33,7 +33,8 @@ fp32 all-reduce, PyTorch's hook), ``postlocal_8``/``postlocal_32`` (PyTorch's ``
 Lightning registers comm hooks only on CUDA), ``diloco`` (fp32 outer all-reduce, H = 16, outer lr 0.7, momentum
 0.9: the paper's), ``diloco_4bit``, ``onebit_adam``, ``zero_one_adam`` and ``qadam`` (the package's strategies,
 warm-up ``--warmup`` where they have one), and ``onebit_adam_bf16warm``/``zero_one_adam_bf16warm``: the same with
-``warmup_comm_dtype="bf16"`` (the warm-up's, or the variance refreshes', mean gradient sent in bf16).
+``warmup_comm_dtype="bf16"`` (the warm-up's, or the variance refreshes', mean gradient sent in bf16), and
+``..._u8warm``: with ``warmup_comm_dtype="uint8"`` (sent as 8-bit codes).
 
 Latency: ``--rtt`` adds a round-trip delay between nodes with ``EmulatedCluster.set_delay`` (a user-space delay
 line per node, since the kernel here has no ``tc netem``); ranks of one node are not delayed.
@@ -70,13 +71,15 @@ from netns_cluster import EmulatedCluster, cleanup_stale, node_env, report_failu
 repo_on_path()
 
 TAG = "LOBTTA "
-BF16_WARM = "_bf16warm"
-"""A package method with its full-precision phase (warm-up, 0/1 Adam's refreshes) sent in bf16."""
+WARM_WIRES = {"_bf16warm": "bf16", "_u8warm": "uint8"}
+"""Suffix of a package method with its full-precision phase (warm-up, 0/1 Adam's refreshes) sent another way:
+its ``warmup_comm_dtype``."""
+VARIANTS = tuple(f"{m}{w}" for w in WARM_WIRES for m in ("onebit_adam", "zero_one_adam"))
 METHODS = ("ddp_adamw", "ddp_bf16", "powersgd_r4", "postlocal_8", "postlocal_32", "diloco", "diloco_4bit",
-           "onebit_adam", "zero_one_adam", "qadam", "onebit_adam" + BF16_WARM, "zero_one_adam" + BF16_WARM)
+           "onebit_adam", "zero_one_adam", "qadam", *VARIANTS)
 PEERS = ("ddp_adamw", "ddp_bf16", "powersgd_r4", "postlocal_8", "postlocal_32", "diloco")
 """What a user could run instead of the package (DiLoCo fp32 is the paper's own algorithm)."""
-OURS = ("diloco_4bit", "onebit_adam", "zero_one_adam", "qadam", "onebit_adam" + BF16_WARM, "zero_one_adam" + BF16_WARM)
+OURS = ("diloco_4bit", "onebit_adam", "zero_one_adam", "qadam", *VARIANTS)
 DILOCO_H = 16
 MODEL = {"vocab": 64, "d_model": 192, "heads": 4, "layers": 4, "ff": 768, "context": 32}
 BATCH, LENGTH = 16, 33  # sequences per rank and step; 32 next-token predictions each
@@ -216,11 +219,19 @@ def make_strategy(method: str, warmup: int) -> Any:
         return _post_local_sgd(HookDDPStrategy, int(method.split("_")[1]), warmup, **views)
     if method.startswith("diloco"):
         return DiLoCoStrategy(sync_every=DILOCO_H, compression="4bit" if method.endswith("4bit") else "fp32")
-    algorithm = method.removesuffix(BF16_WARM)
-    wire = {"warmup_comm_dtype": "bf16"} if method.endswith(BF16_WARM) else {}
+    algorithm, wire = _base(method), {}
+    if algorithm != method:
+        wire = {"warmup_comm_dtype": WARM_WIRES[method.removeprefix(algorithm)]}
     if algorithm == "zero_one_adam":
         return CompressedDDPStrategy(algorithm, optimizer_kwargs={"var_freeze_step": warmup, **wire})
     return CompressedDDPStrategy(algorithm, warmup=warmup, optimizer_kwargs=wire)
+
+
+def _base(method: str) -> str:
+    """The method without its warm-up wire suffix."""
+    for suffix in WARM_WIRES:
+        method = method.removesuffix(suffix)
+    return method
 
 
 def _post_local_sgd(base: type, period: int, warmup: int, **kwargs: Any) -> Any:
@@ -608,9 +619,9 @@ def chart(rows: list[dict[str, Any]], path: Path, metric: str = "val_loss") -> N
 
     wheres = list(dict.fromkeys(map(setting, rows)))
     fig, axes = plt.subplots(2, len(wheres), figsize=(6.5 * len(wheres), 9), squeeze=False)
-    # tab20's dark shades are tab10's; a bf16-warm-up variant takes the light shade of its method's hue
+    # tab20's dark shades are tab10's; a warm-up variant takes the light shade of its method's hue (uint8 dotted)
     shades = plt.get_cmap("tab20").colors
-    colors = {m: shades[2 * METHODS.index(m.removesuffix(BF16_WARM)) + m.endswith(BF16_WARM)] for m in METHODS}
+    colors = {m: shades[2 * METHODS.index(_base(m)) + (m != _base(m))] for m in METHODS}
     for j, where in enumerate(wheres):
         for m in METHODS:
             runs = [r for r in rows if setting(r) == where and r["method"] == m]
@@ -618,7 +629,7 @@ def chart(rows: list[dict[str, Any]], path: Path, metric: str = "val_loss") -> N
                 x_t = [p["train_s"] for p in r["points"]]
                 x_b = [p["tx"] / 1e6 for p in r["points"]]
                 y = [p[metric] for p in r["points"]]
-                style = "--" if m in PEERS else "-"
+                style = "--" if m in PEERS else ":" if m.endswith("_u8warm") else "-"
                 axes[0, j].plot(x_t, y, style, color=colors[m], label=m if i == 0 else None, lw=1.2)
                 axes[1, j].plot(x_b, y, style, color=colors[m], lw=1.2)
         targets = [t for s in {r["seed"] for r in rows} if (t := target_of(rows, where, s, metric)) is not None]
