@@ -207,6 +207,8 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
     def _switch_bucket(self, b: Bucket) -> None:
         b.compressing = True
         b.cache.clear()
+        b.warmup_comm = None  # the warm-up's codes are done: free their collective and its result buffer
+        b.drop_buffers("warm-up mean")
         for p in b.params:
             st = self.state[p]
             st["frozen_step"] = st.get("step", 0)

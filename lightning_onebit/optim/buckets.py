@@ -84,6 +84,10 @@ class Bucket:
                                               for _ in range(n)]
         return bufs
 
+    def drop_buffers(self, name: str) -> None:
+        """Free the buffers :meth:`worker_buffers` keeps under ``name``."""
+        self._worker_bufs.pop(name, None)
+
     @property
     def synced(self) -> torch.Tensor:
         """Result buffer of the collective, allocated on first use (optimizers that receive the

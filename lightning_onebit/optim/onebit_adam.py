@@ -79,7 +79,7 @@ class OnebitAdam(CompressedOptimizer):
             ``False``: the warm-up is torch's default AdamW, op for op. A converted
             ``AdamW(fused=True)`` carries it over. Parameters that are not fp32 take the default path.
         bucket_cap_mb, group, simulate_workers, warmup_comm_dtype: see :class:`CompressedOptimizer`
-            (``warmup_comm_dtype="bf16"`` halves the warm-up's bytes).
+            (``warmup_comm_dtype="bf16"`` halves the warm-up's bytes, ``"uint8"`` sends about a quarter).
     """
 
     strategy_name = "onebit_adam"
