@@ -646,7 +646,7 @@ def chart(rows: list[dict[str, Any]], path: Path, metric: str = "val_loss") -> N
         axes[1, j].set_xscale("log")
         axes[0, j].legend(fontsize=7)
     fig.suptitle(f"{NAMES[metric].capitalize()} against training wall time and bytes\n(dashed: what users run "
-                 "instead; dotted: the target)", fontsize=10)
+                 "instead; dotted: a uint8 warm-up; black dotted: the target)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
