@@ -27,6 +27,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from .dense import ready_future
+
 __all__ = ["BucketSyncer", "CompressionHookState", "compression_hook", "local_gradients_hook",
            "register_compression_hook", "register_local_hook"]
 
@@ -50,9 +52,7 @@ def register_compression_hook(ddp_model: torch.nn.parallel.DistributedDataParall
 
 def local_gradients_hook(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Leave the bucket's local gradients in place: the optimizers synchronise them in ``step()``."""
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
+    return ready_future(bucket.buffer())
 
 
 def register_local_hook(ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:

@@ -25,7 +25,7 @@ from .accounting import ByteCounter, ring_allreduce_bytes
 
 __all__ = ["FANOUT_MAX_BYTES", "WIRE_DTYPES", "all_finite", "all_gather_rows", "any_across", "any_across_bytes",
            "backend_for", "collective_device", "fans_out", "group_size", "launcher_ranks_per_node", "mean_allreduce",
-           "mean_allreduce_future", "pack_bits", "unpack_bits", "wire_dtype"]
+           "mean_allreduce_future", "pack_bits", "ready_future", "unpack_bits", "wire_dtype"]
 
 FANOUT_MAX_BYTES = 1 << 16
 """The most bytes a rank sends in a fanned-out :func:`any_across` ((n - 1) copies of its packed flags);
@@ -52,15 +52,16 @@ WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.floa
 """The dtypes a full-precision mean may travel in, by their short names."""
 
 
-def wire_dtype(dtype: torch.dtype | str | None, name: str = "dtype") -> torch.dtype:
-    """``dtype`` as one of :data:`WIRE_DTYPES` (a name or the dtype; ``None``: fp32), else a ValueError
-    that calls it ``name``."""
+def wire_dtype(dtype: torch.dtype | str | None, name: str = "dtype",
+               allowed: dict[str, torch.dtype] = WIRE_DTYPES) -> torch.dtype:
+    """``dtype`` as one of ``allowed`` (default :data:`WIRE_DTYPES`; a name or the dtype; ``None``: fp32),
+    else a ValueError that calls it ``name``."""
     if dtype is None:
         return torch.float32
-    got = WIRE_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
-    if got not in WIRE_DTYPES.values():
-        raise ValueError(f"{name} must be one of {sorted(WIRE_DTYPES)} (or the torch dtypes "
-                         f"{', '.join(map(str, WIRE_DTYPES.values()))}), got {dtype!r}")
+    got = allowed.get(dtype) if isinstance(dtype, str) else dtype
+    if got not in allowed.values():
+        raise ValueError(f"{name} must be one of {sorted(allowed)} (or the torch dtypes "
+                         f"{', '.join(map(str, allowed.values()))}), got {dtype!r}")
     return got
 
 
@@ -87,14 +88,19 @@ def mean_allreduce(t: torch.Tensor, group=None, counter: ByteCounter | None = No
     return t
 
 
+def ready_future(t: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+    """A future that already holds ``t`` (a DDP comm hook that sends nothing returns one)."""
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(t)
+    return fut
+
+
 def mean_allreduce_future(t: torch.Tensor, group=None, counter: ByteCounter | None = None, *,
                           dtype: torch.dtype | None = None) -> torch.futures.Future[torch.Tensor]:
     """:func:`mean_allreduce` started asynchronously (a DDP comm hook's return value: ``t``)."""
     n = group_size(group)
     if n == 1:
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        fut.set_result(t)
-        return fut
+        return ready_future(t)
     wire = _to_wire(t, n, dtype)
     if counter is not None:
         counter.add(ring_allreduce_bytes(t.numel(), n, wire.element_size()), t.numel(), n)

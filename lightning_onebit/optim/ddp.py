@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm.dense import mean_allreduce_future
+from ..comm.dense import mean_allreduce_future, ready_future
 
 __all__ = ["DDPHookPath", "attach_several"]
 
@@ -104,7 +104,7 @@ class DDPHookPath:
         if not self._compressing:
             return self._warmup_future(buf)
         if self.defer_sync_to_step:
-            return _done(buf)  # local gradients; step() synchronises them
+            return ready_future(buf)  # local gradients; step() synchronises them
         with torch.no_grad():
             for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
                 ob, i = self._param_bucket[id(p)]
@@ -116,17 +116,10 @@ class DDPHookPath:
                 ob.ready += 1
                 if ob.ready == len(ob.params):
                     self._sync_bucket(ob)
-        return _done(buf)
+        return ready_future(buf)
 
     def _warmup_future(self, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
         """The warm-up's mean of a DDP bucket, dense; or the local gradients, which ``step()`` sends as codes."""
         if self._warmup_in_codes:
-            return _done(buf)
+            return ready_future(buf)
         return mean_allreduce_future(buf, self.process_group, self.comm_counter, dtype=self._warmup_wire())
-
-
-def _done(buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-    """A future that already holds ``buf``."""
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(buf)
-    return fut

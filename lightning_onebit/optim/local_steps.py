@@ -167,17 +167,12 @@ class LocalSteps:
                 payloads.append(Source.quotient(u, sums, groups=b.offsets, mask=idx, masked="zero", out=out))
             synced = b.synced
             defer = {"defer": True} if hasattr(comm, "decode_pending") else {}
-            try:
+            with self._nonfinite_is_gradient_error():
                 if self.simulate_workers is not None:
                     comm.allreduce_into(payloads, synced, flags=bad, **defer)
                 else:
                     with self._collective("compressed allreduce (local-step synchronisation)", b):
                         comm(payloads[0], out=synced, flag=bad[0], **defer)
-            except ValueError as exc:
-                if "not finite" in str(exc):
-                    raise NonFiniteGradientError(f"ZeroOneAdam: {exc}. Lower the learning rate or clip gradients.") \
-                        from exc
-                raise
             if i == 0 and comm.any_flag:
                 self._report_dropped()  # a raise leaves the deferred result undecoded: nothing changed yet
             m, anchor = b.flat["exp_avg"], b.flat["anchor"]

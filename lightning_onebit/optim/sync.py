@@ -46,14 +46,7 @@ WARMUP_CODE_BLOCK = 128
 
 def warmup_wire(dtype: torch.dtype | str | None) -> torch.dtype:
     """``warmup_comm_dtype`` resolved: a dense wire dtype (``None``: fp32) or ``torch.uint8`` (8-bit codes)."""
-    if dtype == "uint8" or dtype is torch.uint8:
-        return torch.uint8
-    try:
-        return wire_dtype(dtype, "warmup_comm_dtype")
-    except ValueError:
-        names = sorted([*WIRE_DTYPES, "uint8"])
-        raise ValueError(f"warmup_comm_dtype must be one of {names} (or the torch dtypes "
-                         f"{', '.join(map(str, [*WIRE_DTYPES.values(), torch.uint8]))}), got {dtype!r}") from None
+    return wire_dtype(dtype, "warmup_comm_dtype", {**WIRE_DTYPES, "uint8": torch.uint8})
 
 
 class CollectiveError(RuntimeError):
@@ -115,6 +108,17 @@ class BucketSync:
                 log.warning(f"{type(self).__name__}: the two-level collective falls back to flat: {why}")
             return None
         return local
+
+    @contextlib.contextmanager
+    def _nonfinite_is_gradient_error(self) -> Iterator[None]:
+        """A collective that found a non-finite input on some rank raises :class:`NonFiniteGradientError`."""
+        try:
+            yield
+        except ValueError as exc:
+            if "not finite" in str(exc):
+                raise NonFiniteGradientError(
+                    f"{type(self).__name__}: {exc}. Lower the learning rate or clip gradients.") from exc
+            raise
 
     @contextlib.contextmanager
     def _collective(self, what: str, b: Bucket | None = None) -> Iterator[None]:
@@ -195,17 +199,12 @@ class BucketSync:
         if b.warmup_comm is None:
             b.warmup_comm = self._new_collective(b, MinMaxUInt8Codec(block_size=WARMUP_CODE_BLOCK), "plain")
         out = b.worker_buffers("warm-up mean", 1)[0]
-        try:
+        with self._nonfinite_is_gradient_error():
             if worker_grads is not None:
-                b.warmup_comm.allreduce_into(list(worker_grads), out)
+                b.warmup_comm.allreduce_into(worker_grads, out)
             else:
                 with self._collective(f"uint8 allreduce (warm-up, {type(b.warmup_comm).__name__})", b):
                     b.warmup_comm(b.grad, out=out)
-        except ValueError as exc:
-            if "not finite" in str(exc):
-                raise NonFiniteGradientError(
-                    f"{type(self).__name__}: {exc}. Lower the learning rate or clip gradients.") from exc
-            raise
         return out
 
     #: the payload reads the gradients where they are (a Source over the parameters' ``.grad``), so the
@@ -262,15 +261,10 @@ class BucketSync:
             if b.payload is None:
                 b.payload = flat_buffer(b.numel, device=b.device, zero=False)
             src = self._payload(b, grads, b.payload)
-            try:
-                with self._collective(f"compressed allreduce ({type(comm).__name__})", b):
-                    extra = self._defer_kw(b) if finite is None else {**self._defer_kw(b), "finite": finite}
-                    comm(b.payload if src is None else src, out=target, flag=self._flag(b, grads), **extra)
-            except ValueError as exc:
-                if "not finite" in str(exc):
-                    raise NonFiniteGradientError(
-                        f"{type(self).__name__}: {exc}. Lower the learning rate or clip gradients.") from exc
-                raise
+            with self._nonfinite_is_gradient_error(), \
+                    self._collective(f"compressed allreduce ({type(comm).__name__})", b):
+                extra = self._defer_kw(b) if finite is None else {**self._defer_kw(b), "finite": finite}
+                comm(b.payload if src is None else src, out=target, flag=self._flag(b, grads), **extra)
         if not getattr(comm, "pending", False):  # a deferred result is absorbed by the update
             self._absorb(b, target)
         if comm.any_flag:

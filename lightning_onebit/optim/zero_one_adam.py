@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 
+from ..comm.dense import ready_future
 from ..compress import Codec, SignCodec, flat_buffer
 from .base import CompressedOptimizer, check_hyperparameters
 from .buckets import Bucket
@@ -258,9 +259,7 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
         if self._kind == "refresh":
             return self._warmup_future(bucket.buffer())
         if self._kind in ("local", "sync"):
-            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            fut.set_result(bucket.buffer())
-            return fut
+            return ready_future(bucket.buffer())
         return super().ddp_bucket_ready(bucket)
 
     # -- checkpoints -----------------------------------------------------------------------
