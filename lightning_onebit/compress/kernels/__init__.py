@@ -5,9 +5,9 @@
 ``cuda``   :mod:`.numba_cuda`: numba-cuda kernels for CUDA tensors (zero-copy, on torch's current stream).
 
 ``auto`` (the default) picks ``cuda`` for CUDA tensors and ``numba`` for CPU tensors. If
-numba-cuda cannot load its compiler (NVVM: ``pip install lightning_onebit[cuda13]``, or
-``[cuda12]``, to match torch's CUDA major version), ``auto`` runs CUDA tensors on ``torch``
-instead, with one warning. A
+numba-cuda cannot compile (no NVVM: ``pip install lightning_onebit[cuda13]``, or ``[cuda12]``, to
+match torch's CUDA major version; or a numba-cuda that does not work with the installed numpy),
+``auto`` runs CUDA tensors on ``torch`` instead, with one warning that says why. A
 backend can be forced per codec (``backend=...``) or process-wide with the environment
 variable ``LIGHTNING_ONEBIT_BACKEND``; forcing ``cuda`` on CPU tensors is only meaningful
 under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which is how the CUDA kernels
@@ -55,12 +55,35 @@ def cuda_compiler_available() -> str | None:
     try:
         from numba.cuda.cudadrv import nvvm
 
-        if nvvm.is_available():
-            return None
-        nvvm.NVVM()  # raises with numba-cuda's own explanation
-        return "NVVM is not available"
+        if not nvvm.is_available():
+            nvvm.NVVM()  # raises with numba-cuda's own explanation
+            return "NVVM is not available"
+        _compile_probe()
+        return None
     except Exception as exc:  # a missing library, an incompatible version, ...
-        return f"{type(exc).__name__}: {exc}".strip()
+        return f"{type(exc).__name__}: {exc}".strip() + _versions()
+
+
+def _compile_probe() -> None:
+    """Compile a one-line kernel to PTX: a loadable NVVM is not enough. The first compile also loads
+    numba-cuda's target, which fails where numba-cuda and numpy disagree (numba-cuda 0.30 with
+    numpy 2.5: ``np.row_stack`` is gone), and then every kernel launch would raise."""
+    from numba import cuda, float32
+
+    def probe(a):
+        a[0] = 1.0
+
+    cuda.compile_ptx(probe, (float32[:],), cc=(7, 5))
+
+
+def _versions() -> str:
+    try:
+        import numba_cuda
+        import numpy
+
+        return f" (numba-cuda {getattr(numba_cuda, '__version__', '?')}, numpy {numpy.__version__})"
+    except ImportError:
+        return ""
 
 
 def resolve_backend_name(device: torch.device, forced: str | None = None) -> str:
