@@ -2,12 +2,15 @@
 backend falls back when numba-cuda has no compiler, collectives pick their device by backend."""
 
 import os
+import sys
 import warnings
 
 import pytest
 import torch
 
 from lightning_onebit.compress import kernels
+
+from proc_utils import run
 
 
 def _nvvm_or_skip():
@@ -30,6 +33,8 @@ def test_every_kernel_compiles_to_ptx(cc):
     for name, text in ptx.items():
         assert f".target sm_{cc[0]}{cc[1]}" in text, name
         assert ".visible .entry" in text and name in text, name
+    for name in ("_encode_minmax_kernel", "_decode_kernel"):  # lo + code * step rounds twice, as on the CPU
+        assert "fma.rn.f64" not in ptx[name] and "mul.rn.f64" in ptx[name], name
 
 
 def test_auto_backend_falls_back_to_torch_without_a_compiler(monkeypatch):
@@ -46,6 +51,30 @@ def test_auto_backend_falls_back_to_torch_without_a_compiler(monkeypatch):
     assert kernels.resolve_backend_name(torch.device("cpu")) == "numba"  # CPU tensors are not affected
     monkeypatch.setattr(kernels, "cuda_compiler_available", lambda: None)
     assert kernels.resolve_backend_name(cuda) == "cuda"
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", reason="the simulator compiles nothing")
+def test_a_numba_cuda_that_cannot_compile_falls_back_with_its_reason(tmp_path):
+    """A loadable NVVM is not enough: numba-cuda 0.30 imports ``np.row_stack``, which numpy 2.5 removed,
+    when it compiles its first kernel, so every launch raised. A fresh process without ``row_stack`` (as
+    numpy 2.5 has it) gets the torch backend with a warning that names the cause and both versions."""
+    _nvvm_or_skip()
+    code = (
+        "import warnings, numpy, torch\n"
+        "from lightning_onebit.compress import kernels\n"
+        "del numpy.row_stack\n"  # after the imports that star-import numpy, before numba-cuda's first compile
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    print(kernels.resolve_backend_name(torch.device('cuda', 0)))\n"
+        "print('|'.join(str(w.message) for w in caught))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in (kernels.ENV_VAR, "NUMBA_ENABLE_CUDASIM")}
+    proc = run([sys.executable, "-c", code], timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    backend, message = proc.stdout.splitlines()[-2:]
+    assert backend == "torch"
+    assert "cannot compile its kernels here (AttributeError: module 'numpy' has no attribute 'row_stack'" in message
+    assert "numba-cuda 0." in message and "numpy 2." in message
 
 
 @pytest.mark.parametrize("spec,cpu,cuda", [

@@ -36,7 +36,7 @@ from .layout import (
     Layout,
     is_sign,
 )
-from .numba_cuda_source import SIMULATED, accepts, kernel_input, source_at
+from .numba_cuda_source import SIMULATED, _mul64, accepts, kernel_input, source_at
 from .numba_cuda_source import arr as _arr
 
 # Under the simulator every CUDA thread is a Python thread: keep blocks tiny there.
@@ -79,7 +79,7 @@ def _decode_one(kind, codes, scales, row, i, b):
             c = (codes[row, i >> 1] >> ((i & 1) << 2)) & 15
         else:
             c = (codes[row, i >> 2] >> ((i & 3) << 1)) & 3
-        return float32(lo + float64(c) * ((hi - lo) / _top(kind)))
+        return float32(lo + _mul64(float64(c), (hi - lo) / _top(kind)))
     s = scales[row, b]
     if (codes[row, i >> 3] >> (i & 7)) & 1:
         return s
@@ -271,7 +271,7 @@ def _encode_minmax_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonf
             qi = int32(q)
             if kind == MINMAX_U8:
                 codes[r, i] = qi
-            dec = float32(smin + q * (rng / top))
+            dec = float32(smin + _mul64(q, rng / top))
             if i >= ends[r]:
                 pass
             elif mode == ERROR_FEEDBACK:
