@@ -30,3 +30,20 @@ def test_gpu_smoke_without_a_gpu_says_so():
     env["CUDA_VISIBLE_DEVICES"] = ""
     proc = proc_run([sys.executable, str(SCRIPT)], timeout=300, env=env)
     assert proc.returncode == 2 and "no CUDA device" in proc.stdout
+
+
+FIT = SCRIPT.parent / "gpu_fit.py"
+
+
+@pytest.mark.slow
+@pytest.mark.budget(60)  # one torchrun of 2 ranks: three short fits
+def test_gpu_fit_resumes_an_attention_model_bit_for_bit_on_cpu():
+    """benchmarks/gpu_fit.py, the Lightning fits a GPU run checks, on CPU: 2 torchrun ranks fit the
+    attention model with 1-bit Adam; one epoch + save + resume equals the two-epoch fit bit for bit."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    proc = proc_run([sys.executable, str(FIT), "--accelerator", "cpu", "--cases", "onebit_adam 32-true", "resume"],
+                    timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for check in ("| onebit_adam 32-true | ok | replicas identical", "state on ['cpu'], kernels numba",
+                  "| resume == uninterrupted | ok |", "0 failed row(s)"):
+        assert check in proc.stdout, check
