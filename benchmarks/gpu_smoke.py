@@ -82,7 +82,7 @@ def check_parity(device: torch.device, sizes: list[int]) -> None:
     gpu, cpu = codecs("cuda"), codecs("numba")
     for n in sizes:
         g = torch.Generator().manual_seed(n)
-        bad = []
+        bad, cases = [], 0
         for nseg in (1, 3):
             m = n - n % nseg  # rows are equal segments
             if nseg > 1 and m == 0:
@@ -90,6 +90,7 @@ def check_parity(device: torch.device, sizes: list[int]) -> None:
             x = torch.randn(m, generator=g) * torch.logspace(-3, 3, m) if m else torch.zeros(0)
             cuts = sorted({0, m // 7, m // 2, max(m - 1, 0)}) if m else None
             for name, mode, groups in itertools.product(gpu, ("plain", "error_feedback", "markov"), (None, cuts)):
+                cases += 1
                 state = torch.randn(m, generator=g)
                 xs, ss = x.clone().to(device), state.clone().to(device)  # distinct even on CPU
                 try:
@@ -112,7 +113,7 @@ def check_parity(device: torch.device, sizes: list[int]) -> None:
                 if not same:
                     bad.append(f"{name}/{mode}/nseg={nseg}/groups={groups}{why}")
         row(f"parity n={n}", not bad, "codes, scales, state, decode equal to numba CPU" if not bad
-            else "differs: " + ", ".join(bad[:6]))
+            else f"differs in {len(bad)} of {cases} cases: " + ", ".join(bad[:6]))
 
 
 def check_stream_order(device: torch.device) -> None:
