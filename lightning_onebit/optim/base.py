@@ -145,6 +145,7 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
         self._nbucketed = 0  # param groups that have buckets
         self._param_bucket: dict[int, tuple[Bucket, int]] = {}
         self._ddp_attached = False
+        self._coded_warmup = None  # the DDP hook's sender of the 8-bit warm-up mean, made at its first use
         self._ddp_params: set[int] = set()
         self._ddp_find_unused = False
         #: with DDP, synchronise in step() instead of the backward hook (fp16 + GradScaler:
@@ -381,7 +382,7 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
             # a warm-up whose gradient is averaged already (one rank, or DDP's allreduce) may run on
             # the parameters' own gradients: no copy into the bucket
             direct = None
-            averaged = self.world_size == 1 or (b.via_ddp and not self._warmup_in_codes)
+            averaged = self.world_size == 1 or b.via_ddp  # DDP's hook averaged it (dense, or as codes)
             if wflat is None and not b.compressing and averaged and any(has):
                 direct = self._warmup_on_own_grads(b, has)
             if (wflat is None and direct is None and own is None and not b.done

@@ -2,8 +2,9 @@
 each gradient bucket while backward runs (see :mod:`lightning_onebit.comm.ddp_hook`).
 
 During warm-up the hook averages in fp32 (one allreduce per DDP bucket, as DDP would; or in
-``warmup_comm_dtype``, as PyTorch's ``bf16_compress_hook`` would; its 8-bit codes are sent by
-``step()`` through the optimizer's buckets, whose tensors have scales of their own); in the
+``warmup_comm_dtype``, as PyTorch's ``bf16_compress_hook`` would; its 8-bit codes go through the
+optimizer's buckets, whose tensors have scales of their own, on a sender thread while backward
+runs: :mod:`.coded_warmup`); in the
 compression phase it copies the local gradients into the optimizer's own buckets and
 synchronises each one, compressed, as soon as all its gradients have arrived. The future
 completes with the local gradients: the optimizer already holds the synchronised result.
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.dense import mean_allreduce_future, ready_future
+from .coded_warmup import CodedWarmupSender
 
 __all__ = ["DDPHookPath", "attach_several"]
 
@@ -102,7 +104,7 @@ class DDPHookPath:
         buf = bucket.buffer()
         self._update_phase()
         if not self._compressing:
-            return self._warmup_future(buf)
+            return self._warmup_future(bucket)
         if self.defer_sync_to_step:
             return ready_future(buf)  # local gradients; step() synchronises them
         with torch.no_grad():
@@ -118,8 +120,12 @@ class DDPHookPath:
                     self._sync_bucket(ob)
         return ready_future(buf)
 
-    def _warmup_future(self, buf: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
-        """The warm-up's mean of a DDP bucket, dense; or the local gradients, which ``step()`` sends as codes."""
+    def _warmup_future(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """The warm-up's mean of a DDP bucket: dense (in ``warmup_comm_dtype``), or as 8-bit codes
+        through the optimizer's buckets on a sender thread (:class:`~.coded_warmup.CodedWarmupSender`)."""
         if self._warmup_in_codes:
-            return ready_future(buf)
-        return mean_allreduce_future(buf, self.process_group, self.comm_counter, dtype=self._warmup_wire())
+            if self._coded_warmup is None:
+                self._coded_warmup = CodedWarmupSender(self)
+            return self._coded_warmup.bucket_ready(bucket)
+        return mean_allreduce_future(bucket.buffer(), self.process_group, self.comm_counter,
+                                     dtype=self._warmup_wire())

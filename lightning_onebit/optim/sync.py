@@ -180,6 +180,8 @@ class BucketSync:
         """The mean gradient of a bucket in the warm-up: exactly as DDP computes it (fp32), sent in
         ``warmup_comm_dtype`` bf16/fp16 as PyTorch's compress hooks send it, or as 8-bit codes."""
         n = len(worker_grads) if worker_grads is not None else self.world_size
+        if worker_grads is None and b.via_ddp:
+            return b.grad  # gathered from the parameters, where DDP's hook left the mean (dense, or as codes)
         if self._warmup_in_codes and n > 1:
             return self._coded_warmup_mean(b, worker_grads)
         wire = self._warmup_wire()
@@ -187,7 +189,7 @@ class BucketSync:
             _simulated_mean(worker_grads, out=b.grad, scratch=b.worker_buffers("quotient", 1)[0], dtype=wire)
             size = 4 if wire is None else wire.itemsize  # counted as the real path counts its allreduce
             self.comm_counter.add(ring_allreduce_bytes(b.numel, n, size), b.numel, n)
-        elif not b.via_ddp:
+        else:
             with self._collective(f"{self.warmup_comm_dtype} allreduce (warm-up)", b):
                 mean_allreduce(b.grad, self.process_group, self.comm_counter, dtype=wire)
         return b.grad

@@ -257,7 +257,7 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
         the optimizer's buckets, and phase-B steps send nothing: the future holds the local gradients at once."""
         self._update_phase()
         if self._kind == "refresh":
-            return self._warmup_future(bucket.buffer())
+            return self._warmup_future(bucket)
         if self._kind in ("local", "sync"):
             return ready_future(bucket.buffer())
         return super().ddp_bucket_ready(bucket)

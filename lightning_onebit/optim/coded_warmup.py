@@ -1,0 +1,131 @@
+"""The 8-bit warm-up mean (``warmup_comm_dtype="uint8"``) sent while backward runs, from DDP's comm hook.
+
+DDP hands each gradient bucket to the hook. :class:`CodedWarmupSender` copies its local gradients into
+the optimizer's buckets (whose tensors carry their own scales, the layout the simulation uses too) and
+gives every optimizer bucket whose gradients are all in to one sender thread. The thread runs the
+bucket's coded mean (:meth:`~lightning_onebit.optim.sync.BucketSync._coded_warmup_mean`) and writes it
+into DDP's buckets. A DDP bucket's future completes when all its parameters have their mean, so after
+``backward()`` ``p.grad`` holds the mean, as after DDP's own all-reduce: gradient clipping acts on it,
+and ``step()`` updates from it directly.
+
+Trade-offs:
+
+* Why a thread: the coded mean waits on the link most of its time; run inside the hook it would hold
+  backward back. One thread keeps the calls in the order the hooks fire, the same on every rank. Nothing
+  else uses the process group during backward, and DDP waits for every future before ``backward()``
+  returns, so the thread's collectives never interleave with the caller's.
+* The thread and backward share the rank's cores: the codec's passes overlap with backward only where
+  cores are free; the waits on the link overlap in any case.
+* A non-finite gradient on any rank (the collective's agreement sees it on every rank) makes that
+  bucket's mean NaN on every rank, as DDP's all-reduce would spread it, so ``step()`` skips the step
+  everywhere or raises. Any other failure (a rank died) fails every future still open: ``backward()``
+  raises on every rank instead of waiting.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .nonfinite import NonFiniteGradientError
+
+if TYPE_CHECKING:
+    from .base import CompressedOptimizer
+    from .buckets import Bucket
+
+__all__ = ["CodedWarmupSender"]
+
+
+class CodedWarmupSender:
+    """State of the hook path of the 8-bit warm-up mean of one optimizer (see the module docstring)."""
+
+    def __init__(self, optimizer: CompressedOptimizer) -> None:
+        self.optimizer = optimizer
+        self._jobs: queue.SimpleQueue[Bucket] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._open: dict[int, list] = {}  # DDP bucket index -> [future, buffer, parameters still without a mean]
+        self._into: dict[int, tuple[int, torch.Tensor]] = {}  # id(param) -> (DDP bucket index, its view of the buffer)
+        self._failed: BaseException | None = None  # a collective failed: the group is unusable
+
+    def bucket_ready(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """Take a DDP bucket's local gradients; the future completes with their mean."""
+        opt, buf, k = self.optimizer, bucket.buffer(), bucket.index()
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        params = bucket.parameters()
+        with self._lock:
+            failed = self._failed
+            if failed is None:
+                self._open[k] = [fut, buf, len(params)]
+        if failed is not None:  # the group broke earlier: fail at once, never wait
+            fut.set_exception(failed)
+            return fut
+        if k == 0:  # DDP hands its buckets over in index order: a new backward starts (one given up counts none)
+            for b in opt._buckets:
+                b.ready = 0
+        at, full = 0, []
+        with torch.no_grad():
+            for p in params:
+                view = buf[at : at + p.numel()].view_as(p)  # the buffer's own view: DDP copies the buffer to p.grad
+                at += p.numel()
+                ob, i = opt._param_bucket[id(p)]
+                self._into[id(p)] = (k, view)
+                ob.views(ob.grad)[i].copy_(view)
+                ob.ready += 1
+                if ob.ready == len(ob.params):
+                    ob.ready = 0
+                    full.append(ob)
+        for ob in full:
+            self._submit(ob)
+        return fut
+
+    def _submit(self, b: Bucket) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="lightning_onebit warm-up sender", daemon=True)
+            self._thread.start()
+        self._jobs.put(b)
+
+    def _run(self) -> None:
+        while True:
+            b = self._jobs.get()
+            try:
+                self._send(b)
+            except BaseException as exc:  # noqa: BLE001 - every open future must hear of it, or DDP waits forever
+                self._fail(exc)
+
+    def _send(self, b: Bucket) -> None:
+        if self._failed is not None:
+            return  # the futures it would complete hold the error already
+        try:
+            with torch.no_grad():
+                mean = self.optimizer._coded_warmup_mean(b, None)
+        except NonFiniteGradientError:
+            mean = None  # on every rank: the agreement saw it
+        done = []
+        with torch.no_grad():
+            means = b.views(mean) if mean is not None else [None] * len(b.params)
+            for p, m in zip(b.params, means, strict=True):
+                k, view = self._into.pop(id(p))
+                if m is None:
+                    view.fill_(float("nan"))
+                else:
+                    view.copy_(m)
+                with self._lock:
+                    entry = self._open[k]
+                    entry[2] -= 1
+                    if entry[2] == 0:
+                        done.append(self._open.pop(k))
+        for fut, buf, _ in done:
+            fut.set_result(buf)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            self._failed = exc
+            open_, self._open = list(self._open.values()), {}
+            self._into.clear()
+        for fut, _, _ in open_:
+            fut.set_exception(exc)
