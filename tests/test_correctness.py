@@ -422,7 +422,7 @@ def _late_token_rank(rank, world_size):
         ddp = DDP(model)
         opt = OnebitAdam(model.parameters(), lr=1e-2, warmup_steps=4, warmup_comm_dtype=wire)
         opt.attach(ddp)
-        grads = []
+        grads, means = [], []
         for s in range(12):
             hi = 10 if s < 4 else (14 if rank == 1 else 10)  # only rank 1 ever sees tokens 10..13
             idx = torch.randint(0, hi, (8,), generator=torch.Generator().manual_seed(100 * s + rank))
@@ -431,10 +431,12 @@ def _late_token_rank(rank, world_size):
             local = torch.autograd.grad(nn.functional.cross_entropy(model(idx), idx % 4), list(model.parameters()))
             grads.append([t.clone() for t in local])
             loss.backward()
+            if s < 4:  # the warm-up: what backward left in p.grad
+                means.append([p.grad.clone() for p in model.parameters()])
             opt.step()
         assert _cache_matches_a_rebuild(opt)
         out[wire] = ([p.detach().clone() for p in model.parameters()], grads, opt.activated,
-                     opt.comm_counter.total.bytes_sent)
+                     opt.comm_counter.total.bytes_sent, means)
     return out
 
 
@@ -442,17 +444,24 @@ def test_late_tokens_activate_identically_on_ranks_and_in_the_simulation():
     """The activation travels with the collective's agreement (DDP hook path, 2 gloo ranks): every rank
     activates the same coordinates, and the run equals the simulation bit for bit, bytes included; with
     the warm-up sent in bf16 as well, which halves the warm-up's bytes and changes the result, and as
-    8-bit codes, which keep the unused rows at exactly zero (they activate as in fp32) for fewer bytes."""
+    8-bit codes, which keep the unused rows at exactly zero (they activate as in fp32) for fewer bytes:
+    those travel from DDP's hook on a thread, and after backward ``p.grad`` holds their mean, as DDP's
+    all-reduce leaves it, the simulation's to the bit."""
     wires = (None, "bf16", "uint8")
     r0, r1 = values(run_ranks(_late_token_rank, 2, timeout_s=120))
     for wire in wires:
-        (p0, g0, a0, b0), (p1, g1, a1, _) = r0[wire], r1[wire]
+        (p0, g0, a0, b0, m0), (p1, g1, a1, _, m1) = r0[wire], r1[wire]
         assert a0 == a1 == 4 * WIDTH and all(torch.equal(p, q) for p, q in zip(p0, p1, strict=True)), wire
         torch.manual_seed(0)
         model = _late_token_model()
         sim = OnebitAdam(model.parameters(), lr=1e-2, warmup_steps=4, simulate_workers=2, warmup_comm_dtype=wire)
         for s in range(12):
             sim.step_workers([g0[s], g1[s]])
+            if s < 4 and wire == "uint8":  # backward left the coded mean in p.grad, the same on both ranks
+                (b,) = sim._buckets
+                want = dict(zip(map(id, b.params), b.views(b.worker_buffers("warm-up mean", 1)[0]), strict=True))
+                for i, p in enumerate(model.parameters()):
+                    assert torch.equal(m0[s][i], want[id(p)]) and torch.equal(m1[s][i], want[id(p)]), (s, i)
         assert sim.activated == a0 and sim.comm_counter.total.bytes_sent == b0, wire
         for p, q in zip(model.parameters(), p0, strict=True):
             assert torch.equal(p, q), wire

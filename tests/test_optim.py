@@ -581,6 +581,63 @@ def _lost_rank(rank, world_size, how):
     return None
 
 
+def _coded_warmup_rank(rank, world_size):
+    """DDP + 1-bit Adam with the 8-bit warm-up, the mean sent from the hook: a NaN in rank 1's step-2
+    gradient, then rank 1 dies before its step-4 backward (out: what rank 0 saw at each)."""
+    import time
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_onebit import OnebitAdam
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Embedding(30, 8), nn.LayerNorm(8), nn.Flatten(), nn.Linear(32, 5))
+    ddp = DDP(m)
+    opt = OnebitAdam(m.parameters(), lr=1e-2, warmup_steps=10, warmup_comm_dtype="uint8")
+    opt.set_nonfinite_policy("skip")
+    opt.attach(ddp)
+    g = torch.Generator().manual_seed(rank)
+    out = {}
+    for step in range(1, 5):
+        x, y = torch.randint(0, 30, (8, 4), generator=g), torch.randint(0, 5, (8,), generator=g)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        if step == 2 and rank == 1:
+            loss = loss * float("nan")
+        if step == 4 and rank == 1:
+            raise SystemExit(1)  # its sockets close while rank 0's sender waits on it
+        before = [p.detach().clone() for p in m.parameters()]
+        t0 = time.monotonic()
+        try:
+            loss.backward()
+        except Exception as exc:
+            out["lost"] = (str(exc), time.monotonic() - t0)
+            return out
+        opt.step()
+        if step == 2:
+            out["nan"] = (all(bool(p.grad.isnan().all()) for p in m.parameters()), opt.skipped_steps,
+                          all(torch.equal(p, q) for p, q in zip(m.parameters(), before, strict=True)))
+        out[step] = [p.detach().clone() for p in m.parameters()]
+    return out
+
+
+@pytest.mark.budget(30)
+def test_coded_warmup_from_the_hook_skips_a_nan_and_fails_fast_on_a_lost_rank():
+    """The 8-bit warm-up mean travels on a sender thread from DDP's hook. A NaN on one rank reaches every
+    rank's ``p.grad`` (the collective's agreement), so the skip policy skips the step on both, and the next
+    step trains on, the replicas equal; a rank that dies fails the other's ``backward()`` at once with the
+    collective, the bucket and the step named, where a future left open would make DDP wait forever."""
+    from dist_utils import run_ranks
+
+    (s0, r0), (s1, r1) = run_ranks(_coded_warmup_rank, 2, timeout_s=30)
+    assert s0 == "ok" and s1 == "error", (r0, r1)
+    assert r0["nan"] == (True, 1, True), r0["nan"]
+    assert all(not torch.equal(p, q) for p, q in zip(r0[1], r0[3], strict=True))  # step 3 trained
+    msg, elapsed = r0["lost"]  # the third step taken (the second was skipped)
+    assert "uint8 allreduce (warm-up" in msg and "optimizer step 3" in msg and "bucket 0" in msg, msg
+    assert elapsed < 15, elapsed
+
+
 @pytest.mark.parametrize("how", ["dies", "stalls"])
 @pytest.mark.budget(40)  # waits for a timeout by design
 def test_lost_rank_fails_the_others_with_the_collective_and_step(how):

@@ -106,6 +106,7 @@ class CompressedAllreduce(TwoStageRank):
         self._sig_host: torch.Tensor | None = None  # pinned staging of the agreement (CUDA)
         self._gathered_ok: torch.Tensor | None = None  # GPU: server scales finite, read at the next agreement
         self.any_flag = False  # the OR over ranks of the last call's flag (see __call__)
+        self._inflight: tuple | None = None  # a call between start() and complete(): (input, stage-1 works)
 
     def bind(self, numel: int, device: torch.device | str) -> None:
         super().bind(numel, device)
@@ -217,25 +218,51 @@ class CompressedAllreduce(TwoStageRank):
         parameters in the same pass. Not when a flag was raised (``any_flag``): then the result is
         decoded now, so that the caller can act on it.
         """
+        self.start(x, flag=flag, finite=finite)
+        return self.complete(out, defer=defer)
+
+    def start(self, x: torch.Tensor | Source, *, flag: bool | None = None,
+              finite: bool | torch.Tensor | None = None) -> None:
+        """The first half of a call: the agreement, the encode and the stage-1 all-to-all, left on the
+        wire; :meth:`complete` does the rest. Between the two another collective's call may start
+        (each object owns its buffers), so that its stage 1 fills the link while this one's server
+        decodes and re-encodes. A failed agreement raises here, on every rank, and leaves nothing
+        in flight."""
+        if self._inflight is not None:
+            raise RuntimeError(f"{type(self).__name__}.start: the previous call was not completed")
         if self.numel is not None and x.numel() != self.numel:
             if self.world_size > 1:
                 self._agree(x, True)  # ranks that disagree all raise here instead of hanging
             self.bind(x.numel(), x.device)  # every rank made the same mistake: raise the local explanation
         xp, scales, ok = self.prepare(x)
         self._agree(x, ok, flag, finite)
+        a2a = []
+        if self.numel and self.world_size > 1:
+            # stage 1 + 2: encode piece k+1 while piece k is on the wire
+            for k in range(self.num_pieces):
+                send = self.encode_stage(xp, scales, k)
+                a2a.append(dist.all_to_all_single(self._recv[k], send, group=self.group, async_op=True))
+        elif self.numel:
+            for k in range(self.num_pieces):
+                self.encode_stage(xp, scales, k)
+        self._inflight = (x, a2a)
+
+    def stage_one_done(self) -> bool:
+        """The stage-1 all-to-all of the call :meth:`start` began has arrived (True when none is in flight)."""
+        return self._inflight is None or all(w.is_completed() for w in self._inflight[1])
+
+    def complete(self, out: torch.Tensor | None = None, *, defer: bool = False) -> torch.Tensor | None:
+        """The second half of a call begun by :meth:`start` (see :meth:`__call__` for ``out`` and ``defer``)."""
+        if self._inflight is None:
+            raise RuntimeError(f"{type(self).__name__}.complete: no call was started")
+        (x, a2a), self._inflight = self._inflight, None
         if self.numel == 0:
             return x.detach().clone() if out is None else out
         piecewise, remote = self.num_pieces > 1, self.world_size > 1
         group = self.group
-        # stage 1 + 2: encode piece k+1 while piece k is on the wire
-        a2a = []
-        for k in range(self.num_pieces):
-            send = self.encode_stage(xp, scales, k)
-            if remote:
-                a2a.append(dist.all_to_all_single(self._recv[k], send, group=group, async_op=piecewise))
         # stage 3: decode each piece as it arrives, then re-encode and gather piece by piece
         for k in range(self.num_pieces):
-            if remote and piecewise:
+            if remote:
                 a2a[k].wait()
             self.server_receive(self._recv[k] if remote else self._send[k], k)
         gather = []

@@ -12,7 +12,9 @@ Trade-offs, documented because they are visible to users:
   already holds the synchronised momentum/gradient. Gradient clipping therefore acts on the
   averaged gradient during warm-up and has no effect on the update during compression.
 * The compressed sync of a bucket runs inside the hook call (gloo has no GPU streams to
-  overlap on); it still overlaps with the backward of the layers that come after it.
+  overlap on), so backward waits for it. The 8-bit warm-up mean, which carries no state
+  across steps, goes to a sender thread instead and overlaps with backward
+  (:mod:`lightning_onebit.optim.coded_warmup`).
 
 :func:`register_local_hook` is the other mode: DDP sends nothing and every optimizer
 synchronises its own parameters in ``step()`` (several optimizers on one model, where a

@@ -86,9 +86,10 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
             precision DeepSpeed's 1-bit Adam warms up in when it trains in half precision).
             ``"uint8"``: a quarter of fp32's bytes, as 8-bit min-max codes (QAdam's, one (min, max)
             per 128 elements of a tensor) through the two-stage compressed allreduce without error
-            feedback, in ``step()`` (a DDP hook then leaves the local gradients to it): the mean is
-            off by at most half a code step (1/510 of a
-            block's range) per stage; all-zero blocks stay exactly zero.
+            feedback, in ``step()``, or with DDP from its hook on a sender thread while backward runs
+            (``p.grad`` then holds the mean after backward, as with DDP's all-reduce): the mean is
+            off by at most half a code step (1/510 of a block's range) per stage; all-zero blocks
+            stay exactly zero.
     """
 
     #: the Lightning strategy name this optimizer registers under (``None``: an abstract base)

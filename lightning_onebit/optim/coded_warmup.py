@@ -51,6 +51,7 @@ class CodedWarmupSender:
         self._open: dict[int, list] = {}  # DDP bucket index -> [future, buffer, parameters still without a mean]
         self._into: dict[int, tuple[int, torch.Tensor]] = {}  # id(param) -> (DDP bucket index, its view of the buffer)
         self._failed: BaseException | None = None  # a collective failed: the group is unusable
+        self._left = 0  # optimizer buckets of this backward the sender has not taken yet
 
     def bucket_ready(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Take a DDP bucket's local gradients; the future completes with their mean."""
@@ -67,6 +68,7 @@ class CodedWarmupSender:
         if k == 0:  # DDP hands its buckets over in index order: a new backward starts (one given up counts none)
             for b in opt._buckets:
                 b.ready = 0
+            self._left = sum(b.via_ddp for b in opt._buckets)  # the sender is idle: DDP waited for the last
         at, full = 0, []
         with torch.no_grad():
             for p in params:
@@ -90,21 +92,49 @@ class CodedWarmupSender:
         self._jobs.put(b)
 
     def _run(self) -> None:
+        """Start each bucket's call, then complete the one before it: the next bucket's stage 1 goes
+        on the wire while this one's server decodes and re-encodes (the link idles less)."""
+        started: Bucket | None = None
         while True:
-            b = self._jobs.get()
             try:
-                self._send(b)
-            except BaseException as exc:  # noqa: BLE001 - every open future must hear of it, or DDP waits forever
-                self._fail(exc)
+                b = self._jobs.get(timeout=None if started is None else 0.02)
+            except queue.Empty:  # no next bucket yet: once this one's stage 1 is through, waiting gains nothing
+                if self._left <= 0 or self.optimizer._coded_warmup_sent(started):
+                    started = self._complete(started)
+                continue
+            self._left -= 1
+            if self._failed is not None:
+                continue  # the futures it would complete hold the error already
+            b_started = self._start(b)
+            if started is not None:
+                self._complete(started)
+            started = b if b_started else None
+            if self._left <= 0 and started is not None:  # the last bucket of this backward
+                started = self._complete(started)
 
-    def _send(self, b: Bucket) -> None:
-        if self._failed is not None:
-            return  # the futures it would complete hold the error already
+    def _complete(self, b: Bucket) -> None:
+        """Complete ``b``'s call and deliver its mean; a failure fails every open future. Returns None."""
+        try:
+            self._deliver(b, self.optimizer._coded_warmup_complete(b))
+        except BaseException as exc:  # noqa: BLE001 - every open future must hear of it, or DDP waits forever
+            self._fail(exc)
+
+    def _start(self, b: Bucket) -> bool:
+        """Start ``b``'s coded mean; False if it is delivered already (some rank's gradient was not
+        finite: NaN) or failed (every open future holds the error)."""
         try:
             with torch.no_grad():
-                mean = self.optimizer._coded_warmup_mean(b, None)
-        except NonFiniteGradientError:
-            mean = None  # on every rank: the agreement saw it
+                self.optimizer._coded_warmup_start(b)
+        except NonFiniteGradientError:  # on every rank: the agreement saw it
+            self._deliver(b, None)
+            return False
+        except BaseException as exc:  # noqa: BLE001 - as in _complete
+            self._fail(exc)
+            return False
+        return True
+
+    def _deliver(self, b: Bucket, mean: torch.Tensor | None) -> None:
+        """Write ``b``'s mean (``None``: NaN) into DDP's buckets; complete those that are whole."""
         done = []
         with torch.no_grad():
             means = b.views(mean) if mean is not None else [None] * len(b.params)

@@ -198,15 +198,41 @@ class BucketSync:
         """The warm-up mean through the two-stage collective with QAdam's 8-bit min-max codes, no error
         feedback (nothing to carry across steps or into a checkpoint): each rank's gradient quantised,
         the server's mean quantised again, every tensor its own (min, max) per ``WARMUP_CODE_BLOCK``."""
+        if worker_grads is not None:
+            out = b.worker_buffers("warm-up mean", 1)[0]
+            with self._nonfinite_is_gradient_error():
+                self._warmup_comm(b).allreduce_into(worker_grads, out)
+            return out
+        self._coded_warmup_start(b)
+        return self._coded_warmup_complete(b)
+
+    def _warmup_comm(self, b: Bucket):
         if b.warmup_comm is None:
             b.warmup_comm = self._new_collective(b, MinMaxUInt8Codec(block_size=WARMUP_CODE_BLOCK), "plain")
-        out = b.worker_buffers("warm-up mean", 1)[0]
-        with self._nonfinite_is_gradient_error():
-            if worker_grads is not None:
-                b.warmup_comm.allreduce_into(worker_grads, out)
+        return b.warmup_comm
+
+    def _coded_warmup_start(self, b: Bucket) -> None:
+        """:meth:`_coded_warmup_mean` of this rank's ``b.grad`` up to its stage 1 on the wire (the flat
+        collective; the two-level one runs whole here); a non-finite input raises on every rank."""
+        comm = self._warmup_comm(b)
+        with self._nonfinite_is_gradient_error(), \
+                self._collective(f"uint8 allreduce (warm-up, {type(comm).__name__})", b):
+            if isinstance(comm, CompressedAllreduce):
+                comm.start(b.grad)
             else:
-                with self._collective(f"uint8 allreduce (warm-up, {type(b.warmup_comm).__name__})", b):
-                    b.warmup_comm(b.grad, out=out)
+                comm(b.grad, out=b.worker_buffers("warm-up mean", 1)[0])
+
+    def _coded_warmup_sent(self, b: Bucket) -> bool:
+        """The stage 1 of the call :meth:`_coded_warmup_start` began is through (or there is none)."""
+        comm = b.warmup_comm
+        return not isinstance(comm, CompressedAllreduce) or comm.stage_one_done()
+
+    def _coded_warmup_complete(self, b: Bucket) -> torch.Tensor:
+        """The rest of a call :meth:`_coded_warmup_start` began: the mean, in the bucket's buffer."""
+        comm, out = b.warmup_comm, b.worker_buffers("warm-up mean", 1)[0]
+        if isinstance(comm, CompressedAllreduce):
+            with self._collective(f"uint8 allreduce (warm-up, {type(comm).__name__})", b):
+                comm.complete(out=out)
         return out
 
     #: the payload reads the gradients where they are (a Source over the parameters' ``.grad``), so the

@@ -12,9 +12,10 @@ Two things would make results depend on numba's thread count; both are handled h
   conda's ``tbb``), then its own ``workqueue`` layer, before OpenMP. The kernels run about as fast
   on ``workqueue`` as on OpenMP (``benchmarks/codecs.py`` measures them; run it with
   ``NUMBA_THREADING_LAYER=workqueue`` and ``=omp`` to compare). ``workqueue`` must not be
-  entered from two threads at once; the package launches kernels only from the thread that
-  calls it. If the OpenMP layer is active anyway, torch's thread count is put back after every
-  launch.
+  entered from two threads at once; the package launches kernels from one thread at a time:
+  the thread that calls it, or during backward the 8-bit warm-up's sender thread, which
+  DDP waits for before ``backward()`` returns. If the OpenMP layer is active anyway, torch's
+  thread count is put back after every launch.
 * The kernels' own reductions sum in a fixed order (:mod:`.layout`), whatever the thread count.
 
 Budget: ranks that share a host each start numba with all cores and oversubscribe it. The
