@@ -226,8 +226,8 @@ class CompressedAllreduce(TwoStageRank):
         """The first half of a call: the agreement, the encode and the stage-1 all-to-all, left on the
         wire; :meth:`complete` does the rest. Between the two another collective's call may start
         (each object owns its buffers), so that its stage 1 fills the link while this one's server
-        decodes and re-encodes. A failed agreement raises here, on every rank, and leaves nothing
-        in flight."""
+        decodes and re-encodes, provided every rank interleaves the calls in the same order. A failed
+        agreement raises here, on every rank, and leaves nothing in flight."""
         if self._inflight is not None:
             raise RuntimeError(f"{type(self).__name__}.start: the previous call was not completed")
         if self.numel is not None and x.numel() != self.numel:
@@ -246,10 +246,6 @@ class CompressedAllreduce(TwoStageRank):
             for k in range(self.num_pieces):
                 self.encode_stage(xp, scales, k)
         self._inflight = (x, a2a)
-
-    def stage_one_done(self) -> bool:
-        """The stage-1 all-to-all of the call :meth:`start` began has arrived (True when none is in flight)."""
-        return self._inflight is None or all(w.is_completed() for w in self._inflight[1])
 
     def complete(self, out: torch.Tensor | None = None, *, defer: bool = False) -> torch.Tensor | None:
         """The second half of a call begun by :meth:`start` (see :meth:`__call__` for ``out`` and ``defer``)."""

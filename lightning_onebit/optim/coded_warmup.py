@@ -93,15 +93,13 @@ class CodedWarmupSender:
 
     def _run(self) -> None:
         """Start each bucket's call, then complete the one before it: the next bucket's stage 1 goes
-        on the wire while this one's server decodes and re-encodes (the link idles less)."""
+        on the wire while this one's server decodes and re-encodes (the link idles less). Every rank
+        issues its collectives in this one order, decided by the bucket count alone, never by timing
+        (gloo pairs calls by their order). Waiting for a next bucket cannot hang: DDP waits for the
+        futures only once every bucket has come through the hook."""
         started: Bucket | None = None
         while True:
-            try:
-                b = self._jobs.get(timeout=None if started is None else 0.02)
-            except queue.Empty:  # no next bucket yet: once this one's stage 1 is through, waiting gains nothing
-                if self._left <= 0 or self.optimizer._coded_warmup_sent(started):
-                    started = self._complete(started)
-                continue
+            b = self._jobs.get()
             self._left -= 1
             if self._failed is not None:
                 continue  # the futures it would complete hold the error already
@@ -114,6 +112,8 @@ class CodedWarmupSender:
 
     def _complete(self, b: Bucket) -> None:
         """Complete ``b``'s call and deliver its mean; a failure fails every open future. Returns None."""
+        if self._failed is not None:
+            return  # the group broke while ``b`` was on the wire: its futures hold the error already
         try:
             self._deliver(b, self.optimizer._coded_warmup_complete(b))
         except BaseException as exc:  # noqa: BLE001 - every open future must hear of it, or DDP waits forever

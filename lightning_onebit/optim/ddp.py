@@ -123,7 +123,7 @@ class DDPHookPath:
     def _warmup_future(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The warm-up's mean of a DDP bucket: dense (in ``warmup_comm_dtype``), or as 8-bit codes
         through the optimizer's buckets on a sender thread (:class:`~.coded_warmup.CodedWarmupSender`)."""
-        if self._warmup_in_codes:
+        if self._warmup_in_codes and self.world_size > 1:  # one rank: nothing to send, no code error either
             if self._coded_warmup is None:
                 self._coded_warmup = CodedWarmupSender(self)
             return self._coded_warmup.bucket_ready(bucket)

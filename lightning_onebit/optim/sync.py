@@ -222,11 +222,6 @@ class BucketSync:
             else:
                 comm(b.grad, out=b.worker_buffers("warm-up mean", 1)[0])
 
-    def _coded_warmup_sent(self, b: Bucket) -> bool:
-        """The stage 1 of the call :meth:`_coded_warmup_start` began is through (or there is none)."""
-        comm = b.warmup_comm
-        return not isinstance(comm, CompressedAllreduce) or comm.stage_one_done()
-
     def _coded_warmup_complete(self, b: Bucket) -> torch.Tensor:
         """The rest of a call :meth:`_coded_warmup_start` began: the mean, in the bucket's buffer."""
         comm, out = b.warmup_comm, b.worker_buffers("warm-up mean", 1)[0]
