@@ -49,6 +49,9 @@ repo_on_path()  # lightning_onebit from this checkout, also when it is not insta
 RESULT_TAG = "LOBRESULT "
 METHODS = ("fp32", "onebit", "onebit_serial", "onebit_ring", "int8", "int8_ring", "wire1bit", "onebit_hier",
            "int8_hier")
+PAIR = ("pair_oneway", "pair_bothways")
+"""Diagnostics outside the default grid: d/8 bytes between ranks 0 and 1 by send/recv, one way, or both ways at
+once (isend + irecv). Each stage of the two-stage collective sends both ways at once."""
 COMPRESSED = ("onebit", "onebit_serial", "onebit_ring", "int8", "int8_ring", "onebit_hier", "int8_hier")
 HIER = ("onebit_hier", "int8_hier")
 """Two-level methods (fp32 inside a node, compressed between nodes): they need ``--ranks-per-node`` >= 2."""
@@ -56,7 +59,8 @@ METHOD_LABEL = {"fp32": "fp32 all_reduce", "onebit": "1-bit EF (SignCodec l2)",
                 "onebit_serial": "1-bit EF, not pipelined (pieces=1)", "int8": "8-bit (MinMaxUInt8)",
                 "onebit_ring": "1-bit EF, server rows by gloo's ring all_gather", "int8_ring": "8-bit, ring all_gather",
                 "wire1bit": "1-bit bytes only (no codec)", "onebit_hier": "1-bit EF, two-level",
-                "int8_hier": "8-bit, two-level"}
+                "int8_hier": "8-bit, two-level", "pair_oneway": "d/8 bytes rank 0 -> 1 (send/recv)",
+                "pair_bothways": "d/8 bytes each way at once (isend + irecv)"}
 FULL = {"nodes": [2, 4], "rates": ["1gbit", "10gbit"], "sizes": ["1M", "25M", "100M"], "iters": 5,
         "warmup": 2, "ranks_per_node": [1]}
 QUICK = {"nodes": [2, 4], "rates": ["1gbit", "10gbit"], "sizes": ["1M", "25M"], "iters": 3, "warmup": 1,
@@ -116,6 +120,8 @@ def _make_op(method: str, world: int, ranks_per_node: int = 1,
         return fp32_counted, lambda: sent["n"], "torch.distributed.all_reduce (gloo); counted = ring formula"
     if method == "wire1bit":
         return _wire1bit_op(world, ranks_per_node)
+    if method in PAIR:
+        return _pair_op(method == "pair_bothways")
     from lightning_onebit.comm import CompressedAllreduce, HierarchicalAllreduce
     from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
     from lightning_onebit.compress.kernels import resolve_backend_name
@@ -191,6 +197,36 @@ def _wire1bit_op(world: int, ranks_per_node: int = 1) -> tuple[Callable[[Any], A
         return bufs["out"]
 
     return op, lambda: sent["n"], "all_to_all_single + all_gather_rows of d/8 uint8 bytes"
+
+
+def _pair_op(both: bool) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
+    """d/8 uint8 bytes from rank 0 to rank 1, and with ``both`` from rank 1 to rank 0 at the same time (see
+    :data:`PAIR`); the other ranks send nothing."""
+    import torch
+    import torch.distributed as dist
+
+    bufs: dict[str, Any] = {}
+    sent = {"n": 0}
+
+    def op(x: Any) -> Any:
+        n = -(-x.numel() // 8)
+        if bufs.get("n") != n:
+            bufs.update(n=n, send=torch.zeros(n, dtype=torch.uint8), recv=torch.empty(n, dtype=torch.uint8))
+        rank = dist.get_rank()
+        if rank > 1:
+            return None
+        if both:
+            works = [dist.isend(bufs["send"], 1 - rank), dist.irecv(bufs["recv"], 1 - rank)]
+            for w in works:
+                w.wait()
+        elif rank == 0:
+            dist.send(bufs["send"], 1)
+        else:
+            dist.recv(bufs["recv"], 0)
+        sent["n"] += n if both or rank == 0 else 0
+        return bufs["recv"]
+
+    return op, lambda: sent["n"], "d/8 uint8 bytes by send/recv between ranks 0 and 1" + (", both ways" * both)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -447,7 +483,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, nargs="+", help=f"default {FULL['nodes']}")
     ap.add_argument("--rates", nargs="+", help=f"tc rates, default {FULL['rates']}")
     ap.add_argument("--sizes", nargs="+", help=f"fp32 elements (k/M/G decimal), default {FULL['sizes']}")
-    ap.add_argument("--methods", nargs="+", choices=METHODS, help=f"default {list(METHODS)}")
+    ap.add_argument("--methods", nargs="+", choices=METHODS + PAIR, help=f"default {list(METHODS)} ({PAIR}: "
+                    "diagnostics, only when named)")
     ap.add_argument("--ranks-per-node", type=int, nargs="+",
                     help="ranks per emulated node (default 1); >= 2 adds the two-level methods")
     ap.add_argument("--iters", type=int, help="timed iterations (median reported)")
