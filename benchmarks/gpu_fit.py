@@ -55,14 +55,17 @@ CASES = {
     "cd_adam 32-true": ("cd_adam", "32-true", 5e-4),
     "onebit_adam bf16-mixed": ("onebit_adam", "bf16-mixed", 3e-3),
     "onebit_adam 16-mixed": ("onebit_adam", "16-mixed", 3e-3),
+    "onebit_adam uint8-warm-up 32-true": ("onebit_adam", "32-true", 3e-3),
 }
+#: case name -> optimizer_kwargs (the warm-up's mean as 8-bit codes, sent from DDP's hook on a thread)
+OPTIONS = {"onebit_adam uint8-warm-up 32-true": {"warmup_comm_dtype": "uint8"}}
 
 
 # -- one rank (under torchrun) -------------------------------------------------------------------------------
 
 
 def _fit(args: argparse.Namespace, algorithm: str, precision: str, lr: float, epochs: int, ckpt: str | None = None,
-         save: str | None = None) -> dict:
+         save: str | None = None, options: dict | None = None) -> dict:
     import lightning as L
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
@@ -113,7 +116,7 @@ def _fit(args: argparse.Namespace, algorithm: str, precision: str, lr: float, ep
     x = torch.randint(0, VOCAB, (HALF * BATCH * world, SEQ), generator=g)  # an epoch: the resume starts the next
     data = DataLoader(TensorDataset(x, x[:, 0].clone()), batch_size=BATCH)
     dev = torch.device("cuda", 0) if args.accelerator == "gpu" else torch.device("cpu")
-    strategy = CompressedDDPStrategy(algorithm, warmup=WARMUP, parallel_devices=[dev] * world,
+    strategy = CompressedDDPStrategy(algorithm, warmup=WARMUP, parallel_devices=[dev] * world, optimizer_kwargs=options,
                                      process_group_backend=args.backend, timeout=datetime.timedelta(seconds=60))
     model = FirstToken()
     trainer = L.Trainer(accelerator=args.accelerator, strategy=strategy, precision=precision, max_epochs=epochs,
@@ -154,7 +157,7 @@ def worker(args: argparse.Namespace) -> None:
                 _fit(args, *CASES["onebit_adam 32-true"], 1, save=ckpt)
                 out[name] = _fit(args, *CASES["onebit_adam 32-true"], EPOCHS, ckpt=ckpt)
             else:
-                out[name] = _fit(args, *CASES[name], EPOCHS)
+                out[name] = _fit(args, *CASES[name], EPOCHS, options=OPTIONS.get(name))
         except Exception as exc:  # a row with its reason; the peer fails at its next collective (60 s)
             out[name] = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
             torch.save(out, os.path.join(args.dir, f"rank{rank}.pt"))
