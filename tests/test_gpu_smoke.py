@@ -36,14 +36,16 @@ FIT = SCRIPT.parent / "gpu_fit.py"
 
 
 @pytest.mark.slow
-@pytest.mark.budget(60)  # one torchrun of 2 ranks: three short fits
+@pytest.mark.budget(60)  # one torchrun of 2 ranks: four short fits
 def test_gpu_fit_resumes_an_attention_model_bit_for_bit_on_cpu():
     """benchmarks/gpu_fit.py, the Lightning fits a GPU run checks, on CPU: 2 torchrun ranks fit the
-    attention model with 1-bit Adam; one epoch + save + resume equals the two-epoch fit bit for bit."""
+    attention model with 1-bit Adam, also with its uint8 warm-up sent from DDP's hook on the sender thread;
+    one epoch + save + resume equals the two-epoch fit bit for bit."""
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    proc = proc_run([sys.executable, str(FIT), "--accelerator", "cpu", "--cases", "onebit_adam 32-true", "resume"],
-                    timeout=300, env=env)
+    proc = proc_run([sys.executable, str(FIT), "--accelerator", "cpu", "--cases", "onebit_adam 32-true",
+                     "onebit_adam uint8-warm-up 32-true", "resume"], timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for check in ("| onebit_adam 32-true | ok | replicas identical", "state on ['cpu'], kernels numba",
+                  "| onebit_adam uint8-warm-up 32-true | ok | replicas identical",
                   "| resume == uninterrupted | ok |", "0 failed row(s)"):
         assert check in proc.stdout, check
