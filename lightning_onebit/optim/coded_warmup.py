@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .buckets import Bucket
 from .nonfinite import NonFiniteGradientError
-
-if TYPE_CHECKING:
-    from .base import CompressedOptimizer
-    from .buckets import Bucket
 
 __all__ = ["CodedWarmupSender"]
 
@@ -43,7 +40,7 @@ __all__ = ["CodedWarmupSender"]
 class CodedWarmupSender:
     """State of the hook path of the 8-bit warm-up mean of one optimizer (see the module docstring)."""
 
-    def __init__(self, optimizer: CompressedOptimizer) -> None:
+    def __init__(self, optimizer: Any) -> None:  # a CompressedOptimizer attached to DDP (its module imports this one)
         self.optimizer = optimizer
         self._jobs: queue.SimpleQueue[Bucket] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
