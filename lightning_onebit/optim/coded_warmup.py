@@ -3,8 +3,9 @@
 DDP hands each gradient bucket to the hook. :class:`CodedWarmupSender` copies its local gradients into
 the optimizer's buckets (whose tensors carry their own scales, the layout the simulation uses too) and
 gives every optimizer bucket whose gradients are all in to one sender thread. The thread runs the
-bucket's coded mean (:meth:`~lightning_onebit.optim.sync.BucketSync._coded_warmup_mean`) and writes it
-into DDP's buckets. A DDP bucket's future completes when all its parameters have their mean, so after
+bucket's coded mean (:meth:`~lightning_onebit.optim.sync.BucketSync._coded_warmup_mean`, in its two
+halves: it starts the next bucket's call before it completes this one's) and writes it into DDP's
+buckets. A DDP bucket's future completes when all its parameters have their mean, so after
 ``backward()`` ``p.grad`` holds the mean, as after DDP's own all-reduce: gradient clipping acts on it,
 and ``step()`` updates from it directly.
 
@@ -105,10 +106,11 @@ class CodedWarmupSender:
                 self._complete(started)
             started = b if b_started else None
             if self._left <= 0 and started is not None:  # the last bucket of this backward
-                started = self._complete(started)
+                self._complete(started)
+                started = None
 
     def _complete(self, b: Bucket) -> None:
-        """Complete ``b``'s call and deliver its mean; a failure fails every open future. Returns None."""
+        """Complete ``b``'s call and deliver its mean; a failure fails every open future."""
         if self._failed is not None:
             return  # the group broke while ``b`` was on the wire: its futures hold the error already
         try:
