@@ -49,18 +49,28 @@ repo_on_path()  # lightning_onebit from this checkout, also when it is not insta
 RESULT_TAG = "LOBRESULT "
 METHODS = ("fp32", "onebit", "onebit_serial", "onebit_ring", "int8", "int8_ring", "wire1bit", "onebit_hier",
            "int8_hier")
-PAIR = ("pair_oneway", "pair_bothways")
+PAIR = ("pair_oneway", "pair_bothways", "pair_duplex")
 """Diagnostics outside the default grid: d/8 bytes between ranks 0 and 1 by send/recv, one way, or both ways at
-once (isend + irecv). Each stage of the two-stage collective sends both ways at once."""
-COMPRESSED = ("onebit", "onebit_serial", "onebit_ring", "int8", "int8_ring", "onebit_hier", "int8_hier")
+once (isend + irecv) on one connection, or on two (the way back on the default group's duplex twin). Each stage
+of the two-stage collective sends both ways at once."""
+DUPLEX = ("wire1bit_duplex", "onebit_simplex", "int8_simplex")
+"""Also outside the default grid, for the ratio of the duplex exchanges (``comm.duplex``; the worker gives the
+default group a twin, as the package's strategies do, so ``onebit`` and ``int8`` use it): ``wire1bit``'s bytes
+sent duplex, and the compressed allreduces without the twin (``duplex=False``: gloo's collectives)."""
+COMPRESSED = ("onebit", "onebit_serial", "onebit_ring", "int8", "int8_ring", "onebit_hier", "int8_hier",
+              "onebit_simplex", "int8_simplex")
 HIER = ("onebit_hier", "int8_hier")
 """Two-level methods (fp32 inside a node, compressed between nodes): they need ``--ranks-per-node`` >= 2."""
 METHOD_LABEL = {"fp32": "fp32 all_reduce", "onebit": "1-bit EF (SignCodec l2)",
                 "onebit_serial": "1-bit EF, not pipelined (pieces=1)", "int8": "8-bit (MinMaxUInt8)",
                 "onebit_ring": "1-bit EF, server rows by gloo's ring all_gather", "int8_ring": "8-bit, ring all_gather",
-                "wire1bit": "1-bit bytes only (no codec)", "onebit_hier": "1-bit EF, two-level",
+                "wire1bit": "1-bit bytes only (no codec), gloo's collectives",
+                "wire1bit_duplex": "1-bit bytes only (no codec), duplex", "onebit_hier": "1-bit EF, two-level",
                 "int8_hier": "8-bit, two-level", "pair_oneway": "d/8 bytes rank 0 -> 1 (send/recv)",
-                "pair_bothways": "d/8 bytes each way at once (isend + irecv)"}
+                "pair_bothways": "d/8 bytes each way at once (isend + irecv)",
+                "pair_duplex": "d/8 bytes each way at once, one connection each way",
+                "onebit_simplex": "1-bit EF, gloo's collectives (no duplex twin)",
+                "int8_simplex": "8-bit, gloo's collectives (no duplex twin)"}
 FULL = {"nodes": [2, 4], "rates": ["1gbit", "10gbit"], "sizes": ["1M", "25M", "100M"], "iters": 5,
         "warmup": 2, "ranks_per_node": [1]}
 QUICK = {"nodes": [2, 4], "rates": ["1gbit", "10gbit"], "sizes": ["1M", "25M"], "iters": 3, "warmup": 1,
@@ -118,15 +128,17 @@ def _make_op(method: str, world: int, ranks_per_node: int = 1,
             return fp32(x)
 
         return fp32_counted, lambda: sent["n"], "torch.distributed.all_reduce (gloo); counted = ring formula"
-    if method == "wire1bit":
-        return _wire1bit_op(world, ranks_per_node)
+    if method in ("wire1bit", "wire1bit_duplex"):
+        return _wire1bit_op(world, ranks_per_node, duplex=method == "wire1bit_duplex")
     if method in PAIR:
-        return _pair_op(method == "pair_bothways")
+        return _pair_op(method)
     from lightning_onebit.comm import CompressedAllreduce, HierarchicalAllreduce
     from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
     from lightning_onebit.compress.kernels import resolve_backend_name
 
-    pieces, gather = None, "auto"  # automatic pipeline and gather
+    pieces, gather, duplex = None, "auto", True  # automatic pipeline and gather
+    if method.endswith("_simplex"):
+        method, duplex = method[: -len("_simplex")], False
     if method.endswith("_ring"):  # the server rows by gloo's ring all_gather, for the ratio
         method, gather = method[: -len("_ring")], "ring"
     if method in ("onebit", "onebit_hier"):
@@ -149,11 +161,12 @@ def _make_op(method: str, world: int, ranks_per_node: int = 1,
         desc = (f"HierarchicalAllreduce({codec!r}, mode={mode!r}, {ranks_per_node} ranks per node), kernels: "
                 f"{backend}, out= preallocated")
     else:
-        car = CompressedAllreduce(codec, mode=mode, group=None, pieces=pieces, gather=gather)
+        car = CompressedAllreduce(codec, mode=mode, group=None, pieces=pieces, gather=gather, duplex=duplex)
         counter = car.counter.total
         # of a rank's rows to its n-1 peers, those to the n-L ranks of other nodes cross a link
         inter = (world - ranks_per_node) / (world - 1)
-        desc = (f"CompressedAllreduce({codec!r}, mode={mode!r}, pieces={pieces}, gather={gather!r}), "
+        desc = (f"CompressedAllreduce({codec!r}, mode={mode!r}, pieces={pieces}, gather={gather!r}, "
+                f"duplex={duplex}), "
                 f"kernels: {backend}, out= preallocated")
     outs: dict[int, Any] = {}
 
@@ -167,19 +180,26 @@ def _make_op(method: str, world: int, ranks_per_node: int = 1,
     return op, lambda: int(counter.bytes_sent * inter), desc
 
 
-def _wire1bit_op(world: int, ranks_per_node: int = 1) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
-    """The two collectives of the 1-bit scheme on d/8 bytes of uint8, without encoding or decoding (the server
+def _wire1bit_op(world: int, ranks_per_node: int = 1, *,
+                 duplex: bool = False) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
+    """The two exchanges of the 1-bit scheme on d/8 bytes of uint8, without encoding or decoding (the server
     rows gathered as ``CompressedAllreduce`` gathers them: fanned out on gloo).
 
     A lower bound for the 1-bit allreduce: what is left of its time is codec (CPU) cost. Same
     pattern as the compressed allreduce (``docs/design.md``, "Data flow of one bucket"):
     ``all_to_all_single`` of the chunks, then ``all_gather`` of the server chunks (scales omitted:
-    a few bytes).
+    a few bytes); with ``duplex`` both as ``exchange_rows`` on the default group and its twin, as the
+    compressed allreduce sends them where the group has one.
     """
     import torch
     import torch.distributed as dist
 
     from lightning_onebit.comm.dense import all_gather_rows
+    from lightning_onebit.comm.duplex import duplex_twin, exchange_rows
+
+    twin = duplex_twin() if duplex else None
+    if duplex and twin is None:
+        raise RuntimeError("wire1bit_duplex: the default group has no duplex twin")
 
     bufs: dict[str, Any] = {}
     sent = {"n": 0}
@@ -191,19 +211,30 @@ def _wire1bit_op(world: int, ranks_per_node: int = 1) -> tuple[Callable[[Any], A
                         recv=torch.empty(world * chunk, dtype=torch.uint8),
                         out=torch.empty(world * chunk, dtype=torch.uint8),
                         fan=torch.empty(world, chunk, dtype=torch.uint8))  # the gather's copies, if fanned out
-        dist.all_to_all_single(bufs["recv"], bufs["send"])
-        all_gather_rows(bufs["out"].view(world, chunk), bufs["recv"][:chunk], send=bufs["fan"])
+        if twin is not None:
+            exchange_rows(bufs["recv"].view(world, chunk), bufs["send"].view(world, chunk), twin=twin)
+        else:
+            dist.all_to_all_single(bufs["recv"], bufs["send"])
+        all_gather_rows(bufs["out"].view(world, chunk), bufs["recv"][:chunk], send=bufs["fan"], twin=twin)
         sent["n"] += 2 * (world - ranks_per_node) * chunk  # the rows to other nodes' ranks
         return bufs["out"]
 
-    return op, lambda: sent["n"], "all_to_all_single + all_gather_rows of d/8 uint8 bytes"
+    how = "exchange_rows (duplex)" if duplex else "all_to_all_single + all_gather_rows"
+    return op, lambda: sent["n"], f"{how} of d/8 uint8 bytes"
 
 
-def _pair_op(both: bool) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
-    """d/8 uint8 bytes from rank 0 to rank 1, and with ``both`` from rank 1 to rank 0 at the same time (see
-    :data:`PAIR`); the other ranks send nothing."""
+def _pair_op(method: str) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
+    """d/8 uint8 bytes from rank 0 to rank 1, and unless ``pair_oneway`` from rank 1 to rank 0 at the same time
+    (see :data:`PAIR`); the other ranks send nothing."""
     import torch
     import torch.distributed as dist
+
+    from lightning_onebit.comm.duplex import duplex_twin
+
+    both = method != "pair_oneway"
+    back = duplex_twin() if method == "pair_duplex" else None  # rank 1 -> 0 on its own connection
+    if method == "pair_duplex" and back is None:
+        raise RuntimeError("pair_duplex: the default group has no duplex twin")
 
     bufs: dict[str, Any] = {}
     sent = {"n": 0}
@@ -216,7 +247,8 @@ def _pair_op(both: bool) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
         if rank > 1:
             return None
         if both:
-            works = [dist.isend(bufs["send"], 1 - rank), dist.irecv(bufs["recv"], 1 - rank)]
+            to, fro = (None, back) if rank == 0 else (back, None)
+            works = [dist.isend(bufs["send"], 1 - rank, group=to), dist.irecv(bufs["recv"], 1 - rank, group=fro)]
             for w in works:
                 w.wait()
         elif rank == 0:
@@ -226,7 +258,8 @@ def _pair_op(both: bool) -> tuple[Callable[[Any], Any], Callable[[], int], str]:
         sent["n"] += n if both or rank == 0 else 0
         return bufs["recv"]
 
-    return op, lambda: sent["n"], "d/8 uint8 bytes by send/recv between ranks 0 and 1" + (", both ways" * both)
+    how = {"pair_oneway": "", "pair_bothways": ", both ways", "pair_duplex": ", both ways, one connection each"}
+    return op, lambda: sent["n"], "d/8 uint8 bytes by send/recv between ranks 0 and 1" + how[method]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -237,6 +270,9 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.pg_timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
+    from lightning_onebit.comm import enable_duplex
+
+    enable_duplex()  # as the package's strategies do; the *_simplex methods and wire1bit do without
     iface = os.environ["GLOO_SOCKET_IFNAME"]
     methods = args.methods
     L = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -397,8 +433,9 @@ def _ratio(times: dict[str, float], method: str, base: str = "fp32") -> str:
 def tables(rows: list[dict[str, Any]]) -> str:
     """Markdown: one detail table, one speedup table (fp32 time / compressed time) and, for nodes of
     several ranks, flat against two-level (time and bytes between nodes)."""
-    order = {m: i for i, m in enumerate(("fp32", "wire1bit", "onebit", "onebit_serial", "onebit_ring", "onebit_hier",
-                                         "int8", "int8_ring", "int8_hier"))}
+    order = {m: i for i, m in enumerate(("fp32", "wire1bit", "wire1bit_duplex", "onebit", "onebit_simplex",
+                                         "onebit_serial", "onebit_ring", "onebit_hier", "int8", "int8_simplex",
+                                         "int8_ring", "int8_hier"))}
     rows = sorted(rows, key=lambda r: (*_grid_key(r), order.get(r["method"], 9)))
     by_key: dict[tuple[int, int, str, int], dict[str, dict[str, Any]]] = {}
     for r in rows:
@@ -483,8 +520,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, nargs="+", help=f"default {FULL['nodes']}")
     ap.add_argument("--rates", nargs="+", help=f"tc rates, default {FULL['rates']}")
     ap.add_argument("--sizes", nargs="+", help=f"fp32 elements (k/M/G decimal), default {FULL['sizes']}")
-    ap.add_argument("--methods", nargs="+", choices=METHODS + PAIR, help=f"default {list(METHODS)} ({PAIR}: "
-                    "diagnostics, only when named)")
+    ap.add_argument("--methods", nargs="+", choices=METHODS + PAIR + DUPLEX,
+                    help=f"default {list(METHODS)} ({PAIR + DUPLEX}: diagnostics, only when named)")
     ap.add_argument("--ranks-per-node", type=int, nargs="+",
                     help="ranks per emulated node (default 1); >= 2 adds the two-level methods")
     ap.add_argument("--iters", type=int, help="timed iterations (median reported)")

@@ -10,8 +10,11 @@ from lightning_onebit.comm import (
     NonFiniteInputError,
     SimulatedCluster,
     TwoStageRank,
+    duplex_twin,
+    enable_duplex,
     ring_allreduce_bytes,
 )
+from lightning_onebit.comm.duplex import exchange_rows
 from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec, TopKCodec
 
 from dist_utils import run_ranks, values
@@ -47,6 +50,7 @@ def _cases():
 
 
 def _all_cases_on_rank(rank, world_size):
+    assert enable_duplex()  # the default on gloo (the strategies call it); the piped test covers both paths
     out = {}
     for cname, mode, numel, dtype, groups in _cases():
         car = CompressedAllreduce(CODECS[cname](), mode, groups=groups)
@@ -293,29 +297,55 @@ PIPE_GROUPS = {"sign-l2": (7, 5000, 5001, 13_333), "sign-l1-blocked": None, "min
 
 
 def _piped_on_rank(rank, world_size):
-    out = {}
+    out = {"no twin": CompressedAllreduce(SignCodec(), pieces=3)}
+    out["no twin"].bind(10, "cpu")
+    out["no twin"] = out["no twin"]._twin
+    assert enable_duplex()
+    twin = duplex_twin()
+    assert twin is not None and enable_duplex() and duplex_twin() is twin  # made once
     for cname, groups in PIPE_GROUPS.items():
         for mode in MODES:
-            for gather in ("auto", "ring"):
-                car = CompressedAllreduce(PIPE_CODECS[cname](), mode, pieces=3, groups=groups, gather=gather)
+            for gather, duplex in (("auto", True), ("ring", True), ("auto", False)):
+                car = CompressedAllreduce(PIPE_CODECS[cname](), mode, pieces=3, groups=groups, gather=gather,
+                                          duplex=duplex)
                 res = [car(_input(rank, s, 20_011)) for s in range(2)]
-                out[(cname, mode, gather)] = (res, car.num_pieces, car.bytes_sent, car.fanout)
+                out[(cname, mode, gather, duplex)] = (res, car.num_pieces, car.bytes_sent, car.fanout,
+                                                      car._twin is twin)
+    # the exchange alone: rows of different lengths per call, several in flight, the same tag
+    rows = [torch.arange(7) + 100 * rank + 10 * j for j in range(world_size)]
+    got = [torch.empty(world_size, 7, dtype=torch.int64) for _ in range(3)]
+    works = [exchange_rows(got[k], rows, twin=twin, async_op=True) for k in range(3)]
+    for w in works:
+        w.wait()
+    out["exchange"] = got
     return out
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_pipelined_distributed_equals_unpipelined_simulation(world_size):
-    """Pipelined, with the server rows fanned out (``auto`` on gloo, one host) or gathered by gloo's ring:
-    both are the unpipelined simulation's bits."""
+    """Pipelined, with the server rows fanned out (``auto`` on gloo, one host) or gathered by gloo's ring,
+    each direction of a pair on its own connection (the duplex twin) or both on gloo's one (``duplex=False``):
+    every way gives the unpipelined simulation's bits."""
     ranks = values(run_ranks(_piped_on_rank, world_size))
-    for (cname, mode, gather), (_, pieces, sent, fanout) in ranks[0].items():
-        assert pieces == 3 and fanout == (gather == "auto")
+    assert ranks[0].pop("no twin") is None  # without enable_duplex the collectives are gloo's
+    for r in range(world_size):
+        exchanged = ranks[r].pop("exchange")
+        expected = torch.stack([torch.arange(7) + 100 * j + 10 * r for j in range(world_size)])
+        assert all(torch.equal(e, expected) for e in exchanged), (r, exchanged)
+    for (cname, mode, gather, duplex), (_, pieces, sent, fanout, twinned) in ranks[0].items():
+        assert pieces == 3 and fanout == (gather == "auto") and twinned == duplex
         sim = SimulatedCluster(PIPE_CODECS[cname](), mode, world_size, pieces=1, groups=PIPE_GROUPS[cname])
+        key = (cname, mode, gather, duplex)
         for s in range(2):
             expected = sim.allreduce([_input(r, s, 20_011) for r in range(world_size)])
             for r in range(world_size):
-                assert torch.equal(ranks[r][(cname, mode, gather)][0][s], expected[r]), (cname, mode, gather, r, s)
+                assert torch.equal(ranks[r][key][0][s], expected[r]), (key, r, s)
         assert sent == sim.counter.bytes_sent
+
+
+def test_enable_duplex_needs_several_gloo_ranks():
+    """Without torch.distributed (or on one rank) there is nothing to twin: no group is made."""
+    assert not dist.is_initialized() and enable_duplex() is False and duplex_twin() is None
 
 
 def _gather_choice(rank, world_size):
@@ -337,6 +367,7 @@ def test_auto_gather_keeps_the_ring_on_nodes_of_several_ranks():
 
 
 def _straggler(rank, world_size):
+    assert enable_duplex()  # the exchanges as point-to-point messages: their waits time out too
     # verify="first": after the first call no agreement round guards the data collectives
     car = CompressedAllreduce(SignCodec(), "error_feedback", verify="first", pieces=3)
     x = torch.randn(200_000)

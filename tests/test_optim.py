@@ -559,7 +559,9 @@ def _lost_rank(rank, world_size, how):
     import time
 
     from lightning_onebit import OnebitAdam
+    from lightning_onebit.comm import enable_duplex
 
+    assert enable_duplex()  # the compressed exchanges as point-to-point messages: they time out too
     torch.manual_seed(0)
     m = nn.Sequential(nn.Embedding(30, 8), nn.LayerNorm(8), nn.Flatten(), nn.Linear(32, 5))
     opt = OnebitAdam(m.parameters(), lr=1e-2, warmup_steps=2)
@@ -589,7 +591,9 @@ def _coded_warmup_rank(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_onebit import OnebitAdam
+    from lightning_onebit.comm import enable_duplex
 
+    assert enable_duplex()  # as the strategies do: each direction of the pair on its own connection
     torch.manual_seed(0)
     m = nn.Sequential(nn.Embedding(30, 8), nn.LayerNorm(8), nn.Flatten(), nn.Linear(32, 5))
     if rank == 0:  # its later buckets come late: the sender's order of calls must not follow the timing

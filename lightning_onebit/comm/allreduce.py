@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..compress import Codec, Source, flat_buffer
 from .accounting import ByteCounter
 from .dense import all_gather_rows, collective_device, fans_out, launcher_ranks_per_node
+from .duplex import duplex_twin, exchange_rows
 from .two_stage import MODES, TwoStageRank
 
 __all__ = ["CompressedAllreduce", "NonFiniteInputError"]
@@ -83,13 +84,18 @@ class CompressedAllreduce(TwoStageRank):
             more of them between nodes (each rank's row to every other node's ranks), which is why
             ``auto`` keeps the ring there (the two-level collective fans out between nodes). A fanout
             stages n copies of this rank's server row: as much memory again as the gathered rows.
+        duplex: on gloo, send the two exchanges each direction of a rank pair on its own connection
+            where the group has a twin (:func:`~lightning_onebit.comm.enable_duplex`; gloo moves about
+            one direction's bytes at a time on one connection): the same bytes and result. ``False``:
+            the plain collectives (``all_to_all_single``) even there.
 
     One object serves one tensor (one size): it owns that tensor's error / Markov state.
     """
 
     def __init__(self, codec: Codec, mode: str = "error_feedback", group=None,
                  counter: ByteCounter | None = None, verify: str = "always",
-                 pieces: int | None = None, groups: Sequence[int] | None = None, gather: str = "auto") -> None:
+                 pieces: int | None = None, groups: Sequence[int] | None = None, gather: str = "auto",
+                 duplex: bool = True) -> None:
         if verify not in ("always", "first"):
             raise ValueError(f"verify must be 'always' or 'first', got {verify!r}")
         if gather not in ("auto", "fanout", "ring"):
@@ -102,6 +108,8 @@ class CompressedAllreduce(TwoStageRank):
         self.gather = gather
         self.fanout = False  # resolved from ``gather`` by the first bind
         self._fan: list[torch.Tensor | None] = []  # fanout: each piece's row copied once per rank
+        self.duplex = duplex
+        self._twin = None  # gloo: the group's duplex twin (comm.duplex), if it has one and duplex is on
         self._verified = False
         self._sig_host: torch.Tensor | None = None  # pinned staging of the agreement (CUDA)
         self._gathered_ok: torch.Tensor | None = None  # GPU: server scales finite, read at the next agreement
@@ -117,8 +125,10 @@ class CompressedAllreduce(TwoStageRank):
             self.fanout = self.world_size > 1 and (
                 self.gather == "fanout" or (self.gather == "auto" and fans_out(self.group, self.worker_device)
                                             and _one_rank_per_host()))
-            self._fan = [flat_buffer((self.world_size, p.rb), torch.uint8, self.worker_device) if self.fanout
-                         else None for p in self.plan]
+            on_gloo = self.world_size > 1 and fans_out(self.group, self.worker_device)
+            self._twin = duplex_twin(self.group) if on_gloo and self.duplex else None
+            self._fan = [flat_buffer((self.world_size, p.rb), torch.uint8, self.worker_device)
+                         if self.fanout and self._twin is None else None for p in self.plan]
 
     # -- the server-overflow check -------------------------------------------------------
     def check_gathered(self, piece0: torch.Tensor) -> None:
@@ -241,7 +251,10 @@ class CompressedAllreduce(TwoStageRank):
             # stage 1 + 2: encode piece k+1 while piece k is on the wire
             for k in range(self.num_pieces):
                 send = self.encode_stage(xp, scales, k)
-                a2a.append(dist.all_to_all_single(self._recv[k], send, group=self.group, async_op=True))
+                if self._twin is not None:
+                    a2a.append(exchange_rows(self._recv[k], send, self.group, twin=self._twin, tag=1, async_op=True))
+                else:
+                    a2a.append(dist.all_to_all_single(self._recv[k], send, group=self.group, async_op=True))
         elif self.numel:
             for k in range(self.num_pieces):
                 self.encode_stage(xp, scales, k)
@@ -266,7 +279,7 @@ class CompressedAllreduce(TwoStageRank):
             srv = self.server_send(k)
             if remote:
                 gather.append(all_gather_rows(self._gathered[k], srv, group=group, async_op=piecewise,
-                                              fanout=self.fanout, send=self._fan[k]))
+                                              fanout=self.fanout, send=self._fan[k], twin=self._twin))
         # stage 4: decode the gathered pieces as they arrive
         dst = self.result_buffer(out, x.dtype)
         gathered = self._gathered if remote else self._srv

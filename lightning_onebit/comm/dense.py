@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .accounting import ByteCounter, ring_allreduce_bytes
+from .duplex import exchange_rows
 
 __all__ = ["FANOUT_MAX_BYTES", "WIRE_DTYPES", "all_finite", "all_gather_rows", "any_across", "any_across_bytes",
            "backend_for", "collective_device", "fans_out", "group_size", "launcher_ranks_per_node", "mean_allreduce",
@@ -127,16 +128,20 @@ def fans_out(group, device: torch.device) -> bool:
 
 
 def all_gather_rows(out: torch.Tensor, row: torch.Tensor, group=None, async_op: bool = False, *,
-                    fanout: bool | None = None, send: torch.Tensor | None = None):
+                    fanout: bool | None = None, send: torch.Tensor | None = None, twin=None):
     """Gather one 1-D ``row`` per rank into the rows of ``out`` ``[n, len]`` (rank order).
 
     ``fanout``: send the row to every rank in one ``all_to_all_single`` instead of an ``all_gather``: the
     same (n - 1) rows per rank, one round trip instead of gloo's n - 1. ``None``: :func:`fans_out`. ``send``:
-    an ``[n, len]`` staging buffer for the copies (else one is allocated per call)."""
+    an ``[n, len]`` staging buffer for the copies (else one is allocated per call). ``twin``: the group's
+    duplex twin (:mod:`~lightning_onebit.comm.duplex`): a fanout then sends the row itself to every rank,
+    each direction of a pair on its own connection, and needs no copies."""
     if fanout is None:
         fanout = fans_out(group, row.device)
     if not fanout:
         return _all_gather_single(out.view(-1), row.reshape(-1), group=group, async_op=async_op)
+    if twin is not None:
+        return exchange_rows(out, [row] * out.shape[0], group, twin=twin, tag=2, async_op=async_op)
     copies = row.reshape(1, -1).expand(out.shape[0], -1)
     send = copies.contiguous() if send is None else send.copy_(copies)
     return dist.all_to_all_single(out.view(-1), send.view(-1), group=group, async_op=async_op)

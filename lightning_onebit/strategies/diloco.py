@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 
 from ..comm.accounting import ring_allreduce_bytes
 from ..comm.ddp_hook import register_local_hook
+from ..comm.duplex import enable_duplex
 from ..optim.diloco import DiLoCo
 from .launch import BaseDDPStrategy
 from .schedulers import repoint_scheduler
@@ -71,6 +72,10 @@ class DiLoCoStrategy(BaseDDPStrategy):
         DiLoCo([torch.zeros(1, requires_grad=True)], **self.diloco_kwargs)  # bad options fail here
         self._in_anchor: list = []
         self._own_buffers: list[torch.Tensor] | None = None  # this rank's, while validation holds the mean
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        enable_duplex()  # gloo: the compressed outer mean at the link's rate both ways (comm.duplex)
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
