@@ -577,20 +577,26 @@ def run_torchrun(
 # -- self test -----------------------------------------------------------------------------------------
 
 _SINK = """
-import socket, sys, time
+import socket, sys, threading, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind((sys.argv[1], 29400)); s.listen(1); c, _ = s.accept(); n = 0; t0 = None
 c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 for _ in range(20): c.sendall(c.recv(1))  # the source's round trips
+def back():  # --both-ways: as many bytes the other way on the same connection, at the same time
+    buf = b"y" * (1 << 20)
+    for _ in range(int(sys.argv[2])): c.sendall(buf)
+    c.shutdown(socket.SHUT_WR)
+t = threading.Thread(target=back); t.start()
 while True:
     b = c.recv(1 << 20)
     if not b: break
     t0 = t0 or time.perf_counter(); n += len(b)
 print(n, n * 8 / (time.perf_counter() - t0) / 1e9)
+t.join()
 """
 
 _SOURCE = """
-import socket, sys, time
+import socket, sys, threading, time
 for _ in range(100):
     try: c = socket.create_connection((sys.argv[1], 29400)); break
     except OSError: time.sleep(0.05)
@@ -598,21 +604,30 @@ c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 rtts = []
 for _ in range(20):
     t = time.perf_counter(); c.sendall(b"x"); c.recv(1); rtts.append(time.perf_counter() - t)
-print(min(rtts) * 1e3, flush=True)
+got = [0, None, None]
+def recv():  # what the sink sends back (nothing one way)
+    while True:
+        b = c.recv(1 << 20)
+        if not b: break
+        got[1] = got[1] or time.perf_counter(); got[0] += len(b); got[2] = time.perf_counter()
+t = threading.Thread(target=recv); t.start()
 buf = b"x" * (1 << 20)
 for _ in range(int(sys.argv[2])): c.sendall(buf)
-c.close()
+c.shutdown(socket.SHUT_WR); t.join(); c.close()
+print(min(rtts) * 1e3, got[0] * 8 / ((got[2] - got[1]) or 1) / 1e9 if got[0] else 0.0, flush=True)
 """
 
 
-def selftest(rate: str | None, megabytes: int = 200, rtt_ms: float = 0.0) -> float:
-    """Time 20 one-byte TCP round trips, then push ``megabytes`` MiB from node 1 to node 0; return the achieved
-    Gbit/s."""
+def selftest(rate: str | None, megabytes: int = 200, rtt_ms: float = 0.0, both_ways: bool = False) -> float:
+    """Time 20 one-byte TCP round trips, then push ``megabytes`` MiB from node 1 to node 0 (with ``both_ways``
+    as many from node 0 to node 1 on the same connection at the same time); return the achieved Gbit/s of the
+    first direction."""
     with EmulatedCluster(2, rate=rate) as c:
         if rtt_ms:
             c.set_delay(rtt_ms)
         env = node_env(c, 0)
-        sink = c.popen(0, [sys.executable, "-c", _SINK, c.node_ip(0)], env, stdout=subprocess.PIPE)
+        back = str(megabytes if both_ways else 0)
+        sink = c.popen(0, [sys.executable, "-c", _SINK, c.node_ip(0), back], env, stdout=subprocess.PIPE)
         time.sleep(0.3)
         tx0 = c.tx_bytes(1)
         src = c.popen(1, [sys.executable, "-c", _SOURCE, c.node_ip(0), str(megabytes)], node_env(c, 1),
@@ -621,10 +636,12 @@ def selftest(rate: str | None, megabytes: int = 200, rtt_ms: float = 0.0) -> flo
         src_out, _ = src.communicate(timeout=30)
         sent = c.tx_bytes(1) - tx0
         nbytes, gbps = out.decode().split()
+        rtt, back_gbps = src_out.decode().split()
         delay = f", delay lines {c.delay_cpu_s():.2f} CPU s" if rtt_ms else ""
-        print(f"rate={rate} rtt={rtt_ms:g} ms: round trip {float(src_out.decode()):.2f} ms (min of 20), "
+        other = f", {float(back_gbps):.3f} Gbit/s the other way at the same time" if both_ways else ""
+        print(f"rate={rate} rtt={rtt_ms:g} ms: round trip {float(rtt):.2f} ms (min of 20), "
               f"{int(nbytes) / 2**20:.0f} MiB payload, {sent / 2**20:.0f} MiB on the link, "
-              f"{float(gbps):.3f} Gbit/s{delay}")
+              f"{float(gbps):.3f} Gbit/s{other}{delay}")
         return float(gbps)
 
 
@@ -637,13 +654,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="TCP round trip and throughput between 2 emulated nodes at each RATE ('none' = unshaped)")
     ap.add_argument("--rtt", type=float, default=0.0, help="with --selftest: round-trip delay in ms (set_delay)")
     ap.add_argument("--megabytes", type=int, default=200, help="with --selftest: MiB to push")
+    ap.add_argument("--both-ways", action="store_true",
+                    help="with --selftest: push as many MiB back on the same connection at the same time")
     args = ap.parse_args(argv)
     if args.cleanup:
         removed = cleanup_stale(include_live_owners=args.all)
         print(f"removed {len(removed)} namespace(s)")
     if args.selftest is not None:
         for rate in args.selftest or ["1gbit", "10gbit", "none"]:
-            selftest(None if rate == "none" else rate, args.megabytes, args.rtt)
+            selftest(None if rate == "none" else rate, args.megabytes, args.rtt, args.both_ways)
     if not args.cleanup and args.selftest is None:
         ap.print_help()
     return 0

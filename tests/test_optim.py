@@ -591,9 +591,8 @@ def _coded_warmup_rank(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from lightning_onebit import OnebitAdam
-    from lightning_onebit.comm import enable_duplex
+    from lightning_onebit.comm import duplex_twin
 
-    assert enable_duplex()  # as the strategies do: each direction of the pair on its own connection
     torch.manual_seed(0)
     m = nn.Sequential(nn.Embedding(30, 8), nn.LayerNorm(8), nn.Flatten(), nn.Linear(32, 5))
     if rank == 0:  # its later buckets come late: the sender's order of calls must not follow the timing
@@ -602,6 +601,7 @@ def _coded_warmup_rank(rank, world_size):
     opt = OnebitAdam(m.parameters(), lr=1e-2, warmup_steps=10, warmup_comm_dtype="uint8", bucket_cap_mb=1e-4)
     opt.set_nonfinite_policy("skip")
     opt.attach(ddp)
+    assert duplex_twin() is not None  # attach made it: each direction of the pair on its own connection
     g = torch.Generator().manual_seed(rank)
     out = {}
     for step in range(1, 5):

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.dense import mean_allreduce_future, ready_future
+from ..comm.duplex import enable_duplex
 from .coded_warmup import CodedWarmupSender
 
 __all__ = ["DDPHookPath", "attach_several"]
@@ -63,12 +64,14 @@ class DDPHookPath:
 
     def _use_ddp_group(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
         """DDP's process group (unless this optimizer was given one), and the node groups of the
-        two-level collective made now: their creation is collective, and here every rank is at the
-        same point (in the hook it might not be)."""
+        two-level collective, or the default group's duplex twin, made now: their creation is
+        collective, and here every rank is at the same point (in the hook it might not be)."""
         if ddp_model.process_group is not None and self.process_group is None:
             self.process_group = ddp_model.process_group
         if (local := self._ranks_per_node()) is not None:
             self._groups_of_nodes(local)
+        elif self.process_group is None or self.process_group is dist.group.WORLD:
+            enable_duplex()  # gloo: each direction of the exchanges on its own connection (comm.duplex)
 
     def attach(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
         """Synchronise through ``ddp_model``'s gradient buckets from now on (the one call a
