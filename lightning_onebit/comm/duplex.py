@@ -1,13 +1,14 @@
 """Exchanges that carry each direction of a rank pair on a TCP connection of its own (gloo).
 
 gloo joins two ranks of a process group by one TCP connection, and bytes sent both ways on it at once
-move at about one direction's rate: on 2 emulated nodes at 100 Mbit/s, two ``all_to_all_single`` of
-1.9 MB each way in a row took 0.46-0.60 s where the link needs 0.30 s, while the same bytes sent on
-two process groups, one per direction, took 0.31-0.34 s, and plain sockets both ways at once reach
-the link's rate as well (``benchmarks/collectives.py --methods pair_bothways pair_duplex``; the
-numbers in ``benchmarks/TIME_TO_ACCURACY.md``). The two exchanges of the compressed allreduce send
-both ways at once by design, so on gloo they go as point-to-point messages: from the lower rank of a
-pair to the higher on the group itself, back on a *twin* group over the same ranks.
+move at about one direction's rate: on 2 emulated nodes at 100 Mbit/s the two exchanges of the 1-bit
+allreduce's bytes at 30.4M elements (3.8 MB each way) took 0.61 s where the link needs 0.30 s, and 0.32 s
+with each direction on a connection of its own (``benchmarks/collectives.py --methods wire1bit
+wire1bit_duplex pair_bothways pair_duplex``), while plain sockets carry both directions of one connection
+at the link's rate (``benchmarks/netns_cluster.py --selftest 100mbit --both-ways``). The two exchanges of
+the compressed allreduce send both ways at once by design, so on gloo they go as point-to-point messages:
+from the lower rank of a pair to the higher on the group itself, back on a *twin* group over the same
+ranks.
 
 The twin is a second gloo group, made by :func:`enable_duplex` (a collective call, like
 ``new_group``, that Lightning strategies of this package make in their setup). Without one the
