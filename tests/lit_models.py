@@ -111,6 +111,8 @@ class SaveParams(L.Callback):
         counter = getattr(opt, "comm_counter", None)
         # what one compressed sync of every bucket sends (codes + per-tensor scales)
         payload = sum(b.comm.bytes_per_call(b.numel) for b in getattr(opt, "_buckets", []) if b.comm is not None)
+        # whether every bucket's collective sends each direction of a pair on its own connection
+        duplex = [getattr(b.comm, "_twin", None) is not None for b in getattr(opt, "_buckets", []) if b.comm]
         torch.save({"params": params, "buffers": [b.detach().clone() for b in pl_module.buffers()],
                     "broadcast_buffers": getattr(trainer.strategy.model, "broadcast_buffers", None),
                     "steps": self.steps, "global_step": trainer.global_step, "payload": payload,
@@ -119,7 +121,7 @@ class SaveParams(L.Callback):
                     "skipped_steps": getattr(opt, "skipped_steps", None), "validated": self.validated,
                     "probe": os.environ.get("LIGHTNING_ONEBIT_PROBE"), "rng": torch.random.initial_seed(),
                     "start_method": __import__("multiprocessing").get_start_method(),
-                    "rounds": counter.rounds if counter else None},
+                    "rounds": counter.rounds if counter else None, "duplex": duplex},
                    os.path.join(self.outdir, f"rank{trainer.global_rank}.pt"))
 
 

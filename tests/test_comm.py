@@ -297,9 +297,9 @@ PIPE_GROUPS = {"sign-l2": (7, 5000, 5001, 13_333), "sign-l1-blocked": None, "min
 
 
 def _piped_on_rank(rank, world_size):
-    out = {"no twin": CompressedAllreduce(SignCodec(), pieces=3)}
-    out["no twin"].bind(10, "cpu")
-    out["no twin"] = out["no twin"]._twin
+    plain = CompressedAllreduce(SignCodec(), pieces=3)
+    plain.bind(10, "cpu")
+    out = {"no twin": plain._twin}
     assert enable_duplex()
     twin = duplex_twin()
     assert twin is not None and enable_duplex() and duplex_twin() is twin  # made once

@@ -49,6 +49,7 @@ def test_every_strategy_fits_and_replicas_agree(tmp_path, name, ratio):
     ranks, _ = _fit(tmp_path, strategy, model)
     for p, q in zip(ranks[0]["params"], ranks[1]["params"], strict=True):
         assert torch.equal(p, q)
+    assert ranks[0]["duplex"] and all(ranks[0]["duplex"])  # attach() made the twin; the buckets' exchanges use it
     warm, comp = _bytes_by_phase(ranks[0]["steps"])
     assert comp, "no compression-phase step"
     if ratio:

@@ -122,11 +122,10 @@ class CompressedAllreduce(TwoStageRank):
             self._recv = [flat_buffer((self.world_size, p.rb), torch.uint8, self.worker_device) for p in self.plan]
             self._gathered = [flat_buffer((self.world_size, p.rb), torch.uint8, self.worker_device)
                               for p in self.plan]
+            gloo_cpu = self.world_size > 1 and fans_out(self.group, self.worker_device)
             self.fanout = self.world_size > 1 and (
-                self.gather == "fanout" or (self.gather == "auto" and fans_out(self.group, self.worker_device)
-                                            and _one_rank_per_host()))
-            on_gloo = self.world_size > 1 and fans_out(self.group, self.worker_device)
-            self._twin = duplex_twin(self.group) if on_gloo and self.duplex else None
+                self.gather == "fanout" or (self.gather == "auto" and gloo_cpu and _one_rank_per_host()))
+            self._twin = duplex_twin(self.group) if gloo_cpu and self.duplex else None
             self._fan = [flat_buffer((self.world_size, p.rb), torch.uint8, self.worker_device)
                          if self.fanout and self._twin is None else None for p in self.plan]
 

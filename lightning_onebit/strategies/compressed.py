@@ -53,7 +53,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
-from ..comm.duplex import enable_duplex
 from ..compress.kernels import apply_thread_budget
 from ..optim import CompressedOptimizer
 from ..optim.base import check_nonfinite_policy
@@ -155,7 +154,6 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
 
     def setup_distributed(self) -> None:
         super().setup_distributed()
-        enable_duplex()  # gloo: the compressed exchanges at the link's rate both ways (comm.duplex)
         # ranks on one host share its cores: give the compression kernels their share (logged once)
         msg = apply_thread_budget(self.num_processes)
         if msg:
