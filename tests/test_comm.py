@@ -417,6 +417,49 @@ def _or_flags(rank, world_size):
     return got
 
 
+# rank 0's indices go as 2 runs; rank 1's, scattered (18 runs), as a bit each of the domain; rank 2 has none
+_SPARSE, _DOMAIN = {0: [range(5, 10), range(100, 102)], 1: [range(7, 60, 3)], 2: []}, 1003
+
+
+def _sparse_case(rank):
+    index = torch.tensor([i for r in _SPARSE[rank] for i in r], dtype=torch.int64)
+    return index, torch.randn(index.numel(), generator=torch.Generator().manual_seed(rank))
+
+
+def _sparse_rank(rank, world_size):
+    from lightning_onebit.comm import enable_duplex, sparse_mean, sparse_row
+    rows = [sparse_row(*_sparse_case(r), _DOMAIN) for r in range(world_size)]
+    sizes = [row.numel() for row in rows]  # what the agreement round gathers
+    got = []
+    for duplex in (False, True):
+        if duplex:
+            assert enable_duplex()
+        counter = ByteCounter()
+        got.append((*sparse_mean(rows[rank], sizes, _DOMAIN, None, counter), counter.total.bytes_sent))
+    return sizes, got
+
+
+def test_sparse_mean_gathers_runs_and_averages_in_rank_order():
+    """Each rank's indices go as runs, or as a bit each of the domain where that is shorter, with their
+    values in one gather (rows padded to the longest; a rank with none sends an empty row): every rank
+    gets the sorted union and the mean there, summed in rank order as the simulation sums (the first
+    two ranks overlap at 7, so the order shows), with or without the duplex twin."""
+    from lightning_onebit.comm import sparse_mean, sparse_mean_bytes, sparse_row
+    from lightning_onebit.optim.buckets import _simulated_mean
+    dense = [torch.zeros(_DOMAIN).index_put_((i,), v) for i, v in map(_sparse_case, range(3))]
+    want_index = torch.tensor(sorted({i for r in range(3) for run in _SPARSE[r] for i in run}))
+    want = _simulated_mean(dense)[want_index]
+    bitmask = -(-((_DOMAIN + 7) // 8) // 4) * 4
+    for sizes, got in values(run_ranks(_sparse_rank, 3)):
+        assert sizes == [8 + 16 * 2 + 4 * 7, 8 + bitmask + 4 * 18, 0]
+        for index, mean, sent in got:
+            assert torch.equal(index, want_index) and torch.equal(mean, want)
+            assert sent == sparse_mean_bytes(sizes, 3) == 2 * 208
+    index, vals = _sparse_case(0)  # one rank: its own values
+    one_index, one_mean = sparse_mean(sparse_row(index, vals, _DOMAIN), [0], _DOMAIN, None)
+    assert torch.equal(one_index, index) and torch.equal(one_mean, vals)
+
+
 def test_any_across_ors_packed_bits():
     """gloo ORs the flags as bits, exactly: a few flags as one round of (n - 1) copies of their bytes (one round
     trip), many as a BOR allreduce of 1 bit each, whose bytes do not grow with n."""

@@ -113,7 +113,8 @@ class CompressedAllreduce(TwoStageRank):
         self._verified = False
         self._sig_host: torch.Tensor | None = None  # pinned staging of the agreement (CUDA)
         self._gathered_ok: torch.Tensor | None = None  # GPU: server scales finite, read at the next agreement
-        self.any_flag = False  # the OR over ranks of the last call's flag (see __call__)
+        self.any_flag = False  # some rank's flag in the last call was nonzero (see __call__)
+        self.flag_values: list[int] = [0]  # every rank's flag in the last call, in rank order
         self._inflight: tuple | None = None  # a call between start() and complete(): (input, stage-1 works)
 
     def bind(self, numel: int, device: torch.device | str) -> None:
@@ -145,14 +146,14 @@ class CompressedAllreduce(TwoStageRank):
                          "(inputs near the fp32 limit); every rank raised and reset its error/estimate state")
 
     # -- the agreement -------------------------------------------------------------------
-    def _signature(self, x: torch.Tensor, flag: bool, ok: bool) -> list[int]:
+    def _signature(self, x: torch.Tensor, flag: int, ok: bool) -> list[int]:
         bs = self.codec.block_size or 0
         groups = zlib.crc32(np.asarray(self.groups, np.int64).tobytes())
         # the last three fields: flag, the previous call's server scales finite (GPU), input finite
         return [x.numel(), _DTYPE_ID.get(x.dtype, 9), self.codec.kind, bs, _MODE_ID[self.mode],
-                int(getattr(self.codec, "scale", "l2") == "l1"), groups, int(flag), 1, int(ok)]
+                int(getattr(self.codec, "scale", "l2") == "l1"), groups, flag, 1, int(ok)]
 
-    def _agree(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: bool | None = None,
+    def _agree(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: int | None = None,
                finite: bool | torch.Tensor | None = None) -> None:
         """All ranks exchange (size, dtype, codec, mode, flag, finite) and raise together on disagreement.
 
@@ -166,7 +167,10 @@ class CompressedAllreduce(TwoStageRank):
                                  "per-call agreement round)")
         if finite is not None:
             ok = torch.as_tensor(ok, device=x.device) & torch.as_tensor(finite, device=x.device)
-        self.any_flag = bool(flag)
+        mine_flag = int(flag or 0)
+        if mine_flag < 0:
+            raise ValueError(f"{type(self).__name__}: flag must be a bool or a non-negative int, got {flag}")
+        self.any_flag, self.flag_values = bool(mine_flag), [mine_flag]
         prev, self._gathered_ok = self._gathered_ok, None
         if self.world_size == 1 or (self.verify == "first" and self._verified and bool(ok)):
             if prev is not None and not bool(prev):
@@ -176,7 +180,7 @@ class CompressedAllreduce(TwoStageRank):
                                           "no state was changed")
             return
         dev = collective_device(self.group, x.device)
-        sig = self._signature(x, bool(flag), ok if isinstance(ok, bool) else True)
+        sig = self._signature(x, mine_flag, ok if isinstance(ok, bool) else True)
         if dev.type == "cpu":
             mine = torch.tensor(sig, dtype=torch.int64)
         else:  # a pinned staging copy does not wait for the stream, as a pageable one would
@@ -198,7 +202,8 @@ class CompressedAllreduce(TwoStageRank):
                 f"rank {r}: " + ", ".join(f"{f}={int(allsig[r, i])}" for i, f in enumerate(fields))
                 for r in range(self.world_size))
             raise ValueError(f"CompressedAllreduce: ranks disagree on {', '.join(bad)} ({rows})")
-        self.any_flag = bool(allsig[:, -3].any())
+        self.flag_values = allsig[:, -3].tolist()
+        self.any_flag = any(self.flag_values)
         if not bool(allsig[:, -2].all()):
             self._server_overflowed()
         nonfinite = [r for r in range(self.world_size) if not int(allsig[r, -1])]
@@ -208,12 +213,13 @@ class CompressedAllreduce(TwoStageRank):
         self._verified = True
 
     # -- the collective ------------------------------------------------------------------
-    def __call__(self, x: torch.Tensor | Source, out: torch.Tensor | None = None, flag: bool | None = None,
+    def __call__(self, x: torch.Tensor | Source, out: torch.Tensor | None = None, flag: int | None = None,
                  defer: bool = False, finite: bool | torch.Tensor | None = None) -> torch.Tensor | None:
         """Return the compressed mean of ``x`` over the group (bit-identical on all ranks).
 
-        ``flag``: a bit every rank contributes to the agreement round at no extra cost; after the
-        call ``any_flag`` is their OR (e.g. "some rank has a gradient where the optimizer masks").
+        ``flag``: a bool or non-negative int every rank contributes to the agreement round at no extra
+        cost; after the call ``flag_values`` lists them in rank order and ``any_flag`` says one was
+        nonzero (e.g. how many bytes each rank has to send about the coordinates the optimizer masks).
         Needs ``verify="always"`` (with "first" later calls have no agreement round).
 
         ``finite``: whether this rank's other data (e.g. the gradients of later buckets) is finite,
@@ -230,7 +236,7 @@ class CompressedAllreduce(TwoStageRank):
         self.start(x, flag=flag, finite=finite)
         return self.complete(out, defer=defer)
 
-    def start(self, x: torch.Tensor | Source, *, flag: bool | None = None,
+    def start(self, x: torch.Tensor | Source, *, flag: int | None = None,
               finite: bool | torch.Tensor | None = None) -> None:
         """The first half of a call: the agreement, the encode and the stage-1 all-to-all, left on the
         wire; :meth:`complete` does the rest. Between the two another collective's call may start

@@ -150,6 +150,10 @@ class HierarchicalAllreduce:
         return self._agreement.any_flag
 
     @property
+    def flag_values(self) -> list[int]:
+        return self._agreement.flag_values
+
+    @property
     def shard_len(self) -> int:
         return _shard_len(self.numel, self.ranks_per_node)
 
@@ -183,7 +187,7 @@ class HierarchicalAllreduce:
         probe = TwoStageRank(self.codec, self.mode, self.node, self.nodes, pieces=self.pieces, groups=sg)
         return probe.bytes_per_call(_shard_len(numel, self.ranks_per_node))
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, flag: bool | None = None,
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, flag: int | None = None,
                  finite: bool | torch.Tensor | None = None) -> torch.Tensor:
         """The compressed mean of ``x`` over every rank of every node (bit-identical on all ranks);
         ``flag`` and ``finite`` ride in the agreement round as in :class:`~.allreduce.CompressedAllreduce`."""

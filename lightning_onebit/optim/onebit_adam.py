@@ -6,7 +6,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..comm import any_across, any_across_bytes, mean_allreduce, ring_allreduce_bytes
+from ..comm import sparse_mean, sparse_mean_bytes, sparse_row
 from ..compress import Codec, SignCodec, flat_buffer
 from ..compress.source import Sink, Source
 from .base import CompressedOptimizer, check_hyperparameters
@@ -51,9 +51,10 @@ class OnebitAdam(CompressedOptimizer):
     Coordinates whose variance is exactly zero at the switch (no gradient during warm-up: an
     embedding row of a token not seen yet) are masked: sign coding cannot make them drift
     (DeepSpeed needs a hand-made ``exp_avg_mask``). When a gradient reaches one of them later
-    on any rank (a bit in the collective's agreement round tells every rank, at no cost), the
-    ranks agree which masked coordinates got one (a bit each on gloo, a byte on NCCL) and
-    average those gradients in fp32; these coordinates start to train: their frozen variance
+    on any rank (the collective's agreement round tells every rank, at no cost, how many bytes each
+    has about them), each rank sends its reached coordinates as runs of positions with their
+    gradients in one gather, and every rank averages them in fp32 in rank order; these coordinates
+    start to train: their frozen variance
     becomes the gradient squared and their momentum (1 - beta1) times it. (Adam's own estimate
     after one gradient at step t, (1 - beta2) / (1 - beta2^t) g^2, frozen for the rest of the
     run, would give steps about 1 / sqrt(1 - beta2) ~ 30x larger for as long as compression
@@ -207,33 +208,41 @@ class OnebitAdam(CompressedOptimizer):
         if idx is not None:
             b.flat["exp_avg"].index_fill_(0, idx, 0.0)
 
-    def _flag(self, b: Bucket, grad) -> bool | None:
+    def _flag(self, b: Bucket, grad) -> int | None:
         idx = self._mask(b)
         if idx is None:
             return None
+        # the masked coordinates this rank's gradient reached, ready to send; the agreement carries its length
+        row = self._touched_row(b, grad, idx)
+        b.cache["flag_row"] = row  # _on_flag sends it: not searched twice
+        return row.numel()
+
+    @staticmethod
+    def _touched_row(b: Bucket, grad, idx: torch.Tensor) -> torch.Tensor:
         hits = b.nonzero_at(grad, idx, b.flat["exp_avg_sq"])  # the mask is where it is zero
-        b.cache["flag_hits"] = hits  # _on_flag needs them: kept, not searched twice
-        return bool(hits.numel())
+        return sparse_row(hits, b.values_at(grad, idx[hits]), idx.numel())
 
     def _on_flag(self, b: Bucket, grads: Sequence, simulated: bool) -> None:
         """Masked coordinates that a gradient reached start to train (see the class docstring)."""
         idx = self._mask(b)
-        # which masked coordinates got a gradient anywhere (a bit each on gloo), then their mean (fp32)
-        hits = b.cache.pop("flag_hits", None)
+        # the coordinates some rank's gradient reached and the mean gradient there: each rank sends its
+        # own (as runs of the mask's indices, or a bit each where that is less) and values, in one gather
+        row = b.cache.pop("flag_row", None)
         if not simulated:
-            mine = torch.zeros(idx.numel(), dtype=torch.bool, device=idx.device)
-            mine[b.nonzero_at(grads, idx, b.flat["exp_avg_sq"]) if hits is None else hits] = True
-            touched = any_across(mine, self.process_group, self.comm_counter)
-            pos = idx[touched]
-            g = mean_allreduce(b.values_at(grads, pos), self.process_group, self.comm_counter)
+            row = self._touched_row(b, grads, idx) if row is None else row
+            hits, g = sparse_mean(row, self._comm_for(b).flag_values, idx.numel(), self.process_group,
+                                  self.comm_counter)
+            pos = idx[hits]
         else:
             at = [b.values_at(w, idx) for w in grads]
-            touched = torch.stack([a != 0 for a in at]).any(0)
+            hit = [a != 0 for a in at]
+            touched = torch.stack(hit).any(0)
             pos = idx[touched]
             g = _simulated_mean([a[touched] for a in at])
-            n = len(grads)  # what the two collectives would send
-            self.comm_counter.add(any_across_bytes(idx.numel(), n), 0, n)
-            self.comm_counter.add(ring_allreduce_bytes(pos.numel(), n), pos.numel(), n)
+            n = len(grads)  # what the gather would send
+            sizes = [sparse_row(h.nonzero().view(-1), a[h], idx.numel()).numel()
+                     for a, h in zip(at, hit, strict=True)]
+            self.comm_counter.add(sparse_mean_bytes(sizes, n), pos.numel(), n)
         got = g != 0
         if not bool(got.any()):  # the workers' gradients cancelled exactly
             return
