@@ -285,6 +285,7 @@ class SimulatedHierarchicalCluster:
         self.clusters: list[SimulatedCluster] | None = None  # one per local rank (its shard)
         self.numel: int | None = None
         self.any_flag = False
+        self.flag_values: list[int] = [0]  # every worker's flag in the last call, as in the distributed call
 
     @property
     def shard_len(self) -> int:
@@ -305,9 +306,10 @@ class SimulatedHierarchicalCluster:
             c.bind(self.shard_len, device)
 
     def allreduce(self, xs: Sequence[torch.Tensor], flags: Sequence[bool] | None = None) -> list[torch.Tensor]:
-        """The two-level compressed mean of ``xs`` (one per rank); ``flags``: their OR becomes ``any_flag``."""
+        """The two-level compressed mean of ``xs`` (one per rank); ``flags``: ``flag_values`` and ``any_flag``."""
         xs = [x.materialize() if isinstance(x, Source) else x for x in xs]
-        self.any_flag = bool(flags is not None and any(flags))
+        self.flag_values = [int(f or 0) for f in flags] if flags is not None else [0] * len(xs)
+        self.any_flag = any(self.flag_values)
         if len(xs) != self.world_size:
             raise ValueError(f"expected {self.world_size} tensors (one per rank), got {len(xs)}")
         sizes = {x.numel() for x in xs}

@@ -39,6 +39,7 @@ class SimulatedCluster:
         self.counter = counter if counter is not None else ByteCounter()
         # every worker reports to its own counter; the cluster's counter gets rank 0's view
         self.any_flag = False  # the OR of the last call's flags (see allreduce)
+        self.flag_values: list[int] = [0]  # every worker's flag in the last call, as in the distributed call
         self.workers = [
             TwoStageRank(codec, mode, r, world_size, counter=self.counter if r == 0 else None, pieces=pieces,
                          groups=groups)
@@ -47,7 +48,7 @@ class SimulatedCluster:
 
     def allreduce(self, xs: Sequence[torch.Tensor], flags: Sequence[bool] | None = None) -> list[torch.Tensor]:
         """Compressed mean of ``xs`` (one tensor per worker); returns each worker's result.
-        ``flags`` (one per worker): their OR becomes ``any_flag``, as in the distributed call."""
+        ``flags`` (one per worker): ``flag_values`` and ``any_flag``, as in the distributed call."""
         return self._run(xs, flags, None)
 
     def allreduce_into(self, xs: Sequence[torch.Tensor], out: torch.Tensor,
@@ -72,7 +73,8 @@ class SimulatedCluster:
 
     def _run(self, xs: Sequence[torch.Tensor], flags: Sequence[bool] | None,
              out: torch.Tensor | None, defer: bool = False) -> list[torch.Tensor] | None:
-        self.any_flag = bool(flags is not None and any(flags))
+        self.flag_values = [int(f or 0) for f in flags] if flags is not None else [0] * len(xs)
+        self.any_flag = any(self.flag_values)
         if len(xs) != self.world_size:
             raise ValueError(f"expected {self.world_size} tensors (one per worker), got {len(xs)}")
         sizes = {x.numel() for x in xs}

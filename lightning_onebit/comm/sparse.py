@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from .accounting import ByteCounter
-from .dense import all_gather_rows, collective_device, fans_out, group_size, pack_bits, unpack_bits
+from .dense import all_gather_rows, collective_device, group_size, pack_bits, unpack_bits
 from .duplex import duplex_twin
 
 __all__ = ["sparse_mean", "sparse_mean_bytes", "sparse_row"]
@@ -104,8 +104,7 @@ def sparse_mean(row: torch.Tensor, sizes: Sequence[int], domain: int, group=None
     mine = torch.zeros(width, dtype=torch.uint8, device=dev)
     mine[:row.numel()] = row
     rows = torch.empty(n, width, dtype=torch.uint8, device=dev)
-    fan = fans_out(group, dev)
-    all_gather_rows(rows, mine, group, fanout=fan, twin=duplex_twin(group) if fan else None)
+    all_gather_rows(rows, mine, group, twin=duplex_twin(group))  # the twin serves only a fan-out
     parts = [_parse(rows[r].to(device), domain) for r in range(n) if sizes[r]]
     index = torch.unique(torch.cat([i for i, _ in parts]))  # sorted
     mean = torch.zeros(index.numel(), dtype=torch.float32, device=device)

@@ -235,14 +235,11 @@ class OnebitAdam(CompressedOptimizer):
             pos = idx[hits]
         else:
             at = [b.values_at(w, idx) for w in grads]
-            hit = [a != 0 for a in at]
-            touched = torch.stack(hit).any(0)
+            touched = torch.stack([a != 0 for a in at]).any(0)
             pos = idx[touched]
             g = _simulated_mean([a[touched] for a in at])
-            n = len(grads)  # what the gather would send
-            sizes = [sparse_row(h.nonzero().view(-1), a[h], idx.numel()).numel()
-                     for a, h in zip(at, hit, strict=True)]
-            self.comm_counter.add(sparse_mean_bytes(sizes, n), pos.numel(), n)
+            n = len(grads)  # what the gather of the rows each worker announced (its _flag) would send
+            self.comm_counter.add(sparse_mean_bytes(self._comm_for(b).flag_values, n), pos.numel(), n)
         got = g != 0
         if not bool(got.any()):  # the workers' gradients cancelled exactly
             return
