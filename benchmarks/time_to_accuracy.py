@@ -522,11 +522,12 @@ def target_run(rows: list[dict[str, Any]], where: str, seed: int) -> dict[str, A
     same layout, budget and seed on another link. DDP's validation curve is the same arithmetic on every link
     (bit for bit at 1 Gbit/s, 100 Mbit/s and 100 Mbit/s with round trips on the fine-tune), so a run
     without DDP's 20 minutes at a slow link still has its target."""
-    def ddp_of(same_link: bool) -> dict[str, Any] | None:
-        like = next((r for r in rows if setting(r) == where), None)
-        return next((r for r in rows if r["method"] == "ddp_adamw" and r["seed"] == seed and like is not None
-                     and (setting(r) == where if same_link else _layout(r) == _layout(like))), None)
-    return ddp_of(True) or ddp_of(False)
+    like = next((r for r in rows if setting(r) == where), None)
+    if like is None:
+        return None
+    ddp = [r for r in rows if r["method"] == "ddp_adamw" and r["seed"] == seed]
+    return (next((r for r in ddp if setting(r) == where), None)
+            or next((r for r in ddp if _layout(r) == _layout(like)), None))
 
 
 def target_of(rows: list[dict[str, Any]], where: str, seed: int, metric: str = "val_loss") -> float | None:

@@ -40,6 +40,25 @@ def test_target_time_to_target_lr_choice_and_verdict():
     assert "cost 3.0 s in compute alone: with free communication it would be 6.67x ahead" in verdict  # 20 / 3
 
 
+def test_a_link_without_ddp_takes_the_target_from_ddp_at_another_link():
+    """DDP's curve does not depend on the link: a setting whose runs have no DDP of their own takes the target
+    from DDP's run of the same layout, budget and seed at another link (and says so), never from another
+    seed or layout; its own DDP run wins where there is one."""
+    slow = "2 nodes x 1 rank, 100mbit + 50 ms RTT"
+    ddp = _run("ddp_adamw", [2.0, 1.5, 1.2, 1.0, 0.9], 1.0)  # 100mbit, target 1.0
+    ours = _run("zero_one_adam", [1.8, 1.1, 0.95, 0.9, 0.85], 0.3, rate="100mbit + 50 ms RTT")
+    other_seed = _run("ddp_adamw", [2.0, 1.5, 1.2, 0.7, 0.6], 1.0, seed=1)
+    four = {**_run("ddp_adamw", [2.0, 1.5, 1.2, 0.7, 0.6], 1.0), "nodes": 4}
+    assert tta.target_run([ddp, ours], slow, 0) is ddp and tta.target_of([ddp, ours], slow, 0) == 1.0
+    assert tta.target_of([other_seed, four, ours], slow, 0) is None
+    own = _run("ddp_adamw", [2.0, 1.5, 1.2, 1.1, 0.9], 3.0, rate="100mbit + 50 ms RTT")
+    assert tta.target_of([ddp, own, ours], slow, 0) == 1.1
+    table = tta.tables([ddp, ours])
+    head = f"### {slow}: target val_loss 1 (DDP + AdamW at 80% of 50 steps; for seeds [0] from its run at another link"
+    assert head in table
+    assert "| zero_one_adam | 0.001 | 9 |" in table  # step 30 at 0.3 s a step
+
+
 def test_bytes_to_other_hosts_counts_writes_to_other_addresses_only():
     """What the rounds are counted from: a connection between two addresses of this host stands for one to
     another node (127.0.0.2 -> 127.0.0.1), one within an address for ranks of one node."""
