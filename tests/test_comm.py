@@ -479,3 +479,68 @@ def test_any_across_ors_packed_bits():
     f = torch.tensor([True, False, False, False, False, False, False, False, False, True, True])
     assert pack_bits(f).tolist() == [1, 6]
     assert unpack_bits(torch.tensor([1, 6], dtype=torch.uint8), 11).tolist() == f.tolist()
+
+
+def _phased_rank(rank, world_size):
+    """Three collectives (one piece, three pieces, a top-k codec) run in phases interleaved, beside the
+    same three run one call after another; then a NaN on rank 1 in the second call's agreement."""
+    from lightning_onebit.comm import NonFiniteInputError
+    assert enable_duplex()
+    got = {}
+    for duplex in (False, True):
+        def make():
+            return [CompressedAllreduce(SignCodec(), group=None, duplex=duplex, pieces=1),
+                    CompressedAllreduce(MinMaxUInt8Codec(block_size=64), group=None, duplex=duplex, pieces=3,
+                                        groups=[0, 900]),
+                    CompressedAllreduce(TopKCodec(0.1), mode="markov", group=None, duplex=duplex)]
+        serial, phased = make(), make()
+        sizes = [1000, 4097, 777]
+        for step in range(2):
+            xs = [torch.randn(n, generator=torch.Generator().manual_seed(100 * step + 10 * rank + i))
+                  for i, n in enumerate(sizes)]
+            want = [c(x, flag=rank + i) for i, (c, x) in enumerate(zip(serial, xs, strict=True))]
+            for i, (c, x) in enumerate(zip(phased, xs, strict=True)):
+                c.begin(x, flag=rank + i)
+            for phase in ("send", "relay"):
+                for c in phased:
+                    getattr(c, phase)()
+            out = [c.complete() for c in phased]
+            for i, (a, b, cs, cp) in enumerate(zip(want, out, serial, phased, strict=True)):
+                assert torch.equal(a, b), (duplex, step, i)
+                assert cp.flag_values == [r + i for r in range(world_size)] == cs.flag_values
+                for name in ("worker", "server", "tilde"):
+                    sa, sb = getattr(cs, name, None), getattr(cp, name, None)
+                    assert (sa is None and sb is None) or torch.equal(sa, sb), (duplex, step, i, name)
+        # a NaN on rank 1 fails the second call's agreement on every rank; the calls in flight are given up
+        xs = [torch.ones(n) for n in sizes]
+        if rank == 1:
+            xs[1][5] = float("nan")
+        for c, x in zip(phased, xs, strict=True):
+            c.begin(x)
+        phased[0].send()
+        try:
+            phased[1].send()
+        except NonFiniteInputError as exc:
+            got[duplex] = str(exc)
+        for c in phased:
+            c.abandon()
+        # the group and the objects go on: a next call of each, interleaved, agrees on every rank
+        for c in phased:
+            c.begin(torch.full((c.numel,), float(rank)))
+        for c in phased:
+            c.send()
+        got[(duplex, "after")] = [c.complete() for c in phased]
+    return got
+
+
+def test_phases_interleaved_equal_calls_one_after_another():
+    """Several calls with their phases interleaved (every begin, then every send, relay and complete) give
+    each call's result, state and flags bit for bit as calls one after another, on gloo's collectives and
+    duplex; a failed agreement in the middle raises on every rank, and the calls given up leave nothing on
+    the wire: the next calls run and agree."""
+    ranks = values(run_ranks(_phased_rank, 3))
+    for duplex in (False, True):
+        for got in ranks:
+            assert "rank(s) [1] is not finite" in got[duplex]
+        for a, b in zip(ranks[0][(duplex, "after")], ranks[2][(duplex, "after")], strict=True):
+            assert torch.equal(a, b) and bool(torch.isfinite(a).all())

@@ -161,6 +161,12 @@ class CompressedAllreduce(TwoStageRank):
         the device, and the gathered signatures are the one thing the host waits for. ``finite`` (the
         caller's other data) is ANDed into it; it and ``flag`` need ``verify="always"``, whose every
         call has the round they ride in."""
+        self._agree_finish(self._agree_start(x, ok, flag, finite))
+
+    def _agree_start(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: int | None = None,
+                     finite: bool | torch.Tensor | None = None) -> tuple:
+        """:meth:`_agree` up to its round on the wire (not waited for): what :meth:`_agree_finish` takes.
+        Nothing is written but the flag of this rank alone; a local error raises here."""
         for name, arg in (("flag", flag), ("finite", finite)):
             if arg is not None and self.verify != "always" and self.world_size > 1:
                 raise ValueError(f"{type(self).__name__}: {name}= needs verify='always' (it rides in the "
@@ -173,12 +179,7 @@ class CompressedAllreduce(TwoStageRank):
         self.any_flag, self.flag_values = bool(mine_flag), [mine_flag]
         prev, self._gathered_ok = self._gathered_ok, None
         if self.world_size == 1 or (self.verify == "first" and self._verified and bool(ok)):
-            if prev is not None and not bool(prev):
-                self._server_overflowed()
-            if not bool(ok):
-                raise NonFiniteInputError("CompressedAllreduce: the input is not finite (NaN or inf); "
-                                          "no state was changed")
-            return
+            return prev, ok, None, None  # no round: _agree_finish checks locally
         dev = collective_device(self.group, x.device)
         sig = self._signature(x, mine_flag, ok if isinstance(ok, bool) else True)
         if dev.type == "cpu":
@@ -193,7 +194,19 @@ class CompressedAllreduce(TwoStageRank):
         if prev is not None:
             mine[-2:-1].copy_(prev.reshape(1))
         allsig = torch.empty(self.world_size, len(sig), dtype=torch.int64, device=dev)
-        all_gather_rows(allsig, mine, group=self.group)
+        return prev, ok, allsig, all_gather_rows(allsig, mine, group=self.group, async_op=True)
+
+    def _agree_finish(self, started: tuple) -> None:
+        """Wait for the round :meth:`_agree_start` began and raise, on every rank alike, on what it shows."""
+        prev, ok, allsig, work = started
+        if work is None:
+            if prev is not None and not bool(prev):
+                self._server_overflowed()
+            if not bool(ok):
+                raise NonFiniteInputError("CompressedAllreduce: the input is not finite (NaN or inf); "
+                                          "no state was changed")
+            return
+        work.wait()
         allsig = allsig.cpu()
         fields = ["numel", "dtype", "codec kind", "block_size", "mode", "l1 scale", "groups (crc32)"]
         bad = [f for i, f in enumerate(fields) if not bool((allsig[:, i] == allsig[0, i]).all())]
@@ -238,60 +251,90 @@ class CompressedAllreduce(TwoStageRank):
 
     def start(self, x: torch.Tensor | Source, *, flag: int | None = None,
               finite: bool | torch.Tensor | None = None) -> None:
-        """The first half of a call: the agreement, the encode and the stage-1 all-to-all, left on the
+        """The first half of a call: :meth:`begin` and :meth:`send`, the stage-1 all-to-all left on the
         wire; :meth:`complete` does the rest. Between the two another collective's call may start
         (each object owns its buffers), so that its stage 1 fills the link while this one's server
         decodes and re-encodes, provided every rank interleaves the calls in the same order. A failed
         agreement raises here, on every rank, and leaves nothing in flight."""
+        self.begin(x, flag=flag, finite=finite)
+        self.send()
+
+    # A call in phases, for callers that run several calls at once: each phase waits only for what its own
+    # call put on the wire one phase earlier, so with the phases of k calls interleaved (every call's
+    # begin, then every send, every relay, every complete) their round trips overlap: about 3 a step where
+    # the calls one after another wait 3 k. Every rank must issue the phases in the same order.
+    def begin(self, x: torch.Tensor | Source, *, flag: int | None = None,
+              finite: bool | torch.Tensor | None = None) -> None:
+        """Phase 1: the worker scales of ``x`` and the agreement round put on the wire; no state written."""
         if self._inflight is not None:
-            raise RuntimeError(f"{type(self).__name__}.start: the previous call was not completed")
+            raise RuntimeError(f"{type(self).__name__}.begin: the previous call was not completed")
         if self.numel is not None and x.numel() != self.numel:
             if self.world_size > 1:
                 self._agree(x, True)  # ranks that disagree all raise here instead of hanging
             self.bind(x.numel(), x.device)  # every rank made the same mistake: raise the local explanation
         xp, scales, ok = self.prepare(x)
-        self._agree(x, ok, flag, finite)
-        a2a = []
+        self._inflight = _Call(x, xp, scales, self._agree_start(x, ok, flag, finite))
+
+    def send(self) -> None:
+        """Phase 2: wait for the agreement (a failed one raises on every rank and leaves nothing in
+        flight), then encode stage 1 and put the all-to-all on the wire, piece k+1 encoded while piece
+        k travels."""
+        call = self._in_phase("send", "begun")
+        try:
+            self._agree_finish(call.agreement)
+        except BaseException:
+            self._inflight = None
+            raise
+        xp, scales = call.xp, call.scales
+        call.xp = call.scales = call.agreement = None
         if self.numel and self.world_size > 1:
-            # stage 1 + 2: encode piece k+1 while piece k is on the wire
             for k in range(self.num_pieces):
                 send = self.encode_stage(xp, scales, k)
                 if self._twin is not None:
-                    a2a.append(exchange_rows(self._recv[k], send, self.group, twin=self._twin, tag=1, async_op=True))
+                    call.works.append(exchange_rows(self._recv[k], send, self.group, twin=self._twin, tag=1,
+                                                    async_op=True))
                 else:
-                    a2a.append(dist.all_to_all_single(self._recv[k], send, group=self.group, async_op=True))
+                    call.works.append(dist.all_to_all_single(self._recv[k], send, group=self.group, async_op=True))
         elif self.numel:
             for k in range(self.num_pieces):
                 self.encode_stage(xp, scales, k)
-        self._inflight = (x, a2a)
+        call.phase = "sent"
+
+    def relay(self) -> None:
+        """Phase 3 (this rank as a server): decode each piece of its chunk as it arrives, re-encode
+        the mean, and put the gather of the server rows on the wire."""
+        call = self._in_phase("relay", "sent")
+        remote = self.world_size > 1
+        if self.numel:
+            a2a, call.works = call.works, []
+            for k in range(self.num_pieces):
+                if remote:
+                    a2a[k].wait()
+                self.server_receive(self._recv[k] if remote else self._send[k], k)
+            for k in range(self.num_pieces):
+                srv = self.server_send(k)
+                if remote:
+                    call.works.append(all_gather_rows(self._gathered[k], srv, group=self.group, async_op=True,
+                                                      fanout=self.fanout, send=self._fan[k], twin=self._twin))
+        call.phase = "relayed"
 
     def complete(self, out: torch.Tensor | None = None, *, defer: bool = False) -> torch.Tensor | None:
-        """The second half of a call begun by :meth:`start` (see :meth:`__call__` for ``out`` and ``defer``)."""
-        if self._inflight is None:
-            raise RuntimeError(f"{type(self).__name__}.complete: no call was started")
-        (x, a2a), self._inflight = self._inflight, None
+        """The rest of a call (:meth:`relay`, if not done yet, then stage 4: decode the gathered pieces as
+        they arrive); see :meth:`__call__` for ``out`` and ``defer``."""
+        if self._inflight is not None and self._inflight.phase == "sent":
+            self.relay()
+        call = self._in_phase("complete", "relayed")
+        self._inflight = None
+        x = call.x
         if self.numel == 0:
             return x.detach().clone() if out is None else out
-        piecewise, remote = self.num_pieces > 1, self.world_size > 1
-        group = self.group
-        # stage 3: decode each piece as it arrives, then re-encode and gather piece by piece
-        for k in range(self.num_pieces):
-            if remote:
-                a2a[k].wait()
-            self.server_receive(self._recv[k] if remote else self._send[k], k)
-        gather = []
-        for k in range(self.num_pieces):
-            srv = self.server_send(k)
-            if remote:
-                gather.append(all_gather_rows(self._gathered[k], srv, group=group, async_op=piecewise,
-                                              fanout=self.fanout, send=self._fan[k], twin=self._twin))
-        # stage 4: decode the gathered pieces as they arrive
+        remote = self.world_size > 1
         dst = self.result_buffer(out, x.dtype)
         gathered = self._gathered if remote else self._srv
         defer = defer and not self.any_flag and self.mode != "markov"
         for k in range(self.num_pieces):
-            if remote and piecewise:
-                gather[k].wait()
+            if remote:
+                call.works[k].wait()
             if k == 0:
                 self.check_gathered(gathered[0])
             if not defer:
@@ -301,3 +344,35 @@ class CompressedAllreduce(TwoStageRank):
             self._keep_pending(gathered, dst, out, x.dtype)
             return None
         return self.finish(dst, out, x.dtype)
+
+    def abandon(self) -> None:
+        """Give up a call in flight (another call failed): wait for what it put on the wire, so that no
+        transfer still reads or writes the buffers when the next call reuses them. Its state writes
+        stand; the result is never produced. Every rank must abandon the same calls."""
+        call, self._inflight = self._inflight, None
+        if call is None:
+            return
+        pending = [] if call.agreement is None or call.agreement[3] is None else [call.agreement[3]]
+        for work in pending + call.works:
+            try:
+                work.wait()
+            except Exception:  # noqa: BLE001 - the group failed already; the caller raises that failure
+                pass
+
+    def _in_phase(self, phase: str, after: str) -> _Call:
+        call = self._inflight
+        if call is None or call.phase != after:
+            raise RuntimeError(f"{type(self).__name__}.{phase}: needs a call {after}, "
+                               f"{'none is in flight' if call is None else 'this one is ' + call.phase}")
+        return call
+
+
+class _Call:
+    """A call of :class:`CompressedAllreduce` in flight: its phase and what the next phase needs."""
+
+    __slots__ = ("x", "xp", "scales", "agreement", "works", "phase")
+
+    def __init__(self, x, xp, scales, agreement: tuple) -> None:
+        self.x, self.xp, self.scales, self.agreement = x, xp, scales, agreement
+        self.works: list = []  # the collectives of the last phase, waited for by the next
+        self.phase = "begun"

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ..comm import ByteCounter, NonFiniteInputError, any_across, group_size
+from ..comm import ByteCounter, any_across, group_size
 from ..compress.kernels import apply_thread_budget
 from .buckets import Bucket, BucketState
 from .checkpointing import OptimizerCheckpoint
@@ -370,7 +370,7 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
         ``finite`` (the policy "skip"): this rank's gradients are all finite, sent with the first
         compressed call's agreement, which raises :class:`SkippedEverywhere` on every rank if not."""
         has_all = self._has_grad(buckets, worker_grads)
-        plan = []
+        plan, calls = [], []
         for b, has in zip(buckets, has_all, strict=True):
             # a compressed sync whose payload reads the gradients where they are copies none of them
             in_place = (b.compressing and self.payload_reads_grads and not b.done
@@ -402,13 +402,11 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
                         self._check_finite([g for g in own if g is not None] if own is not None else b.grad,
                                            "gradient")
                     saved = self._snapshot(b, skipped)
-                    try:
-                        self._sync_bucket(b, wflat, own, finite=finite)
-                    except NonFiniteGradientError as exc:
-                        if finite is not None and isinstance(exc.__cause__, NonFiniteInputError):
-                            raise SkippedEverywhere() from exc  # the agreement failed before any write
-                        raise
-                    finite = None  # every rank's gradients are finite: later calls need not carry it
+                    if wflat is None:  # synchronised below, the calls' phases interleaved
+                        calls.append((b, own, finite))
+                    else:
+                        self._sync_bucket(b, wflat)
+                    finite = None  # the first call carries it: later calls need not
             elif direct is not None:
                 self._check_finite(direct, "averaged gradient")
                 grad = direct
@@ -417,4 +415,5 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
                 grad = self._average_warmup(b, wflat)
                 self._check_finite(grad, "averaged gradient")
             plan.append((b, has, grad, saved))
+        self._sync_together(calls)
         return plan

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from ..comm import (
     CompressedAllreduce,
     HierarchicalAllreduce,
+    NonFiniteInputError,
     SimulatedCluster,
     SimulatedHierarchicalCluster,
     mean_allreduce,
@@ -32,7 +33,7 @@ from ..comm import (
 from ..comm.dense import WIRE_DTYPES, launcher_ranks_per_node
 from ..compress import Codec, MinMaxUInt8Codec, Source, flat_buffer
 from .buckets import Bucket, _simulated_mean
-from .nonfinite import NonFiniteGradientError
+from .nonfinite import NonFiniteGradientError, SkippedEverywhere
 
 log = logging.getLogger(__name__)
 
@@ -266,32 +267,86 @@ class BucketSync:
         """The compressed synchronisation of ``b``: this rank's gradient (``b.grad``, or ``grad``: one
         tensor per parameter), or every simulated worker's (``worker_grads``, flat or per parameter).
         ``finite``: this rank's other gradients are finite, checked in the call's agreement round."""
+        if worker_grads is None:
+            self._sync_together([(b, grad, finite)])
+            return
         comm = self._comm_for(b)
         target = self._sync_target(b)
-        if worker_grads is not None:
-            payloads = []
-            for g, out in zip(worker_grads, b.worker_buffers("payload", len(worker_grads)), strict=True):
-                src = self._payload(b, g, out)
-                payloads.append(out if src is None else src)
-            flags = [self._flag(b, g) for g in worker_grads]
-            try:
-                comm.allreduce_into(payloads, target, flags=None if flags[0] is None else flags, **self._defer_kw(b))
-            except ValueError as exc:
-                raise NonFiniteGradientError(str(exc)) from exc
-            grads: Sequence = worker_grads
-        else:
-            grads = b.grad if grad is None else grad
-            if b.payload is None:
-                b.payload = flat_buffer(b.numel, device=b.device, zero=False)
-            src = self._payload(b, grads, b.payload)
-            with self._nonfinite_is_gradient_error(), \
-                    self._collective(f"compressed allreduce ({type(comm).__name__})", b):
-                extra = self._defer_kw(b) if finite is None else {**self._defer_kw(b), "finite": finite}
-                comm(b.payload if src is None else src, out=target, flag=self._flag(b, grads), **extra)
+        payloads = []
+        for g, out in zip(worker_grads, b.worker_buffers("payload", len(worker_grads)), strict=True):
+            src = self._payload(b, g, out)
+            payloads.append(out if src is None else src)
+        flags = [self._flag(b, g) for g in worker_grads]
+        try:
+            comm.allreduce_into(payloads, target, flags=None if flags[0] is None else flags, **self._defer_kw(b))
+        except ValueError as exc:
+            raise NonFiniteGradientError(str(exc)) from exc
+        self._sync_done(b, worker_grads, simulated=True)
+
+    def _sync_together(self, calls: Sequence[tuple[Bucket, Sequence | None, torch.Tensor | None]]) -> None:
+        """:meth:`_sync_bucket` of several buckets on this rank's gradients, ``(bucket, grad, finite)`` each,
+        their calls' phases interleaved (:meth:`CompressedAllreduce.begin
+        <lightning_onebit.comm.CompressedAllreduce.begin>`): every call's agreement goes on the wire, then
+        each call is encoded and sent, relayed by its server, and completed. On a link of 50 ms round trips
+        three buckets one after another wait 9 of them; interleaved, about 3. The two-level collective has
+        no phases: its calls run one after another. A failure raises after every call in flight was
+        given up, on every rank alike."""
+        begun: list[tuple[Bucket, Sequence]] = []
+        # until the first call's agreement is past, a NaN it found (with ``finite``: on any rank, in any
+        # gradient) has changed no state: the step is skipped everywhere
+        agreed = not calls or calls[0][2] is None
+        try:
+            for b, grad, finite in calls:
+                begun.append((b, self._sync_begin(b, grad, finite)))
+                if not isinstance(b.comm, CompressedAllreduce):
+                    self._sync_done(b, begun.pop()[1])  # ran whole in _sync_begin
+                    agreed = True
+            for phase in ("send", "relay"):
+                for b, _ in begun:
+                    with self._nonfinite_is_gradient_error(), self._collective(self._call_name(b), b):
+                        getattr(b.comm, phase)()
+                    agreed = True
+            for b, grads in begun:
+                with self._collective(self._call_name(b), b):
+                    b.comm.complete(out=self._sync_target(b), **self._defer_kw(b))
+                self._sync_done(b, grads)
+        except BaseException as exc:
+            for b, _ in begun:
+                b.comm.abandon()
+            if not agreed and isinstance(exc, NonFiniteGradientError) and isinstance(exc.__cause__,
+                                                                                     NonFiniteInputError):
+                raise SkippedEverywhere() from exc
+            raise
+
+    def _call_name(self, b: Bucket) -> str:
+        return f"compressed allreduce ({type(b.comm).__name__})"
+
+    def _sync_begin(self, b: Bucket, grad: torch.Tensor | Sequence[torch.Tensor | None] | None,
+                    finite: torch.Tensor | None) -> torch.Tensor | Sequence[torch.Tensor | None]:
+        """The payload and flag of ``b`` from this rank's gradient, and its call begun (the two-level
+        collective's run whole); returns the gradient the flag and ``_on_flag`` read."""
+        comm = self._comm_for(b)
+        grads = b.grad if grad is None else grad
+        if b.payload is None:
+            b.payload = flat_buffer(b.numel, device=b.device, zero=False)
+        src = self._payload(b, grads, b.payload)
+        x, flag = b.payload if src is None else src, self._flag(b, grads)
+        extra = {} if finite is None else {"finite": finite}
+        with self._nonfinite_is_gradient_error(), self._collective(self._call_name(b), b):
+            if isinstance(comm, CompressedAllreduce):
+                comm.begin(x, flag=flag, **extra)
+            else:
+                comm(x, out=self._sync_target(b), flag=flag, **self._defer_kw(b), **extra)
+        return grads
+
+    def _sync_done(self, b: Bucket, grads: Sequence, simulated: bool = False) -> None:
+        """After ``b``'s call: its result folded into the state (unless the update decodes it), and the
+        masked coordinates a gradient reached, if some rank flagged any."""
+        comm = b.comm
         if not getattr(comm, "pending", False):  # a deferred result is absorbed by the update
-            self._absorb(b, target)
+            self._absorb(b, self._sync_target(b))
         if comm.any_flag:
-            self._on_flag(b, grads, simulated=worker_grads is not None)
+            self._on_flag(b, grads, simulated=simulated)
         b.done = True
 
     #: the update decodes the synchronised result itself (``_update_compressed`` calls the collective's
