@@ -481,6 +481,12 @@ def test_any_across_ors_packed_bits():
     assert unpack_bits(torch.tensor([1, 6], dtype=torch.uint8), 11).tolist() == f.tolist()
 
 
+def _three_calls(duplex: bool) -> list:
+    return [CompressedAllreduce(SignCodec(), group=None, duplex=duplex, pieces=1),
+            CompressedAllreduce(MinMaxUInt8Codec(block_size=64), group=None, duplex=duplex, pieces=3, groups=[0, 900]),
+            CompressedAllreduce(TopKCodec(0.1), mode="markov", group=None, duplex=duplex)]
+
+
 def _phased_rank(rank, world_size):
     """Three collectives (one piece, three pieces, a top-k codec) run in phases interleaved, beside the
     same three run one call after another; then a NaN on rank 1 in the second call's agreement."""
@@ -488,12 +494,7 @@ def _phased_rank(rank, world_size):
     assert enable_duplex()
     got = {}
     for duplex in (False, True):
-        def make():
-            return [CompressedAllreduce(SignCodec(), group=None, duplex=duplex, pieces=1),
-                    CompressedAllreduce(MinMaxUInt8Codec(block_size=64), group=None, duplex=duplex, pieces=3,
-                                        groups=[0, 900]),
-                    CompressedAllreduce(TopKCodec(0.1), mode="markov", group=None, duplex=duplex)]
-        serial, phased = make(), make()
+        serial, phased = _three_calls(duplex), _three_calls(duplex)
         sizes = [1000, 4097, 777]
         for step in range(2):
             xs = [torch.randn(n, generator=torch.Generator().manual_seed(100 * step + 10 * rank + i))
