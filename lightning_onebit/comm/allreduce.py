@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -115,7 +116,7 @@ class CompressedAllreduce(TwoStageRank):
         self._gathered_ok: torch.Tensor | None = None  # GPU: server scales finite, read at the next agreement
         self.any_flag = False  # some rank's flag in the last call was nonzero (see __call__)
         self.flag_values: list[int] = [0]  # every rank's flag in the last call, in rank order
-        self._inflight: tuple | None = None  # a call between start() and complete(): (input, stage-1 works)
+        self._inflight: _Call | None = None  # a call between begin() and complete(): its phase and buffers
 
     def bind(self, numel: int, device: torch.device | str) -> None:
         super().bind(numel, device)
@@ -164,7 +165,7 @@ class CompressedAllreduce(TwoStageRank):
         self._agree_finish(self._agree_start(x, ok, flag, finite))
 
     def _agree_start(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: int | None = None,
-                     finite: bool | torch.Tensor | None = None) -> tuple:
+                     finite: bool | torch.Tensor | None = None) -> _Agreement:
         """:meth:`_agree` up to its round on the wire (not waited for): what :meth:`_agree_finish` takes.
         Nothing is written but the flag of this rank alone; a local error raises here."""
         for name, arg in (("flag", flag), ("finite", finite)):
@@ -179,7 +180,7 @@ class CompressedAllreduce(TwoStageRank):
         self.any_flag, self.flag_values = bool(mine_flag), [mine_flag]
         prev, self._gathered_ok = self._gathered_ok, None
         if self.world_size == 1 or (self.verify == "first" and self._verified and bool(ok)):
-            return prev, ok, None, None  # no round: _agree_finish checks locally
+            return _Agreement(prev, ok)  # no round: _agree_finish checks locally
         dev = collective_device(self.group, x.device)
         sig = self._signature(x, mine_flag, ok if isinstance(ok, bool) else True)
         if dev.type == "cpu":
@@ -194,9 +195,9 @@ class CompressedAllreduce(TwoStageRank):
         if prev is not None:
             mine[-2:-1].copy_(prev.reshape(1))
         allsig = torch.empty(self.world_size, len(sig), dtype=torch.int64, device=dev)
-        return prev, ok, allsig, all_gather_rows(allsig, mine, group=self.group, async_op=True)
+        return _Agreement(prev, ok, allsig, all_gather_rows(allsig, mine, group=self.group, async_op=True))
 
-    def _agree_finish(self, started: tuple) -> None:
+    def _agree_finish(self, started: _Agreement) -> None:
         """Wait for the round :meth:`_agree_start` began and raise, on every rank alike, on what it shows."""
         prev, ok, allsig, work = started
         if work is None:
@@ -352,7 +353,7 @@ class CompressedAllreduce(TwoStageRank):
         call, self._inflight = self._inflight, None
         if call is None:
             return
-        pending = [] if call.agreement is None or call.agreement[3] is None else [call.agreement[3]]
+        pending = [] if call.agreement is None or call.agreement.work is None else [call.agreement.work]
         for work in pending + call.works:
             try:
                 work.wait()
@@ -367,12 +368,21 @@ class CompressedAllreduce(TwoStageRank):
         return call
 
 
+class _Agreement(NamedTuple):
+    """An agreement round :meth:`CompressedAllreduce._agree_start` began: ``work`` None when it needs no round."""
+
+    prev: torch.Tensor | None  # the previous call's server scales were finite (GPU), read in this round
+    ok: bool | torch.Tensor  # this rank's input (and what it vouched for) is finite
+    allsig: torch.Tensor | None = None  # every rank's signature, once ``work`` is done
+    work: Any = None  # the gather of the signatures, on the wire
+
+
 class _Call:
     """A call of :class:`CompressedAllreduce` in flight: its phase and what the next phase needs."""
 
     __slots__ = ("x", "xp", "scales", "agreement", "works", "phase")
 
-    def __init__(self, x, xp, scales, agreement: tuple) -> None:
+    def __init__(self, x, xp, scales, agreement: _Agreement) -> None:
         self.x, self.xp, self.scales, self.agreement = x, xp, scales, agreement
         self.works: list = []  # the collectives of the last phase, waited for by the next
         self.phase = "begun"
