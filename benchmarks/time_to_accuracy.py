@@ -632,13 +632,15 @@ def verdict(rows: list[dict[str, Any]], metric: str = "val_loss") -> str:
     return "\n".join(lines)
 
 
-def chart(rows: list[dict[str, Any]], path: Path, metric: str = "val_loss") -> None:
+def chart(rows: list[dict[str, Any]], path: Path, metric: str = "val_loss", panels: Sequence[str] = ()) -> None:
+    """Validation ``metric`` against wall time and bytes, a column per setting (``panels``: only these; the
+    others' runs still give the targets)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    wheres = list(dict.fromkeys(map(setting, rows)))
+    wheres = list(panels) or list(dict.fromkeys(map(setting, rows)))
     fig, axes = plt.subplots(2, len(wheres), figsize=(6.5 * len(wheres), 9), squeeze=False)
     # tab20's dark shades are tab10's; a warm-up variant takes the light shade of its method's hue (uint8 dotted)
     shades = plt.get_cmap("tab20").colors
@@ -700,6 +702,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--metric", choices=tuple(METRICS), default="val_loss",
                     help="what the target is read from (val_acc: the MiniLM fine-tune's accuracy, higher is better)")
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--panels", nargs="+", default=[], metavar="SETTING",
+                    help="plot only these settings, named as the tables head them (default: every one)")
     ap.add_argument("--timeout", type=int, default=3600, help="per torchrun (every method of one link and seed)")
     ap.add_argument("--keep-going", action="store_true")
     ap.add_argument("--no-compile-pass", action="store_true",
@@ -721,9 +725,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.raw:
             Path(args.raw).write_text(json.dumps(rows))
     rows = best_lr(smoothed(rows, args.smooth))
+    if unknown := set(args.panels) - set(map(setting, rows)):
+        ap.error(f"--panels: no runs of {sorted(unknown)}; the runs' settings: {sorted(set(map(setting, rows)))}")
     chart_path = Path(args.out).with_suffix(".png") if args.out else None
     if chart_path:
-        chart(rows, chart_path, args.metric)
+        chart(rows, chart_path, args.metric, args.panels)
     text = (f"Validation loss and accuracy: the mean of the last {args.smooth} validations.\n\n" * (args.smooth > 1)
             + f"{tables(rows, args.metric)}\nCompute alone: every rank's process at once, no communication.\n\n"
             f"Target check (the best of the package against the best peer, mean wall time to target):\n"

@@ -135,3 +135,24 @@ def test_an_accuracy_target_counts_from_below():
     assert "| diloco_4bit | 0.001 | 6 |" in table and "3.33x |" in table  # DDP's 20 s over 6 s
     # fp32 DiLoCo never gets there, so the best peer is DDP itself
     assert "diloco_4bit 6.0 s, best peer ddp_adamw 20.0 s: 3.33x" in tta.verdict(rows, "val_acc")
+
+
+def test_panels_plot_only_the_named_settings_and_keep_the_others_targets(tmp_path, capsys):
+    """``--panels`` draws a column for each named setting only; a setting left out still gives its target
+    (here DDP's at 100 Mbit/s for the run with round trips), and a name with no runs is an error."""
+    import json
+
+    from matplotlib.image import imread
+
+    slow = "2 nodes x 1 rank, 100mbit + 50 ms RTT"
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps([_run("ddp_adamw", [2.0, 1.5, 1.2, 1.0, 0.9], 1.0),
+                               _run("zero_one_adam", [1.8, 1.1, 0.95, 0.9, 0.85], 0.3, rate="100mbit + 50 ms RTT")]))
+    for panels, columns in (([slow], 1), ([], 2)):
+        out = tmp_path / f"tta{columns}.md"
+        assert tta.main(["--report", str(raw), "--out", str(out), *(["--panels", *panels] if panels else [])]) == 0
+        assert imread(out.with_suffix(".png")).shape[1] == 650 * columns  # 6.5 in a column at 100 dpi
+    assert f"### {slow}: target val_loss 1 (DDP" in out.read_text()
+    with pytest.raises(SystemExit):
+        tta.main(["--report", str(raw), "--panels", "4 nodes x 1 rank, 100mbit"])
+    assert "--panels: no runs of ['4 nodes x 1 rank, 100mbit']" in capsys.readouterr().err
