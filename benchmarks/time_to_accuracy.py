@@ -316,16 +316,21 @@ def run_method(method: str, args: argparse.Namespace, lr: float, rank: int, worl
     dist.all_gather_object(everyone, mine)
     if rank != 0:
         return None
-    for i, p in enumerate(everyone[0]["points"]):  # the slowest rank's clock, the mean node's bytes
-        p["train_s"] = max(r["points"][i]["train_s"] for r in everyone)
-        p["tx"] = statistics.mean(r["points"][i]["tx"] for r in everyone) * local
-    def per_node(key: str) -> list[float]:  # a node's bytes per step: the mean rank's times the ranks per node
-        return [statistics.mean(r[key][i] for r in everyone) * local for i in range(args.steps)]
-
-    step_tx, step_sent = per_node("step_tx"), per_node("step_sent")
     return {"method": method, "lr": lr, "seed": args.seed, "nodes": world // local, "ranks_per_node": local,
-            "rate": args.rate, "workload": args.workload, "steps": args.steps, "points": everyone[0]["points"],
-            "rounds_per_step": sum(b > 4096 for b in step_sent) / len(step_sent),
+            "rate": args.rate, "workload": args.workload, "steps": args.steps, **merge_ranks(everyone, local)}
+
+
+def merge_ranks(everyone: Sequence[dict[str, Any]], local: int) -> dict[str, Any]:
+    """Every rank's recording (``Recorder``'s points, step_tx, step_sent) as one run's: the slowest rank's clock
+    and the mean node's bytes. Every rank of a node reads the node's one veth counter, so the mean over the
+    ranks is the mean node's; a rank's sockets count its own writes only, so a node's are ``local`` ranks'."""
+    points = [{**p, "train_s": max(r["points"][i]["train_s"] for r in everyone),
+               "tx": statistics.mean(r["points"][i]["tx"] for r in everyone)}
+              for i, p in enumerate(everyone[0]["points"])]
+    steps = range(len(everyone[0]["step_tx"]))
+    step_tx = [statistics.mean(r["step_tx"][i] for r in everyone) for i in steps]
+    step_sent = [statistics.mean(r["step_sent"][i] for r in everyone) * local for i in steps]
+    return {"points": points, "rounds_per_step": sum(b > 4096 for b in step_sent) / len(step_sent),
             "bytes_per_step": statistics.mean(step_tx)}
 
 

@@ -156,3 +156,16 @@ def test_panels_plot_only_the_named_settings_and_keep_the_others_targets(tmp_pat
     with pytest.raises(SystemExit):
         tta.main(["--report", str(raw), "--panels", "4 nodes x 1 rank, 100mbit"])
     assert "--panels: no runs of ['4 nodes x 1 rank, 100mbit']" in capsys.readouterr().err
+
+
+def test_a_node_of_two_ranks_counts_its_link_once_and_its_ranks_sockets_together():
+    """Two ranks of one node read the node's one veth counter: its bytes are the counter's, not twice them;
+    each rank's sockets count its own writes, so the node's writes in a step are the two ranks' together."""
+    def rank(train_s, sent):
+        return {"points": [{"step": 10, "train_s": train_s, "tx": 5e6, "val_loss": 1.0}],
+                "step_tx": [2e6, 3e6], "step_sent": sent}
+
+    run = tta.merge_ranks([rank(4.0, [3000, 0]), rank(5.0, [3000, 100])], local=2)
+    assert run["points"] == [{"step": 10, "train_s": 5.0, "tx": 5e6, "val_loss": 1.0}]  # the slowest rank's clock
+    assert run["bytes_per_step"] == 2.5e6
+    assert run["rounds_per_step"] == 0.5  # 6000 bytes written in step 1 (over 4 KiB), 100 in step 2
