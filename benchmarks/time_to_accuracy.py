@@ -622,8 +622,9 @@ def verdict(rows: list[dict[str, Any]], metric: str = "val_loss") -> str:
             lines.append(f"- {where}: not enough methods reached the target to compare")
             continue
         bp, bo = min(peers, key=peers.get), min(ours, key=ours.get)
+        ddp = f"{times['ddp_adamw']:.1f} s" if times["ddp_adamw"] else "not run here"  # a target from another link
         lines.append(f"- {where}: best of the package {bo} {ours[bo]:.1f} s, best peer {bp} {peers[bp]:.1f} s: "
-                     f"{peers[bp] / ours[bo]:.2f}x; DDP + AdamW {times['ddp_adamw'] or float('nan'):.1f} s")
+                     f"{peers[bp] / ours[bo]:.2f}x; DDP + AdamW {ddp}")
         link = {m: _mean_time(rows, where, m, link_only=True, metric=metric) for m in (*peers, *ours)}
         floor = ours[bo] - link[bo]
         lines.append(f"  {bo}'s steps cost {floor:.1f} s in compute alone: with free communication it would be "

@@ -57,6 +57,9 @@ def test_a_link_without_ddp_takes_the_target_from_ddp_at_another_link():
     head = f"### {slow}: target val_loss 1 (DDP + AdamW at 80% of 50 steps; for seeds [0] from its run at another link"
     assert head in table
     assert "| zero_one_adam | 0.001 | 9 |" in table  # step 30 at 0.3 s a step
+    peer = _run("powersgd_r4", [1.9, 1.4, 1.1, 1.0, 0.95], 0.5, rate="100mbit + 50 ms RTT")
+    assert f"- {slow}: best of the package zero_one_adam 9.0 s, best peer powersgd_r4 20.0 s: 2.22x; DDP + AdamW " \
+        "not run here" in tta.verdict([ddp, ours, peer])
 
 
 def test_bytes_to_other_hosts_counts_writes_to_other_addresses_only():
