@@ -731,8 +731,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.raw:
             Path(args.raw).write_text(json.dumps(rows))
     rows = best_lr(smoothed(rows, args.smooth))
-    if unknown := set(args.panels) - set(map(setting, rows)):
-        ap.error(f"--panels: no runs of {sorted(unknown)}; the runs' settings: {sorted(set(map(setting, rows)))}")
+    settings = set(map(setting, rows))
+    if unknown := set(args.panels) - settings:
+        ap.error(f"--panels: no runs of {sorted(unknown)}; the runs' settings: {sorted(settings)}")
     chart_path = Path(args.out).with_suffix(".png") if args.out else None
     if chart_path:
         chart(rows, chart_path, args.metric, args.panels)
