@@ -12,6 +12,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 
+import numba.core.config
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -51,6 +52,9 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args, timeout
     os.environ.clear()  # the test's environment, not the forkserver's
     os.environ.update(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       NUMBA_NUM_THREADS="1")
+    # numba read its config when the forkserver imported it (NUMBA_NUM_THREADS = all cores); the first kernel
+    # this rank compiles would reload it and refuse the new count once a cached kernel had started the threads
+    numba.core.config.reload_config()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))

@@ -11,6 +11,7 @@ from lightning_onebit import CDAdam, OnebitAdam, OnebitLamb, QAdam
 from lightning_onebit.comm import CompressedAllreduce
 from lightning_onebit.compress import SignCodec
 from lightning_onebit.optim.buckets import MAX_DROPPED_RUNS, drop_positions
+from lightning_onebit.optim.nonfinite import NonFiniteGradientError
 
 from dist_utils import run_ranks, values
 
@@ -470,6 +471,77 @@ def test_late_tokens_activate_identically_on_ranks_and_in_the_simulation():
     assert r0[None][3] - r0["uint8"][3] > 4 * numel * 2.5  # codes + one (min, max) per 128 elements
     for wire in ("bf16", "uint8"):
         assert not all(torch.equal(p, q) for p, q in zip(r0[None][0], r0[wire][0], strict=True))
+
+
+ROWS = 3000  # a vocabulary a batch reaches a few rows of: the embedding's warm-up gradient is mostly zeros
+
+
+def _sparse_warmup_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(ROWS, 64), nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True),
+                         nn.Flatten(), nn.Linear(64 * 6, 4))
+
+
+def _sparse_warmup_rank(rank, world_size):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from lightning_onebit.optim.nonfinite import NonFiniteGradientError
+
+    model = _sparse_warmup_model()
+    ddp = DDP(model)
+    # a 0.5 MB cap puts the 3000 x 64 embedding in a bucket of its own, the encoder layer and head in another
+    opt = OnebitAdam(model.parameters(), lr=1e-2, warmup_steps=4, warmup_comm_dtype="uint8", bucket_cap_mb=0.5)
+    opt.attach(ddp)
+    grads, means, raised = [], [], []
+    emb = model[0].weight
+    for s in range(6):
+        tokens = torch.randint(0, ROWS, (4, 6), generator=torch.Generator().manual_seed(100 * s + rank))
+        nan_at = tokens[0, :1]
+        poison = emb.register_hook(lambda g, at=nan_at: g.index_fill(0, at, float("nan"))) if s == 2 and rank else None
+        opt.zero_grad()
+        ddp(tokens).sum().backward()
+        means.append([p.grad.clone() for p in model.parameters()])  # what the hook left: the mean
+        grads.append([t.clone() for t in torch.autograd.grad(model(tokens).sum(), list(model.parameters()))])
+        try:
+            opt.step()
+        except NonFiniteGradientError:
+            raised.append(s)
+        if poison is not None:
+            poison.remove()
+    sparse = {tuple(p.shape for p in b.params): b.warmup_sparse for b in opt._buckets}
+    return ([p.detach().clone() for p in model.parameters()], grads, means, raised, sparse,
+            opt.comm_counter.total.bytes_sent)
+
+
+def test_a_mostly_zero_warmup_gradient_goes_sparse_on_every_rank_and_in_the_simulation():
+    """The uint8 warm-up of an embedding whose rows a batch barely reaches (DDP hook path, 2 gloo ranks):
+    the ranks agree that its nonzero values in fp32 cost fewer bytes than its codes, send those, and leave
+    the exact fp32 mean in ``p.grad``; the encoder layer's and head's buckets keep the codes. A NaN in one
+    rank's embedding gradient raises on both. The run equals the simulation's bit for bit, bytes included,
+    and sends far fewer bytes than codes of the whole embedding would."""
+    r0, r1 = values(run_ranks(_sparse_warmup_rank, 2, timeout_s=120))
+    (p0, g0, m0, x0, sp0, b0), (p1, g1, m1, x1, sp1, _) = r0, r1
+    assert x0 == x1 == [2] and sp0 == sp1
+    assert sorted(sp0.values()) == [False, True] and sp0[(torch.Size([ROWS, 64]),)]
+    assert all(torch.equal(p, q) for p, q in zip(p0, p1, strict=True))
+    for s in (0, 1, 3):  # the warm-up steps without the NaN: the exact mean of the embedding's gradients
+        exact = g0[s][0] / 2 + g1[s][0] / 2
+        assert torch.equal(m0[s][0], exact) and torch.equal(m1[s][0], exact), s
+        assert 0 < int(exact.any(1).sum()) <= 48  # the rows the two batches reached
+    assert m0[2][0].isnan().all() and m1[2][0].isnan().all()
+    model = _sparse_warmup_model()
+    sim = OnebitAdam(model.parameters(), lr=1e-2, warmup_steps=4, simulate_workers=2, warmup_comm_dtype="uint8",
+                     bucket_cap_mb=0.5)
+    for s in range(6):
+        try:
+            sim.step_workers([g0[s], g1[s]])
+        except NonFiniteGradientError:
+            assert s == 2
+    assert {tuple(p.shape for p in b.params): b.warmup_sparse for b in sim._buckets} == sp0
+    assert sim.comm_counter.total.bytes_sent == b0
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), p0, strict=True))
+    emb = ROWS * 64
+    assert b0 < 4 * emb / 2  # under half of what 4 steps of the embedding's codes alone would send
 
 
 def _block_ranges(t: torch.Tensor, block: int = 128) -> torch.Tensor:

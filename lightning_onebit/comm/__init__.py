@@ -14,12 +14,12 @@ from .dense import all_finite, any_across, any_across_bytes, group_size, mean_al
 from .duplex import duplex_twin, enable_duplex
 from .hierarchical import HierarchicalAllreduce, SimulatedHierarchicalCluster, node_groups
 from .simulated import SimulatedCluster
-from .sparse import sparse_mean, sparse_mean_bytes, sparse_row
+from .sparse import gather_sizes, sparse_mean, sparse_mean_bytes, sparse_row
 from .two_stage import MODES, TwoStageRank
 
 __all__ = ["MODES", "ByteCounter", "CompressedAllreduce", "CompressionHookState", "HierarchicalAllreduce",
            "NonFiniteInputError", "SimulatedCluster", "SimulatedHierarchicalCluster", "StepStats", "TwoStageRank",
            "all_finite", "any_across", "any_across_bytes", "compression_hook", "duplex_twin", "enable_duplex",
-           "group_size", "local_gradients_hook", "mean_allreduce", "node_groups", "register_compression_hook",
-           "register_local_hook", "ring_allreduce_bytes", "sparse_mean", "sparse_mean_bytes", "sparse_row",
-           "wire_dtype"]
+           "gather_sizes", "group_size", "local_gradients_hook", "mean_allreduce", "node_groups",
+           "register_compression_hook", "register_local_hook", "ring_allreduce_bytes", "sparse_mean",
+           "sparse_mean_bytes", "sparse_row", "wire_dtype"]

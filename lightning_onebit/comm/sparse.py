@@ -26,7 +26,7 @@ from .accounting import ByteCounter
 from .dense import all_gather_rows, collective_device, group_size, pack_bits, unpack_bits
 from .duplex import duplex_twin
 
-__all__ = ["sparse_mean", "sparse_mean_bytes", "sparse_row"]
+__all__ = ["gather_sizes", "sparse_mean", "sparse_mean_bytes", "sparse_row"]
 
 _BITS = -1  # the header of a row whose indices go as a bit each
 
@@ -84,6 +84,18 @@ def _parse(row: torch.Tensor, domain: int) -> tuple[torch.Tensor, torch.Tensor]:
         index = base + torch.arange(int(lengths.sum()), device=row.device)
         at = 8 + 16 * head
     return index, row[at:at + 4 * index.numel()].view(torch.float32)
+
+
+def gather_sizes(size: int, group=None, device: torch.device | str = "cpu") -> list[int]:
+    """Every rank's ``size`` (an int, e.g. its :func:`sparse_row`'s length) in rank order, in one small
+    gather: what :func:`sparse_mean` needs where no collective's agreement round carried the sizes."""
+    n = group_size(group)
+    if n == 1:
+        return [int(size)]
+    dev = collective_device(group, torch.device(device))
+    sizes = torch.empty(n, 1, dtype=torch.int64, device=dev)
+    all_gather_rows(sizes, torch.tensor([int(size)], dtype=torch.int64, device=dev), group)
+    return sizes.view(-1).tolist()
 
 
 def sparse_mean(row: torch.Tensor, sizes: Sequence[int], domain: int, group=None,

@@ -66,6 +66,8 @@ class Bucket:
         self._synced: torch.Tensor | None = None
         self.comm: CompressedAllreduce | SimulatedCluster | None = None
         self.warmup_comm: CompressedAllreduce | SimulatedCluster | None = None  # warmup_comm_dtype="uint8"
+        self.warmup_sparse: bool | None = None  # its uint8 warm-up mean may go sparse (None: not tried yet)
+        self.warmup_mean_ready = False  # this step's warm-up mean went sparse and is in its buffer
         self.payload: torch.Tensor | None = None  # reused every step: fresh buffers cost page faults
         self._worker_bufs: dict[str, list[torch.Tensor]] = {}  # the same for simulated workers
         self.cache: dict = {}  # per-bucket values that only change at the switch (see subclasses)
