@@ -25,19 +25,16 @@ from ..comm import (
     NonFiniteInputError,
     SimulatedCluster,
     SimulatedHierarchicalCluster,
-    gather_sizes,
     mean_allreduce,
     node_groups,
     ring_allreduce_bytes,
-    sparse_mean,
-    sparse_mean_bytes,
-    sparse_row,
     wire_dtype,
 )
 from ..comm.dense import WIRE_DTYPES, launcher_ranks_per_node
 from ..compress import Codec, MinMaxUInt8Codec, Source, flat_buffer
 from .buckets import Bucket, _simulated_mean
 from .nonfinite import NonFiniteGradientError, SkippedEverywhere
+from .sparse_warmup import SparseWarmupMean
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +63,7 @@ def _spans_the_world(group) -> bool:
     return dist.get_process_group_ranks(group) == list(range(dist.get_world_size()))
 
 
-class BucketSync:
+class BucketSync(SparseWarmupMean):
     """Mixin: the collective of each bucket and its compressed synchronisation (see the module docstring)."""
 
     def set_topology(self, *, hierarchical: bool | None = None, ranks_per_node: int | None = None) -> None:
@@ -241,62 +238,6 @@ class BucketSync:
             with self._collective(f"uint8 allreduce (warm-up, {type(comm).__name__})", b):
                 comm.complete(out=out)
         return out
-
-    # -- a warm-up mean of mostly exact zeros (an embedding's rows no token of the batch reached) --------
-    # Its 8-bit codes cost a byte per element, zero or not; the nonzero values in fp32 with their positions
-    # (comm.sparse: runs of indices, an embedding row is one) cost 4 bytes per nonzero. Every rank announces
-    # its row's length in one small gather and all take the cheaper way alike. The fp32 mean is exact
-    # (DDP's divide-then-sum, in rank order), so it equals the simulation's to the bit. A bucket whose first
-    # warm-up mean went dense is never looked at again (no counting pass, no gather); the others are every step.
-    def _sparse_row(self, g: torch.Tensor, n: int) -> torch.Tensor | None:
-        """This rank's :func:`~..comm.sparse_row` of flat ``g``, or None where it could not pay
-        (4 bytes a nonzero against 2 (n - 1) / n bytes an element for the codes); NaN counts as nonzero."""
-        if 4 * n * int(torch.count_nonzero(g)) >= 2 * g.numel():
-            return None
-        hit = g.nonzero().view(-1)
-        return sparse_row(hit, g.index_select(0, hit), g.numel())
-
-    def _goes_sparse(self, b: Bucket, sizes: Sequence[int], n: int) -> bool:
-        """The ranks' row sizes (-1: would not pay) say the sparse mean sends fewer bytes than the codes."""
-        ok = min(sizes) >= 0 and n * sparse_mean_bytes(sizes, n) < 2 * (n - 1) * b.numel
-        if b.warmup_sparse is None:
-            b.warmup_sparse = ok
-        return ok
-
-    def _sparse_warmup(self, b: Bucket) -> bool:
-        """The warm-up mean of this rank's ``b.grad`` into the bucket's warm-up buffer as a sparse mean,
-        if the ranks agree it pays (see above); False: nothing was written, take the codes."""
-        if b.warmup_sparse is False:
-            return False
-        n, g = self.world_size, b.grad
-        row = self._sparse_row(g, n)
-        sizes = gather_sizes(-1 if row is None else row.numel(), self.process_group, g.device)
-        if not self._goes_sparse(b, sizes, n):
-            return False
-        out = b.worker_buffers("warm-up mean", 1)[0]
-        out.zero_()
-        if max(sizes) > 0:  # else no rank has a nonzero: nothing to send
-            idx, mean = sparse_mean(row, sizes, b.numel, self.process_group)
-            if not bool(torch.isfinite(mean).all()):  # the same values on every rank: all raise
-                raise NonFiniteInputError("the warm-up mean: some rank's gradient is not finite")
-            out.index_copy_(0, idx, mean)
-        self.comm_counter.add(sparse_mean_bytes(sizes, n), b.numel, n)
-        return True
-
-    def _simulated_sparse_warmup(self, b: Bucket, worker_grads: Sequence[torch.Tensor], out: torch.Tensor) -> bool:
-        """:meth:`_sparse_warmup` of the simulated workers' flat gradients: the same choice, bits and bytes."""
-        if b.warmup_sparse is False:
-            return False
-        n = len(worker_grads)
-        rows = [self._sparse_row(w, n) for w in worker_grads]
-        sizes = [-1 if r is None else r.numel() for r in rows]
-        if not self._goes_sparse(b, sizes, n):
-            return False
-        _simulated_mean(worker_grads, out=out, scratch=b.worker_buffers("quotient", 1)[0])
-        if not bool(torch.isfinite(out).all()):
-            raise NonFiniteInputError("the warm-up mean: some worker's gradient is not finite")
-        self.comm_counter.add(sparse_mean_bytes(sizes, n), b.numel, n)
-        return True
 
     #: the payload reads the gradients where they are (a Source over the parameters' ``.grad``), so the
     #: compression phase copies no gradient into the bucket (outside DDP's hook)
