@@ -9,6 +9,7 @@ they stretch by how much slower this machine runs a fixed piece of the suite's k
 (:func:`_speed_factor`, at least 1), so a slower machine does not fail a test that only ran at its speed;
 ``LIGHTNING_ONEBIT_BUDGETS=off`` switches the check off (a profiler run, a debugger)."""
 
+import functools
 import multiprocessing.forkserver
 import multiprocessing.resource_tracker
 import os
@@ -62,14 +63,10 @@ def _calibration() -> float:
         torch.set_num_threads(threads)
 
 
-_speed: list[float] = []
-
-
+@functools.cache
 def _speed_factor() -> float:
     """How many times longer than the reference machine this one takes (measured once; at least 1)."""
-    if not _speed:
-        _speed.append(max(1.0, _calibration() / REFERENCE_S))
-    return _speed[0]
+    return max(1.0, _calibration() / REFERENCE_S)
 
 
 def pytest_configure(config):

@@ -485,8 +485,6 @@ def _sparse_warmup_model() -> nn.Module:
 def _sparse_warmup_rank(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from lightning_onebit.optim.nonfinite import NonFiniteGradientError
-
     model = _sparse_warmup_model()
     ddp = DDP(model)
     # a 0.5 MB cap puts the 3000 x 64 embedding in a bucket of its own, the encoder layer and head in another

@@ -217,11 +217,11 @@ class BucketSync(SparseWarmupMean):
     def _coded_warmup_start(self, b: Bucket) -> None:
         """:meth:`_coded_warmup_mean` of this rank's ``b.grad`` up to its stage 1 on the wire (the flat
         collective; the two-level one runs whole here); a non-finite input raises on every rank."""
-        comm = self._warmup_comm(b)
         with self._nonfinite_is_gradient_error(), self._collective("sparse mean (warm-up)", b):
             b.warmup_mean_ready = self._sparse_warmup(b)
         if b.warmup_mean_ready:
             return
+        comm = self._warmup_comm(b)  # made only when codes go: a bucket that always goes sparse never pays its buffers
         with self._nonfinite_is_gradient_error(), \
                 self._collective(f"uint8 allreduce (warm-up, {type(comm).__name__})", b):
             if isinstance(comm, CompressedAllreduce):
