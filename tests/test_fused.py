@@ -64,6 +64,22 @@ def test_kernels_read_a_source_as_its_materialized_tensor(name, codec, numba_pat
         assert torch.equal(fast.encode(x, layout=lay).codes, ref.encode(dense, layout=lay).codes)
 
 
+def test_materialize_writes_into_the_buffer_it_is_given():
+    """``materialize(out=)`` (the two-level call's send buffer) gives the same bits in that buffer; a
+    masked position holds 0, or NaN where its gradient is not finite."""
+    for name in _sources():
+        ref = _sources()[name].materialize().clone()
+        src = _sources()[name]
+        buf = torch.full((src.numel() + 8,), 7.0)
+        got = src.materialize(out=buf)
+        assert got.data_ptr() == buf.data_ptr() and torch.equal(got, ref), name
+        assert src[100:200].materialize().data_ptr() == buf[100:].data_ptr()  # windows share it
+    src = _sources()["lerp_factors_mask"]
+    src.end_tensors()[2][1500 - 710] = float("inf")
+    x = src.materialize()
+    assert torch.isnan(x[1500]) and bool((x[[3, 4, 701, 2999]] == 0).all())
+
+
 def test_a_non_finite_gradient_at_a_masked_position_shows_in_the_scales():
     src = _sources()["lerp_factors_mask"]
     src.end_tensors()[2][1500 - 710] = float("nan")  # position 1500 (group 2 starts at 710) is masked

@@ -191,8 +191,8 @@ class HierarchicalAllreduce:
                  finite: bool | torch.Tensor | None = None) -> torch.Tensor:
         """The compressed mean of ``x`` over every rank of every node (bit-identical on all ranks);
         ``flag`` and ``finite`` ride in the agreement round as in :class:`~.allreduce.CompressedAllreduce`."""
-        if isinstance(x, Source):
-            x = x.materialize()  # the node's fp32 mean needs it in memory
+        if isinstance(x, Source):  # the node's fp32 mean needs it in memory: in the send buffer, once bound
+            x = x.materialize(out=self._send if self.numel == x.numel() else None)
         if not isinstance(x, torch.Tensor) or not x.is_floating_point():
             raise TypeError("HierarchicalAllreduce expects a floating-point tensor")
         self._agreement._agree(x, all_finite(x), flag, finite)  # every rank raises together on a mismatch or NaN
@@ -200,7 +200,8 @@ class HierarchicalAllreduce:
         d, L, s = self.numel, self.ranks_per_node, self.shard_len
         if d == 0:
             return x.detach().clone() if out is None else out
-        self._send[:d].copy_(x.reshape(-1))
+        if x.data_ptr() != self._send.data_ptr() or x.numel() != d:
+            self._send[:d].copy_(x.reshape(-1))
         if self._gather_by_all_to_all:
             self._send[d:].zero_()  # the padding held the last call's result
         if L > 1:
