@@ -74,6 +74,8 @@ def test_materialize_writes_into_the_buffer_it_is_given():
         got = src.materialize(out=buf)
         assert got.data_ptr() == buf.data_ptr() and torch.equal(got, ref), name
         assert src[100:200].materialize().data_ptr() == buf[100:].data_ptr()  # windows share it
+        win, buf = _sources()[name][100:200], torch.full((100,), 7.0)
+        assert torch.equal(win.materialize(out=buf), ref[100:200]) and bool((buf == 7.0).all()), name
     src = _sources()["lerp_factors_mask"]
     src.end_tensors()[2][1500 - 710] = float("inf")
     x = src.materialize()

@@ -163,12 +163,14 @@ class Source:
 
     def materialize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The window as an fp32 tensor, by the torch ops that define the expression's bits (made
-        once per expression and shared by its windows). ``out``: where a first evaluation writes the
-        whole expression (``numel`` elements) instead of the buffer given at construction, e.g. the
-        collective's own send buffer, which saves it a copy."""
+        once per expression and shared by its windows). ``out``: where a first evaluation of the
+        whole expression writes it (``numel`` elements) instead of the buffer given at construction,
+        e.g. the collective's own send buffer, which saves it a copy; a window ignores it, since its
+        result would sit at the window's offset in ``out``, not at its start."""
         root = self._root
         if root._value is None:
-            root._value = root._evaluate(out)
+            whole = self.base == 0 and self.length >= root.valid
+            root._value = root._evaluate(out if whole else None)
         full = root._value
         if self.base + self.length <= root.valid:
             return full[self.base:self.base + self.length]
