@@ -10,7 +10,7 @@ from torch import nn
 from lightning_onebit import CDAdam, OnebitAdam, OnebitLamb, QAdam
 from lightning_onebit.comm import CompressedAllreduce
 from lightning_onebit.compress import SignCodec
-from lightning_onebit.optim.buckets import MAX_DROPPED_RUNS, drop_positions
+from lightning_onebit.optim.buckets import MAX_DROPPED_RUNS, SEARCH_COORDS_PER_RUN, drop_positions, max_dropped_runs
 from lightning_onebit.optim.nonfinite import NonFiniteGradientError
 
 from dist_utils import run_ranks, values
@@ -358,6 +358,10 @@ def test_dropping_positions_from_the_mask_is_a_search_without_them():
     assert drop_positions(many, many[::2]) is None
     at_most = many[: 2 * MAX_DROPPED_RUNS : 2]  # as many runs as allowed
     assert torch.equal(drop_positions(many, at_most), many[~torch.isin(many, at_most)])
+    # a bucket large enough that a search costs more than these slices takes them
+    big = max_dropped_runs(64 * SEARCH_COORDS_PER_RUN * MAX_DROPPED_RUNS)
+    assert big == 64 * MAX_DROPPED_RUNS and max_dropped_runs(1000) == MAX_DROPPED_RUNS
+    assert torch.equal(drop_positions(many, many[::2], max_runs=big), many[1::2])
 
 
 def _cache_matches_a_rebuild(opt) -> bool:
