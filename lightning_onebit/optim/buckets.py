@@ -20,7 +20,7 @@ from ..compress import flat_buffer
 __all__ = ["Bucket", "BucketState", "drop_positions", "max_dropped_runs"]
 
 MAX_DROPPED_RUNS = 256  # the fewest runs a bucket of any size may drop as slices before it searches again
-# One more slice costs about 25 us (CPU, 2026), a search of ``v == 0`` about 5 ns per coordinate of the
+# One more slice costs about 25 us (one CPU thread), a search of ``v == 0`` about 5 ns per coordinate of the
 # bucket: on MiniLM's 22.7M a step that reached 400 new rows searched for 118 ms where 400 slices take 21 ms.
 SEARCH_COORDS_PER_RUN = 8192
 
