@@ -91,7 +91,9 @@ class CodedWarmupSender:
 
     def _run(self) -> None:
         """Start each bucket's call, then complete the one before it: the next bucket's stage 1 goes
-        on the wire while this one's server decodes and re-encodes (the link idles less). Every rank
+        on the wire while this one's server decodes and re-encodes (the link idles less). Before a
+        bucket that may go as a sparse mean, whose rounds block the thread, the started call's server
+        rows go on the wire, so that they travel meanwhile. Every rank
         issues its collectives in this one order, decided by the bucket count alone, never by timing
         (gloo pairs calls by their order). Waiting for a next bucket cannot hang: DDP waits for the
         futures only once every bucket has come through the hook."""
@@ -101,6 +103,12 @@ class CodedWarmupSender:
             self._left -= 1
             if self._failed is not None:
                 continue  # the futures it would complete hold the error already
+            if started is not None and b.warmup_sparse is not False:
+                # b may go as a sparse mean, whose rounds block this thread: started's server rows go on
+                # the wire first and travel meanwhile (the same choice on every rank: warmup_sparse is agreed)
+                self._relay(started)
+                if self._failed is not None:
+                    continue
             b_started = self._start(b)
             if started is not None:
                 self._complete(started)
@@ -108,6 +116,15 @@ class CodedWarmupSender:
             if self._left <= 0 and started is not None:  # the last bucket of this backward
                 self._complete(started)
                 started = None
+
+    def _relay(self, b: Bucket) -> None:
+        """Put ``b``'s server rows on the wire now; a failure fails every open future."""
+        if self._failed is not None:
+            return
+        try:
+            self.optimizer._coded_warmup_relay(b)
+        except BaseException as exc:  # noqa: BLE001 - as in _complete
+            self._fail(exc)
 
     def _complete(self, b: Bucket) -> None:
         """Complete ``b``'s call and deliver its mean; a failure fails every open future."""

@@ -229,6 +229,15 @@ class BucketSync(SparseWarmupMean):
             else:
                 comm(b.grad, out=b.worker_buffers("warm-up mean", 1)[0])
 
+    def _coded_warmup_relay(self, b: Bucket) -> None:
+        """Put the server rows of a call :meth:`_coded_warmup_start` began on the wire (stage 3), which
+        :meth:`_coded_warmup_complete` would otherwise do: so that they travel while the caller blocks on
+        something else (another bucket's sparse mean). Nothing to do for a mean that is whole already."""
+        comm = b.warmup_comm
+        if not b.warmup_mean_ready and isinstance(comm, CompressedAllreduce):
+            with self._collective(f"uint8 allreduce (warm-up, {type(comm).__name__})", b):
+                comm.relay()
+
     def _coded_warmup_complete(self, b: Bucket) -> torch.Tensor:
         """The rest of a call :meth:`_coded_warmup_start` began: the mean, in the bucket's buffer."""
         comm, out = b.warmup_comm, b.worker_buffers("warm-up mean", 1)[0]
