@@ -93,8 +93,8 @@ class CodedWarmupSender:
         """Start each bucket's call, then complete the one before it: the next bucket's stage 1 goes
         on the wire while this one's server decodes and re-encodes (the link idles less). Before a
         bucket that may go as a sparse mean, whose rounds block the thread, the started call's server
-        rows go on the wire, so that they travel meanwhile. Every rank
-        issues its collectives in this one order, decided by the bucket count alone, never by timing
+        rows go on the wire, so that they travel meanwhile. Every rank issues its collectives in this
+        one order, decided by the bucket count and the agreed ``warmup_sparse`` flags, never by timing
         (gloo pairs calls by their order). Waiting for a next bucket cannot hang: DDP waits for the
         futures only once every bucket has come through the hook."""
         started: Bucket | None = None
@@ -119,8 +119,6 @@ class CodedWarmupSender:
 
     def _relay(self, b: Bucket) -> None:
         """Put ``b``'s server rows on the wire now; a failure fails every open future."""
-        if self._failed is not None:
-            return
         try:
             self.optimizer._coded_warmup_relay(b)
         except BaseException as exc:  # noqa: BLE001 - as in _complete

@@ -214,6 +214,11 @@ class BucketSync(SparseWarmupMean):
             b.warmup_comm = self._new_collective(b, MinMaxUInt8Codec(block_size=WARMUP_CODE_BLOCK), "plain")
         return b.warmup_comm
 
+    @staticmethod
+    def _coded_warmup_name(comm) -> str:
+        """The collective's name in errors, the same in every phase of a call."""
+        return f"uint8 allreduce (warm-up, {type(comm).__name__})"
+
     def _coded_warmup_start(self, b: Bucket) -> None:
         """:meth:`_coded_warmup_mean` of this rank's ``b.grad`` up to its stage 1 on the wire (the flat
         collective; the two-level one runs whole here); a non-finite input raises on every rank."""
@@ -222,8 +227,7 @@ class BucketSync(SparseWarmupMean):
         if b.warmup_mean_ready:
             return
         comm = self._warmup_comm(b)  # made only when codes go: a bucket that always goes sparse never pays its buffers
-        with self._nonfinite_is_gradient_error(), \
-                self._collective(f"uint8 allreduce (warm-up, {type(comm).__name__})", b):
+        with self._nonfinite_is_gradient_error(), self._collective(self._coded_warmup_name(comm), b):
             if isinstance(comm, CompressedAllreduce):
                 comm.start(b.grad)
             else:
@@ -235,7 +239,7 @@ class BucketSync(SparseWarmupMean):
         something else (another bucket's sparse mean). Nothing to do for a mean that is whole already."""
         comm = b.warmup_comm
         if not b.warmup_mean_ready and isinstance(comm, CompressedAllreduce):
-            with self._collective(f"uint8 allreduce (warm-up, {type(comm).__name__})", b):
+            with self._collective(self._coded_warmup_name(comm), b):
                 comm.relay()
 
     def _coded_warmup_complete(self, b: Bucket) -> torch.Tensor:
@@ -244,7 +248,7 @@ class BucketSync(SparseWarmupMean):
         if b.warmup_mean_ready:  # the sparse mean, whole already
             b.warmup_mean_ready = False
         elif isinstance(comm, CompressedAllreduce):
-            with self._collective(f"uint8 allreduce (warm-up, {type(comm).__name__})", b):
+            with self._collective(self._coded_warmup_name(comm), b):
                 comm.complete(out=out)
         return out
 
