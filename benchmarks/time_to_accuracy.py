@@ -396,6 +396,11 @@ def _quiet() -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _workload_args(args: argparse.Namespace) -> list[str]:
+    """What a worker or a compute-alone process needs to build the runs' model and data."""
+    return ["--workload", args.workload, "--batch", str(args.batch)]
+
+
 def _alone(cluster: EmulatedCluster, args: argparse.Namespace) -> float:
     """Compute alone in this layout: one process per rank of the runs, all at once (they share the machine's
     cores as the ranks do: 4 ranks on 2 cores take twice as long per step), no communication; the mean of
@@ -403,8 +408,8 @@ def _alone(cluster: EmulatedCluster, args: argparse.Namespace) -> float:
     import subprocess
     import tempfile
 
-    argv = [sys.executable, __file__, "--alone", "--lrs", str(args.lrs[0]), "--workload", args.workload,
-            "--nodes", str(args.nodes), "--ranks-per-node", str(args.ranks_per_node), "--batch", str(args.batch)]
+    argv = [sys.executable, __file__, "--alone", "--lrs", str(args.lrs[0]), *_workload_args(args),
+            "--nodes", str(args.nodes), "--ranks-per-node", str(args.ranks_per_node)]
     procs = []
     for k in range(args.nodes):
         for _ in range(args.ranks_per_node):
@@ -431,9 +436,9 @@ def _compile_pass(cluster: EmulatedCluster, args: argparse.Namespace, port: int)
     methods = [m for m in args.methods if m in OURS]
     if not methods or args.no_compile_pass:
         return port
-    wargs = ["--worker", "--workload", args.workload, "--batch", str(args.batch), "--rate", "compile pass",
-             "--seed", "0", "--steps", "4", "--warmup", "2", "--eval-every", "4", "--pg-timeout", str(args.timeout),
-             "--lrs", str(args.lrs[0]), "--methods", *methods]
+    wargs = ["--worker", *_workload_args(args), "--rate", "compile pass", "--seed", "0", "--steps", "4",
+             "--warmup", "2", "--eval-every", "4", "--pg-timeout", str(args.timeout), "--lrs", str(args.lrs[0]),
+             "--methods", *methods]
     t0 = time.monotonic()
     results = run_torchrun(cluster, __file__, wargs, master_port=port, timeout=args.timeout,
                            nproc_per_node=args.ranks_per_node)
@@ -456,10 +461,9 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
             cluster.set_rate(rate)
             link = rate + (f" + {args.rtt:g} ms RTT" if args.rtt else "")
             for seed in args.seeds:
-                wargs = ["--worker", "--workload", args.workload, "--batch", str(args.batch), "--rate", link,
-                         "--seed", str(seed), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                         "--eval-every", str(args.eval_every), "--pg-timeout", str(args.timeout),
-                         "--lrs", *map(str, args.lrs), "--methods", *args.methods]
+                wargs = ["--worker", *_workload_args(args), "--rate", link, "--seed", str(seed), "--steps",
+                         str(args.steps), "--warmup", str(args.warmup), "--eval-every", str(args.eval_every),
+                         "--pg-timeout", str(args.timeout), "--lrs", *map(str, args.lrs), "--methods", *args.methods]
                 if args.lr_of:
                     wargs += ["--lr-of", *args.lr_of]
                 t0 = time.monotonic()
