@@ -404,19 +404,41 @@ def test_streaming_fragments_each_sync_on_their_own_schedule_like_the_reference(
     assert all(torch.equal(a, b) and torch.equal(a, r) for a, b, r in zip(p0, p1, ref, strict=True))
 
 
-def _overlapped(rank: int, world: int):
+class _Inline:
+    """A sender that runs each job at once on the caller's thread: the arithmetic without the thread."""
+
+    def submit(self, fn):
+        from concurrent.futures import Future
+
+        done = Future()
+        done.set_result(fn())
+        return done
+
+
+def _overlapped(rank: int, world: int, compression: str, inline: bool = False):
     """Streaming DiLoCo with overlap 1 and mixing 0.5, once straight through and once saved while an
-    outer step is in flight and resumed into a fresh model and optimizer."""
-    kw = {"lr": 3e-3, "weight_decay": 0.01, "sync_every": H, "fragments": 3, "overlap": 1, "mixing": 0.5}
+    outer step is in flight and resumed into a fresh model and optimizer. Between steps the main thread
+    all-reduces on the default group, as Lightning's logging does while an outer step is in flight."""
+    import threading
+
+    import torch.distributed as dist
+
+    kw = {"lr": 3e-3, "weight_decay": 0.01, "sync_every": H, "fragments": 3, "overlap": 1, "mixing": 0.5,
+          "compression": compression}
     net = _model()
     opt = DiLoCo(net.parameters(), **kw)
-    for t in range(2 * H):
-        _backward(net, rank, t)
-        opt.step()
-        if t == H:  # after inner step H + 1: fragment 0 was sent and lands at the next step
-            assert not opt.synced
-            buf = io.BytesIO()  # as a checkpoint file: the live optimizer state goes on changing
-            torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, buf)
+    if inline:
+        opt._sender = _Inline()
+    threads = set()
+    with counting_collectives(lambda name: threads.add(threading.current_thread() is threading.main_thread())):
+        for t in range(2 * H):
+            _backward(net, rank, t)
+            opt.step()
+            dist.all_reduce(torch.ones(3))
+            if t == H:  # after inner step H + 1: fragment 0 was sent and lands at the next step
+                assert not opt.synced
+                buf = io.BytesIO()  # as a checkpoint file: the live optimizer state goes on changing
+                torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, buf)
     buf.seek(0)
     saved = torch.load(buf, weights_only=True)
     opt.outer_step()  # the end of a fit: the step in flight lands
@@ -433,16 +455,57 @@ def _overlapped(rank: int, world: int):
     opt2.outer_step()
     views = opt2.anchor_views()
     resumed = ([views[id(p)].clone() for p in net2.parameters()], [p.detach().clone() for p in net2.parameters()])
-    return full, resumed, opt.fragment_tensors()
+    return full, resumed, opt.fragment_tensors(), threads, opt.comm_counter.total.bytes_sent
+
+
+def _nan_in_flight(rank: int, world: int) -> str | None:
+    """One rank's NaN in a compressed outer step that overlaps: the step fails when it lands, on both ranks."""
+    net = _model()
+    opt = DiLoCo(net.parameters(), lr=3e-3, sync_every=H, compression="4bit", overlap=1, on_nonfinite="skip")
+    for t in range(H - 1):
+        _backward(net, rank, t)
+        opt.step()
+    _backward(net, rank, H - 1)
+    if rank == 1:
+        with torch.no_grad():
+            net.wide.weight[0, 0] = float("nan")
+    opt.step()  # the outer step goes out with the NaN in one replica; nothing fails yet
+    _backward(net, rank, H)  # NaN gradients on that rank: its inner step is skipped (the policy)
+    try:
+        opt.step()
+    except NonFiniteGradientError as exc:
+        return str(exc)
+    return None
+
+
+def _overlaps(rank: int, world: int):
+    out = {c: _overlapped(rank, world, c) for c in ("fp32", "4bit")}
+    out["inline"] = _overlapped(rank, world, "4bit", inline=True)
+    out["nan"] = _nan_in_flight(rank, world)
+    return out
 
 
 def test_streaming_overlap_and_mixing_are_the_papers_and_resume_in_flight():
-    (full0, resumed0, frags), (full1, resumed1, _) = values(run_ranks(_overlapped, 2))
+    """fp32: the reference's numbers; 4-bit: the outer all-reduce runs on the sender thread, on a group of
+    its own next to the main thread's collectives, with the same numbers as without the thread."""
+    r0, r1 = values(run_ranks(_overlaps, 2))
+    frags = r0["fp32"][2]
     ref_anchor, ref_replicas = _reference(2, frags, steps=2 * H, overlap=1, mixing=0.5, replicas=True)
-    for rank, (full, resumed) in enumerate(((full0, resumed0), (full1, resumed1))):
-        assert all(torch.equal(a, r) for a, r in zip(full[0], ref_anchor, strict=True))
+    for rank, r in enumerate((r0, r1)):
+        full, resumed = r["fp32"][:2]
+        assert all(torch.equal(a, b) for a, b in zip(full[0], ref_anchor, strict=True))
         # the fit's end: every replica, mixed until then, takes the anchor
-        assert all(torch.equal(a, r) for a, r in zip(full[1], ref_replicas[rank], strict=True))
-        assert all(torch.equal(a, b) for a, b in zip(full[0] + full[1], resumed[0] + resumed[1], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(full[1], ref_replicas[rank], strict=True))
+        for compression in ("fp32", "4bit"):
+            full, resumed = r[compression][:2]
+            assert all(torch.equal(a, b) for a, b in zip(full[0] + full[1], resumed[0] + resumed[1], strict=True))
+        threaded, inline = r["4bit"], r["inline"]
+        assert all(torch.equal(a, b) for a, b in zip(threaded[0][0], inline[0][0], strict=True))
+        assert threaded[3] == {True, False} and inline[3] == {True}  # the thread sends; the main thread too
+        assert threaded[4] == inline[4] > 0  # the thread's bytes counted, as without it
+        assert r["nan"] is not None and "non-finite pseudo-gradient" in r["nan"], r["nan"]
+    assert all(torch.equal(a, b) for a, b in zip(r0["4bit"][0][0], r1["4bit"][0][0], strict=True))
+    err = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(r0["4bit"][0][0], ref_anchor, strict=True))
+    assert err < 0.12, err
     unmixed = _reference(2, frags, steps=2 * H, overlap=1, mixing=0.0)  # so the mixing shows in the anchor
-    assert any(not torch.equal(a, r) for a, r in zip(full0[0], unmixed, strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(r0["fp32"][0][0], unmixed, strict=True))

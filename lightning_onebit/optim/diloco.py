@@ -21,9 +21,9 @@ parameter tensors are cut into F consecutive fragments of about equal size, each
 step every H inner steps, fragment f after inner steps ``(f + 1) H / F`` mod H, so one fragment
 travels every H / F steps and the peak traffic drops F-fold. ``overlap`` = tau > 0 is its overlap: a
 fragment's all-reduce starts after inner step t and its outer step is applied after inner step t + tau,
-while the replicas go on training (fp32 and bf16 run the all-reduce asynchronously meanwhile; the
-compressed modes compute it at t and apply it at t + tau, the same arithmetic without the wall-clock
-gain on this path). ``mixing`` = alpha is its merge of the arriving global fragment into the replica:
+while the replicas go on training and the all-reduce runs meanwhile (fp32 and bf16 as an async
+collective, the compressed modes on a sender thread: :mod:`.diloco_allreduce`). ``mixing`` = alpha is
+its merge of the arriving global fragment into the replica:
 :math:`\theta_r \leftarrow \alpha\,\theta_r + (1 - \alpha)\,\theta` (0, the default, replaces the
 replica as DiLoCo does; the paper mixes local and global values when it overlaps).
 
@@ -62,7 +62,7 @@ from torch.optim.adam import adam
 from ..comm import CompressedAllreduce, HierarchicalAllreduce, NonFiniteInputError
 from ..comm.accounting import ByteCounter
 from ..comm.dense import all_finite, any_across, group_size
-from .diloco_allreduce import DiLoCoAllreduce
+from .diloco_allreduce import DiLoCoAllreduce, OuterFlight
 from .diloco_checkpoint import DiLoCoCheckpoint
 from .nonfinite import NonFiniteGradientError
 
@@ -140,11 +140,14 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
         # handle (None once done) and its result
         self._pending: dict[int, tuple[int, object, torch.Tensor]] = {}
         self._node_groups: tuple | None = None
+        self._own_group = None  # overlap: the compressed outer all-reduce's own process group
+        self._sender = None  # overlap: the thread that runs the compressed outer all-reduce
         self.intra_node_counter = ByteCounter()  # the two-level layout's fp32 traffic inside nodes
         # per inner step: the fp32 ring all-reduce DDP would have sent (the baseline) and what was sent;
         # steps = inner steps, rounds = outer steps
         self.comm_counter = ByteCounter()
-        self._wire = ByteCounter()  # what the outer step's collectives count themselves
+        self._wire = ByteCounter()  # what the outer step sends from this thread
+        self._coded_wire = ByteCounter()  # what the compressed collectives count, on whichever thread runs them
         self.inner_steps = 0  # inner steps taken on this rank (skipped ones not counted)
         self.skipped_steps = 0
         self.outer_steps = 0
@@ -295,12 +298,13 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
         if finite is None and bool(any_across(bad.reshape(1), self.process_group, self._wire)[0]):
             raise NonFiniteGradientError(why)
         delay = 0 if finish else self.overlap
+        threaded = 0  # outer all-reduces sent to the sender thread: they count their bytes when they land
         for f, delta in zip(fragments, deltas, strict=True):
-            try:
+            try:  # every call carries the flag: an asynchronous one fails only when it lands
                 work, result = self._average(delta, f, asynchronous=delay > 0, finite=finite)
             except NonFiniteInputError as exc:
                 raise NonFiniteGradientError(why) from exc
-            finite = None  # every rank's pseudo-gradients are finite
+            threaded += isinstance(work, OuterFlight)
             self._pending[f] = (self._t + delay, work, result)
             self._last_sync[f] = self._t
         if delay == 0:
@@ -308,7 +312,8 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
         if finish:
             self._unflatten_into_params(anchor)
         self.outer_steps += 1
-        self.comm_counter.add(self._wire.total.bytes_sent - before, 0, group_size(self.process_group))
+        if threaded < len(fragments):
+            self.comm_counter.add(self._wire.total.bytes_sent - before, 0, group_size(self.process_group))
         if not _in_step:
             self.comm_counter.end_round()
 
@@ -318,9 +323,14 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
         anchor, spans = self._outer["anchor"], self._fragment_spans()
         mixed = self._flat() if self.mixing else anchor
         for f in sorted(fragments):
-            _, work, delta = self._pending.pop(f)
+            at, work, delta = self._pending.pop(f)
             if work is not None:
-                work.wait()
+                try:
+                    work.wait()
+                except NonFiniteInputError as exc:  # on every rank, before this fragment's outer step
+                    raise NonFiniteGradientError(f"DiLoCo: a non-finite pseudo-gradient on some rank in the outer "
+                                                 f"step of fragment {f} sent after inner step {at - self.overlap}; "
+                                                 "it is not applied") from exc
             lo, hi, _ = spans[f]
             key = f"momentum{f}"
             self._outer[key] = outer_nesterov_(anchor[lo:hi], delta.float(), self._outer.get(key), lr=self.outer_lr,

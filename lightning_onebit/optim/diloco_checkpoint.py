@@ -35,6 +35,8 @@ class DiLoCoCheckpoint:
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
+        # first: an outer all-reduce on the sender thread writes its collective's error state
+        pending = {f: (at, self._wait(f).clone()) for f, (at, _, _) in self._pending.items()}
         sd["diloco"] = {
             "sync_every": self.sync_every, "compression": self.compression, "fragments": self.fragments,
             "overlap": self.overlap, "mixing": self.mixing,
@@ -44,7 +46,7 @@ class DiLoCoCheckpoint:
             "comm_counter": self.comm_counter.state_dict(),
             "collectives": {f: c.state_dict() for f, c in self._collectives.items()},
             "two_level": self.two_level(),
-            "pending": {f: (at, self._wait(f).clone()) for f, (at, _, _) in self._pending.items()},
+            "pending": pending,
         }
         return sd
 
