@@ -261,6 +261,25 @@ def test_all_finite_sees_every_nan_and_infinity():
             assert not bool(_all_finite(y.to(dtype)))
 
 
+def test_all_finite_many_sees_every_nan_and_infinity_and_leaves_every_bit():
+    from lightning_onebit.comm.dense import all_finite_many
+
+    # several dtypes at once, -0.0 and a subnormal among them: the check rewrites each value as itself
+    xs = [torch.randn(1001), torch.randn(7, 3).to(torch.bfloat16), torch.randn(5).double(),
+          torch.tensor([-0.0, 1e-42, 3.0]), torch.arange(4)]
+    before = [x.clone() for x in xs]
+    assert bool(all_finite_many(xs)) and bool(all_finite_many([]))
+    def raw(t):
+        return t.reshape(-1).view(torch.uint8)
+
+    assert all(torch.equal(raw(a), raw(b)) for a, b in zip(xs, before, strict=True))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for k in range(4):
+            ys = [x.clone() for x in xs]
+            ys[k].view(-1)[-1] = bad
+            assert not bool(all_finite_many(ys)), (bad, k)
+
+
 @pytest.mark.parametrize("hierarchical,ranks_per_node,world,chosen,logged", [
     (None, 2, 4, 2, None),  # several nodes of several ranks: two levels
     (None, 4, 4, None, None),  # one node: flat, nothing to say

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ..comm import all_finite, any_across
+from ..comm import any_across
+from ..comm.dense import all_finite_many
 from .buckets import Bucket
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class NonFinitePolicy:
             grads = [p.grad for b in buckets for p in b.params if p.grad is not None]
         if not grads:
             return torch.ones((), dtype=torch.bool, device=buckets[0].device if buckets else "cpu")
-        return torch.stack([all_finite(g) for g in grads]).all()
+        return all_finite_many(grads)
 
     def _nonfinite_anywhere(self, buckets: list[Bucket], worker_grads) -> bool:
         """Does any rank (or simulated worker) hold a NaN/inf gradient? One OR across ranks."""
