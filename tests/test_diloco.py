@@ -44,7 +44,8 @@ def _backward(net: nn.Module, rank: int, step: int) -> None:
 
 
 def _reference(world: int, fragments: list[list[int]] | None = None, steps: int = H * OUTER, overlap: int = 0,
-               mixing: float = 0.0, replicas: bool = False, fused: bool | None = None) -> list[torch.Tensor]:
+               mixing: float = 0.0, replicas: bool = False, fused: bool | None = None,
+               keep_local: bool = False) -> list[torch.Tensor]:
     """The paper's algorithm in a few lines: replicas with their own AdamW, the mean of anchor - local,
     torch.optim.SGD(nesterov) on the anchor, every replica restarts from it. On one thread, as the
     ranks run: the attention's key bias gets a gradient of pure rounding noise, whose sign AdamW
@@ -52,15 +53,16 @@ def _reference(world: int, fragments: list[list[int]] | None = None, steps: int 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _reference_steps(world, fragments, steps, overlap, mixing, replicas, fused)
+        return _reference_steps(world, fragments, steps, overlap, mixing, replicas, fused, keep_local)
     finally:
         torch.set_num_threads(threads)
 
 
 def _reference_steps(world: int, fragments: list[list[int]] | None, steps: int, overlap: int, mixing: float,
-                     want_replicas: bool, fused: bool | None = None):
+                     want_replicas: bool, fused: bool | None = None, keep_local: bool = False):
     """(Streaming DiLoCo with ``overlap`` and ``mixing``: fragment f's pseudo-gradient is taken after step
-    t, its outer step lands after step t + overlap, and each replica keeps ``mixing`` of its own values.)"""
+    t, its outer step lands after step t + overlap, and each replica keeps ``mixing`` of its own values, or
+    with ``keep_local`` the inner steps it took since step t.)"""
     replicas = [_model() for _ in range(world)]
     inner = [torch.optim.AdamW(r.parameters(), lr=3e-3, weight_decay=0.01, fused=fused) for r in replicas]
     anchor = [p.detach().clone().requires_grad_(True) for p in replicas[0].parameters()]
@@ -68,6 +70,7 @@ def _reference_steps(world: int, fragments: list[list[int]] | None, steps: int, 
     F = len(fragments)
     outer = [torch.optim.SGD([anchor[i] for i in frag], lr=0.7, momentum=0.9, nesterov=True) for frag in fragments]
     in_flight: dict[int, tuple[int, list[torch.Tensor]]] = {}
+    sent: dict[int, list[list[torch.Tensor]]] = {}  # per fragment, each replica's values when it was sent
 
     def land(f):
         _, grads = in_flight.pop(f)
@@ -75,10 +78,13 @@ def _reference_steps(world: int, fragments: list[list[int]] | None, steps: int, 
             anchor[i].grad = g
         outer[f].step()
         with torch.no_grad():
-            for net in replicas:
-                for i in fragments[f]:
+            for r, net in enumerate(replicas):
+                for k, i in enumerate(fragments[f]):
                     p = list(net.parameters())[i]
-                    p.copy_(p.mul(mixing).add_(anchor[i], alpha=1 - mixing) if mixing else anchor[i])
+                    if keep_local:
+                        p.sub_(sent[f][r][k]).add_(anchor[i])
+                    else:
+                        p.copy_(p.mul(mixing).add_(anchor[i], alpha=1 - mixing) if mixing else anchor[i])
 
     for t in range(1, steps + 1):
         for r, (net, opt) in enumerate(zip(replicas, inner, strict=True)):
@@ -91,6 +97,7 @@ def _reference_steps(world: int, fragments: list[list[int]] | None, steps: int, 
                 continue
             with torch.no_grad():
                 grads = [sum((anchor[i] - list(net.parameters())[i]) / world for net in replicas) for i in frag]
+                sent[f] = [[list(net.parameters())[i].clone() for i in frag] for net in replicas]
             in_flight[f] = (t + overlap, grads)
             if overlap == 0:
                 land(f)
@@ -101,6 +108,7 @@ def _reference_steps(world: int, fragments: list[list[int]] | None, steps: int, 
         with torch.no_grad():
             in_flight[f] = (steps, [sum((anchor[i] - list(net.parameters())[i]) / world for net in replicas)
                                     for i in fragments[f]])
+            sent[f] = [[list(net.parameters())[i].clone() for i in fragments[f]] for net in replicas]
         land(f)
     if overlap or mixing:
         with torch.no_grad():
@@ -276,6 +284,7 @@ def test_bad_input_is_named_and_a_nonfinite_gradient_follows_the_policy():
     for kw, msg in (({"sync_every": 0}, "sync_every"), ({"compression": "3bit"}, "compression must be one of"),
                     ({"ranks_per_node": 0}, "ranks_per_node"), ({"hierarchical": "yes"}, "hierarchical"),
                     ({"overlap": 3, "sync_every": 3}, "overlap must be"), ({"mixing": 1.0}, "mixing must be"),
+                    ({"keep_local": True, "mixing": 0.5}, "keep_local must be"),
                     ({"outer_momentum": 1.0}, "outer_momentum"), ({"outer_lr": 0}, "outer_lr"),
                     ({"on_nonfinite": "ignore"}, "on_nonfinite"), ({"lr": -1.0}, "learning rate")):
         with pytest.raises(ValueError, match=msg):
@@ -415,7 +424,7 @@ class _Inline:
         return done
 
 
-def _overlapped(rank: int, world: int, compression: str, inline: bool = False):
+def _overlapped(rank: int, world: int, compression: str, inline: bool = False, **extra):
     """Streaming DiLoCo with overlap 1 and mixing 0.5, once straight through and once saved while an
     outer step is in flight and resumed into a fresh model and optimizer. Between steps the main thread
     all-reduces on the default group, as Lightning's logging does while an outer step is in flight."""
@@ -424,7 +433,7 @@ def _overlapped(rank: int, world: int, compression: str, inline: bool = False):
     import torch.distributed as dist
 
     kw = {"lr": 3e-3, "weight_decay": 0.01, "sync_every": H, "fragments": 3, "overlap": 1, "mixing": 0.5,
-          "compression": compression}
+          "compression": compression, **extra}
     net = _model()
     opt = DiLoCo(net.parameters(), **kw)
     if inline:
@@ -481,6 +490,7 @@ def _nan_in_flight(rank: int, world: int) -> str | None:
 def _overlaps(rank: int, world: int):
     out = {c: _overlapped(rank, world, c) for c in ("fp32", "4bit")}
     out["inline"] = _overlapped(rank, world, "4bit", inline=True)
+    out["keep_local"] = _overlapped(rank, world, "fp32", overlap=2, mixing=0.0, keep_local=True)
     out["nan"] = _nan_in_flight(rank, world)
     return out
 
@@ -509,3 +519,12 @@ def test_streaming_overlap_and_mixing_are_the_papers_and_resume_in_flight():
     assert err < 0.12, err
     unmixed = _reference(2, frags, steps=2 * H, overlap=1, mixing=0.0)  # so the mixing shows in the anchor
     assert any(not torch.equal(a, b) for a, b in zip(r0["fp32"][0][0], unmixed, strict=True))
+    # keep_local: the replicas move onto each landing anchor with their inner steps since it was sent
+    kept_anchor, kept_replicas = _reference(2, frags, steps=2 * H, overlap=2, keep_local=True, replicas=True)
+    replaced = _reference(2, frags, steps=2 * H, overlap=2)
+    for rank, r in enumerate((r0, r1)):
+        full, resumed = r["keep_local"][:2]
+        assert all(torch.equal(a, b) for a, b in zip(full[0], kept_anchor, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(full[1], kept_replicas[rank], strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(full[0] + full[1], resumed[0] + resumed[1], strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(kept_anchor, replaced, strict=True))

@@ -25,7 +25,11 @@ while the replicas go on training and the all-reduce runs meanwhile (fp32 and bf
 collective, the compressed modes on a sender thread: :mod:`.diloco_allreduce`). ``mixing`` = alpha is
 its merge of the arriving global fragment into the replica:
 :math:`\theta_r \leftarrow \alpha\,\theta_r + (1 - \alpha)\,\theta` (0, the default, replaces the
-replica as DiLoCo does; the paper mixes local and global values when it overlaps).
+replica as DiLoCo does; the paper mixes local and global values when it overlaps). ``keep_local=True``
+merges instead by moving the replica onto the new anchor with the tau inner steps it took while the step
+was in flight: :math:`\theta_r \leftarrow \theta + (\theta_r - \theta_r^{sent})`, where
+:math:`\theta_r^{sent}` is the replica the pseudo-gradient was taken from (kept per fragment, 4 B per
+parameter); those steps then count in the next pseudo-gradient instead of being dropped.
 
 ``compression`` (what each rank puts on the wire per outer step and parameter, ``n`` ranks):
 
@@ -42,9 +46,10 @@ replica as DiLoCo does; the paper mixes local and global values when it overlaps
   all-reduce between nodes only (``hierarchical=False`` forces the flat one). fp32 and bf16 are one
   flat all-reduce, as DDP runs them.
 
-Memory per parameter beyond AdamW's (8 B): the anchor and the outer momentum (4 + 4 B, fp32), and
-for the compressed modes the error state (4 B, plus 4/n B on the server side, or 4/N B with the
-two-level layout's N nodes, which also keeps fp32 buffers of a shard inside the node).
+Memory per parameter beyond AdamW's (8 B): the anchor, the outer momentum and a scratch for the
+pseudo-gradients (4 + 4 + 4 B, fp32), and for the compressed modes the error state (4 B, plus 4/n B on
+the server side, or 4/N B with the two-level layout's N nodes, which also keeps fp32 buffers of a shard
+inside the node).
 Non-finite gradients: an inner step with a NaN/inf gradient raises :class:`NonFiniteGradientError`
 on its rank (``on_nonfinite="raise"``, the default) or is skipped there (``"skip"``; counted in
 ``skipped_steps``); nothing is exchanged in inner steps, so the ranks need not agree. A non-finite
@@ -61,7 +66,7 @@ from torch.optim.adam import adam
 
 from ..comm import CompressedAllreduce, HierarchicalAllreduce, NonFiniteInputError
 from ..comm.accounting import ByteCounter
-from ..comm.dense import all_finite, any_across, group_size
+from ..comm.dense import all_finite, all_finite_many, any_across, group_size
 from .diloco_allreduce import DiLoCoAllreduce, OuterFlight
 from .diloco_checkpoint import DiLoCoCheckpoint
 from .nonfinite import NonFiniteGradientError
@@ -72,10 +77,11 @@ COMPRESSIONS = ("fp32", "bf16", "8bit", "4bit", "2bit", "1bit")
 
 
 def outer_nesterov_(anchor: torch.Tensor, delta: torch.Tensor, buf: torch.Tensor | None, *, lr: float,
-                    momentum: float, nesterov: bool) -> torch.Tensor:
+                    momentum: float, nesterov: bool, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """The outer step on flat fp32 tensors, ``torch.optim.SGD``'s arithmetic (dampening 0): ``buf``
     <- ``momentum * buf + delta`` (``delta`` itself when ``buf`` is None), ``anchor`` <-
-    ``anchor - lr * (delta + momentum * buf)`` (or ``- lr * buf``). Returns the buffer."""
+    ``anchor - lr * (delta + momentum * buf)`` (or ``- lr * buf``). ``scratch`` (``delta``'s size, may be
+    ``delta`` itself) takes Nesterov's sum instead of a new tensor. Returns the buffer."""
     if momentum == 0:
         anchor.add_(delta, alpha=-lr)
         return delta if buf is None else buf
@@ -83,7 +89,7 @@ def outer_nesterov_(anchor: torch.Tensor, delta: torch.Tensor, buf: torch.Tensor
         buf = delta.clone()
     else:
         buf.mul_(momentum).add_(delta)
-    anchor.add_(delta.add(buf, alpha=momentum) if nesterov else buf, alpha=-lr)
+    anchor.add_(torch.add(delta, buf, alpha=momentum, out=scratch) if nesterov else buf, alpha=-lr)
     return buf
 
 
@@ -103,7 +109,7 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
                  outer_momentum: float = 0.9, nesterov: bool = True, compression: str = "fp32",
                  fragments: int = 1, on_nonfinite: str = "raise", process_group=None,
                  ranks_per_node: int | None = None, hierarchical: bool | None = None, overlap: int = 0,
-                 mixing: float = 0.0) -> None:
+                 mixing: float = 0.0, keep_local: bool = False) -> None:
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
         if not outer_lr > 0:
@@ -125,6 +131,9 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
             raise ValueError(f"overlap must be an int in [0, sync_every={sync_every}), got {overlap!r}")
         if not 0 <= mixing < 1:
             raise ValueError(f"mixing must be in [0, 1), got {mixing!r}")
+        if keep_local not in (True, False) or (keep_local and mixing):
+            raise ValueError(f"keep_local must be True or False, and mixing 0 with it; got keep_local={keep_local!r}, "
+                             f"mixing={mixing!r}")
         if hierarchical not in (None, True, False):
             raise ValueError(f"hierarchical must be None (automatic), True or False, got {hierarchical!r}")
         # torch.optim.AdamW validates the inner arguments and gives its defaults
@@ -135,7 +144,7 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
         self.nesterov, self.compression, self.on_nonfinite = bool(nesterov), compression, on_nonfinite
         self.process_group = process_group
         self.ranks_per_node, self.hierarchical = ranks_per_node, hierarchical
-        self.overlap, self.mixing = overlap, float(mixing)
+        self.overlap, self.mixing, self.keep_local = overlap, float(mixing), bool(keep_local)
         # outer steps in flight (overlap > 0): per fragment, the clock at which it lands, the all-reduce's
         # handle (None once done) and its result
         self._pending: dict[int, tuple[int, object, torch.Tensor]] = {}
@@ -159,6 +168,7 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
         self._collectives: dict[int, CompressedAllreduce | HierarchicalAllreduce] = {}
         self._spans: list[tuple[int, int, list[int]]] | None = None  # per fragment: lo, hi, tensor offsets
         self._replica_aside: torch.Tensor | None = None  # this rank's replica while the anchor is in the params
+        self._scratch: torch.Tensor | None = None  # flat fp32: pseudo-gradients and Nesterov sums
 
     # -- the flat view of every parameter, in param_groups order -----------------------------------
     def _params(self) -> list[torch.Tensor]:
@@ -226,7 +236,7 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
         grads = [p.grad for p in self._params() if p.grad is not None]
         if any(g.is_sparse for g in grads):
             raise ValueError("DiLoCo does not support sparse gradients")
-        if grads and not bool(torch.stack([all_finite(g) for g in grads]).all()):
+        if grads and not bool(all_finite_many(grads)):
             if self.on_nonfinite == "raise":
                 raise NonFiniteGradientError(f"DiLoCo: non-finite gradient at inner step {self.inner_steps + 1}")
             self.skipped_steps += 1
@@ -285,9 +295,8 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
             if not fragments:
                 self._unflatten_into_params(self._outer["anchor"])  # mixed replicas too end on the anchor
                 return
-        anchor, local = self._outer["anchor"], self._flat()
-        spans = self._fragment_spans()
-        deltas = [anchor[spans[f][0]:spans[f][1]] - local[spans[f][0]:spans[f][1]] for f in fragments]
+        anchor = self._outer["anchor"]
+        deltas = [self._pseudo_gradient(f) for f in fragments]
         bad = torch.stack([~all_finite(d) for d in deltas]).any() if deltas else torch.zeros((), dtype=torch.bool)
         before = self._wire.total.bytes_sent
         why = (f"DiLoCo: a non-finite pseudo-gradient at outer step {self.outer_steps + 1} on some rank; "
@@ -317,11 +326,32 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
         if not _in_step:
             self.comm_counter.end_round()
 
+    def _span_of_scratch(self, f: int) -> torch.Tensor:
+        """Fragment f's slice of a flat fp32 buffer kept across outer steps: its pseudo-gradient, then its
+        Nesterov sum (until the fragment's outer step lands, nothing else writes there)."""
+        if self._scratch is None:
+            self._scratch = torch.empty_like(self._outer["anchor"])
+        lo, hi, _ = self._fragment_spans()[f]
+        return self._scratch[lo:hi]
+
+    def _pseudo_gradient(self, f: int) -> torch.Tensor:
+        """``anchor - replica`` over fragment f, in the scratch (a new 4 B per parameter each outer step
+        costs as much as the arithmetic here: fresh pages)."""
+        out, params = self._span_of_scratch(f), self._params()
+        torch.cat([params[i].detach().reshape(-1).float() for i in self.fragment_tensors()[f]], out=out)
+        if self.keep_local:  # the replica this outer step starts from
+            if f"sent{f}" not in self._outer:
+                self._outer[f"sent{f}"] = torch.empty_like(out)
+            self._outer[f"sent{f}"].copy_(out)
+        lo, hi, _ = self._fragment_spans()[f]
+        return torch.sub(self._outer["anchor"][lo:hi], out, out=out)
+
     def _land(self, fragments: list[int]) -> None:
         """The outer steps of ``fragments`` (in flight) on the anchor, and the anchor into the replica
-        (mixed with it when ``mixing`` > 0)."""
+        (mixed with it when ``mixing`` > 0, or with the replica's inner steps since it was sent:
+        ``keep_local``)."""
         anchor, spans = self._outer["anchor"], self._fragment_spans()
-        mixed = self._flat() if self.mixing else anchor
+        mixed = self._flat() if self.mixing or self.keep_local else anchor
         for f in sorted(fragments):
             at, work, delta = self._pending.pop(f)
             if work is not None:
@@ -334,9 +364,12 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
             lo, hi, _ = spans[f]
             key = f"momentum{f}"
             self._outer[key] = outer_nesterov_(anchor[lo:hi], delta.float(), self._outer.get(key), lr=self.outer_lr,
-                                               momentum=self.outer_momentum, nesterov=self.nesterov)
+                                               momentum=self.outer_momentum, nesterov=self.nesterov,
+                                               scratch=self._span_of_scratch(f))
             if self.mixing:
                 mixed[lo:hi].mul_(self.mixing).add_(anchor[lo:hi], alpha=1 - self.mixing)
+            elif self.keep_local:
+                mixed[lo:hi].sub_(self._outer[f"sent{f}"]).add_(anchor[lo:hi])
             self._unflatten_into_params(mixed, lo, hi)
 
     # -- conversion, the anchor, the end of an interval ---------------------------------------------

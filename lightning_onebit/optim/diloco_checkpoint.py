@@ -39,7 +39,7 @@ class DiLoCoCheckpoint:
         pending = {f: (at, self._wait(f).clone()) for f, (at, _, _) in self._pending.items()}
         sd["diloco"] = {
             "sync_every": self.sync_every, "compression": self.compression, "fragments": self.fragments,
-            "overlap": self.overlap, "mixing": self.mixing,
+            "overlap": self.overlap, "mixing": self.mixing, "keep_local": self.keep_local,
             "t": self._t, "last_sync": list(self._last_sync),
             "inner_steps": self.inner_steps, "outer_steps": self.outer_steps, "skipped_steps": self.skipped_steps,
             "outer": {k: v.clone() for k, v in self._outer.items()},
@@ -55,7 +55,8 @@ class DiLoCoCheckpoint:
         mine = sd.pop("diloco", None)
         if mine is None:
             raise ValueError("not a DiLoCo state_dict (no 'diloco' section)")
-        for key, default in (("sync_every", None), ("compression", None), ("fragments", None), ("overlap", 0)):
+        for key, default in (("sync_every", None), ("compression", None), ("fragments", None), ("overlap", 0),
+                             ("keep_local", False)):
             if mine.get(key, default) != getattr(self, key):
                 raise ValueError(f"state was saved with {key}={mine.get(key, default)!r}, this optimizer has "
                                  f"{key}={getattr(self, key)!r}")

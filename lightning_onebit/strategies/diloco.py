@@ -47,7 +47,7 @@ class DiLoCoStrategy(BaseDDPStrategy):
 
     Args:
         sync_every, outer_lr, outer_momentum, nesterov, compression, fragments, on_nonfinite, hierarchical,
-        overlap, mixing:
+        overlap, mixing, keep_local:
             DiLoCo's (checked here, before any rank starts). The ranks per node are the trainer's devices,
             so a compressed outer all-reduce over several nodes of several devices runs two-level.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
@@ -58,7 +58,7 @@ class DiLoCoStrategy(BaseDDPStrategy):
     def __init__(self, sync_every: int = 16, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, compression: str = "fp32", fragments: int = 1,
                  on_nonfinite: str = "raise", hierarchical: bool | None = None, overlap: int = 0,
-                 mixing: float = 0.0, **kwargs: Any) -> None:
+                 mixing: float = 0.0, keep_local: bool = False, **kwargs: Any) -> None:
         if kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("DiLoCoStrategy installs its own DDP comm hook; ddp_comm_hook cannot be set")
         kwargs.setdefault("gradient_as_bucket_view", True)
@@ -68,7 +68,7 @@ class DiLoCoStrategy(BaseDDPStrategy):
         self.diloco_kwargs = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
                               "nesterov": nesterov, "compression": compression, "fragments": fragments,
                               "on_nonfinite": on_nonfinite, "hierarchical": hierarchical, "overlap": overlap,
-                              "mixing": mixing}
+                              "mixing": mixing, "keep_local": keep_local}
         DiLoCo([torch.zeros(1, requires_grad=True)], **self.diloco_kwargs)  # bad options fail here
         self._in_anchor: list = []
         self._own_buffers: list[torch.Tensor] | None = None  # this rank's, while validation holds the mean
