@@ -33,8 +33,10 @@ fp32 all-reduce, PyTorch's hook), ``postlocal_8``/``postlocal_32`` (PyTorch's ``
 ``PeriodicModelAverager`` of that period after ``--warmup`` global steps, AdamW inside: Lightning's own
 ``DDPStrategy(model_averaging_period=...)`` path, with the hook registered on CPU by ``HookDDPStrategy``, since
 Lightning registers comm hooks only on CUDA), ``diloco`` (fp32 outer all-reduce, H = 16, outer lr 0.7, momentum
-0.9: the paper's), ``diloco_4bit``, ``diloco_overlap`` and ``diloco_4bit_overlap`` (the same with each outer
-all-reduce running while the replicas take 8 more inner steps, which they keep: ``DILOCO_OVERLAP``),
+0.9: the paper's), ``diloco_streaming`` (the same with each outer all-reduce running while the replicas take 8
+more inner steps, then mixed half and half with them: Streaming DiLoCo's overlap, ``DILOCO_STREAMING``),
+``diloco_4bit``, ``diloco_overlap`` and ``diloco_4bit_overlap`` (overlapped as ``diloco_streaming``, the replicas
+keeping their 8 steps: ``keep_local``, ``DILOCO_OVERLAP``),
 ``onebit_adam``, ``zero_one_adam`` and ``qadam`` (the package's strategies, warm-up ``--warmup`` where they
 have one), and ``onebit_adam_bf16warm``/``zero_one_adam_bf16warm``: the same with
 ``warmup_comm_dtype="bf16"`` (the warm-up's, or the variance refreshes', mean gradient sent in bf16), and
@@ -82,16 +84,21 @@ WARM_WIRES = {"_bf16warm": "bf16", "_u8warm": "uint8"}
 """Suffix of a package method with its full-precision phase (warm-up, 0/1 Adam's refreshes) sent another way:
 its ``warmup_comm_dtype``."""
 VARIANTS = tuple(f"{m}{w}" for w in WARM_WIRES for m in ("onebit_adam", "zero_one_adam"))
-METHODS = ("ddp_adamw", "ddp_bf16", "powersgd_r4", "postlocal_8", "postlocal_32", "diloco", "diloco_overlap",
-           "diloco_4bit", "diloco_4bit_overlap", "onebit_adam", "zero_one_adam", "qadam", *VARIANTS)
-PEERS = ("ddp_adamw", "ddp_bf16", "powersgd_r4", "postlocal_8", "postlocal_32", "diloco", "diloco_overlap")
-"""What a user could run instead of the package (DiLoCo fp32 is the paper's own algorithm; with overlap,
-Streaming DiLoCo's)."""
-OURS = ("diloco_4bit", "diloco_4bit_overlap", "onebit_adam", "zero_one_adam", "qadam", *VARIANTS)
+METHODS = ("ddp_adamw", "ddp_bf16", "powersgd_r4", "postlocal_8", "postlocal_32", "diloco", "diloco_streaming",
+           "diloco_overlap", "diloco_4bit", "diloco_4bit_overlap", "onebit_adam", "zero_one_adam", "qadam", *VARIANTS)
+PEERS = ("ddp_adamw", "ddp_bf16", "powersgd_r4", "postlocal_8", "postlocal_32", "diloco", "diloco_streaming")
+"""What a user could run instead of the package (DiLoCo fp32 is the paper's own algorithm; Streaming DiLoCo's
+overlap and mixing is its published way to hide the outer all-reduce)."""
+OURS = ("diloco_4bit", "diloco_overlap", "diloco_4bit_overlap", "onebit_adam", "zero_one_adam", "qadam", *VARIANTS)
 DILOCO_H = 16
 DILOCO_OVERLAP = {"overlap": DILOCO_H // 2, "keep_local": True}
 """``..._overlap``: each outer step runs while the replicas take H / 2 more inner steps, then lands and each
-replica moves onto it with those steps (Streaming DiLoCo's overlap, one fragment; ``keep_local``)."""
+replica moves onto it with those steps (``keep_local``, the package's merge)."""
+DILOCO_STREAMING = {"overlap": DILOCO_H // 2, "mixing": 0.5}
+"""``diloco_streaming``: the same overlap, the arriving anchor mixed half and half with the replica (Streaming
+DiLoCo's merge, alpha = 0.5, one fragment)."""
+LIGHT = {"diloco_streaming": "diloco", "diloco_overlap": "diloco", "diloco_4bit_overlap": "diloco_4bit"}
+"""Variants drawn in the light shade of another method's hue."""
 MODEL = {"vocab": 64, "d_model": 192, "heads": 4, "layers": 4, "ff": 768, "context": 32}
 BATCH, LENGTH = 16, 33  # sequences per rank and step; 32 next-token predictions each
 TARGET_AT = 0.8
@@ -230,7 +237,7 @@ def make_strategy(method: str, warmup: int) -> Any:
     if method.startswith("postlocal_"):
         return _post_local_sgd(HookDDPStrategy, int(method.split("_")[1]), warmup, **views)
     if method.startswith("diloco"):
-        stream = DILOCO_OVERLAP if method.endswith("_overlap") else {}
+        stream = DILOCO_OVERLAP if method.endswith("_overlap") else DILOCO_STREAMING if "streaming" in method else {}
         return DiLoCoStrategy(sync_every=DILOCO_H, compression="4bit" if "_4bit" in method else "fp32", **stream)
     algorithm, wire = _base(method), {}
     if algorithm != method:
@@ -675,8 +682,8 @@ def chart(rows: list[dict[str, Any]], path: Path, metric: str = "val_loss", pane
     # tab20's dark shades are tab10's; a warm-up or overlap variant takes the light shade of its method's hue
     # (uint8 dotted)
     shades = plt.get_cmap("tab20").colors
-    hues = [m for m in METHODS if m == _base(m) and not m.endswith("_overlap")]
-    colors = {m: shades[2 * hues.index(_base(m).removesuffix("_overlap")) + (m not in hues)] for m in METHODS}
+    hues = [m for m in METHODS if m == _base(m) and m not in LIGHT]
+    colors = {m: shades[2 * hues.index(LIGHT.get(m, _base(m))) + (m not in hues)] for m in METHODS}
     for j, where in enumerate(wheres):
         for m in METHODS:
             runs = [r for r in rows if setting(r) == where and r["method"] == m]
