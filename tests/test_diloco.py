@@ -305,7 +305,7 @@ def test_bad_input_is_named_and_a_nonfinite_gradient_follows_the_policy():
 
 
 # -- through Lightning: strategy="diloco" on 2 processes --------------------------------------------
-def _lightning_fit(out, ckpt_path=None, checkpoint=False, **trainer_kwargs):
+def _lightning_fit(out, ckpt_path=None, checkpoint=False, diloco=None, **trainer_kwargs):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lit_models import DigitsBNWithValidation, SaveParams
@@ -316,7 +316,8 @@ def _lightning_fit(out, ckpt_path=None, checkpoint=False, **trainer_kwargs):
     callbacks = [SaveParams(str(out))]
     if checkpoint:
         callbacks.append(ModelCheckpoint(dirpath=str(out / "ckpt"), save_top_k=-1, every_n_epochs=1))
-    trainer = L.Trainer(strategy=DiLoCoStrategy(sync_every=3, start_method="forkserver"), accelerator="cpu",
+    strategy = DiLoCoStrategy(**(diloco or {"sync_every": 3}), start_method="forkserver")
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu",
                         devices=2, max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=checkpoint, default_root_dir=str(out), callbacks=callbacks,
                         **trainer_kwargs)
@@ -364,11 +365,16 @@ def test_strategy_validates_the_anchor_ends_on_one_model_and_resumes_mid_interva
 @pytest.mark.budget(40)  # two 2-rank fits
 def test_a_checkpoint_written_while_validation_holds_the_anchor_resumes_bit_for_bit(tmp_path):
     """Validating twice an epoch, ModelCheckpoint saves at the end of validation, while the parameters
-    and buffers hold the anchor and the mean: the checkpoint must still keep each rank's own replica."""
-    full = _lightning_fit(tmp_path / "full", checkpoint=True, val_check_interval=0.5)
+    and buffers hold the anchor and the mean: the checkpoint must still keep each rank's own replica.
+    Here the 4-bit outer all-reduce overlaps on its thread: the one sent after step 8 is in flight while
+    Lightning's own collectives (the buffers' mean, the checkpoint's gather) run on the main thread."""
+    diloco = {"sync_every": 4, "compression": "4bit", "overlap": 2, "keep_local": True}
+    full = _lightning_fit(tmp_path / "full", checkpoint=True, diloco=diloco, val_check_interval=0.5)
     assert [v[0] for v in full[0]["validated"]] == [4, 8, 12, 16]
-    ckpt = tmp_path / "full" / "ckpt" / "epoch=0-step=8.ckpt"  # saved at validation's end, mid-interval
-    resumed = _lightning_fit(tmp_path / "resumed", ckpt_path=str(ckpt), val_check_interval=0.5)
+    assert _same(full[0]["params"], full[1]["params"])  # the fit's end lands the last step: one model
+    ckpt = tmp_path / "full" / "ckpt" / "epoch=0-step=8.ckpt"  # saved at validation's end, mid-flight
+    assert torch.load(ckpt, weights_only=False)["optimizer_states"][0]["diloco"]["pending"]
+    resumed = _lightning_fit(tmp_path / "resumed", ckpt_path=str(ckpt), diloco=diloco, val_check_interval=0.5)
     for r in range(2):
         assert _same(full[r]["params"], resumed[r]["params"]) and _same(full[r]["buffers"], resumed[r]["buffers"])
 
