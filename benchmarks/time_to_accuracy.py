@@ -751,6 +751,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="skip the untimed pass that compiles the package's kernels before the timed runs")
     add_out_argument(ap)
     args = ap.parse_args(argv)
+    if args.workload == "minilm" and args.batch != BATCH:  # its batch is the recipe's, never --batch's
+        ap.error(f"--batch sets the LM's sequences per rank; the MiniLM fine-tune runs the recipe's {MINILM_BATCH} "
+                 "sentences per step: leave --batch out with --workload minilm")
     if args.worker:
         worker(args)
         return 0

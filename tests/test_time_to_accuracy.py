@@ -74,6 +74,8 @@ def test_the_lm_at_another_batch_is_a_setting_of_its_own_with_its_own_target():
     assert tta.target_of([ddp16, ddp4, ours4], small, 0) == 1.2
     assert tta.target_of([ddp16, ddp4, ours4], "2 nodes x 1 rank, 100mbit", 0) == 1.0
     assert f"### {small}: target val_loss 1.2" in tta.tables([ddp16, ddp4, ours4])
+    with pytest.raises(SystemExit):  # the MiniLM's batch is the recipe's: --batch would be ignored
+        tta.main(["--workload", "minilm", "--batch", "4"])
 
 
 def test_bytes_to_other_hosts_counts_writes_to_other_addresses_only():
