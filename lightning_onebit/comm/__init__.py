@@ -10,7 +10,7 @@ from .ddp_hook import (
     register_compression_hook,
     register_local_hook,
 )
-from .dense import all_finite, any_across, any_across_bytes, group_size, mean_allreduce, wire_dtype
+from .dense import all_finite, all_finite_many, any_across, any_across_bytes, group_size, mean_allreduce, wire_dtype
 from .duplex import duplex_twin, enable_duplex
 from .hierarchical import HierarchicalAllreduce, SimulatedHierarchicalCluster, node_groups
 from .simulated import SimulatedCluster
@@ -19,7 +19,7 @@ from .two_stage import MODES, TwoStageRank
 
 __all__ = ["MODES", "ByteCounter", "CompressedAllreduce", "CompressionHookState", "HierarchicalAllreduce",
            "NonFiniteInputError", "SimulatedCluster", "SimulatedHierarchicalCluster", "StepStats", "TwoStageRank",
-           "all_finite", "any_across", "any_across_bytes", "compression_hook", "duplex_twin", "enable_duplex",
-           "gather_sizes", "group_size", "local_gradients_hook", "mean_allreduce", "node_groups",
+           "all_finite", "all_finite_many", "any_across", "any_across_bytes", "compression_hook", "duplex_twin",
+           "enable_duplex", "gather_sizes", "group_size", "local_gradients_hook", "mean_allreduce", "node_groups",
            "register_compression_hook", "register_local_hook", "ring_allreduce_bytes", "sparse_mean",
            "sparse_mean_bytes", "sparse_row", "wire_dtype"]

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["duplex_twin", "enable_duplex", "exchange_rows"]
+__all__ = ["duplex_twin", "enable_duplex", "exchange_rows", "group_timeout"]
 
 _TWINS: dict[int, tuple[object, object]] = {}  # id(group) -> (group, twin); the group held so that ids stay unique
 
@@ -41,6 +41,15 @@ def duplex_twin(group=None):
     return hit[1] if hit is not None and hit[0] is g else None  # a destroyed group's entry is stale
 
 
+def group_timeout(group=None):
+    """``group``'s own timeout (``None``: the default group), for a group made beside it (``new_group``'s
+    default is 30 minutes); ``None`` where torch does not expose it."""
+    try:
+        return _resolve(group)._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
 def enable_duplex(group=None) -> bool:
     """Give ``group`` (``None``: the default group) a twin gloo group over the same ranks, through which
     its exchanges send the higher-to-lower direction of each pair (see the module docstring).
@@ -56,12 +65,8 @@ def enable_duplex(group=None) -> bool:
         return False
     if duplex_twin(g) is not None:
         return True
-    try:  # the group's own timeout: new_group's default is 30 minutes
-        timeout = g._get_backend(torch.device("cpu")).options._timeout
-    except (AttributeError, RuntimeError):
-        timeout = None
     ranks = None if g is dist.group.WORLD else dist.get_process_group_ranks(g)
-    twin = dist.new_group(ranks, timeout=timeout, backend="gloo", group_desc="lightning_onebit duplex twin")
+    twin = dist.new_group(ranks, timeout=group_timeout(g), backend="gloo", group_desc="lightning_onebit duplex twin")
     _TWINS[id(g)] = (g, twin)
     return True
 

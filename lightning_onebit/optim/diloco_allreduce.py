@@ -33,7 +33,7 @@ import torch.distributed as dist
 from ..comm import CompressedAllreduce, HierarchicalAllreduce
 from ..comm.accounting import ByteCounter, ring_allreduce_bytes
 from ..comm.dense import group_size, launcher_ranks_per_node
-from ..comm.duplex import enable_duplex
+from ..comm.duplex import enable_duplex, group_timeout
 from ..comm.hierarchical import node_groups
 from ..compress import Codec, MinMaxCodec, SignCodec
 from .sync import _spans_the_world
@@ -160,12 +160,9 @@ class DiLoCoAllreduce:
         if not (self.overlap and _spans_the_world(self.process_group) and group_size(self.process_group) > 1):
             return self.process_group
         if self._own_group is None:  # collective: every rank reaches here at the same outer step
-            default = dist.group.WORLD
-            try:  # the default group's timeout bounds every wait of the thread (new_group's is 30 minutes)
-                timeout = default._get_backend(torch.device("cpu")).options._timeout
-            except (AttributeError, RuntimeError):
-                timeout = None
-            self._own_group = dist.new_group(timeout=timeout, group_desc="lightning_onebit DiLoCo outer all-reduce")
+            # the default group's timeout bounds every wait of the thread
+            self._own_group = dist.new_group(timeout=group_timeout(),
+                                             group_desc="lightning_onebit DiLoCo outer all-reduce")
             enable_duplex(self._own_group)
         return self._own_group
 

@@ -17,8 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..comm import any_across
-from ..comm.dense import all_finite_many
+from ..comm import all_finite_many, any_across
 from .buckets import Bucket
 
 log = logging.getLogger(__name__)
