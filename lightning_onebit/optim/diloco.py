@@ -69,6 +69,7 @@ from ..comm.accounting import ByteCounter
 from ..comm.dense import all_finite, all_finite_many, any_across, group_size
 from .diloco_allreduce import DiLoCoAllreduce, OuterFlight
 from .diloco_checkpoint import DiLoCoCheckpoint
+from .diloco_layout import DiLoCoLayout
 from .nonfinite import NonFiniteGradientError
 
 __all__ = ["COMPRESSIONS", "DiLoCo", "outer_nesterov_"]
@@ -93,7 +94,7 @@ def outer_nesterov_(anchor: torch.Tensor, delta: torch.Tensor, buf: torch.Tensor
     return buf
 
 
-class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
+class DiLoCo(DiLoCoLayout, DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
     """DiLoCo with torch's AdamW inside (see the module docstring for the update rules).
 
     The inner arguments are ``torch.optim.AdamW``'s (``lr`` is the inner learning rate, which LR
@@ -169,60 +170,6 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
         self._spans: list[tuple[int, int, list[int]]] | None = None  # per fragment: lo, hi, tensor offsets
         self._replica_aside: torch.Tensor | None = None  # this rank's replica while the anchor is in the params
         self._scratch: torch.Tensor | None = None  # flat fp32: pseudo-gradients and Nesterov sums
-
-    # -- the flat view of every parameter, in param_groups order -----------------------------------
-    def _params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
-
-    def _flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self._params()])
-
-    def _unflatten_into_params(self, flat: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
-        """Copy ``flat`` into the parameters whose span lies in ``[lo, hi)`` of the flat vector."""
-        o = 0
-        with torch.no_grad():
-            for p in self._params():
-                if o >= lo and (hi is None or o + p.numel() <= hi):
-                    p.copy_(flat[o:o + p.numel()].view_as(p))
-                o += p.numel()
-
-    def _fragment_spans(self) -> list[tuple[int, int, list[int]]]:
-        """The fragments: consecutive parameter tensors, cut where the running size passes k/F of the
-        total (each at least one tensor); per fragment ``(lo, hi, tensor offsets relative to lo)``."""
-        if self._spans is None:
-            sizes = [p.numel() for p in self._params()]
-            if len(sizes) < self.fragments:
-                raise ValueError(f"fragments={self.fragments} but the optimizer holds {len(sizes)} tensors")
-            total, cuts, o = sum(sizes), [0], 0
-            for i, n in enumerate(sizes[:-1]):
-                o += n
-                left = len(sizes) - i - 1  # tensors after this one
-                k = len(cuts)
-                if k < self.fragments and (o >= k * total / self.fragments or left == self.fragments - k):
-                    cuts.append(i + 1)
-            cuts.append(len(sizes))
-            starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-            self._spans = [(starts[a], starts[b], [starts[i] - starts[a] for i in range(a, b)])
-                           for a, b in zip(cuts, cuts[1:], strict=False)]
-        return self._spans
-
-    def fragment_tensors(self) -> list[list[int]]:
-        """The indices (in ``param_groups`` order) of each fragment's parameter tensors."""
-        out, k = [], 0
-        for _, _, offs in self._fragment_spans():
-            out.append(list(range(k, k + len(offs))))
-            k += len(offs)
-        return out
-
-    def _due(self, t: int) -> list[int]:
-        """Fragments whose outer step follows inner step ``t``: fragment f at ``t = (f + 1) H / F`` mod H,
-        so with F fragments one of them syncs every H / F steps (each still every H)."""
-        h, f_count = self.sync_every, self.fragments
-        return [f for f in range(f_count) if t % h == (h * (f + 1) // f_count) % h]
-
-    def _ensure_anchor(self) -> None:
-        if "anchor" not in self._outer:
-            self._outer["anchor"] = self._flat()
 
     # -- steps --------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -326,26 +273,6 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
         if not _in_step:
             self.comm_counter.end_round()
 
-    def _span_of_scratch(self, f: int) -> torch.Tensor:
-        """Fragment f's slice of a flat fp32 buffer kept across outer steps: its pseudo-gradient, then its
-        Nesterov sum (until the fragment's outer step lands, nothing else writes there)."""
-        if self._scratch is None:
-            self._scratch = torch.empty_like(self._outer["anchor"])
-        lo, hi, _ = self._fragment_spans()[f]
-        return self._scratch[lo:hi]
-
-    def _pseudo_gradient(self, f: int) -> torch.Tensor:
-        """``anchor - replica`` over fragment f, in the scratch (a new 4 B per parameter each outer step
-        costs as much as the arithmetic here: fresh pages)."""
-        out, params = self._span_of_scratch(f), self._params()
-        torch.cat([params[i].detach().reshape(-1).float() for i in self.fragment_tensors()[f]], out=out)
-        if self.keep_local:  # the replica this outer step starts from
-            if f"sent{f}" not in self._outer:
-                self._outer[f"sent{f}"] = torch.empty_like(out)
-            self._outer[f"sent{f}"].copy_(out)
-        lo, hi, _ = self._fragment_spans()[f]
-        return torch.sub(self._outer["anchor"][lo:hi], out, out=out)
-
     def _land(self, fragments: list[int]) -> None:
         """The outer steps of ``fragments`` (in flight) on the anchor, and the anchor into the replica
         (mixed with it when ``mixing`` > 0, or with the replica's inner steps since it was sent:
@@ -392,15 +319,6 @@ class DiLoCo(DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
         for p, st in opt.state.items():  # a resumed AdamW's moments, if any
             new.state[p] = dict(st)
         return new
-
-    def anchor_views(self) -> dict[int, torch.Tensor]:
-        """``id(parameter)`` -> the anchor of that parameter (a view of the flat anchor, fp32)."""
-        self._ensure_anchor()
-        out, o, a = {}, 0, self._outer["anchor"]
-        for p in self._params():
-            out[id(p)] = a[o:o + p.numel()].view(p.shape)
-            o += p.numel()
-        return out
 
     @contextlib.contextmanager
     def anchor_in_params(self) -> Iterator[None]:
