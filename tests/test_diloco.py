@@ -493,6 +493,46 @@ def _nan_in_flight(rank: int, world: int) -> str | None:
     return None
 
 
+def _lost_in_flight(rank: int, world: int, how: str):
+    """Rank 1 dies, or stalls past the process group's timeout, instead of sending its second outer step
+    (4-bit, on the sender thread); rank 0 sends its own and trains on until it lands (out: the error, how
+    long the step took, at which inner step, whether the anchor stayed as it was, outer steps sent)."""
+    import time
+
+    net = _model()
+    opt = DiLoCo(net.parameters(), lr=3e-3, sync_every=H, compression="4bit", overlap=2)
+    for t in range(2 * H + 2):
+        if t == 2 * H - 1 and rank == 1:
+            if how == "dies":
+                raise SystemExit(1)  # the process ends, its sockets close
+            time.sleep(6)
+            return None
+        _backward(net, rank, t)
+        anchor = opt._outer["anchor"].clone() if "anchor" in opt._outer else None
+        t0 = time.monotonic()
+        try:
+            opt.step()
+        except Exception as exc:
+            unchanged = torch.equal(opt._outer["anchor"], anchor)
+            return type(exc).__name__, str(exc), time.monotonic() - t0, t, unchanged, opt.outer_steps
+    return None
+
+
+@pytest.mark.parametrize("how", ["dies", "stalls"])
+@pytest.mark.budget(30)  # the stall waits for the timeout by design
+def test_a_lost_rank_fails_the_outer_allreduce_in_flight_where_it_lands(how):
+    """The sender thread's collective runs on DiLoCo's own group, made with the default group's timeout:
+    a rank that dies fails the others at once, one that stalls after the timeout, never later; the
+    error names the fragment, the inner step and the rank, and the outer step is not applied."""
+    (s0, r0), (s1, _) = run_ranks(_lost_in_flight, 2, how, timeout_s=3)
+    assert s0 == "ok" and r0 is not None, r0
+    name, msg, elapsed, t, unchanged, outer_steps = r0
+    assert name == "CollectiveError", msg
+    assert "outer all-reduce of fragment 0, sent after inner step 6" in msg and "rank 0" in msg, msg
+    assert t == 2 * H + 1 and unchanged and outer_steps == 2, (t, unchanged, outer_steps)  # lands, not applied
+    assert elapsed < (2 if how == "dies" else 3 + 2), elapsed
+
+
 def _overlaps(rank: int, world: int):
     out = {c: _overlapped(rank, world, c) for c in ("fp32", "4bit")}
     out["inline"] = _overlapped(rank, world, "4bit", inline=True)

@@ -54,6 +54,8 @@ Non-finite gradients: an inner step with a NaN/inf gradient raises :class:`NonFi
 on its rank (``on_nonfinite="raise"``, the default) or is skipped there (``"skip"``; counted in
 ``skipped_steps``); nothing is exchanged in inner steps, so the ranks need not agree. A non-finite
 pseudo-gradient fails the outer step on every rank before any state changes.
+A rank that dies or stalls fails its peers' outer all-reduce with :class:`CollectiveError` (at once, or
+after the process group's timeout), where it lands; that fragment's outer step is not applied.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch.optim.adam import adam
 
 from ..comm import CompressedAllreduce, HierarchicalAllreduce, NonFiniteInputError
@@ -71,6 +74,7 @@ from .diloco_allreduce import DiLoCoAllreduce, OuterFlight
 from .diloco_checkpoint import DiLoCoCheckpoint
 from .diloco_layout import DiLoCoLayout
 from .nonfinite import NonFiniteGradientError
+from .sync import CollectiveError
 
 __all__ = ["COMPRESSIONS", "DiLoCo", "outer_nesterov_"]
 
@@ -260,6 +264,8 @@ class DiLoCo(DiLoCoLayout, DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimi
                 work, result = self._average(delta, f, asynchronous=delay > 0, finite=finite)
             except NonFiniteInputError as exc:
                 raise NonFiniteGradientError(why) from exc
+            except RuntimeError as exc:
+                raise self._lost(f, self._t, exc) from exc
             threaded += isinstance(work, OuterFlight)
             self._pending[f] = (self._t + delay, work, result)
             self._last_sync[f] = self._t
@@ -288,6 +294,8 @@ class DiLoCo(DiLoCoLayout, DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimi
                     raise NonFiniteGradientError(f"DiLoCo: a non-finite pseudo-gradient on some rank in the outer "
                                                  f"step of fragment {f} sent after inner step {at - self.overlap}; "
                                                  "it is not applied") from exc
+                except RuntimeError as exc:  # gloo's and NCCL's errors; its outer step is not applied
+                    raise self._lost(f, at - self.overlap, exc) from exc
             lo, hi, _ = spans[f]
             key = f"momentum{f}"
             self._outer[key] = outer_nesterov_(anchor[lo:hi], delta.float(), self._outer.get(key), lr=self.outer_lr,
@@ -298,6 +306,13 @@ class DiLoCo(DiLoCoLayout, DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimi
             elif self.keep_local:
                 mixed[lo:hi].sub_(self._outer[f"sent{f}"]).add_(anchor[lo:hi])
             self._unflatten_into_params(mixed, lo, hi)
+
+    @staticmethod
+    def _lost(f: int, sent_after: int, exc: RuntimeError) -> CollectiveError:
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return CollectiveError(f"DiLoCo: the outer all-reduce of fragment {f}, sent after inner step {sent_after}, "
+                               f"failed on rank {rank}: {exc}. Another rank has probably died or stalled; the "
+                               "process group's timeout bounds the wait. Its outer step is not applied")
 
     # -- conversion, the anchor, the end of an interval ---------------------------------------------
     @classmethod
