@@ -34,7 +34,7 @@ fp32 all-reduce, PyTorch's hook), ``postlocal_8``/``postlocal_32`` (PyTorch's ``
 ``DDPStrategy(model_averaging_period=...)`` path, with the hook registered on CPU by ``HookDDPStrategy``, since
 Lightning registers comm hooks only on CUDA), ``diloco`` (fp32 outer all-reduce, H = 16, outer lr 0.7, momentum
 0.9: the paper's), ``diloco_streaming`` (the same with each outer all-reduce running while the replicas take 8
-more inner steps, then mixed half and half with them: Streaming DiLoCo's overlap, ``DILOCO_STREAMING``),
+more inner steps, ``--overlap``, then mixed half and half with them: Streaming DiLoCo's overlap, ``DILOCO_STREAMING``),
 ``diloco_4bit``, ``diloco_overlap`` and ``diloco_4bit_overlap`` (overlapped as ``diloco_streaming``, the replicas
 keeping their 8 steps: ``keep_local``, ``DILOCO_OVERLAP``),
 ``onebit_adam``, ``zero_one_adam`` and ``qadam`` (the package's strategies, warm-up ``--warmup`` where they
@@ -221,8 +221,9 @@ def _module(workload: str, seed: int, lr: float, steps: int) -> Any:
     return MiniLM() if workload == "minilm" else LM()
 
 
-def make_strategy(method: str, warmup: int) -> Any:
-    """The Lightning strategy of ``method`` (see the module docstring)."""
+def make_strategy(method: str, warmup: int, overlap: int = DILOCO_H // 2) -> Any:
+    """The Lightning strategy of ``method`` (see the module docstring); ``overlap``: the inner steps an
+    overlapped DiLoCo's outer all-reduce runs across."""
     from lightning_onebit import CompressedDDPStrategy, DiLoCoStrategy
     from lightning_onebit.strategies.ddp_hooks import HookDDPStrategy, hook_strategy
     from lightning_onebit.strategies.launch import BaseDDPStrategy
@@ -238,6 +239,7 @@ def make_strategy(method: str, warmup: int) -> Any:
         return _post_local_sgd(HookDDPStrategy, int(method.split("_")[1]), warmup, **views)
     if method.startswith("diloco"):
         stream = DILOCO_OVERLAP if method.endswith("_overlap") else DILOCO_STREAMING if "streaming" in method else {}
+        stream = {**stream, "overlap": overlap} if stream else {}
         return DiLoCoStrategy(sync_every=DILOCO_H, compression="4bit" if "_4bit" in method else "fp32", **stream)
     algorithm, wire = _base(method), {}
     if algorithm != method:
@@ -324,8 +326,8 @@ def run_method(method: str, args: argparse.Namespace, lr: float, rank: int, worl
     train, val = _data(args.workload, args.seed, rank, world, args.steps, args.batch)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     trainer = L.Trainer(accelerator="cpu", devices=local, num_nodes=world // local,
-                        strategy=make_strategy(method, args.warmup), max_steps=args.steps, max_epochs=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        strategy=make_strategy(method, args.warmup, args.overlap), max_steps=args.steps, max_epochs=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, val_check_interval=args.eval_every, use_distributed_sampler=False,
                         callbacks=[rec])
     trainer.fit(_module(args.workload, args.seed, lr, args.steps), train_dataloaders=train, val_dataloaders=val)
@@ -335,13 +337,18 @@ def run_method(method: str, args: argparse.Namespace, lr: float, rank: int, worl
     if rank != 0:
         return None
     return {"method": method, "lr": lr, "seed": args.seed, "nodes": world // local, "ranks_per_node": local,
-            "rate": args.rate, "workload": args.workload, "steps": args.steps, **_batch(args),
+            "rate": args.rate, "workload": args.workload, "steps": args.steps, **_batch(args), **_overlap(args),
             **merge_ranks(everyone, local)}
 
 
 def _batch(args: argparse.Namespace) -> dict[str, int]:
     """The LM's sequences per rank and step, recorded where they differ from ``BATCH``."""
     return {"batch": args.batch} if args.workload == "lm" and args.batch != BATCH else {}
+
+
+def _overlap(args: argparse.Namespace) -> dict[str, int]:
+    """The overlapped DiLoCo's steps in flight, recorded where they differ from the default (H / 2)."""
+    return {"overlap": args.overlap} if args.overlap != DILOCO_H // 2 else {}
 
 
 def merge_ranks(everyone: Sequence[dict[str, Any]], local: int) -> dict[str, Any]:
@@ -412,7 +419,7 @@ def _quiet() -> None:
 
 def _workload_args(args: argparse.Namespace) -> list[str]:
     """What a worker or a compute-alone process needs to build the runs' model and data."""
-    return ["--workload", args.workload, "--batch", str(args.batch)]
+    return ["--workload", args.workload, "--batch", str(args.batch), "--overlap", str(args.overlap)]
 
 
 def _alone(cluster: EmulatedCluster, args: argparse.Namespace) -> float:
@@ -506,6 +513,8 @@ def run_grid(args: argparse.Namespace) -> list[dict[str, Any]]:
 def setting(r: dict[str, Any]) -> str:
     """What a run's numbers are comparable within: the layout and the link."""
     where = f"{r['nodes']} nodes x {r['ranks_per_node']} rank{'s' if r['ranks_per_node'] > 1 else ''}, {r['rate']}"
+    if "overlap" in r:  # a run of its own, the peers beside it
+        where += f", overlap {r['overlap']}"
     if "batch" in r:
         return f"lm at {r['batch']} sequences per rank, {where}"
     return where if r.get("workload", "lm") == "lm" else f"{r['workload']}, {where}"
@@ -725,6 +734,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="lm: the Markov-text transformer; minilm: all-MiniLM-L6-v2 fine-tuned on Rotten Tomatoes")
     ap.add_argument("--batch", type=int, default=BATCH,
                     help="lm: sequences per rank and step (fewer: less compute per byte on the link, as a GPU's)")
+    ap.add_argument("--overlap", type=int, default=DILOCO_H // 2,
+                    help="inner steps an overlapped DiLoCo's outer all-reduce runs across (streaming, *_overlap)")
     ap.add_argument("--nodes", type=int, default=2)
     ap.add_argument("--ranks-per-node", type=int, default=1)
     ap.add_argument("--rates", nargs="+", default=["1gbit", "100mbit"])
@@ -751,6 +762,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="skip the untimed pass that compiles the package's kernels before the timed runs")
     add_out_argument(ap)
     args = ap.parse_args(argv)
+    if not 0 < args.overlap < DILOCO_H:
+        ap.error(f"--overlap: an outer all-reduce runs across 1 to {DILOCO_H - 1} inner steps (H = {DILOCO_H})")
     if args.workload == "minilm" and args.batch != BATCH:  # its batch is the recipe's, never --batch's
         ap.error(f"--batch sets the LM's sequences per rank; the MiniLM fine-tune runs the recipe's {MINILM_BATCH} "
                  "sentences per step: leave --batch out with --workload minilm")

@@ -78,6 +78,19 @@ def test_the_lm_at_another_batch_is_a_setting_of_its_own_with_its_own_target():
         tta.main(["--workload", "minilm", "--batch", "4"])
 
 
+def test_another_overlap_is_a_run_of_its_own_that_keeps_its_layouts_target():
+    """``--overlap`` changes the overlapped methods only: its runs (the peers beside them) table apart, and
+    take DDP's target of the same workload and layout; an overlap DiLoCo cannot run is refused."""
+    ddp4 = {**_run("ddp_adamw", [2.0, 1.6, 1.3, 1.2, 1.1], 0.5, rate="1gbit"), "batch": 4}  # target 1.2
+    ours = {**_run("diloco_4bit_overlap", [1.8, 1.1, 0.95, 0.9, 0.85], 0.3), "batch": 4, "overlap": 4}
+    where = "lm at 4 sequences per rank, 2 nodes x 1 rank, 100mbit, overlap 4"
+    assert tta.setting(ours) == where and tta.target_of([ddp4, ours], where, 0) == 1.2
+    assert f"### {where}: target val_loss 1.2" in tta.tables([ddp4, ours])
+    for bad in ("0", str(tta.DILOCO_H)):
+        with pytest.raises(SystemExit):
+            tta.main(["--overlap", bad])
+
+
 def test_bytes_to_other_hosts_counts_writes_to_other_addresses_only():
     """What the rounds are counted from: a connection between two addresses of this host stands for one to
     another node (127.0.0.2 -> 127.0.0.1), one within an address for ranks of one node."""
