@@ -64,7 +64,6 @@ import contextlib
 from collections.abc import Iterable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch.optim.adam import adam
 
 from ..comm import CompressedAllreduce, HierarchicalAllreduce, NonFiniteInputError
@@ -309,10 +308,8 @@ class DiLoCo(DiLoCoLayout, DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimi
 
     @staticmethod
     def _lost(f: int, sent_after: int, exc: RuntimeError) -> CollectiveError:
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        return CollectiveError(f"DiLoCo: the outer all-reduce of fragment {f}, sent after inner step {sent_after}, "
-                               f"failed on rank {rank}: {exc}. Another rank has probably died or stalled; the "
-                               "process group's timeout bounds the wait. Its outer step is not applied")
+        return CollectiveError.lost(f"DiLoCo: the outer all-reduce of fragment {f}, sent after inner step "
+                                    f"{sent_after}, failed", exc, ". Its outer step is not applied")
 
     # -- conversion, the anchor, the end of an interval ---------------------------------------------
     @classmethod

@@ -55,6 +55,13 @@ class CollectiveError(RuntimeError):
     """A collective of the optimizer failed (another rank died, stalled past the process group's
     timeout, or the network broke); the message names the collective, the bucket and the step."""
 
+    @classmethod
+    def lost(cls, failed: str, exc: BaseException, then: str = "") -> CollectiveError:
+        """``failed`` (what failed, and where) on this rank, with the process group's error ``exc``."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return cls(f"{failed} on rank {rank}: {exc}. Another rank has probably died or stalled; the process "
+                   f"group's timeout bounds the wait{then}")
+
 
 def _spans_the_world(group) -> bool:
     """``group`` holds every rank in rank order (the default group, or DDP's handle of it)."""
@@ -132,11 +139,8 @@ class BucketSync(SparseWarmupMean):
             raise
         except RuntimeError as exc:
             where = "" if b is None else f" of bucket {self._buckets.index(b)} ({b.numel} elements)"
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-            raise CollectiveError(
-                f"{type(self).__name__}: the {what}{where} failed at optimizer step {self._step + 1} on rank "
-                f"{rank}: {exc}. Another rank has probably died or stalled; the process group's timeout bounds "
-                "the wait") from exc
+            raise CollectiveError.lost(
+                f"{type(self).__name__}: the {what}{where} failed at optimizer step {self._step + 1}", exc) from exc
 
     # -- the compressed synchronisation of one bucket ------------------------------------
     def _make_codec(self, b: Bucket) -> Codec:
