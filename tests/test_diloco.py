@@ -443,7 +443,7 @@ def _overlapped(rank: int, world: int, compression: str, inline: bool = False, *
     net = _model()
     opt = DiLoCo(net.parameters(), **kw)
     if inline:
-        opt._sender = _Inline()
+        opt._means._sender = _Inline()
     threads = set()
     with counting_collectives(lambda name: threads.add(threading.current_thread() is threading.main_thread())):
         for t in range(2 * H):

@@ -120,7 +120,7 @@ def test_missing_shard_resets_with_a_warning_or_stops_when_strict(tmp_path):
     shard = Path(shard_path(path, 0, 1))
     assert shard.exists()
     _, trainer = _fit(tmp_path / "b", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=3, ckpt_path=str(path))
-    assert trainer.optimizers[0]._buckets[0].comm.worker.abs().sum() > 0  # the shard came back
+    assert trainer.optimizers[0]._buckets[0].sync.comm.worker.abs().sum() > 0  # the shard came back
     shard.write_bytes(shard.read_bytes()[:100])  # truncated
     with pytest.warns(UserWarning, match=f"shard {shard} cannot be read.*error state is reset"):
         _fit(tmp_path / "c", OnebitAdamStrategy(warmup=3), devices=1, max_epochs=3, ckpt_path=str(path))

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from .accounting import ByteCounter, ring_allreduce_bytes
 from .duplex import exchange_rows
 
-__all__ = ["FANOUT_MAX_BYTES", "WIRE_DTYPES", "all_finite", "all_finite_many", "all_gather_rows", "any_across",
-           "any_across_bytes", "backend_for", "collective_device", "fans_out", "group_size", "launcher_ranks_per_node",
-           "mean_allreduce", "mean_allreduce_future", "pack_bits", "ready_future", "unpack_bits", "wire_dtype"]
+__all__ = ["FANOUT_MAX_BYTES", "all_finite", "all_finite_many", "all_gather_rows", "any_across", "any_across_bytes",
+           "backend_for", "collective_device", "fans_out", "group_size", "launcher_ranks_per_node", "mean_allreduce",
+           "mean_allreduce_future", "pack_bits", "ready_future", "to_wire", "unpack_bits"]
 
 FANOUT_MAX_BYTES = 1 << 16
 """The most bytes a rank sends in a fanned-out :func:`any_across` ((n - 1) copies of its packed flags);
@@ -50,24 +50,7 @@ def group_size(group=None) -> int:
     return 1
 
 
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""The dtypes a full-precision mean may travel in, by their short names."""
-
-
-def wire_dtype(dtype: torch.dtype | str | None, name: str = "dtype",
-               allowed: dict[str, torch.dtype] = WIRE_DTYPES) -> torch.dtype:
-    """``dtype`` as one of ``allowed`` (default :data:`WIRE_DTYPES`; a name or the dtype; ``None``: fp32),
-    else a ValueError that calls it ``name``."""
-    if dtype is None:
-        return torch.float32
-    got = allowed.get(dtype) if isinstance(dtype, str) else dtype
-    if got not in allowed.values():
-        raise ValueError(f"{name} must be one of {sorted(allowed)} (or the torch dtypes "
-                         f"{', '.join(map(str, allowed.values()))}), got {dtype!r}")
-    return got
-
-
-def _to_wire(t: torch.Tensor, n: int, dtype: torch.dtype | None) -> torch.Tensor:
+def to_wire(t: torch.Tensor, n: int, dtype: torch.dtype | None) -> torch.Tensor:
     """``t / n`` (in place) in the dtype it is sent in: divided in fp32 before the cast, so fp16's sum of
     n quotients stays in range where the sum of the gradients would not."""
     t.div_(n)
@@ -81,7 +64,7 @@ def mean_allreduce(t: torch.Tensor, group=None, counter: ByteCounter | None = No
     that dtype, as PyTorch's ``bf16_compress_hook``/``fp16_compress_hook`` do, for half the bytes."""
     n = group_size(group)
     if n > 1:
-        wire = _to_wire(t, n, dtype)
+        wire = to_wire(t, n, dtype)
         dist.all_reduce(wire, group=group)
         if wire is not t:
             t.copy_(wire)
@@ -103,7 +86,7 @@ def mean_allreduce_future(t: torch.Tensor, group=None, counter: ByteCounter | No
     n = group_size(group)
     if n == 1:
         return ready_future(t)
-    wire = _to_wire(t, n, dtype)
+    wire = to_wire(t, n, dtype)
     if counter is not None:
         counter.add(ring_allreduce_bytes(t.numel(), n, wire.element_size()), t.numel(), n)
     work = dist.all_reduce(wire, group=group, async_op=True).get_future()

@@ -305,17 +305,12 @@ def _scaled_fused(params, updates, steps, decays) -> None:
 
 @parallel_and_serial
 def _shift_in(prev, m, new, div):
-    for t in prange((m.size + _CHUNK - 1) // _CHUNK):
-        lo = t * _CHUNK
-        hi = min(lo + _CHUNK, m.size)
-        for o in range(lo, hi, _CH):
-            e = min(o + _CH, hi)
-            pc, mc, nc = prev[o:e], m[o:e], new[o:e]
-            ahead(m, o)
-            ahead(new, o)
-            for j in range(e - o):
-                pc[j] = mc[j]
-                mc[j] = nc[j] / div
+    for c in prange((m.size + _CHUNK - 1) // _CHUNK):
+        lo = c * _CHUNK
+        ps, ms, ns = prev[lo : lo + _CHUNK], m[lo : lo + _CHUNK], new[lo : lo + _CHUNK]
+        for i in range(ms.size):  # a copy and a division: LLVM vectorises the plain loop
+            ps[i] = ms[i]
+            ms[i] = ns[i] / div
 
 
 @torch.no_grad()
