@@ -1,7 +1,7 @@
 """End-to-end training speed on emulated slow links: DDP, PyTorch comm hooks and the compressed strategies.
 
 Every emulated node is a network namespace behind a ``tc tbf``-shaped veth (``benchmarks/netns_cluster.py``;
-``docs/design.md``, "Emulated cluster benchmarks"); one ``torchrun`` per namespace runs a Lightning
+``docs/design/cluster.md``, "Emulated cluster benchmarks"); one ``torchrun`` per namespace runs a Lightning
 ``Trainer(accelerator="cpu", devices=L, num_nodes=N)`` (torchrun's environment makes Lightning pick
 ``TorchElasticEnvironment``); with ``--ranks-per-node L`` > 1 the L ranks of a node reach each other over
 its loopback (unshaped) and the other nodes over the shaped link, and the ``*_hier`` methods run the
