@@ -271,18 +271,40 @@ def test_resume_mid_interval_is_bit_for_bit():
     for t in range(H + 1):  # one step into the second interval
         _backward(net, 0, t)
         opt.step()
+    buf = io.BytesIO()  # the split state as files hold it: what every rank shares, and this rank's own
+    torch.save({"shared": opt.shared_state_dict(), "rank": opt.rank_state_dict()}, buf)
+    buf.seek(0)
+    split = torch.load(buf, weights_only=True)
+    anchor = opt.anchor_views()
     saved = {"model": net.state_dict(), "opt": opt.state_dict()}
     net2 = _model()
     net2.load_state_dict(saved["model"])
     opt2 = DiLoCo(net2.parameters(), lr=3e-3, weight_decay=0.01, sync_every=H)
     opt2.load_state_dict(saved["opt"])
+    net3 = _model()  # its parameters are not the replica: the rank's part brings it back
+    opt3 = DiLoCo(net3.parameters(), lr=3e-3, weight_decay=0.01, sync_every=H)
+    opt3.load_split_state_dict(split["shared"], split["rank"])
     for t in range(H + 1, H * OUTER):
-        _backward(net2, 0, t)
-        opt2.step()
-    assert all(torch.equal(a, b) for a, b in zip(full, net2.parameters(), strict=True))
-    assert opt2.outer_steps == OUTER and opt2.inner_steps == H * OUTER
+        for n, o in ((net2, opt2), (net3, opt3)):
+            _backward(n, 0, t)
+            o.step()
+    for n, o in ((net2, opt2), (net3, opt3)):
+        assert all(torch.equal(a, b) for a, b in zip(full, n.parameters(), strict=True))
+        assert o.outer_steps == OUTER and o.inner_steps == H * OUTER
     with pytest.raises(ValueError, match="sync_every=3.*sync_every=4"):
         DiLoCo(_model().parameters(), sync_every=4).load_state_dict(saved["opt"])
+    # without the rank's part: the replica is the anchor, the moments fresh (or given), the clock kept
+    net4 = _model()
+    opt4 = DiLoCo(net4.parameters(), lr=3e-3, weight_decay=0.01, sync_every=H)
+    opt4.load_split_state_dict(split["shared"], inner=split["rank"]["inner"])
+    assert all(torch.equal(p, anchor[id(q)]) for p, q in zip(net4.parameters(), net.parameters(), strict=True))
+    assert _same(_tensors(torch.optim.Optimizer.state_dict(opt4)["state"]), _tensors(split["rank"]["inner"]))
+    opt4.load_split_state_dict(split["shared"])
+    assert not opt4.state and opt4._t == H + 1 and opt4.outer_steps == 1
+    with pytest.raises(ValueError, match="shared part of a DiLoCo state"):
+        opt4.load_state_dict(split["shared"])
+    with pytest.raises(ValueError, match="not the shared part"):
+        opt4.load_split_state_dict(saved["opt"])
 
 
 def test_bad_input_is_named_and_a_nonfinite_gradient_follows_the_policy():
