@@ -2,7 +2,7 @@
 
 Why: compression only pays off when the link, not the CPU, is the bottleneck. Without a real
 network between machines, each node runs in its own network namespace behind a ``tc tbf``-shaped
-veth (``benchmarks/netns_cluster.py``; ``docs/design.md``, "Emulated cluster benchmarks"), with one
+veth (``benchmarks/netns_cluster.py``; ``docs/design/cluster.md``, "Emulated cluster benchmarks"), with one
 ``torchrun`` per namespace. For every (nodes, rate, size, method) we report the median wall time per
 call after warm-up, the bytes that actually crossed each node's link per call (interface counters)
 next to the bytes the allreduce object says it sent, and fp32-time / compressed-time ratios.
@@ -186,7 +186,7 @@ def _wire1bit_op(world: int, ranks_per_node: int = 1, *,
     rows gathered as ``CompressedAllreduce`` gathers them: fanned out on gloo).
 
     A lower bound for the 1-bit allreduce: what is left of its time is codec (CPU) cost. Same
-    pattern as the compressed allreduce (``docs/design.md``, "Data flow of one bucket"):
+    pattern as the compressed allreduce (``docs/design/dataflow.md``, "Data flow of one bucket"):
     ``all_to_all_single`` of the chunks, then ``all_gather`` of the server chunks (scales omitted:
     a few bytes); with ``duplex`` both as ``exchange_rows`` on the default group and its twin, as the
     compressed allreduce sends them where the group has one.

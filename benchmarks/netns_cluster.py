@@ -2,7 +2,7 @@
 
 Why this exists: the whole point of 1-bit / 8-bit compressed allreduce is to save time on a slow link,
 and a single machine has no such link between its processes. As root, one can be built on one box
-(``docs/design.md``, "Emulated cluster benchmarks"); this module is that construction, used by
+(``docs/design/cluster.md``, "Emulated cluster benchmarks"); this module is that construction, used by
 ``benchmarks/collectives.py`` and ``benchmarks/e2e.py``.
 
 Topology, created fresh per cluster and deleted afterwards::

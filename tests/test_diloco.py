@@ -2,13 +2,19 @@
 no collective in the inner steps, the compressed outer all-reduce, exact resume, bad input."""
 
 import io
+import os
+import shutil
+import warnings
+from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import torch.nn as nn
 
 from lightning_onebit import DiLoCo
 from lightning_onebit.optim import NonFiniteGradientError
+from lightning_onebit.strategies.checkpoints import SHARD_DIR, shard_path
 
 from dist_utils import counting_collectives, run_ranks, values
 
@@ -265,18 +271,40 @@ def test_resume_mid_interval_is_bit_for_bit():
     for t in range(H + 1):  # one step into the second interval
         _backward(net, 0, t)
         opt.step()
+    buf = io.BytesIO()  # the split state as files hold it: what every rank shares, and this rank's own
+    torch.save({"shared": opt.shared_state_dict(), "rank": opt.rank_state_dict()}, buf)
+    buf.seek(0)
+    split = torch.load(buf, weights_only=True)
+    anchor = opt.anchor_views()
     saved = {"model": net.state_dict(), "opt": opt.state_dict()}
     net2 = _model()
     net2.load_state_dict(saved["model"])
     opt2 = DiLoCo(net2.parameters(), lr=3e-3, weight_decay=0.01, sync_every=H)
     opt2.load_state_dict(saved["opt"])
+    net3 = _model()  # its parameters are not the replica: the rank's part brings it back
+    opt3 = DiLoCo(net3.parameters(), lr=3e-3, weight_decay=0.01, sync_every=H)
+    opt3.load_split_state_dict(split["shared"], split["rank"])
     for t in range(H + 1, H * OUTER):
-        _backward(net2, 0, t)
-        opt2.step()
-    assert all(torch.equal(a, b) for a, b in zip(full, net2.parameters(), strict=True))
-    assert opt2.outer_steps == OUTER and opt2.inner_steps == H * OUTER
+        for n, o in ((net2, opt2), (net3, opt3)):
+            _backward(n, 0, t)
+            o.step()
+    for n, o in ((net2, opt2), (net3, opt3)):
+        assert all(torch.equal(a, b) for a, b in zip(full, n.parameters(), strict=True))
+        assert o.outer_steps == OUTER and o.inner_steps == H * OUTER
     with pytest.raises(ValueError, match="sync_every=3.*sync_every=4"):
         DiLoCo(_model().parameters(), sync_every=4).load_state_dict(saved["opt"])
+    # without the rank's part: the replica is the anchor, the moments fresh (or given), the clock kept
+    net4 = _model()
+    opt4 = DiLoCo(net4.parameters(), lr=3e-3, weight_decay=0.01, sync_every=H)
+    opt4.load_split_state_dict(split["shared"], inner=split["rank"]["inner"])
+    assert all(torch.equal(p, anchor[id(q)]) for p, q in zip(net4.parameters(), net.parameters(), strict=True))
+    assert _same(_tensors(torch.optim.Optimizer.state_dict(opt4)["state"]), _tensors(split["rank"]["inner"]))
+    opt4.load_split_state_dict(split["shared"])
+    assert not opt4.state and opt4._t == H + 1 and opt4.outer_steps == 1
+    with pytest.raises(ValueError, match="shared part of a DiLoCo state"):
+        opt4.load_state_dict(split["shared"])
+    with pytest.raises(ValueError, match="not the shared part"):
+        opt4.load_split_state_dict(saved["opt"])
 
 
 def test_bad_input_is_named_and_a_nonfinite_gradient_follows_the_policy():
@@ -305,7 +333,8 @@ def test_bad_input_is_named_and_a_nonfinite_gradient_follows_the_policy():
 
 
 # -- through Lightning: strategy="diloco" on 2 processes --------------------------------------------
-def _lightning_fit(out, ckpt_path=None, checkpoint=False, diloco=None, **trainer_kwargs):
+def _lightning_fit(out, ckpt_path=None, checkpoint=False, diloco=None, devices=2, probe=False, **trainer_kwargs):
+    """Each rank's final state (``SaveParams``); with ``probe``, also what it held once restored (``_Probe``)."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lit_models import DigitsBNWithValidation, SaveParams
@@ -313,20 +342,68 @@ def _lightning_fit(out, ckpt_path=None, checkpoint=False, diloco=None, **trainer
     from lightning_onebit import DiLoCoStrategy
 
     out.mkdir(parents=True, exist_ok=True)
-    callbacks = [SaveParams(str(out))]
+    callbacks = [SaveParams(str(out)), *([_Probe(str(out))] if probe else [])]
     if checkpoint:
         callbacks.append(ModelCheckpoint(dirpath=str(out / "ckpt"), save_top_k=-1, every_n_epochs=1))
     strategy = DiLoCoStrategy(**(diloco or {"sync_every": 3}), start_method="forkserver")
     trainer = L.Trainer(strategy=strategy, accelerator="cpu",
-                        devices=2, max_epochs=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=checkpoint, default_root_dir=str(out), callbacks=callbacks,
-                        **trainer_kwargs)
+                        devices=devices, max_epochs=2, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=checkpoint, default_root_dir=str(out),
+                        callbacks=callbacks, **trainer_kwargs)
     trainer.fit(DigitsBNWithValidation(), ckpt_path=ckpt_path)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+class _Probe(L.Callback):
+    """What each rank's DiLoCo holds once a resume restored it (at the start of training), and the warnings
+    the rank gave until then."""
+
+    def __init__(self, outdir: str) -> None:
+        self.outdir = outdir
+
+    def setup(self, trainer, pl_module, stage) -> None:  # before the checkpoint is read
+        self._catching = warnings.catch_warnings(record=True)
+        self._seen = self._catching.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._catching.__exit__(None, None, None)
+        opt = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0])
+        torch.save({"replica": opt._flat(), "outer": dict(opt._outer), "collectives": sorted(opt._collectives),
+                    "errors": [t for c in opt._collectives.values() for t in _tensors(c.state_dict())],
+                    "pending": {f: r for f, (_, _, r) in opt._pending.items()},
+                    "inner": torch.optim.Optimizer.state_dict(opt)["state"],
+                    "warnings": [str(w.message) for w in self._seen]},
+                   os.path.join(self.outdir, f"probe{trainer.global_rank}.pt"))
+
+
+def _probes(out, devices: int) -> list[dict]:
+    return [torch.load(out / f"probe{r}.pt", weights_only=False) for r in range(devices)]
 
 
 def _same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def _main_file_and_shards(ckpt, params: list[torch.Tensor]) -> tuple[dict, list[dict]]:
+    """The main file holds what the ranks share: no replica, moments or error state, and optimizer state
+    only as large as the anchor, the outer momentum and the outer steps in flight, whatever the number
+    of ranks. Each rank's own is in its shard. Returns the main file and each rank's shard state."""
+    saved = torch.load(ckpt, weights_only=False)
+    (state,) = saved["optimizer_states"]
+    section = state["diloco"]
+    assert state["state"] == {} and "ranks" not in section and set(section["outer"]) == {"anchor", "momentum0"}
+    assert section["per_rank"] == "shards" and section["world_size"] == 2
+    assert all(isinstance(f, int) for f in section["collectives"])  # which fragments have one, not their state
+    d = sum(p.numel() for p in params)
+    assert section["outer"]["anchor"].numel() == d
+    assert sum(t.numel() for t in _tensors(saved["optimizer_states"])) == (2 + len(section["pending"])) * d
+    shards = [torch.load(shard_path(ckpt, r, 2), weights_only=True) for r in range(2)]
+    assert [s["rank"] for s in shards] == [0, 1] and all(s["world_size"] == 2 for s in shards)
+    own = [s["optimizers"][0] for s in shards]
+    assert all(o["replica"].numel() == d and o["inner"] for o in own)
+    assert not torch.equal(own[0]["replica"], own[1]["replica"])  # saved inside an interval: each its own
+    return saved, own
 
 
 @pytest.mark.usefixtures("fresh_process_group")
@@ -353,30 +430,116 @@ def test_strategy_validates_the_anchor_ends_on_one_model_and_resumes_mid_interva
     resumed = _lightning_fit(tmp_path / "resumed", ckpt_path=str(ckpt))
     for r in range(2):
         assert _same(full[r]["params"], resumed[r]["params"]) and _same(full[r]["buffers"], resumed[r]["buffers"])
-    saved = torch.load(ckpt, weights_only=False)
-    ranks = saved["optimizer_states"][0]["diloco"]["ranks"]
+    saved, ranks = _main_file_and_shards(ckpt, full[0]["params"])  # each rank's shard: its own buffers
     assert len(ranks) == 2 and not torch.equal(ranks[0]["buffers"][0], ranks[1]["buffers"][0])  # own batches
     # the model's buffers: the mean of the ranks' (running mean; num_batches_tracked is equal)
     assert torch.allclose(saved["state_dict"]["net.1.running_mean"],
                           (ranks[0]["buffers"][0] + ranks[1]["buffers"][0]) / 2, rtol=0, atol=1e-6)
 
 
+_OVERLAPPED_4BIT = {"sync_every": 4, "compression": "4bit", "overlap": 2, "keep_local": True}
+
+
+@pytest.fixture(scope="module")
+def overlapped_4bit_fit(tmp_path_factory):
+    """A 2-rank fit whose 4-bit outer all-reduce overlaps on its thread, validating twice an epoch, with a
+    checkpoint after every epoch (the first saved while an outer step is in flight): (its directory, the
+    ranks' final state)."""
+    out = tmp_path_factory.mktemp("overlapped_4bit")
+    return out, _lightning_fit(out / "full", checkpoint=True, diloco=_OVERLAPPED_4BIT, val_check_interval=0.5)
+
+
 @pytest.mark.usefixtures("fresh_process_group")
-@pytest.mark.budget(40)  # two 2-rank fits
-def test_a_checkpoint_written_while_validation_holds_the_anchor_resumes_bit_for_bit(tmp_path):
+@pytest.mark.budget(40)  # three 2-rank fits (one in the module's fixture)
+def test_a_checkpoint_written_while_validation_holds_the_anchor_resumes_bit_for_bit(tmp_path, overlapped_4bit_fit):
     """Validating twice an epoch, ModelCheckpoint saves at the end of validation, while the parameters
     and buffers hold the anchor and the mean: the checkpoint must still keep each rank's own replica.
     Here the 4-bit outer all-reduce overlaps on its thread: the one sent after step 8 is in flight while
-    Lightning's own collectives (the buffers' mean, the checkpoint's gather) run on the main thread."""
-    diloco = {"sync_every": 4, "compression": "4bit", "overlap": 2, "keep_local": True}
-    full = _lightning_fit(tmp_path / "full", checkpoint=True, diloco=diloco, val_check_interval=0.5)
+    Lightning's own collectives (the buffers' mean, the checkpoint's barrier) run on the main thread."""
+    src, full = overlapped_4bit_fit
     assert [v[0] for v in full[0]["validated"]] == [4, 8, 12, 16]
     assert _same(full[0]["params"], full[1]["params"])  # the fit's end lands the last step: one model
-    ckpt = tmp_path / "full" / "ckpt" / "epoch=0-step=8.ckpt"  # saved at validation's end, mid-flight
-    assert torch.load(ckpt, weights_only=False)["optimizer_states"][0]["diloco"]["pending"]
-    resumed = _lightning_fit(tmp_path / "resumed", ckpt_path=str(ckpt), diloco=diloco, val_check_interval=0.5)
+    ckpt = src / "full" / "ckpt" / "epoch=0-step=8.ckpt"  # saved at validation's end, mid-flight
+    saved, own = _main_file_and_shards(ckpt, full[0]["params"])
+    assert saved["optimizer_states"][0]["diloco"]["pending"]
+    # each rank's error state (the collective's, keep_local's sent replica) is in its own shard only
+    assert not torch.equal(own[0]["collectives"][0]["worker"], own[1]["collectives"][0]["worker"])
+    assert all("sent0" in o["outer"] for o in own)
+    resumed = _lightning_fit(tmp_path / "resumed", ckpt_path=str(ckpt), diloco=_OVERLAPPED_4BIT,
+                             val_check_interval=0.5)
+    # and a checkpoint of the format before shards, every rank's state in the main file, too
+    old = _gathered(ckpt, tmp_path / "gathered.ckpt")
+    gathered = _lightning_fit(tmp_path / "from_gathered", ckpt_path=str(old), diloco=_OVERLAPPED_4BIT,
+                              val_check_interval=0.5)
     for r in range(2):
-        assert _same(full[r]["params"], resumed[r]["params"]) and _same(full[r]["buffers"], resumed[r]["buffers"])
+        for run in (resumed, gathered):
+            assert _same(full[r]["params"], run[r]["params"]) and _same(full[r]["buffers"], run[r]["buffers"])
+
+
+def _gathered(ckpt, out):
+    """``ckpt`` as checkpoints were written before the shards: every rank's ``local_state()`` (replica,
+    whole ``state_dict()``, buffers) gathered into the main file under ``diloco["ranks"]``."""
+    saved = torch.load(ckpt, weights_only=False)
+    (state,) = saved["optimizer_states"]
+    shared = {k: v for k, v in state["diloco"].items() if k not in ("world_size", "per_rank")}
+    ranks = []
+    for r in range(2):
+        own = torch.load(shard_path(ckpt, r, 2), weights_only=True)["optimizers"][0]
+        section = dict(shared, outer={**shared["outer"], **own["outer"]}, collectives=own["collectives"],
+                       **{k: own[k] for k in ("inner_steps", "skipped_steps", "comm_counter")})
+        ranks.append({"params": own["replica"], "buffers": own["buffers"],
+                      "optimizer": {"state": own["inner"], "param_groups": state["param_groups"], "diloco": section}})
+    first = ranks[0]["optimizer"]
+    saved["optimizer_states"] = [dict(first, diloco=dict(first["diloco"], ranks=ranks))]
+    torch.save(saved, out)
+    return out
+
+
+@pytest.mark.usefixtures("fresh_process_group")
+@pytest.mark.budget(60)  # a 3-rank resume of one step, a 3-rank start that stops at the resume, a 2-rank resume
+def test_a_resume_on_other_ranks_or_without_a_shard_starts_from_the_anchor(tmp_path, overlapped_4bit_fit):
+    """2 -> 3 ranks: the anchor, the outer momentum and the outer step in flight are kept, every rank
+    starts from the anchor (error state zero) with rank 0's AdamW moments, and one warning says so, on
+    rank 0 only; strict_resume=True stops instead. On 2 ranks without rank 1's shard: rank 1 alone starts
+    so, with a warning naming it and the path, and rank 0 continues its own state."""
+    src, _ = overlapped_4bit_fit
+    ckpt = src / "full" / "ckpt" / "epoch=0-step=8.ckpt"
+    main = torch.load(ckpt, weights_only=False)["optimizer_states"][0]["diloco"]
+    shard0 = torch.load(shard_path(ckpt, 0, 2), weights_only=True)["optimizers"][0]
+
+    def from_the_anchor(p: dict) -> None:
+        anchor = p["outer"]["anchor"]
+        assert torch.equal(anchor, main["outer"]["anchor"]) and torch.equal(p["outer"]["momentum0"],
+                                                                           main["outer"]["momentum0"])
+        assert torch.equal(p["replica"], anchor) and torch.equal(p["outer"]["sent0"], anchor)  # sent from the anchor
+        assert p["collectives"] == [0] and all(not t.any() for t in p["errors"])  # error state zero
+        assert _same(_tensors(p["inner"]), _tensors(shard0["inner"]))  # rank 0's AdamW moments
+        assert _same(_tensors(p["pending"]), _tensors(main["pending"]))  # the outer step in flight, kept
+
+    three = _lightning_fit(tmp_path / "three", ckpt_path=str(ckpt), diloco=_OVERLAPPED_4BIT, devices=3, max_steps=9,
+                           probe=True)
+    probes = _probes(tmp_path / "three", 3)
+    for p in probes:
+        from_the_anchor(p)
+    said = [[w for w in p["warnings"] if "anchor" in w or "shard" in w] for p in probes]
+    assert len(said[0]) == 1 and "written on 2 ranks, resuming on 3" in said[0][0] and said[1:] == [[], []], said
+    assert _same(three[0]["params"], three[2]["params"])  # and the 3 ranks train on to one model
+    with pytest.raises(Exception, match="resuming on 3.*strict_resume=True"):
+        _lightning_fit(tmp_path / "strict", ckpt_path=str(ckpt), diloco={**_OVERLAPPED_4BIT, "strict_resume": True},
+                       devices=3, max_steps=9)
+    # the same world size without rank 1's shard
+    lost = tmp_path / "lost" / ckpt.name
+    lost.parent.mkdir()
+    shutil.copy(ckpt, lost)
+    shutil.copytree(src / "full" / "ckpt" / SHARD_DIR / ckpt.name, tmp_path / "lost" / SHARD_DIR / ckpt.name)
+    Path(shard_path(lost, 1, 2)).unlink()
+    _lightning_fit(tmp_path / "two", ckpt_path=str(lost), diloco=_OVERLAPPED_4BIT, max_steps=9, probe=True)
+    p0, p1 = _probes(tmp_path / "two", 2)
+    from_the_anchor(p1)
+    assert torch.equal(p0["replica"], shard0["replica"]) and _same(p0["errors"], _tensors(shard0["collectives"][0]))
+    said = [[w for w in p["warnings"] if "anchor" in w or "shard" in w] for p in (p0, p1)]
+    assert said[0] == [] and len(said[1]) == 1, said
+    assert f"rank 1: the DiLoCo shard {shard_path(lost, 1, 2)} is missing" in said[1][0]
 
 
 def test_strategy_refuses_what_it_cannot_run():

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # `recipes` is run from the repository, not installed
 
 from lightning_onebit.strategies.ddp_hooks import HookDDPStrategy, hook_step_bytes  # noqa: E402
-from recipes.algorithms import build_optimizer, build_strategy, is_compressed  # noqa: E402
+from recipes.algorithms import build_optimizer, build_strategy, is_compressed, load_algorithm  # noqa: E402
 from recipes.common import DatasetMissingError  # noqa: E402
 from recipes.data import LIBSVM_URL, libsvm_path, load_libsvm  # noqa: E402
 from recipes.registry import build_datamodule  # noqa: E402
@@ -176,6 +176,17 @@ def test_every_experiment_composes_with_every_algorithm(experiment, algorithm):
         assert strategy.kind == HOOK_BASELINES[algorithm] and type(opt) is torch.optim.AdamW
         if strategy.kind == "powersgd":  # the experiment's warm-up: steps, or a fraction resolved at fit time
             assert (strategy.matrix_rank, strategy.start_iter) == (int(algorithm[-1]), resolved["optim"]["warmup"])
+
+
+def test_load_algorithm_outside_hydra_reads_an_entry_as_hydra_composes_it():
+    """What the benchmarks build their methods from: the entry resolved against the experiment's ``optim``, and an
+    override as ``algorithm.<key>=...`` gives it."""
+    for algorithm in ALGORITHMS:
+        cfg = OmegaConf.to_container(_compose("experiment=logreg_nonconvex", f"algorithm={algorithm}"), resolve=True)
+        assert load_algorithm(algorithm, cfg["optim"]) == cfg["algorithm"], algorithm
+    cfg = OmegaConf.to_container(_compose("algorithm=diloco", "algorithm.compression=4bit",
+                                          "+algorithm.keep_local=true"), resolve=True)
+    assert load_algorithm("diloco", cfg["optim"], {"compression": "4bit", "keep_local": True}) == cfg["algorithm"]
 
 
 def test_overrides_reach_the_optimizer_and_command_line_wins():

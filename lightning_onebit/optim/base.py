@@ -2,7 +2,7 @@
 their own: buckets (:mod:`.buckets`), the compressed sync of a bucket (:mod:`.sync`), non-finite
 gradients (:mod:`.nonfinite`), the DDP hook path (:mod:`.ddp`), checkpoints (:mod:`.checkpointing`),
 converting a user's AdamW (:mod:`.conversion`) and the update rules (:mod:`.functional`).
-Every compressed optimizer here works the same way (docs/design.md, "Data flow of one bucket"):
+Every compressed optimizer here works the same way (docs/design/dataflow.md, "Data flow of one bucket"):
 
 * Parameters live in fixed **buckets** with flat fp32 state (:mod:`.buckets`); the collective
   gives every parameter tensor of a bucket scales of its own.

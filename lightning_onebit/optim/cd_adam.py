@@ -16,7 +16,7 @@ The compressor is the scaled sign C(x) = ||x||_1 / d * sign(x) (``SignCodec("l1"
 default) or top-k sparsification (``compressor="topk"``, ``topk_ratio``), as in the paper's baselines.
 Markov compression: worker i keeps g_hat_i and sends C(g_i - g_hat_i); the server keeps
 the running mean g_hat and sends C(g_hat - g_tilde); every worker adds that to g_tilde
-(the official code's reading of the paper's Algorithm 1; docs/design.md, "Algorithms").
+(the official code's reading of the paper's Algorithm 1; docs/design/algorithms.md).
 """
 
 from __future__ import annotations

@@ -1,29 +1,46 @@
 """Checkpoints of :class:`~lightning_onebit.optim.DiLoCo`: the state every rank shares (the anchor,
 the outer momentum, the schedule's clock, the outer steps in flight) and what only one rank holds
-(its replica, its AdamW moments, its compression error)."""
+(its replica, its AdamW moments, its compression error).
+
+Two ways to save it:
+
+* :meth:`~DiLoCoCheckpoint.state_dict` is this rank's whole state but its replica (the parameters,
+  which ``model.state_dict()`` saves next to it): what a plain PyTorch loop saves per rank.
+* :meth:`~DiLoCoCheckpoint.shared_state_dict` (identical on every rank, its size independent of the
+  number of ranks: one file for all) and :meth:`~DiLoCoCheckpoint.rank_state_dict` (this rank's own,
+  replica included: a shard per rank), restored together by
+  :meth:`~DiLoCoCheckpoint.load_split_state_dict`. Without this rank's part (another number of ranks,
+  a lost shard) the rank starts from the anchor: replica = anchor, error state zero, AdamW moments
+  given (another rank's) or fresh. ``DiLoCoStrategy`` writes its checkpoints so.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
 __all__ = ["DiLoCoCheckpoint"]
 
+# keys of ``_outer`` that only this rank holds: bf16's error feedback, keep_local's replica as sent
+_OWN_OUTER = ("error", "sent")
+# settings a state must have been saved with (and their value in states older than the setting)
+_SETTINGS = (("sync_every", None), ("compression", None), ("fragments", None), ("overlap", 0), ("keep_local", False))
+
 
 class DiLoCoCheckpoint:
     """Mixin of :class:`~lightning_onebit.optim.DiLoCo` (placed right before ``torch.optim.Optimizer``
-    in its bases): the ``diloco`` section of the state dict and its loading, checked against this
-    optimizer's settings and layout. Uses DiLoCo's flat views, schedule and collectives."""
+    in its bases): the ``diloco`` section of the state dict, its split into a shared and a per-rank
+    part, and their loading, checked against this optimizer's settings and layout. Uses DiLoCo's flat
+    views, schedule and collectives."""
 
+    # -- saving ---------------------------------------------------------------------------------------
     def local_state(self) -> dict:
-        """What only this rank holds: its replica (flat fp32) and :meth:`state_dict` (its AdamW moments, its
-        error state). A checkpoint keeps every rank's, so a resume continues bit for bit."""
+        """This rank's replica (flat fp32) and :meth:`state_dict` (its AdamW moments, its error state): the
+        format of checkpoints that held every rank's state in one file (see :meth:`load_local_state`)."""
         replica = self._replica_aside if self._replica_aside is not None else self._flat()
         return {"params": replica, "optimizer": self.state_dict()}
-
-    def load_local_state(self, local: dict) -> None:
-        """Restore :meth:`local_state` (after the model holds the anchor)."""
-        self.load_state_dict(local["optimizer"])
-        self._unflatten_into_params(local["params"])
 
     def _wait(self, f: int) -> torch.Tensor:
         """Fragment f's outer all-reduce in flight, completed (a checkpoint keeps its result)."""
@@ -33,46 +50,137 @@ class DiLoCoCheckpoint:
             self._pending[f] = (at, None, result)
         return result
 
-    def state_dict(self) -> dict:
-        sd = super().state_dict()
+    def _pending_results(self) -> dict[int, tuple[int, torch.Tensor]]:
         # first: an outer all-reduce on the sender thread writes its collective's error state
-        pending = {f: (at, self._wait(f).clone()) for f, (at, _, _) in self._pending.items()}
-        sd["diloco"] = {
+        return {f: (at, self._wait(f).clone()) for f, (at, _, _) in self._pending.items()}
+
+    def _shared_section(self) -> dict:
+        return {
             "sync_every": self.sync_every, "compression": self.compression, "fragments": self.fragments,
             "overlap": self.overlap, "mixing": self.mixing, "keep_local": self.keep_local,
             "t": self._t, "last_sync": list(self._last_sync),
             "inner_steps": self.inner_steps, "outer_steps": self.outer_steps, "skipped_steps": self.skipped_steps,
-            "outer": {k: v.clone() for k, v in self._outer.items()},
             "comm_counter": self.comm_counter.state_dict(),
-            "collectives": {f: c.state_dict() for f, c in self._collectives.items()},
             "two_level": self.two_level(),
-            "pending": pending,
+            "pending": self._pending_results(),
         }
+
+    def state_dict(self) -> dict:
+        """torch's ``state`` (AdamW's moments) and ``param_groups``, and a ``diloco`` section: settings,
+        clock, counters, the outer state (anchor, momentum, bf16's error, keep_local's sent replicas), the
+        collectives' error state, the layout and the outer steps in flight. This rank's whole state but its
+        replica, the parameters themselves."""
+        sd = super().state_dict()
+        sd["diloco"] = dict(self._shared_section(), outer={k: v.clone() for k, v in self._outer.items()},
+                            collectives={f: c.state_dict() for f, c in self._collectives.items()})
         return sd
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        sd = dict(state_dict)
-        mine = sd.pop("diloco", None)
+    def shared_state_dict(self) -> dict:
+        """What every rank holds alike: ``param_groups`` and the ``diloco`` section of :meth:`state_dict`
+        without this rank's own state (its outer state is the anchor and the momentum; ``collectives``
+        lists the fragments that have one). Identical on every rank (the step counts and byte counter are
+        this rank's), no per-parameter ``state``; its size does not depend on the number of ranks."""
+        sd = super().state_dict()
+        section = dict(self._shared_section(), collectives=sorted(self._collectives),
+                       outer={k: v.clone() for k, v in self._outer.items() if not k.startswith(_OWN_OUTER)})
+        return {"state": {}, "param_groups": sd["param_groups"], "diloco": section}
+
+    def rank_state_dict(self) -> dict:
+        """What only this rank holds: its replica (flat fp32; the one set aside while the anchor is in
+        the parameters), its inner AdamW's ``state`` (moments and step counts, as torch's
+        ``state_dict()`` packs them), its error state (the collectives' ``state_dict()``, bf16's error,
+        keep_local's sent replicas) and its step counts and byte counter."""
+        for f in list(self._pending):  # first: the sender thread is done with the collectives' error state
+            self._wait(f)
+        replica = self._replica_aside if self._replica_aside is not None else self._flat()
+        return {"replica": replica, "inner": super().state_dict()["state"],
+                "outer": {k: v.clone() for k, v in self._outer.items() if k.startswith(_OWN_OUTER)},
+                "collectives": {f: c.state_dict() for f, c in self._collectives.items()},
+                "inner_steps": self.inner_steps, "skipped_steps": self.skipped_steps,
+                "comm_counter": self.comm_counter.state_dict()}
+
+    # -- loading --------------------------------------------------------------------------------------
+    def load_local_state(self, local: dict) -> None:
+        """Restore :meth:`local_state` (after the model holds the anchor)."""
+        self.load_state_dict(local["optimizer"])
+        self._unflatten_into_params(local["params"])
+
+    @staticmethod
+    def split_state_dict(state_dict: Mapping[str, Any]) -> tuple[dict, dict]:
+        """A whole :meth:`state_dict` as (its :meth:`shared_state_dict` part, its :meth:`rank_state_dict`
+        part without the replica, which the parameters hold). No tensor is copied."""
+        mine = state_dict.get("diloco")
         if mine is None:
             raise ValueError("not a DiLoCo state_dict (no 'diloco' section)")
-        for key, default in (("sync_every", None), ("compression", None), ("fragments", None), ("overlap", 0),
-                             ("keep_local", False)):
+        if not isinstance(mine.get("collectives"), Mapping):
+            raise ValueError("this is the shared part of a DiLoCo state (shared_state_dict(), a strategy "
+                             "checkpoint's main file): load it with load_split_state_dict(shared, rank_state)")
+        outer = mine["outer"]
+        shared = {"state": {}, "param_groups": state_dict["param_groups"],
+                  "diloco": dict(mine, collectives=sorted(mine["collectives"]),
+                                 outer={k: v for k, v in outer.items() if not k.startswith(_OWN_OUTER)})}
+        own = {"inner": state_dict.get("state", {}), "collectives": mine["collectives"],
+               "outer": {k: v for k, v in outer.items() if k.startswith(_OWN_OUTER)}}
+        return shared, own
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict` (the parameters are the caller's: ``model.load_state_dict``)."""
+        self._load(*self.split_state_dict(state_dict), None)
+
+    def load_split_state_dict(self, shared: Mapping[str, Any], rank: Mapping[str, Any] | None = None, *,
+                              inner: Mapping[Any, Any] | None = None) -> None:
+        """Restore :meth:`shared_state_dict` and this rank's :meth:`rank_state_dict` (after the model holds
+        the anchor): the rank continues exactly where it was. ``rank=None``: the rank starts from the
+        anchor instead (replica = anchor, error state zero, counters those of ``shared``) with ``inner``
+        as its AdamW state (another rank's ``rank_state_dict()["inner"]``), or fresh moments without it.
+        Raises ``ValueError`` for other settings, and for a ``rank`` part of another layout (flat vs
+        two-level: its error state does not fit)."""
+        section = shared.get("diloco")
+        if section is None or isinstance(section.get("collectives"), Mapping):
+            raise ValueError("not the shared part of a DiLoCo state (shared_state_dict()); a whole state_dict() "
+                             "loads with load_state_dict")
+        self._load(shared, rank, inner)
+
+    def _load(self, shared: Mapping[str, Any], own: Mapping[str, Any] | None, inner: Mapping | None) -> None:
+        """``own``: this rank's part (``replica`` optional: :meth:`load_state_dict` leaves the parameters
+        alone); None: start from the anchor with ``inner``'s moments."""
+        mine = shared["diloco"]
+        for key, default in _SETTINGS:
             if mine.get(key, default) != getattr(self, key):
                 raise ValueError(f"state was saved with {key}={mine.get(key, default)!r}, this optimizer has "
                                  f"{key}={getattr(self, key)!r}")
         here = self.two_level()
-        if mine.get("collectives") and mine.get("two_level") != here:
+        if own is not None and own.get("collectives") and mine.get("two_level") != here:
             def say(k):
                 return "flat" if k is None else f"two-level with {k} ranks per node"
             raise ValueError(f"state was saved with a {say(mine.get('two_level'))} outer all-reduce, this run has "
                              f"a {say(here)} one: its error state does not fit (resume with the same layout)")
-        super().load_state_dict(sd)
-        self._t, self._last_sync, self.inner_steps = mine["t"], list(mine["last_sync"]), mine["inner_steps"]
-        self.outer_steps, self.skipped_steps = mine["outer_steps"], mine["skipped_steps"]
-        self._outer = {k: v.clone() for k, v in mine["outer"].items()}
-        self._pending = {int(f): (at, None, r.clone()) for f, (at, r) in mine.get("pending", {}).items()}
-        self.comm_counter.load_state_dict(mine["comm_counter"])
+        numel = sum(p.numel() for p in self._params())
+        for name, t in (("anchor", mine["outer"].get("anchor")), ("replica", (own or {}).get("replica"))):
+            if t is not None and t.numel() != numel:
+                raise ValueError(f"state's {name} has {t.numel()} elements, this optimizer's parameters {numel}")
+        super().load_state_dict({"state": own["inner"] if own is not None else (inner or {}),
+                                 "param_groups": shared["param_groups"]})
+        counts = own if own is not None and "inner_steps" in own else mine
+        self._t, self._last_sync = mine["t"], list(mine["last_sync"])
+        self.inner_steps, self.skipped_steps = counts["inner_steps"], counts["skipped_steps"]
+        self.outer_steps = mine["outer_steps"]
+        self.comm_counter.load_state_dict(counts.get("comm_counter", mine["comm_counter"]))
+        device = self._params()[0].device  # the flat state lives where the parameters do (a shard loads on CPU)
+        outer = {**mine["outer"], **(own["outer"] if own is not None else {})}
+        self._outer = {k: v.to(device, copy=True) for k, v in outer.items()}
+        self._pending = {int(f): (at, None, r.to(device, copy=True)) for f, (at, r) in mine.get("pending", {}).items()}
         self._collectives = {}
-        for f, sd_f in mine["collectives"].items():
-            self._collectives[f] = self._make_collective(f)
-            self._collectives[f].load_state_dict(sd_f)
+        for f in mine["collectives"]:  # every rank makes the same ones (two-level: collective)
+            self._collectives[int(f)] = self._make_collective(int(f))
+            if own is not None:
+                self._collectives[int(f)].load_state_dict(own["collectives"][f], device=device)
+        if own is None and "anchor" in self._outer:  # (without one, no step yet: the parameters are the anchor)
+            anchor = self._outer["anchor"]
+            self._unflatten_into_params(anchor)
+            if self.keep_local:  # a step in flight lands on a replica sent from the anchor: anchor - sent = 0
+                spans = self._fragment_spans()
+                for f in self._pending:
+                    self._outer[f"sent{f}"] = anchor[spans[f][0]:spans[f][1]].clone()
+        elif own is not None and own.get("replica") is not None:
+            self._unflatten_into_params(own["replica"])

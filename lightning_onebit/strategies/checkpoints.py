@@ -1,23 +1,36 @@
-"""Checkpoints of the compressed strategies: what every rank shares goes to the main file, each
-rank's error-feedback state to a shard of its own next to it.
+"""Checkpoints of the package's strategies: what every rank shares goes to the main file, each
+rank's own state to a shard of its own next to it.
 
 ::
 
     <dir>/epoch=3-step=400.ckpt                                       # rank 0: the main file
     <dir>/.onebit-error-state/epoch=3-step=400.ckpt/rank00002-of-00004.pt  # rank 2's shard
 
-Saving moves no error state between ranks and needs no memory beyond a rank's own state. A resume
-on the same world size and layout continues bit for bit; on another world size, or with a shard
-that is missing, unreadable or from another save, the moments and phase are kept and the error
-state is reset with a warning (``strict_resume``: an error). ``ModelCheckpoint``'s deletions
-remove the shards with the file.
+:class:`RankShards` is the machinery (shard paths, the ``.prev`` copy kept until a new shard is
+complete, save ids, ``ModelCheckpoint``'s deletions, missing/unreadable/stale shards,
+``strict_resume``); a family says what its shards hold:
+
+* the compressed strategies (:class:`ErrorStateShards`): the main file holds the model, the
+  moments and the phase; a shard, the rank's error-feedback state;
+* ``diloco``: the main file holds the anchor (as the model), the outer momentum, the clock, the
+  counters and the outer steps in flight; a shard, the rank's replica, AdamW moments, error state and
+  buffers.
+
+Saving moves no rank's own state across the network (a barrier orders the files), needs no memory
+beyond a rank's own state, and the main file does not grow with the number of ranks. A resume on
+the same world size and layout continues bit for bit. With a shard that is missing, unreadable or
+from another save, the rank's own state is reset with a warning naming it (``strict_resume``: an
+error): the compressed strategies keep the moments and phase and zero the error state, DiLoCo starts
+the rank from the anchor with rank 0's AdamW moments. On another world size the compressed
+strategies warn on every rank and reset the error state; DiLoCo starts every rank from the anchor
+with rank 0's moments, with one warning on rank 0 (``strict_resume``: an error).
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -26,17 +39,18 @@ from torch.optim import Optimizer
 
 from ..optim import CompressedOptimizer
 
-__all__ = ["SHARD_DIR", "ErrorStateShards", "shard_path"]
+__all__ = ["SHARD_DIR", "ErrorStateShards", "RankShards", "shard_path"]
 
 
 SHARD_DIR = ".onebit-error-state"
-"""Directory, next to a checkpoint file, of the per-rank error-state shards (one sub-directory per
-checkpoint file). Hidden and without ``.ckpt`` or ``last`` in its name, so that Lightning's search
-for checkpoints (``ckpt_path="last"``) never takes it for one."""
+"""Directory, next to a checkpoint file, of the per-rank shards (one sub-directory per checkpoint
+file; named for the compressed strategies' error-state shards, which came first). Hidden and without
+``.ckpt`` or ``last`` in its name, so that Lightning's search for checkpoints (``ckpt_path="last"``)
+never takes it for one."""
 
 
 def shard_path(checkpoint: str | os.PathLike, rank: int, world_size: int) -> str:
-    """Where rank ``rank`` of ``world_size`` keeps its error state for ``checkpoint``."""
+    """Where rank ``rank`` of ``world_size`` keeps its own state for ``checkpoint``."""
     head, name = os.path.split(os.fspath(checkpoint))
     return os.path.join(head, SHARD_DIR, name, f"rank{rank:05d}-of-{world_size:05d}.pt")
 
@@ -55,55 +69,75 @@ def _read_shard(path: str) -> tuple[str | None, dict | None]:
         return f"cannot be read ({type(e).__name__}: {e})", None
 
 
-def _save_id(checkpoint: Mapping[str, Any]) -> list:
-    """What ties a shard to its main file without a collective: the same on every rank of one save."""
+def _save_id(checkpoint: Mapping[str, Any], clock: Callable[[dict], Any]) -> list:
+    """What ties a shard to its main file without a collective: the same on every rank of one save
+    (``clock``: an optimizer state's step, as its family keeps it)."""
     return [checkpoint.get("epoch"), checkpoint.get("global_step"),
-            [st.get("onebit", {}).get("step") for st in checkpoint.get("optimizer_states", [])
-             if isinstance(st, dict)]]
+            [clock(st) for st in checkpoint.get("optimizer_states", []) if isinstance(st, dict)]]
 
 
-class ErrorStateShards:
-    """Mixin of :class:`~lightning_onebit.strategies.CompressedDDPStrategy` (before the DDP
-    strategy in its bases): the checkpoint hooks that split the optimizers' state between the
-    main file and the ranks' shards. Uses the strategy's ``optimizers``, ranks, ``barrier``,
-    ``algorithm`` and ``strict_resume``."""
+class RankShards:
+    """Mixin of the strategies (before the DDP strategy in their bases): the checkpoint hooks that
+    keep each rank's own optimizer state in a shard of its own next to the main file (paths, the
+    ``.prev`` copy, save ids, removal with the file, missing/unreadable/stale shards and
+    ``strict_resume``). Uses the strategy's ``optimizers``, ranks, ``barrier`` and ``strict_resume``.
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict:
-        """The optimizer's state without its per-rank error state (which goes to this rank's shard)."""
-        sd = super().optimizer_state(optimizer)
-        opt = getattr(optimizer, "_optimizer", optimizer)
-        if isinstance(opt, CompressedOptimizer) and "onebit" in sd:
-            section = dict(sd["onebit"])
-            section["comm"] = [None] * len(section["comm"])
-            section["world_size"] = self.world_size
-            section["error_state"] = "shards"
-            sd["onebit"] = section
-        return sd
+    A family says what goes in a shard and where a shard's content goes back:
+    :meth:`_shard_states`, :meth:`_shard_clock`, :meth:`_sharded`, :meth:`_use_shard`, and the
+    words of its warning (``_shard_name``, ``_reset_note``). The main file's optimizer state
+    (``optimizer_state``) and its loading (``load_optimizer_state_dict``) are the family's too.
+    """
+
+    _shard_name = "error-state"  # what the shard is called in the warnings
+    _reset_note = "moments and phase are kept, the compression error state is reset"  # what a lost shard costs
+    _shards_of: str | None = None  # the checkpoint file last loaded (another rank's shard is found from it)
+
+    # -- the family's part ---------------------------------------------------------------------
+    def _shard_states(self) -> dict[int, Any]:
+        """This rank's own state per optimizer index, for its shard (empty: no shard)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _shard_clock(optimizer_state: dict) -> Any:
+        """An optimizer's step in its saved state (for the save id)."""
+        raise NotImplementedError
+
+    def _sharded(self, checkpoint: Mapping[str, Any]) -> tuple[list[int], int | None] | None:
+        """(the optimizer indices whose per-rank state is in shards, the world size the main file was
+        written on), or None when the checkpoint has no shards."""
+        raise NotImplementedError
+
+    def _use_shard(self, checkpoint: dict[str, Any], states: Mapping[int, Any]) -> None:
+        """Put this rank's shard (its ``optimizers``) back into the loaded checkpoint."""
+        raise NotImplementedError
+
+    # -- saving ----------------------------------------------------------------------------------
+    def _save_id(self, checkpoint: Mapping[str, Any]) -> list:
+        return _save_id(checkpoint, self._shard_clock)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        """Every rank writes its error-state shard; once all have (a barrier), rank 0 writes the main file.
+        """Every rank writes its shard; once all have (a barrier), rank 0 writes the main file.
 
         A save killed part way must leave a resumable pair. Each rank keeps its previous shard
         (``.prev``) until its new one is complete, and the main file is replaced only after every
         new shard exists: an old main file finds its shards in ``.prev``, a new one in the current
-        files (:meth:`_attach_shard` picks by save id).
+        files (:meth:`_find_shard` picks by save id).
         """
-        shards = {i: opt.error_state_dict() for i, opt in enumerate(self.optimizers)
-                  if isinstance(opt, CompressedOptimizer)} if "optimizer_states" in checkpoint else {}
+        shards = self._shard_states() if "optimizer_states" in checkpoint else {}
         if shards:
             path = shard_path(filepath, self.global_rank, self.world_size)
             fs = get_filesystem(path)
             fs.makedirs(os.path.dirname(path), exist_ok=True)
             if fs.exists(path):
                 fs.mv(path, path + _PREVIOUS)
-            _atomic_save({"rank": self.global_rank, "world_size": self.world_size, "save_id": _save_id(checkpoint),
+            _atomic_save({"rank": self.global_rank, "world_size": self.world_size, "save_id": self._save_id(checkpoint),
                           "optimizers": shards}, path)
             if self.is_global_zero:  # shards of an earlier save at this path on another world size
                 mine = f"-of-{self.world_size:05d}.pt"
                 for old in fs.ls(os.path.dirname(path), detail=False):
                     if not str(old).removesuffix(_PREVIOUS).endswith(mine):
                         fs.rm(old)
-            self.barrier("lightning_onebit: error-state shards written")
+            self.barrier("lightning_onebit: per-rank shards written")
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -119,8 +153,9 @@ class ErrorStateShards:
             except FileNotFoundError:  # another rank removed it first (shared filesystem)
                 pass
 
+    # -- loading ---------------------------------------------------------------------------------
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read the main file (a clear error if it is unreadable) and this rank's error-state shard."""
+        """Read the main file (a clear error if it is unreadable) and this rank's shard."""
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except FileNotFoundError:
@@ -128,17 +163,15 @@ class ErrorStateShards:
         except Exception as e:  # truncated, corrupted, not a checkpoint
             raise RuntimeError(f"cannot read the checkpoint file {os.fspath(checkpoint_path)!r} (truncated or "
                                f"corrupted?): {type(e).__name__}: {e}") from e
+        self._shards_of = os.fspath(checkpoint_path)
         self._attach_shard(checkpoint, checkpoint_path)
         return checkpoint
 
-    def _attach_shard(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
-        sections = [st.get("onebit") if isinstance(st, dict) else None
-                    for st in checkpoint.get("optimizer_states", [])]
-        wanted = [i for i, sec in enumerate(sections) if sec is not None and sec.get("error_state") == "shards"]
-        if not wanted or sections[wanted[0]].get("world_size") != self.world_size:
-            return  # nothing per rank, or another world size (load_optimizer_state_dict says so)
-        path = shard_path(checkpoint_path, self.global_rank, self.world_size)
-        save_id = _save_id(checkpoint)
+    def _find_shard(self, checkpoint: Mapping[str, Any], path: str,
+                    wanted: list[int]) -> tuple[str | None, dict | None]:
+        """(why it cannot be used, None) or (None, the shard at ``path`` of this save): the file, or the
+        one kept from the save before (``.prev``) when a save was killed before the main file."""
+        save_id = self._save_id(checkpoint)
 
         def of_this_save(candidate: dict | None) -> bool:
             return candidate is not None and candidate.get("save_id") == save_id \
@@ -150,15 +183,66 @@ class ErrorStateShards:
         if shard is None:  # a save killed before it replaced the main file leaves the matching shard here
             _, prev = _read_shard(path + _PREVIOUS)
             shard = prev if of_this_save(prev) else None
+        return (None, shard) if shard is not None else (why, None)
+
+    def _rank_shard(self, checkpoint: Mapping[str, Any], rank: int, world_size: int) -> dict | None:
+        """Rank ``rank``'s shard of the checkpoint last loaded (written on ``world_size`` ranks), if it
+        can be read and is of this save; else None."""
+        sharded = self._sharded(checkpoint)
+        if self._shards_of is None or not sharded or not sharded[0]:
+            return None
+        return self._find_shard(checkpoint, shard_path(self._shards_of, rank, world_size), sharded[0])[1]
+
+    def _attach_shard(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
+        sharded = self._sharded(checkpoint)
+        if not sharded or not sharded[0] or sharded[1] != self.world_size:
+            return  # nothing per rank, or another world size (load_optimizer_state_dict says so)
+        path = shard_path(checkpoint_path, self.global_rank, self.world_size)
+        why, shard = self._find_shard(checkpoint, path, sharded[0])
         if shard is None:
-            msg = (f"rank {self.global_rank}: the error-state shard {path} {why}; moments and phase are kept, "
-                   "the compression error state is reset")
+            msg = f"rank {self.global_rank}: the {self._shard_name} shard {path} {why}; {self._reset_note}"
             if self.strict_resume:
                 raise RuntimeError(msg + " (strict_resume=True: stopping instead)")
             warnings.warn(msg, stacklevel=2)
             return
-        for i in wanted:
-            sections[i]["comm"] = shard["optimizers"][i]
+        self._use_shard(checkpoint, shard["optimizers"])
+
+
+class ErrorStateShards(RankShards):
+    """The compressed strategies' part of :class:`RankShards`
+    (:class:`~lightning_onebit.strategies.CompressedDDPStrategy`): the main file holds the optimizers'
+    state without the collectives' error-feedback state (``comm``), which goes to the shards. Uses
+    the strategy's ``algorithm`` too."""
+
+    def _shard_states(self) -> dict[int, Any]:
+        return {i: opt.error_state_dict() for i, opt in enumerate(self.optimizers)
+                if isinstance(opt, CompressedOptimizer)}
+
+    @staticmethod
+    def _shard_clock(optimizer_state: dict) -> Any:
+        return optimizer_state.get("onebit", {}).get("step")
+
+    def _sharded(self, checkpoint: Mapping[str, Any]) -> tuple[list[int], int | None] | None:
+        sections = [st.get("onebit") if isinstance(st, dict) else None
+                    for st in checkpoint.get("optimizer_states", [])]
+        wanted = [i for i, sec in enumerate(sections) if sec is not None and sec.get("error_state") == "shards"]
+        return (wanted, sections[wanted[0]].get("world_size")) if wanted else None
+
+    def _use_shard(self, checkpoint: dict[str, Any], states: Mapping[int, Any]) -> None:
+        for i, comm in states.items():
+            checkpoint["optimizer_states"][i]["onebit"]["comm"] = comm
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict:
+        """The optimizer's state without its per-rank error state (which goes to this rank's shard)."""
+        sd = super().optimizer_state(optimizer)
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        if isinstance(opt, CompressedOptimizer) and "onebit" in sd:
+            section = dict(sd["onebit"])
+            section["comm"] = [None] * len(section["comm"])
+            section["world_size"] = self.world_size
+            section["error_state"] = "shards"
+            sd["onebit"] = section
+        return sd
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = list(checkpoint["optimizer_states"])

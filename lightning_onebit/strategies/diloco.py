@@ -6,43 +6,46 @@ hyperparameters and its LR schedulers follow it. Between outer steps the ranks' 
 
 * validation evaluates the anchor, the model of the last outer step, identical on every rank (no
   extra round); training resumes on each rank's own replica afterwards;
-* a checkpoint's model is the anchor, and its optimizer state holds every rank's replica, AdamW
-  moments and error state (gathered to rank 0: about 16 B per parameter and rank on CPU), so a resume
-  on the same number of ranks continues bit for bit mid-interval; on another number of ranks it
-  starts from the anchor with rank 0's moments (a warning says so);
+* a checkpoint's model is the anchor; its main file holds what the ranks share (the anchor, the outer
+  momentum, the clock, the counters, the outer steps in flight: its size does not grow with the number
+  of ranks), and every rank writes its own replica, AdamW moments and error state to a shard of its own
+  next to it (:mod:`.checkpoints`; no rank's own state crosses the network). A resume on the same
+  number of ranks and layout continues bit for bit mid-interval; on another, every rank starts from
+  the anchor with rank 0's moments (one warning, on rank 0), as a rank whose shard is missing,
+  unreadable or stale does (a warning naming it); ``strict_resume=True`` raises instead;
 * the fit's last step (or its end, if stopped early) takes one last outer step over a partial interval,
   so every rank ends on one model;
 * buffers (BatchNorm's running statistics, BERT's position ids) stay on their rank too: DDP's
   ``broadcast_buffers`` defaults to ``False`` here (else DDP would broadcast them in every forward, a
   round per inner step), and after every outer step the ranks take their mean (one all-reduce in fp64;
   integer buffers are rounded). Validation and the checkpoint's model use the mean of the ranks'
-  current buffers, and the checkpoint's optimizer state keeps every rank's own, so a resume continues
-  bit for bit. ``broadcast_buffers=True`` restores DDP's behaviour instead.
+  current buffers, and every rank's shard keeps its own, so a resume continues bit for bit.
+  ``broadcast_buffers=True`` restores DDP's behaviour instead.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from ..comm.accounting import ring_allreduce_bytes
 from ..comm.ddp_hook import register_local_hook
 from ..comm.duplex import enable_duplex
 from ..optim.diloco import DiLoCo
+from .checkpoints import RankShards
 from .launch import BaseDDPStrategy
 from .schedulers import repoint_scheduler
 
 __all__ = ["DiLoCoStrategy"]
 
 
-class DiLoCoStrategy(BaseDDPStrategy):
+class DiLoCoStrategy(RankShards, BaseDDPStrategy):
     """DDP + :class:`~lightning_onebit.DiLoCo` (see the module docstring).
 
     Args:
@@ -50,6 +53,8 @@ class DiLoCoStrategy(BaseDDPStrategy):
         overlap, mixing, keep_local:
             DiLoCo's (checked here, before any rank starts). The ranks per node are the trainer's devices,
             so a compressed outer all-reduce over several nodes of several devices runs two-level.
+        strict_resume: raise instead of warning when a resume cannot continue each rank's own state exactly:
+            another world size or layout, or this rank's shard missing, unreadable or of another save.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
             ``gradient_as_bucket_view`` defaults to ``True`` and ``broadcast_buffers`` to ``False``
             (buffers are averaged with the outer steps instead; see the module docstring).
@@ -58,7 +63,9 @@ class DiLoCoStrategy(BaseDDPStrategy):
     def __init__(self, sync_every: int = 16, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, compression: str = "fp32", fragments: int = 1,
                  on_nonfinite: str = "raise", hierarchical: bool | None = None, overlap: int = 0,
-                 mixing: float = 0.0, keep_local: bool = False, **kwargs: Any) -> None:
+                 mixing: float = 0.0, keep_local: bool = False, strict_resume: bool = False, **kwargs: Any) -> None:
+        if not isinstance(strict_resume, bool):
+            raise ValueError(f"strict_resume must be True or False, got {strict_resume!r}")
         if kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("DiLoCoStrategy installs its own DDP comm hook; ddp_comm_hook cannot be set")
         kwargs.setdefault("gradient_as_bucket_view", True)
@@ -70,6 +77,7 @@ class DiLoCoStrategy(BaseDDPStrategy):
                               "on_nonfinite": on_nonfinite, "hierarchical": hierarchical, "overlap": overlap,
                               "mixing": mixing, "keep_local": keep_local}
         DiLoCo([torch.zeros(1, requires_grad=True)], **self.diloco_kwargs)  # bad options fail here
+        self.strict_resume = strict_resume
         self._in_anchor: list = []
         self._own_buffers: list[torch.Tensor] | None = None  # this rank's, while validation holds the mean
 
@@ -218,40 +226,108 @@ class DiLoCoStrategy(BaseDDPStrategy):
                 o += b.numel()
         return sd
 
+    # the per-rank shards (strategies/checkpoints.py): what goes in them and where it goes back
+    _shard_name = "DiLoCo"
+    _reset_note = ("the anchor, outer momentum, clock and counters are kept; this rank starts from the anchor "
+                   "(error state zero, rank 0's AdamW moments, or fresh ones if its shard cannot be read either)")
+
+    def _shard_states(self) -> dict[int, Any]:
+        """This rank's replica, AdamW state, error state (and, with the first optimizer, its own buffers)."""
+        out: dict[int, Any] = {}
+        for i, opt in enumerate(self.optimizers):
+            if isinstance(opt, DiLoCo):
+                out[i] = opt.rank_state_dict()
+                if self._average_buffers_too and len(out) == 1:  # the module's buffers, once
+                    out[i]["buffers"] = [b.detach().clone() for b in (self._own_buffers or self._buffers())]
+        return out
+
+    @staticmethod
+    def _shard_clock(optimizer_state: dict) -> Any:
+        return optimizer_state.get("diloco", {}).get("t")
+
+    def _sharded(self, checkpoint: Mapping[str, Any]) -> tuple[list[int], int | None] | None:
+        sections = [st.get("diloco") if isinstance(st, dict) else None
+                    for st in checkpoint.get("optimizer_states", [])]
+        wanted = [i for i, sec in enumerate(sections) if sec is not None and sec.get("per_rank") == "shards"]
+        return (wanted, sections[wanted[0]].get("world_size")) if wanted else None
+
+    def _use_shard(self, checkpoint: dict[str, Any], states: Mapping[int, Any]) -> None:
+        for i, own in states.items():
+            checkpoint["optimizer_states"][i]["diloco"]["rank_state"] = own
+
     def optimizer_state(self, optimizer: Optimizer) -> dict:
+        """What the ranks share (the main file); this rank's own state goes to its shard (``_shard_states``)."""
         opt = getattr(optimizer, "_optimizer", optimizer)
         if not isinstance(opt, DiLoCo):
             return super().optimizer_state(optimizer)
-        sd = opt.state_dict()
-        local = opt.local_state()
-        if self._average_buffers_too and opt is self._dilocos()[0]:  # the module's buffers, once
-            local["buffers"] = [b.detach().clone() for b in (self._own_buffers or self._buffers())]
-        ranks = [local]
-        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
-            ranks = [None] * self.world_size
-            dist.all_gather_object(ranks, local)
-        sd["diloco"] = dict(sd["diloco"], ranks=ranks)
+        sd = opt.shared_state_dict()
+        sd["diloco"] = dict(sd["diloco"], world_size=self.world_size, per_rank="shards")
         return sd
 
+    @staticmethod
+    def _layout(two_level: int | None) -> str:
+        return "flat" if two_level is None else f"two-level with {two_level} ranks per node"
+
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Each rank its own replica, moments and error state (see the module docstring)."""
-        for opt, st in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+        """Each rank its own replica, moments and error state from its shard, or, on another world size or
+        layout, from the anchor with rank 0's moments (see the module docstring). Also reads checkpoints
+        that held every rank's state in the main file (``diloco["ranks"]``)."""
+        states = list(checkpoint["optimizer_states"])
+        if len(states) != len(self.optimizers):
+            raise ValueError(f"the checkpoint holds {len(states)} optimizer states, strategy 'diloco' runs "
+                             f"{len(self.optimizers)} optimizers")
+        plans, changed = [], []
+        for opt, st in zip(self.optimizers, states, strict=True):
             section = st.get("diloco") if isinstance(st, dict) else None
             if section is None:
                 raise ValueError("this checkpoint's optimizer state was not written by DiLoCo; it cannot be "
                                  "resumed with strategy 'diloco'")
-            ranks = section.get("ranks") or []
-            if len(ranks) == self.world_size:
-                opt.load_local_state(ranks[self.global_rank])
-                own = ranks[self.global_rank].get("buffers")
-                if own is not None:  # the model state gave every rank the mean
-                    with torch.no_grad():
-                        for b, saved in zip(self._buffers(), own, strict=True):
-                            b.copy_(saved)
+            gathered = section.get("ranks")  # the format before shards: every rank's state in the main file
+            if gathered is not None:
+                saved_ws, saved_layout = len(gathered), gathered[0]["optimizer"]["diloco"].get("two_level")
             else:
-                warnings.warn(f"checkpoint was written on {len(ranks)} ranks, resuming on {self.world_size}: every "
-                              "rank starts from the anchor with rank 0's AdamW moments", stacklevel=2)
-                opt.load_state_dict(ranks[0]["optimizer"])
+                saved_ws, saved_layout = section.get("world_size"), section.get("two_level")
+            fits = saved_ws == self.world_size and saved_layout == opt.two_level()
+            if not fits and not changed:
+                layouts = "" if saved_layout == opt.two_level() else \
+                    f" ({self._layout(saved_layout)} outer all-reduce; this run: {self._layout(opt.two_level())})"
+                changed.append(f"checkpoint was written on {saved_ws} ranks, resuming on {self.world_size}{layouts}")
+            plans.append((opt, st, section, gathered, saved_ws, fits))
+        if changed:
+            msg = (f"{changed[0]}: the anchor, the outer momentum, the clock and the counters are kept; every rank "
+                   "starts from the anchor (error state zero) with rank 0's AdamW moments")
+            if self.strict_resume:
+                raise RuntimeError(msg + " (strict_resume=True: stopping instead)")
+            rank_zero_warn(msg)
+        for i, (opt, st, section, gathered, saved_ws, fits) in enumerate(plans):
+            if gathered is not None:
+                if fits:
+                    opt.load_local_state(gathered[self.global_rank])
+                    self._put_back_buffers(gathered[self.global_rank].get("buffers"))
+                else:
+                    shared, own = DiLoCo.split_state_dict(gathered[0]["optimizer"])
+                    opt.load_split_state_dict(shared, None, inner=own["inner"])
+                continue
+            shared = {k: v for k, v in st.items() if k != "diloco"}
+            shared["diloco"] = {k: v for k, v in section.items() if k != "rank_state"}
+            own = section.get("rank_state")  # this rank's shard (load_checkpoint), when it was usable
+            if fits and own is not None:
+                opt.load_split_state_dict(shared, own)
+                self._put_back_buffers(own.get("buffers"))
+                continue
+            if own is not None and self.global_rank == 0:
+                inner = own["inner"]
+            else:  # rank 0's moments; fresh ones when its shard cannot be read here
+                zero = self._rank_shard(checkpoint, 0, saved_ws)
+                inner = zero["optimizers"][i]["inner"] if zero is not None else None
+            opt.load_split_state_dict(shared, None, inner=inner)
+
+    @torch.no_grad()
+    def _put_back_buffers(self, own: list[torch.Tensor] | None) -> None:
+        """This rank's own buffers over the mean the model state gave every rank."""
+        if own is not None:
+            for b, saved in zip(self._buffers(), own, strict=True):
+                b.copy_(saved)
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
