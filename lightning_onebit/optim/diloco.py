@@ -86,6 +86,7 @@ from ..comm import (
 from .diloco_allreduce import OUTER_WIRES, OuterMeans
 from .diloco_checkpoint import DiLoCoCheckpoint
 from .diloco_layout import DiLoCoLayout
+from .functional import outer_nesterov_
 from .nonfinite import NonFiniteGradientError
 
 __all__ = ["COMPRESSIONS", "DiLoCo", "outer_nesterov_"]
@@ -93,23 +94,6 @@ __all__ = ["COMPRESSIONS", "DiLoCo", "outer_nesterov_"]
 COMPRESSIONS = OUTER_WIRES
 #: the inner AdamW's defaults where ``inner`` is AdamW and the arguments are not given
 _ADAMW = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
-
-
-def outer_nesterov_(anchor: torch.Tensor, delta: torch.Tensor, buf: torch.Tensor | None, *, lr: float,
-                    momentum: float, nesterov: bool, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """The outer step on flat fp32 tensors, ``torch.optim.SGD``'s arithmetic (dampening 0): ``buf``
-    <- ``momentum * buf + delta`` (``delta`` itself when ``buf`` is None), ``anchor`` <-
-    ``anchor - lr * (delta + momentum * buf)`` (or ``- lr * buf``). ``scratch`` (``delta``'s size, may be
-    ``delta`` itself) takes Nesterov's sum instead of a new tensor. Returns the buffer."""
-    if momentum == 0:
-        anchor.add_(delta, alpha=-lr)
-        return delta if buf is None else buf
-    if buf is None:
-        buf = delta.clone()
-    else:
-        buf.mul_(momentum).add_(delta)
-    anchor.add_(torch.add(delta, buf, alpha=momentum, out=scratch) if nesterov else buf, alpha=-lr)
-    return buf
 
 
 def _inner_optimizer(inner: type[torch.optim.Optimizer], params: Iterable, lr: float, adamw: dict[str, Any],
