@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
 
 from lightning_onebit import CompressedDDPStrategy, DiLoCo, DiLoCoStrategy
+from lightning_onebit.callbacks import phase
 from lightning_onebit.optim import CompressedOptimizer
 from lightning_onebit.strategies import BaseDDPStrategy
 from lightning_onebit.strategies.ddp_hooks import HookDDPStrategy, hook_strategy
@@ -91,19 +92,23 @@ def optimizer_kwargs(alg: Mapping[str, Any]) -> dict[str, Any]:
     return kw
 
 
+def _entry_warmup(warmup: int | float | str | None) -> int | float | str:
+    """A warm-up algorithm's ``algorithm.warmup``, checked (the strategies' check): the recipes give it
+    in the entry, never leave it to a default."""
+    if warmup is None:
+        raise ValueError(f"a warm-up algorithm needs algorithm.warmup (int steps or a fraction), got {warmup!r}")
+    phase.check_warmup(warmup, "algorithm.warmup")
+    return warmup
+
+
 def resolve_warmup(warmup: int | float | str | None, total_steps: int) -> int:
     """Warm-up steps for a plain loop: an int is steps, a float in (0, 1) a fraction of
-    ``total_steps``. ``"auto"`` needs the Lightning ``PhaseSwitch`` callback."""
-    if isinstance(warmup, bool) or warmup is None:
-        raise ValueError(f"a warm-up algorithm needs algorithm.warmup (int steps or a fraction), got {warmup!r}")
-    if isinstance(warmup, int) and warmup >= 1:
-        return warmup
-    if isinstance(warmup, float) and 0 < warmup < 1:
-        return max(1, round(warmup * total_steps))
-    if warmup == "auto":
+    ``total_steps`` (:func:`lightning_onebit.callbacks.phase.resolve_warmup`). ``"auto"`` needs the
+    Lightning ``PhaseSwitch`` callback."""
+    if _entry_warmup(warmup) == "auto":
         raise ValueError("algorithm.warmup='auto' needs the Lightning trainer (PhaseSwitch); in the simulated "
                          "experiments give a number of steps or a fraction")
-    raise ValueError(f"algorithm.warmup must be an int >= 1, a float in (0, 1) or 'auto', got {warmup!r}")
+    return phase.resolve_warmup(warmup, total_steps, name="algorithm.warmup")
 
 
 def build_optimizer(alg: Mapping[str, Any], params: Iterable, *, total_steps: int | None = None,
@@ -187,9 +192,12 @@ def build_strategy(alg: Mapping[str, Any], start_method: str = "forkserver",
         return BaseDDPStrategy(**common)
     if hook:
         raise ValueError(f"algorithm {alg.get('name')!r}: comm_hook needs strategy: ddp, not {alg['strategy']!r}")
-    if alg["strategy"] == "diloco":  # the recipe builds the DiLoCo itself (build_optimizer), the strategy keeps it
+    # Each setting in one place: the optimizer's arguments in the optimizer build_optimizer makes (the
+    # strategy sets none of them, so it keeps that optimizer as it is), the warm-up (the optimizer has
+    # warmup_steps=None in a fit) and the non-finite policy in the strategy.
+    if alg["strategy"] == "diloco":  # every DiLoCo option is the optimizer's
         return DiLoCoStrategy(**common)
-    warmup = alg.get("warmup") if has_warmup(alg) else None
+    warmup = _entry_warmup(alg.get("warmup")) if has_warmup(alg) else None
     # the recipes report a divergence at the step it happens (StopOnDivergence) rather than skip steps
     own = {"on_nonfinite": "raise", **{k: alg[k] for k in STRATEGY_KEYS if k in alg}}
     return CompressedDDPStrategy(algorithm=alg["strategy"], warmup=warmup, **own, **common)

@@ -3,13 +3,42 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from ..comm.agree import all_ranks
 from ..optim.base import CompressedOptimizer
+from ..optim.fractions import check_steps, steps_of_run
 
-__all__ = ["PhaseSwitch", "find_compressed_optimizer", "find_compressed_optimizers"]
+__all__ = ["DEFAULT_WARMUP", "PhaseSwitch", "check_warmup", "find_compressed_optimizer", "find_compressed_optimizers",
+           "resolve_warmup"]
+
+#: the warm-up when nothing else sets one: 15% of the run, the 1-bit Adam paper's advice (15-25%)
+DEFAULT_WARMUP = 0.15
+
+
+def check_warmup(value: object, name: str = "warmup") -> None:
+    """A warm-up must be an int >= 1 (optimizer steps), a float in (0, 1) (a fraction of the run) or
+    ``"auto"`` (:class:`PhaseSwitch` decides from the variance); else a ValueError naming ``name``
+    and the value. The strategies, :class:`PhaseSwitch` and the recipes all check it here."""
+    if isinstance(value, str) and value == "auto":
+        return
+    try:
+        check_steps(name, value, fraction=True)
+    except ValueError:
+        raise ValueError(f"{name} must be an int >= 1 (steps), a float in (0, 1) (a fraction of the run) or "
+                         f"'auto', got {value!r}") from None
+
+
+def resolve_warmup(value: int | float | str, total_steps: int | float | None, name: str = "warmup") -> int | None:
+    """The warm-up steps of ``value`` (see :func:`check_warmup`) in a run of ``total_steps``
+    optimizer steps: an int as it is, a fraction ``max(1, round(value * total_steps))``, and
+    ``None`` for ``"auto"`` (known only when the variance settles). A fraction of a run of unknown
+    length (``total_steps`` ``None`` or infinite) is a ValueError."""
+    check_warmup(value, name)
+    if value == "auto":
+        return None
+    return steps_of_run(name, value, total_steps)
 
 
 def find_compressed_optimizers(trainer) -> list[CompressedOptimizer]:
@@ -50,13 +79,9 @@ class PhaseSwitch(Callback):
             agreed across ranks). ``min_steps`` and ``max_fraction`` bound the auto switch.
     """
 
-    def __init__(self, warmup: int | float | str = 0.15, tol: float = 0.05, check_every: int = 10,
+    def __init__(self, warmup: int | float | str = DEFAULT_WARMUP, tol: float = 0.05, check_every: int = 10,
                  patience: int = 2, min_steps: int = 20, max_fraction: float = 0.5) -> None:
-        if isinstance(warmup, bool) or not (
-            (isinstance(warmup, int) and warmup >= 1) or (isinstance(warmup, float) and 0 < warmup < 1)
-            or warmup == "auto"
-        ):
-            raise ValueError(f"warmup must be an int >= 1, a float in (0, 1) or 'auto', got {warmup!r}")
+        check_warmup(warmup)
         self.warmup = warmup
         self.tol, self.check_every, self.patience = tol, check_every, patience
         self.min_steps, self.max_fraction = min_steps, max_fraction
@@ -68,10 +93,8 @@ class PhaseSwitch(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         total = trainer.estimated_stepping_batches
-        if isinstance(self.warmup, int):
-            self._target = self.warmup
-        elif isinstance(self.warmup, float):
-            self._target = max(1, round(self.warmup * total))
+        if self.warmup != "auto":
+            self._target = resolve_warmup(self.warmup, total)
         else:
             self._target = max(self.min_steps, round(self.max_fraction * total)) if total != float("inf") else None
 
@@ -103,17 +126,15 @@ class PhaseSwitch(Callback):
         step = trainer.global_step
         if all(o.compressing for o in opts) or step == 0 or step % self.check_every:
             return
-        v = [b.flat["exp_avg_sq"] for opt in opts for b in (opt._buckets or [])]
+        v = [t for opt in opts for t in opt.second_moments()]
         if self._prev_v is not None:
             num = sum(float((a - b).norm() ** 2) for a, b in zip(v, self._prev_v, strict=True)) ** 0.5
             den = sum(float(b.norm() ** 2) for b in self._prev_v) ** 0.5
             change = num / den if den > 0 else float("inf")
             self.history.append((step, change))
             self._calm = self._calm + 1 if change < self.tol else 0
-            decide = torch.tensor([1 if (self._calm >= self.patience and step >= self.min_steps) else 0])
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(decide, op=dist.ReduceOp.MIN)  # every rank must switch at the same step
-            if int(decide):
+            # every rank must switch at the same step
+            if all_ranks(self._calm >= self.patience and step >= self.min_steps):
                 self._switch(trainer, opts, reason=f"variance stabilised (relative change {change:.3g} < {self.tol})")
         self._prev_v = [t.clone() for t in v]
 

@@ -2,6 +2,7 @@
 simulated cluster."""
 
 from .accounting import ByteCounter, StepStats, ring_allreduce_bytes
+from .agree import all_ranks, gather_objects, is_distributed, max_across_, sum_across_
 from .allreduce import CompressedAllreduce, NonFiniteInputError
 from .ddp_hook import (
     CompressionHookState,
@@ -24,8 +25,8 @@ from .wire import Wire
 __all__ = ["MODES", "ByteCounter", "CollectiveError", "CompressedAllreduce", "CompressionHookState", "DenseMean",
            "Flight", "HierarchicalAllreduce", "NonFiniteInputError", "Sender", "SimulatedCluster", "SimulatedDenseMean",
            "SimulatedHierarchicalCluster", "StepStats", "ThreadedMean", "Topology", "TwoStageRank", "Wire",
-           "all_finite", "all_finite_many", "any_across", "any_across_bytes", "compression_hook", "duplex_twin",
-           "enable_duplex", "gather_sizes", "group_size", "is_default_group", "local_gradients_hook", "make_mean",
-           "mean_allreduce", "node_groups", "rank", "ready_future", "register_compression_hook",
-           "register_local_hook", "ring_allreduce_bytes", "simulated_mean", "sparse_mean", "sparse_mean_bytes",
-           "sparse_row", "spans_the_world"]
+           "all_finite", "all_finite_many", "all_ranks", "any_across", "any_across_bytes", "compression_hook",
+           "duplex_twin", "enable_duplex", "gather_objects", "gather_sizes", "group_size", "is_default_group",
+           "is_distributed", "local_gradients_hook", "make_mean", "max_across_", "mean_allreduce", "node_groups",
+           "rank", "ready_future", "register_compression_hook", "register_local_hook", "ring_allreduce_bytes",
+           "simulated_mean", "sparse_mean", "sparse_mean_bytes", "sparse_row", "spans_the_world", "sum_across_"]

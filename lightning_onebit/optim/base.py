@@ -409,3 +409,9 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
             plan.append((b, has, grad, saved))
         sync_together(self, calls)
         return plan
+
+    def second_moments(self) -> list[torch.Tensor]:
+        """The flat fp32 second-moment buffers (``exp_avg_sq``) of the buckets, in bucket order, as
+        kept (not copies); empty before the first step builds the buckets. Read by the "auto"
+        :class:`~lightning_onebit.callbacks.PhaseSwitch` to see when the variance has settled."""
+        return [b.flat["exp_avg_sq"] for b in self._buckets if "exp_avg_sq" in b.flat]

@@ -47,6 +47,11 @@ class SkippedEverywhere(Exception):
 class NonFinitePolicy:
     """Mixin of :class:`~lightning_onebit.optim.CompressedOptimizer`: what a NaN/inf gradient does."""
 
+    #: whether :meth:`set_nonfinite_policy` was called on this optimizer (by its user, or by a strategy
+    #: in an earlier fit): a strategy then keeps that policy instead of applying its own default, and
+    #: refuses an explicit ``on_nonfinite``/``max_consecutive_skips`` of its own that differs
+    nonfinite_policy_set: bool = False
+
     def set_nonfinite_policy(self, policy: str = "raise", *, max_consecutive: int = 10) -> None:
         """What a NaN/inf gradient on any rank does: ``"raise"`` :class:`NonFiniteGradientError` on every
         rank, or ``"skip"`` the step on every rank - no parameter, moment or error state changes, the skip
@@ -57,6 +62,7 @@ class NonFinitePolicy:
         to ``step()`` (``defer_sync_to_step``), as GradScaler needs too."""
         check_nonfinite_policy(policy, max_consecutive)
         self.on_nonfinite, self.max_consecutive_skips = policy, max_consecutive
+        self.nonfinite_policy_set = True
         if policy == "skip":
             self.defer_sync_to_step = True
 

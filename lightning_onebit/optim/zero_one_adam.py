@@ -12,9 +12,10 @@ from ..comm import Wire, ready_future
 from ..compress import flat_buffer
 from .base import CompressedOptimizer, check_hyperparameters
 from .buckets import Bucket
+from .fractions import check_steps, steps_of_run
 from .local_steps import LocalSteps
 from .onebit_adam import _bias_correction
-from .zero_one_schedule import STEP_KINDS, ZeroOneSchedule, check_steps
+from .zero_one_schedule import STEP_KINDS, ZeroOneSchedule
 
 if TYPE_CHECKING:
     from torch.distributed import GradBucket
@@ -162,7 +163,7 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
                     if self._total_steps is None:
                         raise ValueError(f"ZeroOneAdam: {k}={v} is a fraction of the run; call set_total_steps(n) "
                                          "first (the strategies do) or give a number of steps")
-                    v = max(1, round(v * self._total_steps))
+                    v = steps_of_run(k, v, self._total_steps)
                 args[k] = v
             self._sched = ZeroOneSchedule(**args)
         return self._sched

@@ -5,19 +5,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .fractions import check_steps
+
 __all__ = ["STEP_KINDS", "ZeroOneSchedule", "check_steps"]
 
 #: kinds of step: the variance is refreshed (fp32 gradient mean), the gradient is synchronised
 #: 1-bit, a local step that sends nothing, a local step that ends with a 1-bit synchronisation
 STEP_KINDS = ("refresh", "onebit", "local", "sync")
-
-
-def check_steps(name: str, value: object, *, fraction: bool) -> None:
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    ok = ok or (fraction and isinstance(value, float) and 0.0 < value < 1.0)
-    if not ok:
-        also = " or a float in (0, 1) (a fraction of the run)" if fraction else ""
-        raise ValueError(f"{name} must be an int >= 1{also}, got {value!r}")
 
 
 @dataclass

@@ -7,7 +7,10 @@
    LAMB for ``onebit_lamb``); it is converted to the strategy's algorithm with the same
    hyperparameters and param groups, LR schedulers (nested ones too, and the keys schedulers
    added to the param groups) are re-pointed at the new optimizer (:mod:`.schedulers`),
-   and the conversion is logged once. The package's matching optimizer is used as is.
+   and the conversion is logged once. The package's matching optimizer is used as is; a
+   strategy option that it sets otherwise (``optimizer_kwargs``, ``warmup`` against its
+   ``warmup_steps``, ``hierarchical`` against its ``set_topology``, ``on_nonfinite`` against its
+   ``set_nonfinite_policy``) fails at setup naming both values (:mod:`.options`).
    Anything else fails at setup with a message that says what to do. Several optimizers
    (manual optimization, e.g. a GAN's generator and discriminator) are each converted and keep
    their own buckets, phase, error state and checkpoint section.
@@ -44,21 +47,23 @@ so the default warns, and ``clip_when_compressing=False`` clips during warm-up o
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
+from ..callbacks.phase import DEFAULT_WARMUP, PhaseSwitch, check_warmup, resolve_warmup
+from ..comm.agree import gather_objects, is_distributed, max_across_
 from ..compress.kernels import apply_thread_budget
 from ..optim import CompressedOptimizer
-from ..optim.base import check_nonfinite_policy
 from ..optim.ddp import attach_several
 from .checkpoints import SHARD_DIR, ErrorStateShards, shard_path
 from .launch import BaseDDPStrategy, destroy_process_group_at_exit
+from .options import check_bool, check_choice, check_int, conflict, keyword_arguments
 from .schedulers import repoint_scheduler
 
 __all__ = ["ALGORITHMS", "SHARD_DIR", "CompressedDDPStrategy", "destroy_process_group_at_exit", "repoint_scheduler",
@@ -79,31 +84,101 @@ class _AgreeingGradScaler(torch.amp.GradScaler):
 
     def unscale_(self, optimizer: Optimizer) -> None:
         super().unscale_(optimizer)
-        if dist.is_available() and dist.is_initialized():
-            for t in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        for t in self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            max_across_(t, self.group)
+
+
+#: the clip_gradients wrappers the strategies installed on precision plugins: a second fit wraps the
+#: original (``__wrapped__``), not the wrapper
+_CLIP_WRAPPERS: weakref.WeakSet = weakref.WeakSet()
+
+#: the defaults of the options left unset when nothing else sets them
+_DEFAULT_ON_NONFINITE, _DEFAULT_MAX_SKIPS = "skip", 10
+
+#: the converted optimizer's arguments that ``optimizer_kwargs`` cannot give, and where they come from
+_NOT_IN_OPTIMIZER_KWARGS = {
+    "warmup_steps": "the strategy's warmup= sets it (an int is steps)",
+    "simulate_workers": "the strategy runs real ranks, not simulated workers",
+}
+
+
+def _checked_optimizer_kwargs(owner: str, cls: type[CompressedOptimizer],
+                              kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``kwargs`` as a dict, each name an argument of ``cls`` that a strategy may give, and their
+    values accepted by ``cls`` (it is built on a dummy parameter); else a ValueError naming them."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"{owner}: optimizer_kwargs must be a dict of {cls.__name__}'s arguments, got {kwargs!r}")
+    kw = dict(kwargs)
+    carried = set(cls.from_adam.values())  # the conversion takes them from the returned optimizer
+    accepted = [a for a in keyword_arguments(cls) if a not in carried and a not in _NOT_IN_OPTIMIZER_KWARGS]
+    for key, value in kw.items():
+        if key in carried:
+            raise ValueError(f"{owner}: optimizer_kwargs[{key!r}]={value!r}: {key} comes from the optimizer "
+                             "configure_optimizers returns (the conversion keeps its hyperparameters); set it there")
+        if key in _NOT_IN_OPTIMIZER_KWARGS:
+            raise ValueError(f"{owner}: optimizer_kwargs[{key!r}]={value!r}: {_NOT_IN_OPTIMIZER_KWARGS[key]}")
+        if key not in accepted:
+            raise ValueError(f"{owner}: optimizer_kwargs has {key!r}, which {cls.__name__} does not take; it takes "
+                             f"{accepted}")
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **kw)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{owner}: optimizer_kwargs={kw!r}: {exc}") from exc
+    return kw
+
+
+def _option_value(opt: CompressedOptimizer, key: str) -> tuple[Any, str] | None:
+    """``(value, as shown)`` of the constructor argument ``key`` as ``opt`` keeps it: in its
+    defaults, its :meth:`~CompressedOptimizer.settings` (normalised, e.g. dtypes) or an attribute of
+    that name; None if it keeps it nowhere."""
+    if key in opt.defaults:
+        return opt.defaults[key], repr(opt.defaults[key])
+    settings = opt.settings()
+    if key in settings:
+        return settings[key], settings[key]
+    attr = "process_group" if key == "group" else key
+    if hasattr(opt, attr):
+        return getattr(opt, attr), repr(getattr(opt, attr))
+    return None
 
 
 class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
     """DDP with compressed communication by a lightning_onebit algorithm.
 
+    The options the optimizer has too (``warmup``, ``optimizer_kwargs``, ``hierarchical``,
+    ``on_nonfinite``, ``max_consecutive_skips``) default to ``None``, "not set": an optimizer from
+    ``configure_optimizers`` that is already the strategy's algorithm keeps its own value, and where
+    nothing sets an option the default named below applies (to an optimizer the strategy converts,
+    always: it takes the strategy's options). An option set here that the returned optimizer sets
+    otherwise fails at setup, on every rank, naming both values; equal values are fine. Every
+    option is checked here, before any rank starts.
+
     Args:
         algorithm: one of :data:`ALGORITHMS` (``"onebit_adam"``, ``"qadam"``, ...).
-        warmup: for the warm-up algorithms, when compression starts if the optimizer does not
-            set ``warmup_steps`` itself: an int (steps), a float in (0, 1) (a fraction of
-            ``trainer.estimated_stepping_batches``; 0.15 is the 1-bit Adam paper's advice) or
-            ``"auto"`` (when the variance has stabilised). Implemented by adding a
-            :class:`~lightning_onebit.callbacks.PhaseSwitch` callback unless one is present.
-        optimizer_kwargs: extra arguments for the converted optimizer (e.g.
-            ``eps_inside_sqrt``, ``block_size``, ``bucket_cap_mb``).
+        warmup: for the warm-up algorithms, when compression starts: an int (steps), a float in
+            (0, 1) (a fraction of ``trainer.estimated_stepping_batches``) or ``"auto"`` (when the
+            variance has stabilised). Implemented by adding a
+            :class:`~lightning_onebit.callbacks.PhaseSwitch` callback unless one is present. Unset:
+            the optimizer's ``warmup_steps``, or the callback's, else 0.15 (the 1-bit Adam paper's
+            advice). Set, it must agree with either of them.
+        optimizer_kwargs: further arguments of the algorithm's optimizer (e.g. ``eps_inside_sqrt``,
+            ``block_size``, ``bucket_cap_mb``, ``warmup_comm_dtype``), checked here against its
+            signature and by building one. A converted optimizer takes them; a returned one must
+            have the same values. The hyperparameters a conversion carries over (``lr``, ``betas``,
+            ``eps``, ``weight_decay``) come from the returned optimizer and cannot be given here.
         hierarchical: the two-level collective (fp32 inside a node, compressed between nodes);
-            ``None`` = on with several nodes of several ranks each (``num_nodes`` > 1, devices > 1).
+            unset: the optimizer's ``set_topology``, else on with several nodes of several ranks
+            each (``num_nodes`` > 1, devices > 1). The ranks per node are the trainer's devices
+            unless the optimizer's ``set_topology`` gave them.
         strict_resume: raise, instead of resetting the error state with a warning, when a resume on
             the same world size finds this rank's error-state shard missing, unreadable or stale.
-        on_nonfinite: ``"skip"`` (default, like GradScaler): a step whose gradient holds NaN/inf on
-            any rank is skipped on every rank with no state change, counted and logged, and
-            ``max_consecutive_skips`` skips in a row raise; ``"raise"``: the first one raises
-            :class:`~lightning_onebit.optim.NonFiniteGradientError`. "skip" synchronises in
+        on_nonfinite: ``"skip"`` (the default when neither this nor the optimizer's
+            ``set_nonfinite_policy`` sets it, like GradScaler): a step whose gradient holds NaN/inf
+            on any rank is skipped on every rank with no state change, counted and logged, and
+            ``max_consecutive_skips`` (default 10) skips in a row raise; ``"raise"``: the first one
+            raises :class:`~lightning_onebit.optim.NonFiniteGradientError`. "skip" synchronises in
             ``step()`` rather than in the backward hook (see the optimizer's ``set_nonfinite_policy``).
         clip_when_compressing: ``False``: Lightning's gradient clipping (``gradient_clip_val``) runs
             only during warm-up for the algorithms whose variance freezes at the switch (1-bit Adam,
@@ -118,15 +193,31 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
 
     algorithm: str = "onebit_adam"
 
-    def __init__(self, algorithm: str | None = None, warmup: int | float | str | None = 0.15,
+    def __init__(self, algorithm: str | None = None, warmup: int | float | str | None = None,
                  optimizer_kwargs: Mapping[str, Any] | None = None, hierarchical: bool | None = None,
-                 strict_resume: bool = False, on_nonfinite: str = "skip", max_consecutive_skips: int = 10,
-                 clip_when_compressing: bool | None = None, **kwargs: Any) -> None:
+                 strict_resume: bool = False, on_nonfinite: str | None = None,
+                 max_consecutive_skips: int | None = None, clip_when_compressing: bool | None = None,
+                 **kwargs: Any) -> None:
+        owner = type(self).__name__
         algorithm = algorithm or type(self).algorithm
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {sorted(ALGORITHMS)}")
         if kwargs.get("ddp_comm_hook") is not None:
-            raise ValueError(f"{type(self).__name__} installs its own DDP comm hook; ddp_comm_hook cannot be set")
+            raise ValueError(f"{owner} installs its own DDP comm hook; ddp_comm_hook cannot be set")
+        # every option checked before any rank starts (a bad one would otherwise fail only at fit)
+        if warmup is not None:
+            try:
+                check_warmup(warmup)
+            except ValueError as exc:
+                raise ValueError(f"{owner}: {exc}") from None
+        optimizer_kwargs = _checked_optimizer_kwargs(owner, ALGORITHMS[algorithm], optimizer_kwargs)
+        check_bool(owner, "hierarchical", hierarchical, none=True)
+        check_bool(owner, "strict_resume", strict_resume)
+        if on_nonfinite is not None:
+            check_choice(owner, "on_nonfinite", on_nonfinite, ("skip", "raise"))
+        if max_consecutive_skips is not None:
+            check_int(owner, "max_consecutive_skips", max_consecutive_skips, minimum=1)
+        check_bool(owner, "clip_when_compressing", clip_when_compressing, none=True)
         # Gradients as views of DDP's buckets: DDP then skips copying every bucket back into
         # fresh .grad tensors after the hook (a full copy plus first-touch page faults per step;
         # in the compression phase .grad is not even read). Pass False to get DDP's default.
@@ -135,12 +226,12 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
         self.algorithm = algorithm
         self.optimizer_cls = ALGORITHMS[algorithm]
         self.warmup = warmup
-        self.optimizer_kwargs = dict(optimizer_kwargs or {})
+        self.optimizer_kwargs = optimizer_kwargs
         self.hierarchical = hierarchical
         self.strict_resume = strict_resume
-        check_nonfinite_policy(on_nonfinite, max_consecutive_skips)  # at construction, before any rank starts
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self.clip_when_compressing = clip_when_compressing
+        self._phase_switch: PhaseSwitch | None = None  # the one this strategy added, if any
 
     # -- setup ---------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -163,15 +254,25 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        self._convert_optimizers(trainer)
+        returned = self._convert_optimizers(trainer)
         opts: list[CompressedOptimizer] = list(self.optimizers)
+        # every rank checks the same options, so with the same optimizers every rank raises here,
+        # before the strategy's first collective
+        problems = self._conflicts(trainer, opts, returned)
+        if problems:
+            raise ValueError("\n".join(problems))
         fp16 = getattr(self.precision_plugin, "scaler", None) is not None
         if fp16:
             self._install_agreeing_scaler()
         for opt in opts:
             opt.defer_sync_to_step = fp16
-            opt.set_nonfinite_policy(self.on_nonfinite, max_consecutive=self.max_consecutive_skips)
-            opt.set_topology(hierarchical=self.hierarchical, ranks_per_node=self.num_processes)
+            if opt.nonfinite_policy_set:  # the optimizer's own (it also makes "skip" sync in step())
+                opt.set_nonfinite_policy(opt.on_nonfinite, max_consecutive=opt.max_consecutive_skips)
+            else:
+                opt.set_nonfinite_policy(self.on_nonfinite or _DEFAULT_ON_NONFINITE,
+                                         max_consecutive=self.max_consecutive_skips or _DEFAULT_MAX_SKIPS)
+            hierarchical = opt.hierarchical if self.hierarchical is None else self.hierarchical
+            opt.set_topology(hierarchical=hierarchical, ranks_per_node=opt.ranks_per_node or self.num_processes)
         self._agree_on_settings(opts, fp16)
         if len(opts) == 1:
             opts[0].attach(self.model)
@@ -180,6 +281,56 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
         self._ensure_phase_switch(trainer, opts)
         self._ensure_replica_sync(trainer, opts)
         self._place_clipping(trainer, opts)
+
+    def _conflicts(self, trainer, opts: list[CompressedOptimizer], returned: list[int]) -> list[str]:
+        """The options set on this strategy that an optimizer ``configure_optimizers`` returned (the
+        indices ``returned``; the converted ones took the strategy's) or a PhaseSwitch the user added
+        sets otherwise, one message each, naming both values."""
+        owner, out = type(self).__name__, []
+        switch = next((cb for cb in trainer.callbacks if isinstance(cb, PhaseSwitch) and cb is not self._phase_switch),
+                      None)
+        if self.warmup is not None and switch is not None and switch.warmup != self.warmup:
+            out.append(f"{owner}(warmup={self.warmup!r}) but the trainer's callbacks hold "
+                       f"PhaseSwitch(warmup={switch.warmup!r}); set it in one place")
+        probe = None
+        for k in returned:
+            opt = opts[k]
+            cls, where = type(opt).__name__, f" as optimizer {k} of {len(opts)}" if len(opts) > 1 else ""
+            if self.warmup is not None and opt.warmup_steps is not None and not self._same_warmup(trainer, opt):
+                out.append(conflict(owner, "warmup", self.warmup, cls, f"warmup_steps={opt.warmup_steps!r}", where))
+            if self.hierarchical is not None and opt.hierarchical is not None and opt.hierarchical != self.hierarchical:
+                out.append(conflict(owner, "hierarchical", self.hierarchical, cls,
+                                    f"hierarchical={opt.hierarchical!r} by set_topology", where))
+            if opt.nonfinite_policy_set:
+                for option, mine, theirs in (("on_nonfinite", self.on_nonfinite, opt.on_nonfinite),
+                                             ("max_consecutive_skips", self.max_consecutive_skips,
+                                              opt.max_consecutive_skips)):
+                    if mine is not None and mine != theirs:
+                        out.append(conflict(owner, option, mine, cls, f"{option}={theirs!r} by set_nonfinite_policy",
+                                            where))
+            if self.optimizer_kwargs:
+                probe = probe or self.optimizer_cls([torch.zeros(1, requires_grad=True)], **self.optimizer_kwargs)
+                for key, mine in self.optimizer_kwargs.items():
+                    want, theirs = _option_value(probe, key), _option_value(opt, key)
+                    if want is None or theirs is None:
+                        out.append(f"{owner}(optimizer_kwargs={{{key!r}: {mine!r}}}) cannot be compared with the "
+                                   f"{cls}{where} configure_optimizers returned (it does not expose {key}); set it in "
+                                   "one place")
+                    elif want[0] != theirs[0]:
+                        out.append(conflict(owner, "optimizer_kwargs", {key: mine}, cls, f"{key}={theirs[1]}", where))
+        return out
+
+    def _same_warmup(self, trainer, opt: CompressedOptimizer) -> bool:
+        """Whether the strategy's warm-up is ``opt.warmup_steps`` steps (a fraction resolved on this
+        run's length; ``"auto"`` never is)."""
+        if self.warmup == "auto":
+            return False
+        if isinstance(self.warmup, int):
+            return self.warmup == opt.warmup_steps
+        try:
+            return resolve_warmup(self.warmup, trainer.estimated_stepping_batches) == opt.warmup_steps
+        except ValueError:  # a fraction of a run of unknown length
+            return False
 
     def _place_clipping(self, trainer, opts: list[CompressedOptimizer]) -> None:
         """Warn about gradient clipping in the compression phase, or leave it to the warm-up."""
@@ -192,13 +343,13 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
             rank_zero_warn(f"strategy {name!r} with gradient_clip_val={trainer.gradient_clip_val}: in the compression "
                            "phase clipping acts on each rank's local gradient (larger than the averaged one DDP "
                            "clips), and with the variance frozen since the warm-up a clip that triggers shrinks the "
-                           "step itself (a BatchNorm ResNet ended 0.055 above DDP's loss with clipping, 0.017 "
-                           "without; docs/results.md). clip_when_compressing=False on the strategy clips during "
-                           "warm-up only (longer compressed steps instead); True clips and silences this.")
+                           "step itself, which costs loss (measured in docs/results.md, \"Gradient clipping with the "
+                           "variance frozen\"). clip_when_compressing=False on the strategy clips during warm-up "
+                           "only (longer compressed steps instead); True clips and silences this.")
             return
         plugin = self.precision_plugin
-        clip = getattr(plugin, "_lightning_onebit_clip", plugin.clip_gradients)
-        plugin._lightning_onebit_clip = clip  # a second fit wraps the original, not the wrapper
+        clip = plugin.clip_gradients
+        clip = clip.__wrapped__ if clip in _CLIP_WRAPPERS else clip
 
         @functools.wraps(clip)
         def clip_during_warmup(optimizer: Optimizer, *args: Any, **kw: Any) -> None:
@@ -207,21 +358,21 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
                 return None
             return clip(optimizer, *args, **kw)
 
+        _CLIP_WRAPPERS.add(clip_during_warmup)
         plugin.clip_gradients = clip_during_warmup
 
     def _agree_on_settings(self, opts: list[CompressedOptimizer], fp16: bool) -> None:
         """Compare the settings every rank must share before the first collective: ranks that differ
         (say, in warm-up length or codec) would otherwise hang or silently diverge. Raises on every
         rank, naming each setting that differs and its value per rank."""
-        if not (dist.is_available() and dist.is_initialized()) or self.world_size == 1:
+        if not is_distributed() or self.world_size == 1:
             return
         mine = dict(strategy=self.algorithm, warmup=repr(self.warmup), fp16_scaler=repr(fp16),
-                    on_nonfinite=self.on_nonfinite, optimizers=repr(len(opts)),
+                    on_nonfinite=",".join(o.on_nonfinite for o in opts), optimizers=repr(len(opts)),
                     num_nodes=repr(self.num_nodes), devices_per_node=repr(self.num_processes))
         for k, opt in enumerate(opts):
             mine.update({(key if len(opts) == 1 else f"optimizer {k} {key}"): v for key, v in opt.settings().items()})
-        every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, mine)  # a few hundred bytes per rank, once
+        every = gather_objects(mine)  # a few hundred bytes per rank, once
         keys = sorted(set().union(*every), key=lambda k: (k not in mine, k))
         diff = [k for k in keys if len({r.get(k) for r in every}) > 1]
         if diff:
@@ -229,14 +380,15 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
                      for k in diff]
             raise ValueError(f"{type(self).__name__}: the ranks disagree on the training setup:\n" + "\n".join(lines))
 
-    def _convert_optimizers(self, trainer) -> None:
+    def _convert_optimizers(self, trainer) -> list[int]:
         """Every optimizer becomes the strategy's algorithm: an Adam/AdamW (or LAMB) is converted and
-        its LR schedulers re-pointed; the package's matching optimizer is kept."""
+        its LR schedulers re-pointed; the package's matching optimizer is kept. Returns the indices
+        of the kept ones (their settings are the user's, see :meth:`_conflicts`)."""
         name, cls = self.algorithm, self.optimizer_cls
         if not self.optimizers:
             raise ValueError(f"strategy {name!r} needs an optimizer; configure_optimizers returned none")
         several = len(self.optimizers) > 1
-        converted, out = [], []
+        converted, kept, out = [], [], []
         for k, opt in enumerate(self.optimizers):
             which = f"optimizer {k} of {len(self.optimizers)} ({type(opt).__name__})" if several else None
             if isinstance(opt, CompressedOptimizer):
@@ -245,6 +397,7 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
                                      f"{which or type(opt).__name__}; return {cls.__name__} (or torch.optim.AdamW, "
                                      "which is converted) or use the strategy matching your optimizer")
                 out.append(opt)
+                kept.append(k)
                 continue
             new = self._convert(opt, which)
             for cfg in self.lr_scheduler_configs:
@@ -255,6 +408,7 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
         if converted:
             rank_zero_info(f"lightning_onebit: converted {', '.join(converted)} to {cls.__name__} "
                            f"(same hyperparameters) for strategy {name!r}")
+        return kept
 
     def _convert(self, opt: Optimizer, which: str | None = None) -> CompressedOptimizer:
         name, cls = self.algorithm, self.optimizer_cls
@@ -276,27 +430,20 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
         new.load_state_dict(old.state_dict())
         self.precision_plugin.scaler = new
 
-    def _add_phase_switch(self, trainer) -> bool:
-        """Add a PhaseSwitch with the strategy's warm-up unless one is there; False if it cannot."""
-        from ..callbacks import PhaseSwitch
-
-        if any(isinstance(cb, PhaseSwitch) for cb in trainer.callbacks):
-            return True
-        if not self.optimizer_cls.has_warmup or self.warmup is None:
-            return False
-        switch = PhaseSwitch(self.warmup)
-        switch._added_by_strategy = True
-        trainer.callbacks.append(switch)
-        return True
+    def _add_phase_switch(self, trainer) -> None:
+        """Add a PhaseSwitch with the strategy's warm-up (or the default) unless one is there."""
+        if any(isinstance(cb, PhaseSwitch) for cb in trainer.callbacks) or not self.optimizer_cls.has_warmup:
+            return
+        self._phase_switch = PhaseSwitch(DEFAULT_WARMUP if self.warmup is None else self.warmup)
+        trainer.callbacks.append(self._phase_switch)
 
     def _ensure_phase_switch(self, trainer, opts: list[CompressedOptimizer]) -> None:
         if all(opt.compressing or opt.warmup_steps is not None for opt in opts):
-            for cb in [cb for cb in trainer.callbacks if getattr(cb, "_added_by_strategy", False)]:
-                trainer.callbacks.remove(cb)  # the optimizers switch by themselves
+            if self._phase_switch is not None and self._phase_switch in trainer.callbacks:
+                trainer.callbacks.remove(self._phase_switch)  # the optimizers switch by themselves
+            self._phase_switch = None
             return
-        if not self._add_phase_switch(trainer):
-            raise ValueError(f"strategy {self.algorithm!r}: the optimizer has warmup_steps=None and warmup=None; "
-                             "set one of them, or add a PhaseSwitch callback")
+        self._add_phase_switch(trainer)
 
     def _ensure_replica_sync(self, trainer, opts: list[CompressedOptimizer]) -> None:
         from ..callbacks import ReplicaSync
@@ -324,8 +471,6 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
                            "processes). Use several devices or nodes, or strategy='auto' for a single process.")
         if all(o.compressing for o in opts) or total == float("inf"):
             return
-        from ..callbacks import PhaseSwitch
-
         switch = next((cb for cb in trainer.callbacks if isinstance(cb, PhaseSwitch)), None)
         warmups = [o.warmup_steps for o in opts if o.warmup_steps is not None]
         if switch is not None and switch.warmup != "auto" and switch.target is not None:

@@ -25,8 +25,10 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from ..callbacks.phase import resolve_warmup
 from ..comm import ring_allreduce_bytes
 from .launch import BaseDDPStrategy
+from .options import check_int, check_real
 
 __all__ = ["HOOK_KINDS", "HookDDPStrategy", "bf16_hook_cpu", "hook_step_bytes", "hook_strategy", "make_comm_hook",
            "serialized"]
@@ -148,26 +150,27 @@ class HookDDPStrategy(BaseDDPStrategy):
 
     def __init__(self, kind: str | None = None, *, rank: int = 1, start_iter: int | float = 1000,
                  min_compression_rate: float = 2, **kwargs: Any) -> None:
+        owner = type(self).__name__
+        if kind is not None and kind not in HOOK_KINDS:
+            raise ValueError(f"unknown comm hook {kind!r}; choose one of {HOOK_KINDS}")
+        # PowerSGD's options are checked whatever the kind: before any rank starts
+        check_int(owner, "rank (PowerSGD's matrix approximation rank)", rank, minimum=1)
+        _check_start_iter(start_iter)
+        check_real(owner, "min_compression_rate", min_compression_rate)
+        if not min_compression_rate > 0:
+            raise ValueError(f"{owner}: min_compression_rate must be > 0, got {min_compression_rate!r}")
         super().__init__(**kwargs)
-        if kind is not None:
-            if kind not in HOOK_KINDS:
-                raise ValueError(f"unknown comm hook {kind!r}; choose one of {HOOK_KINDS}")
-            if self._ddp_comm_hook is not None:
-                raise ValueError("give either a hook kind or ddp_comm_hook, not both")
-            if kind == "powersgd":
-                _check_start_iter(start_iter)
+        if kind is not None and self._ddp_comm_hook is not None:
+            raise ValueError("give either a hook kind or ddp_comm_hook, not both")
         self.kind = kind
         self.matrix_rank = rank  # PowerSGD's matrix approximation rank (not a process rank)
         self.start_iter, self.min_compression_rate = start_iter, min_compression_rate
         self.start_step: int | None = None  # start_iter resolved to steps when the hook is registered
 
     def _resolve_start_iter(self) -> int:
-        if isinstance(self.start_iter, float):  # as lightning_onebit's PhaseSwitch rounds a fraction
+        if isinstance(self.start_iter, float):  # a fraction rounded as the compressed strategies' warm-up
             total = self.lightning_module.trainer.estimated_stepping_batches
-            if not math.isfinite(total):
-                raise ValueError(f"PowerSGD start_iter={self.start_iter} is a fraction of all steps, but the number of "
-                                 "steps is unknown (no max_steps, endless data); give an int")
-            return max(2, round(self.start_iter * total))
+            return max(2, resolve_warmup(self.start_iter, total, name="PowerSGD start_iter"))
         return self.start_iter
 
     def _register_ddp_hooks(self) -> None:

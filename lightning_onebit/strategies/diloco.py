@@ -29,20 +29,45 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from ..comm.accounting import ring_allreduce_bytes
+from ..comm.agree import is_distributed, sum_across_
 from ..comm.ddp_hook import register_local_hook
 from ..comm.duplex import enable_duplex
-from ..optim.diloco import DiLoCo
+from ..optim.diloco import COMPRESSIONS, DiLoCo
 from .checkpoints import RankShards
 from .launch import BaseDDPStrategy
+from .options import check_bool, check_choice, check_int, check_real, conflict
 from .schedulers import repoint_scheduler
 
 __all__ = ["DiLoCoStrategy"]
+
+
+def _check_diloco_options(options: dict[str, Any]) -> None:
+    """The types here (naming the option), the ranges by DiLoCo itself: built on a dummy parameter."""
+    owner = "DiLoCoStrategy"
+    for k in ("sync_every", "fragments"):
+        if k in options:
+            check_int(owner, k, options[k], minimum=1)
+    if "overlap" in options:
+        check_int(owner, "overlap", options["overlap"], minimum=0)
+    for k in ("outer_lr", "outer_momentum", "mixing"):
+        if k in options:
+            check_real(owner, k, options[k])
+    for k in ("nesterov", "keep_local", "hierarchical"):
+        if k in options:
+            check_bool(owner, k, options[k])
+    if "compression" in options:
+        check_choice(owner, "compression", options["compression"], COMPRESSIONS)
+    if "on_nonfinite" in options:
+        check_choice(owner, "on_nonfinite", options["on_nonfinite"], ("raise", "skip"))
+    try:
+        DiLoCo([torch.zeros(1, requires_grad=True)], **options)  # the ranges, and the options together
+    except ValueError as exc:
+        raise ValueError(f"{owner}: {exc}") from exc
 
 
 class DiLoCoStrategy(RankShards, BaseDDPStrategy):
@@ -51,7 +76,11 @@ class DiLoCoStrategy(RankShards, BaseDDPStrategy):
     Args:
         sync_every, outer_lr, outer_momentum, nesterov, compression, fragments, on_nonfinite, hierarchical,
         overlap, mixing, keep_local:
-            DiLoCo's (checked here, before any rank starts). The ranks per node are the trainer's devices,
+            DiLoCo's (checked here, before any rank starts). ``None``, the default, is "not set": a
+            ``DiLoCo`` returned by ``configure_optimizers`` keeps its own value, and an ``AdamW`` the strategy
+            converts gets DiLoCo's default (16, 0.7, 0.9, True, ``"fp32"``, 1, ``"raise"``, automatic, 0, 0.0,
+            False: the paper's outer step). An option set here must equal the returned DiLoCo's, else setup
+            fails naming both. The ranks per node are the trainer's devices (unless the DiLoCo has its own),
             so a compressed outer all-reduce over several nodes of several devices runs two-level.
         strict_resume: raise instead of warning when a resume cannot continue each rank's own state exactly:
             another world size or layout, or this rank's shard missing, unreadable or of another save.
@@ -60,23 +89,25 @@ class DiLoCoStrategy(RankShards, BaseDDPStrategy):
             (buffers are averaged with the outer steps instead; see the module docstring).
     """
 
-    def __init__(self, sync_every: int = 16, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 nesterov: bool = True, compression: str = "fp32", fragments: int = 1,
-                 on_nonfinite: str = "raise", hierarchical: bool | None = None, overlap: int = 0,
-                 mixing: float = 0.0, keep_local: bool = False, strict_resume: bool = False, **kwargs: Any) -> None:
-        if not isinstance(strict_resume, bool):
-            raise ValueError(f"strict_resume must be True or False, got {strict_resume!r}")
+    def __init__(self, sync_every: int | None = None, outer_lr: float | None = None,
+                 outer_momentum: float | None = None, nesterov: bool | None = None, compression: str | None = None,
+                 fragments: int | None = None, on_nonfinite: str | None = None, hierarchical: bool | None = None,
+                 overlap: int | None = None, mixing: float | None = None, keep_local: bool | None = None,
+                 strict_resume: bool = False, **kwargs: Any) -> None:
+        check_bool("DiLoCoStrategy", "strict_resume", strict_resume)
         if kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("DiLoCoStrategy installs its own DDP comm hook; ddp_comm_hook cannot be set")
+        given = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+                 "nesterov": nesterov, "compression": compression, "fragments": fragments,
+                 "on_nonfinite": on_nonfinite, "hierarchical": hierarchical, "overlap": overlap,
+                 "mixing": mixing, "keep_local": keep_local}
+        #: the options set here (the others are the returned DiLoCo's, or DiLoCo's defaults)
+        self.diloco_kwargs = {k: v for k, v in given.items() if v is not None}
+        _check_diloco_options(self.diloco_kwargs)
         kwargs.setdefault("gradient_as_bucket_view", True)
         kwargs.setdefault("broadcast_buffers", False)
         super().__init__(**kwargs)
         self._average_buffers_too = not kwargs["broadcast_buffers"]
-        self.diloco_kwargs = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
-                              "nesterov": nesterov, "compression": compression, "fragments": fragments,
-                              "on_nonfinite": on_nonfinite, "hierarchical": hierarchical, "overlap": overlap,
-                              "mixing": mixing, "keep_local": keep_local}
-        DiLoCo([torch.zeros(1, requires_grad=True)], **self.diloco_kwargs)  # bad options fail here
         self.strict_resume = strict_resume
         self._in_anchor: list = []
         self._own_buffers: list[torch.Tensor] | None = None  # this rank's, while validation holds the mean
@@ -100,6 +131,13 @@ class DiLoCoStrategy(RankShards, BaseDDPStrategy):
     def _convert_optimizers(self) -> None:
         if not self.optimizers:
             raise ValueError("strategy 'diloco' needs an optimizer; configure_optimizers returned none")
+        # every rank has the same options, so with the same optimizers every rank raises here, before
+        # the strategy's first collective
+        problems = [msg for k, opt in enumerate(self.optimizers) if isinstance(opt, DiLoCo)
+                    for msg in self._conflicts(opt, f" as optimizer {k} of {len(self.optimizers)}"
+                                               if len(self.optimizers) > 1 else "")]
+        if problems:
+            raise ValueError("\n".join(problems))
         out = []
         for opt in self.optimizers:
             if isinstance(opt, DiLoCo):
@@ -117,6 +155,14 @@ class DiLoCoStrategy(RankShards, BaseDDPStrategy):
                            f"{self.diloco_kwargs}) for strategy 'diloco'")
             out.append(new)
         self.optimizers = out
+
+    def _conflicts(self, opt: DiLoCo, where: str = "") -> list[str]:
+        """The options set on this strategy that the returned ``opt`` has otherwise, one message each."""
+        if not self.diloco_kwargs:
+            return []
+        probe = DiLoCo([torch.zeros(1, requires_grad=True)], **self.diloco_kwargs)  # DiLoCo's normal form
+        return [conflict("DiLoCoStrategy", k, v, "DiLoCo", f"{k}={getattr(opt, k)!r}", where)
+                for k, v in self.diloco_kwargs.items() if getattr(probe, k) != getattr(opt, k)]
 
     def _dilocos(self) -> list[DiLoCo]:
         return [o for o in self.optimizers if isinstance(o, DiLoCo)]
@@ -188,11 +234,10 @@ class DiLoCoStrategy(RankShards, BaseDDPStrategy):
         """The mean over ranks of every buffer, flat in fp64 (exact for fp32 and for integers below
         2**53); ``None`` when buffers are DDP's business, there are none, or one rank. All ranks call it."""
         bufs = self._buffers()
-        if not (self._average_buffers_too and bufs and dist.is_available() and dist.is_initialized()
-                and self.world_size > 1):
+        if not (self._average_buffers_too and bufs and is_distributed() and self.world_size > 1):
             return None
         flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in bufs])
-        dist.all_reduce(flat)
+        sum_across_(flat)
         flat /= self.world_size
         dilocos = self._dilocos()
         if dilocos:  # an out-of-step round of the first optimizer's account
