@@ -5,10 +5,10 @@ uncompressed calls beside :class:`~lightning_onebit.comm.CompressedAllreduce`. E
 in one process (or without an initialised default group).
 
 Latency on gloo: its ring ``all_gather`` waits a round trip per step, n - 1 of them, and a small
-``all_reduce`` about 2 (measured on 4 emulated nodes with 50 ms round trips: 154 ms and 103 ms,
-against 53 ms for an ``all_to_all_single``). So on gloo with CPU tensors a gather of rows
-(:func:`all_gather_rows`) and a small OR (:func:`any_across`) send each rank's row to every rank in
-one ``all_to_all_single``: one round trip. A gather sends the same (n - 1) rows per rank either way;
+``all_reduce`` about 2, against one for an ``all_to_all_single`` (``benchmarks/collectives.py --rtt 50`` and
+its ``*_ring`` methods; benchmarks/RESULTS.md, "Measurements behind design choices"). So on gloo with CPU
+tensors a gather of rows (:func:`all_gather_rows`) and a small OR (:func:`any_across`) send each rank's row
+to every rank in one ``all_to_all_single``: one round trip. A gather sends the same (n - 1) rows per rank either way;
 an OR sends (n - 1) copies of its bytes instead of a ring's 2 (n - 1) / n, so it fans out only while
 that stays under :data:`FANOUT_MAX_BYTES`.
 """
@@ -98,8 +98,8 @@ def mean_allreduce_future(t: torch.Tensor, group=None, counter: ByteCounter | No
 def all_finite(x: torch.Tensor) -> torch.Tensor:
     """0-dim bool on ``x``'s device: every element of ``x`` is finite. min and max propagate NaN and
     show an infinity, so one fused pass decides it without a host sync; ``isfinite(x).all()`` makes
-    x-sized temporaries (0.27 s against 0.011 s at 25M fp32 elements on one CPU thread), and so does
-    a sum in fp64."""
+    x-sized temporaries, and so does a sum in fp64 (both far slower: benchmarks/RESULTS.md, "Measurements
+    behind design choices")."""
     if x.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=x.device)
     return torch.isfinite(torch.stack(torch.aminmax(x.detach().reshape(-1)))).all()
@@ -108,8 +108,8 @@ def all_finite(x: torch.Tensor) -> torch.Tensor:
 def all_finite_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """0-dim bool: every element of every tensor in ``tensors`` is finite. GradScaler's foreach check
     (``_amp_foreach_non_finite_check_and_unscale_`` with scale 1, which rewrites each value as itself)
-    decides each device and dtype in one kernel: 0.18 ms against 1.5 ms for :func:`all_finite` on each
-    of the 54 gradients of the time-to-accuracy LM, on one CPU thread. Sparse tensors and dtypes it does
+    decides each device and dtype in one kernel, where :func:`all_finite` makes a pass per tensor (the
+    measurement: benchmarks/RESULTS.md, "Measurements behind design choices"). Sparse tensors and dtypes it does
     not take go through :func:`all_finite`."""
     if not tensors:
         return torch.ones((), dtype=torch.bool)
@@ -203,7 +203,8 @@ _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 def pack_bits(flags: torch.Tensor) -> torch.Tensor:
     """Bools -> uint8, 8 to a byte, first flag in the lowest bit (the tail padded with False)."""
     if flags.device.type == "cpu":
-        # numpy's C loops: 0.6 ms each way for the 10M flags of a BERT embedding's masked rows, torch's ops 14-17
+        # numpy's C loops: many times faster than torch's ops for a BERT embedding's masked rows (benchmarks/
+        # RESULTS.md, "Measurements behind design choices")
         return torch.from_numpy(np.packbits(flags.reshape(-1).to(torch.bool).numpy(), bitorder="little"))
     flat = flags.reshape(-1).to(torch.uint8)
     pad = -flat.numel() % 8

@@ -94,7 +94,8 @@ def _node_mean(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
     fp64, then / L. The real call and the simulation both use it, so their node means are the same bits.
 
     On the CPU a numba kernel does it in one pass into ``out``; the torch formulation (same arithmetic)
-    makes three fp64 temporaries, ~7x slower at 12.5M elements and the slowest part of the call."""
+    makes three fp64 temporaries and was the slowest part of the call (benchmarks/RESULTS.md, "Measurements
+    behind design choices")."""
     if out is None:
         out = torch.empty(rows.shape[1], dtype=torch.float32, device=rows.device)
     if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.is_contiguous():
@@ -189,8 +190,8 @@ class HierarchicalAllreduce(_Shards):
         self._recv = torch.zeros(L, s, **f32)
         self._mean = torch.zeros(s, **f32)
         self._gathered = torch.zeros(L * s, **f32)
-        # gloo's all_gather of large fp32 buffers is ~4x slower than an all_to_all of the same bytes
-        # (measured on a host's loopback, 2 x 50 MB); there the shard goes out through all_to_all_single
+        # gloo's all_gather of large fp32 buffers is slower than an all_to_all of the same bytes (benchmarks/
+        # RESULTS.md, "Measurements behind design choices"); there the shard goes out through all_to_all_single
         # from L copies of it in the (by then free) send buffer
         self._gather_by_all_to_all = L > 1 and dist.get_backend(self.local_group) == "gloo"
 
