@@ -11,14 +11,11 @@ communicated with one pair of collectives and updated with a few flat ops.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from ..compress import flat_buffer
-
-if TYPE_CHECKING:
-    from .sync import BucketSync
 
 __all__ = ["Bucket", "BucketState", "drop_positions", "max_dropped_runs"]
 
@@ -57,6 +54,14 @@ def drop_positions(idx: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | Non
     return torch.cat(pieces) if pieces else idx[:0]
 
 
+class StepSync(Protocol):
+    """What a bucket and its state need of the bucket's synchronisation state (:class:`~.sync.BucketSync`,
+    which imports this module)."""
+
+    def reset_step(self, discard: bool = False) -> None: ...
+    def collective(self) -> Any: ...
+
+
 class Bucket:
     """A fixed group of parameters that is synchronised and updated as one flat vector."""
 
@@ -81,7 +86,7 @@ class Bucket:
         self.cache: dict = {}  # per-bucket values that only change at the switch (see subclasses)
         self.compressing = False  # this bucket has switched to compressed synchronisation
         self.switch_step: int | None = None  # a late bucket switches after this optimizer step
-        self.sync: BucketSync | None = None  # its collectives and this step's progress (set by the optimizer)
+        self.sync: StepSync | None = None  # its collectives and this step's progress (set by the optimizer)
 
     def reset_step(self, discard: bool = False) -> None:
         """Forget this step's synchronisation progress (``discard``: also a result left for the update)."""
