@@ -161,6 +161,9 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
                 check_warmup(warmup)
             except ValueError as exc:
                 raise ValueError(f"{owner}: {exc}") from None
+            if not ALGORITHMS[algorithm].has_warmup:  # it would be ignored: say so instead
+                raise ValueError(f"{owner}: warmup={warmup!r}, but {ALGORITHMS[algorithm].__name__} ({algorithm!r}) "
+                                 "has no uncompressed warm-up; leave warmup unset")
         optimizer_kwargs = checked_optimizer_kwargs(owner, ALGORITHMS[algorithm], optimizer_kwargs)
         check_bool(owner, "hierarchical", hierarchical, none=True)
         check_bool(owner, "strict_resume", strict_resume)
