@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .layout import MINMAX_U4, MINMAX_U8
+from .layout import KIND_BITS, KIND_TOP, MINMAX_U8
 from .numba_tiles import block_at
 
 _F32 = np.float32
@@ -31,8 +31,8 @@ def sign_run(cw, s, p, q, out):
     o = out[k : k + 8 * nbytes]
     ns = -s
     bits = np.empty(256, np.uint8)
-    for c in range(nbytes >> 5):  # 32 bytes at a time: their bits as bytes, then a select (vectorises
-        cc = cs[32 * c : 32 * c + 32]  # both ways: 3.4 against 7.6 ms for 17M values)
+    for c in range(nbytes >> 5):  # 32 bytes at a time: their bits as bytes, then a select (both
+        cc = cs[32 * c : 32 * c + 32]  # vectorise; benchmarks/optimizer_step.py times the decode)
         for m in range(32):
             byte = cc[m]
             for j in range(8):
@@ -54,24 +54,25 @@ def sign_run(cw, s, p, q, out):
 
 @njit(inline="always", cache=True)
 def mm_code(kind, cw, i):
-    """The min-max code of element i of a row whose codes are cw (8, 4 or 2 bits, packed)."""
-    if kind == MINMAX_U8:
+    """The code of element i of a row whose codes are cw, packed at the kind's width (layout.FORMATS)."""
+    bits = KIND_BITS[kind]
+    if bits == 8:
         return cw[i]
-    if kind == MINMAX_U4:
-        return (cw[i >> 1] >> ((i & 1) << 2)) & 15
-    return (cw[i >> 2] >> ((i & 3) << 1)) & 3
+    at = i * bits
+    return (cw[at >> 3] >> (at & 7)) & KIND_TOP[kind]
 
 
 @njit(inline="always", cache=True)
 def mm_top(kind):
-    return 255.0 if kind == MINMAX_U8 else (15.0 if kind == MINMAX_U4 else 3.0)
+    """The largest code of ``kind`` as a float (the divisor of a min-max decode)."""
+    return np.float64(KIND_TOP[kind])
 
 
 @njit(inline="always", cache=True)
 def minmax_dec_run(kind, cw, sc0, sc1, p, q, out):
     smin = np.float64(sc0)
     step = (np.float64(sc1) - smin) / mm_top(kind)
-    if kind == MINMAX_U8:
+    if KIND_BITS[kind] == 8:
         cs = cw[p:q]
         for i in range(q - p):
             out[i] = _F32(smin + np.float64(cs[i]) * step)
