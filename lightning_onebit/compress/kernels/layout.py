@@ -33,7 +33,6 @@ MINMAX_U8 = 2  # 8-bit min-max quantisation per block           (QAdam / Bagua M
 MINMAX_U4 = 3  # 4-bit min-max, two codes per byte                (Streaming DiLoCo's outer gradients)
 MINMAX_U2 = 4  # 2-bit min-max, four codes per byte               (MuLoCo / SparseLoCo)
 # every kind from MINMAX_U8 on is min-max: the kernels test ``kind >= MINMAX_U8``
-TOPK = 99  # top-k values and indices (compress/topk.py): no packed codes, no row in FORMATS, no kernels
 
 
 @dataclass(frozen=True)
