@@ -48,6 +48,7 @@ SERIAL_BELOW = 1 << 15
 """Element count from which a :func:`parallel_and_serial` kernel runs its parallel copy."""
 
 _budget: int | None = None
+_applied: int | None = None  # the budget a kernel launch last set numba's thread count to
 _logged: set[str] = set()
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -93,8 +94,11 @@ def set_thread_budget(n: int | None) -> None:
 def _user_chose() -> str | None:
     if "NUMBA_NUM_THREADS" in os.environ:
         return f"NUMBA_NUM_THREADS={os.environ['NUMBA_NUM_THREADS']}"
-    if numba.get_num_threads() != numba.config.NUMBA_NUM_THREADS:
-        return f"numba.set_num_threads({numba.get_num_threads()})"
+    n = numba.get_num_threads()
+    # a count other than numba's own is the user's, unless a kernel launch set it to the budget (a rank
+    # that ran kernels before the strategy or the optimizer applied the budget again)
+    if n != numba.config.NUMBA_NUM_THREADS and n != _applied:
+        return f"numba.set_num_threads({n})"
     return None
 
 
@@ -126,8 +130,10 @@ def parallel_kernel(fn: F) -> F:
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         torch_threads = torch.get_num_threads()
+        global _applied
         if _budget is not None and numba.get_num_threads() != _budget:
             numba.set_num_threads(_budget)
+            _applied = _budget
         try:
             return fn(*args, **kwargs)
         finally:
