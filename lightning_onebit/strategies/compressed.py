@@ -53,7 +53,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
-from ..compress.kernels import apply_thread_budget
+from ..compress.kernels import apply_thread_budget, compile_kernels
 from ..optim import CompressedOptimizer
 from ..optim.base import check_nonfinite_policy
 from ..optim.ddp import attach_several
@@ -158,6 +158,7 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
         msg = apply_thread_budget(self.num_processes)
         if msg:
             rank_zero_info(msg)
+        compile_kernels(self.root_device)  # once per host: one rank compiles, the others load numba's cache
 
     def setup(self, trainer) -> None:
         super().setup(trainer)

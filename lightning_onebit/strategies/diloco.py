@@ -35,6 +35,7 @@ from torch.optim import Optimizer
 from ..comm.accounting import ring_allreduce_bytes
 from ..comm.ddp_hook import register_local_hook
 from ..comm.duplex import enable_duplex
+from ..compress.kernels import compile_kernels
 from ..optim.diloco import DiLoCo
 from .launch import BaseDDPStrategy
 from .schedulers import repoint_scheduler
@@ -76,6 +77,7 @@ class DiLoCoStrategy(BaseDDPStrategy):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         enable_duplex()  # gloo: the compressed outer mean at the link's rate both ways (comm.duplex)
+        compile_kernels(self.root_device)  # the compressed outer all-reduce's numba kernels, compiled once per host
 
     def setup(self, trainer) -> None:
         super().setup(trainer)

@@ -24,10 +24,11 @@ as torchrun does for OpenMP, unless the user set ``NUMBA_NUM_THREADS`` or called
 ``numba.set_num_threads``; the budget is applied on the thread that launches a kernel (numba's
 setting is per thread).
 
-Small inputs: starting numba's parallel region costs tens of microseconds, more than the whole
-kernel on a small tensor (a bias, a simulated worker's share). :func:`parallel_and_serial`
-compiles a kernel twice and runs inputs of fewer than ``SERIAL_BELOW`` elements on the serial
-copy; the summation order is the layout's, not the threads', so both give the same bits.
+Small inputs: starting numba's parallel region costs more than the whole kernel on a small
+tensor (a bias, a simulated worker's share; ``benchmarks/codecs.py --sizes`` times any size).
+:func:`parallel_and_serial` compiles a kernel twice and runs inputs of fewer than ``SERIAL_BELOW``
+elements on the serial copy; the summation order is the layout's, not the threads', so both give
+the same bits.
 """
 
 from __future__ import annotations
@@ -146,7 +147,12 @@ def parallel_kernel(fn: F) -> F:
 class parallel_and_serial:  # noqa: N801  (used as a decorator, like numba's njit)
     """A numba kernel compiled twice, ``parallel=True`` and serial, both cached on disk (the serial
     one is a copy of the function under another name, so the cache keeps them apart). Called with
-    the element count first: fewer than ``SERIAL_BELOW`` run serially."""
+    the element count first: fewer than ``SERIAL_BELOW`` run serially. A copy's first call in a
+    process compiles it (or loads numba's cache) under the host's compile lock
+    (:func:`.compile_once.host_lock`), so the ranks of a host compile each kernel once."""
+
+    #: every kernel made so far (:func:`.compile_once.compile_kernels` compiles their parallel copies)
+    instances: list[parallel_and_serial] = []
 
     def __init__(self, fn: Callable) -> None:
         serial = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__,
@@ -154,6 +160,13 @@ class parallel_and_serial:  # noqa: N801  (used as a decorator, like numba's nji
         serial.__qualname__ = fn.__qualname__ + "_serial"
         self.parallel = numba.njit(parallel=True, nogil=True, cache=True)(fn)
         self.serial = numba.njit(nogil=True, cache=True)(serial)
+        parallel_and_serial.instances.append(self)
 
     def __call__(self, numel: int, *args: Any) -> Any:
-        return (self.serial if numel < SERIAL_BELOW else self.parallel)(*args)
+        kernel = self.serial if numel < SERIAL_BELOW else self.parallel
+        if kernel.overloads:  # compiled in this process (for some argument types: enough to tell a first call)
+            return kernel(*args)
+        from .compile_once import host_lock
+
+        with host_lock():
+            return kernel(*args)
