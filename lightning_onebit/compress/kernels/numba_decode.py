@@ -9,10 +9,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .layout import KIND_BITS, KIND_TOP, MINMAX_U8
+from .layout import FORMATS, KIND_BITS, KIND_TOP, MINMAX_U2, MINMAX_U4, MINMAX_U8
 from .numba_tiles import block_at
 
 _F32 = np.float32
+# the packed widths the decode loops are written for (ints: numba compiles them in as constants)
+_U4_BITS, _U4_TOP = FORMATS[MINMAX_U4].bits, FORMATS[MINMAX_U4].top
+_U2_BITS, _U2_TOP = FORMATS[MINMAX_U2].bits, FORMATS[MINMAX_U2].top
 
 
 # --- decode -------------------------------------------------------------------------------------
@@ -53,13 +56,19 @@ def sign_run(cw, s, p, q, out):
 
 
 @njit(inline="always", cache=True)
+def code_at(cw, i, bits, top):
+    """The ``bits``-bit code of element i of a row whose packed codes are cw (``top``: the largest)."""
+    at = i * bits
+    return (cw[at >> 3] >> (at & 7)) & top
+
+
+@njit(inline="always", cache=True)
 def mm_code(kind, cw, i):
     """The code of element i of a row whose codes are cw, packed at the kind's width (layout.FORMATS)."""
     bits = KIND_BITS[kind]
     if bits == 8:
         return cw[i]
-    at = i * bits
-    return (cw[at >> 3] >> (at & 7)) & KIND_TOP[kind]
+    return code_at(cw, i, bits, KIND_TOP[kind])
 
 
 @njit(inline="always", cache=True)
@@ -69,16 +78,25 @@ def mm_top(kind):
 
 
 @njit(inline="always", cache=True)
+def _packed_dec_run(cw, smin, step, p, q, out, bits, top):
+    for i in range(q - p):
+        out[i] = _F32(smin + np.float64(code_at(cw, p + i, bits, top)) * step)
+
+
+@njit(inline="always", cache=True)
 def minmax_dec_run(kind, cw, sc0, sc1, p, q, out):
     smin = np.float64(sc0)
     step = (np.float64(sc1) - smin) / mm_top(kind)
-    if KIND_BITS[kind] == 8:
+    bits = KIND_BITS[kind]
+    if bits == 8:
         cs = cw[p:q]
         for i in range(q - p):
             out[i] = _F32(smin + np.float64(cs[i]) * step)
+    # a loop per width, whose shifts are constants (LLVM vectorises it; a width read at run time it does not)
+    elif bits == _U4_BITS:
+        _packed_dec_run(cw, smin, step, p, q, out, _U4_BITS, _U4_TOP)
     else:
-        for i in range(q - p):
-            out[i] = _F32(smin + np.float64(mm_code(kind, cw, p + i)) * step)
+        _packed_dec_run(cw, smin, step, p, q, out, _U2_BITS, _U2_TOP)
 
 
 @njit(inline="always", cache=True)
