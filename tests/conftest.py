@@ -79,7 +79,7 @@ def pytest_sessionstart(session):
     sessions, pytest-xdist's workers, wait for the first one's compile instead of compiling too)."""
     from lightning_onebit.compress.kernels import compile_kernels
 
-    compile_kernels()
+    compile_kernels(every=True)
 
 
 def pytest_report_header(config):

@@ -60,23 +60,45 @@ def test_two_ranks_compile_a_kernel_once(tmp_path, monkeypatch):
     assert {r["lock"] for r in ranks} == {ranks[0]["lock"]} and ranks[0]["lock"].startswith(str(cache))
 
 
-def test_compile_kernels_loads_every_codec_kernel_once_per_process(monkeypatch):
-    """Every numba kernel of the codecs has its serial and parallel copy after ``compile_kernels()``
-    (the session start called it), and a second call does nothing; the lock sits in numba's cache
+def _codec_kernels() -> list:
+    from lightning_onebit.compress.kernels.threads import parallel_and_serial
+
+    return [k for k in parallel_and_serial.instances
+            if k.serial.py_func.__module__.startswith("lightning_onebit.compress.")]
+
+
+def test_compile_kernels_every_compiles_each_codec_kernel_once_per_process(monkeypatch):
+    """``compile_kernels(every=True)`` (the session start ran it) leaves every numba kernel of the codecs
+    with its serial and parallel copy, and a second call does nothing; the lock sits in numba's cache
     folder of the kernels."""
     from lightning_onebit.compress.kernels import compile_once as kcompile
     from lightning_onebit.compress.kernels import numba_cpu
-    from lightning_onebit.compress.kernels.threads import parallel_and_serial
 
-    kcompile.compile_kernels()
-    codec_kernels = [k for k in parallel_and_serial.instances
-                     if k.serial.py_func.__module__.startswith("lightning_onebit.compress.")]
-    assert len(codec_kernels) >= 6
-    for k in codec_kernels:
+    kcompile.compile_kernels(every=True)
+    assert len(_codec_kernels()) >= 6
+    for k in _codec_kernels():
         assert k.serial.overloads and list(k.parallel.overloads) == list(k.serial.overloads), k.serial.py_func
     monkeypatch.setattr(kcompile, "_warm_up", lambda: pytest.fail("compile_kernels ran twice"))
+    kcompile.compile_kernels(every=True)
     kcompile.compile_kernels()
     assert os.path.dirname(kcompile.lock_path()) == numba_cpu._decode_rows.serial.stats.cache_path
+
+
+def _load_only(rank: int, world_size: int) -> list:
+    from lightning_onebit.compress.kernels import compile_kernels
+
+    compile_kernels()
+    return [(k.serial.py_func.__name__, len(k.serial.overloads), len(k.parallel.overloads),
+             sum(k.serial.stats.cache_misses.values()) + sum(k.parallel.stats.cache_misses.values()))
+            for k in _codec_kernels()]
+
+
+def test_compile_kernels_loads_what_the_cache_holds_and_compiles_nothing():
+    """A fresh process (a rank) after the session's compile: ``compile_kernels()`` loads every codec
+    kernel copy from numba's cache, without a cache miss (nothing compiled) and before any call."""
+    (loaded,) = values(run_ranks(_load_only, 1))
+    assert len(loaded) >= 6
+    assert all(serial >= 1 and parallel >= 1 and misses == 0 for _, serial, parallel, misses in loaded), loaded
 
 
 HOLD = textwrap.dedent("""

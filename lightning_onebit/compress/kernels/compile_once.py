@@ -1,16 +1,17 @@
 """The numba CPU kernels compiled once per host, not once per rank.
 
 numba compiles a ``cache=True`` kernel on its first call in a process, or loads it from its on-disk
-cache. On a first run every rank of a host would compile the same kernels at the same time (minutes
-of CPU each on a small machine, where they also race to write numba's cache index). Instead, a
-first call compiles under a host-wide lock (:func:`host_lock`): the first rank to get there compiles
-and writes the cache, the others wait and then load it.
+cache. On a first run every rank of a host would compile the same kernels at the same time (each
+a long compile on a small machine, and a race to write numba's cache index). Instead, a first call
+compiles under a host-wide lock (:func:`host_lock`): the first rank to get there compiles and
+writes the cache, the others wait and then load it.
 
-* :func:`compile_kernels` compiles (or loads) every kernel of the codecs at once; the strategies
-  call it at setup, so that no training step pays for compilation. It is idempotent and costs
-  nothing once done.
-* Every other first call of a kernel (:class:`~.threads.parallel_and_serial`: the optimizers'
-  kernels, a plain-DDP user's first encode) takes the same lock, so those too compile once.
+* A kernel's first call in a process (:class:`~.threads.parallel_and_serial`: the codecs' and the
+  optimizers' kernels, a plain-DDP user's first encode as much as a strategy's) takes the lock, so
+  a first run compiles what it uses, once per host.
+* :func:`compile_kernels`, which the strategies call at setup, loads what the cache holds under
+  the lock before the first step (idempotent, and nothing to do once done); ``every=True``
+  compiles every codec kernel up front (the test session).
 
 The lock is ``fcntl.flock`` on a file beside numba's cache of this package (its ``__pycache__``, or
 under ``NUMBA_CACHE_DIR``), the directory every rank of the host loads the kernels from. The OS drops
@@ -41,13 +42,14 @@ __all__ = ["LOCK_NAME", "LOCK_TIMEOUT_S", "compile_kernels", "host_lock", "lock_
 
 LOCK_NAME = "lightning_onebit-compile.lock"
 LOCK_TIMEOUT_S = 900.0
-"""Seconds a process waits for another's compilation before it compiles by itself (a first compile of
-every kernel takes minutes on 2 busy cores; loading them from the cache, seconds)."""
+"""Seconds a process waits for another's compilation before it compiles by itself: more than a first
+compile of every kernel takes on a small, busy machine (loading them from the cache is quick)."""
 
 _guard = threading.RLock()  # one holder per process: a flock belongs to an open file, not to a thread
 _depth = 0  # host_lock blocks this process is inside
 _fd: int | None = None  # the lock file while held
-_done = False
+_done = False  # every kernel compiled (compile_kernels(every=True))
+_loaded = False  # the cached kernels loaded (compile_kernels())
 
 
 def _here() -> None:
@@ -128,22 +130,47 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def compile_kernels(device: torch.device | str | None = None) -> None:
-    """Compile, or load from numba's cache, every numba CPU kernel of the codecs, once per host.
+def compile_kernels(device: torch.device | str | None = None, *, every: bool = False) -> None:
+    """Have the numba CPU kernels ready in this process, each compiled once per host.
 
-    Runs each codec operation once on a few elements on the numba backend (which compiles the serial
-    copy of every kernel, with the argument types real calls use) and then compiles the parallel
-    copies for the same types, all under :func:`host_lock`. Idempotent: later calls return at once.
-    ``device``: where the codecs will run (a strategy's root device); the CPU kernels are compiled only
-    for a CPU device (or None), since CUDA tensors use the CUDA backend. The strategies call it at
-    setup; without it, each kernel's first call takes the lock by itself."""
-    global _done
-    if _done or (device is not None and torch.device(device).type != "cpu"):
+    By default it loads, under :func:`host_lock`, every kernel that numba's cache holds for the
+    current sources (what earlier runs on this host compiled), and compiles nothing: a kernel that is
+    not in the cache compiles on its first call, under the same lock, so a first run compiles only
+    what it uses, once per host. ``every=True`` compiles every codec kernel now, both copies (a small
+    run of each codec operation on the numba backend, then the parallel copies for the same argument
+    types): a first fit would pay for kernels it never calls; the test session does it, so that no
+    test's time budget pays for a compile. Idempotent: a later call returns at once (one
+    with ``every=True`` after a plain one still compiles). ``device``: where the codecs will run (a
+    strategy's root device); nothing is done for a CUDA device, whose tensors use the CUDA kernels."""
+    global _done, _loaded
+    if _done or (_loaded and not every) or (device is not None and torch.device(device).type != "cpu"):
         return
     with host_lock():
-        if not _done:
+        if every and not _done:
             _warm_up()
             _done = True
+        elif not _loaded:
+            _load_cached()
+        _loaded = True
+
+
+def _load_cached() -> None:
+    """Load every kernel copy numba's cache holds for the current sources, this machine and these
+    types (numba's index lists them; an entry for other sources or another CPU is passed over)."""
+    from . import numba_cpu  # noqa: F401  (the codec kernels, which the backend imports on its first use)
+    from .threads import parallel_and_serial
+
+    for kernel in parallel_and_serial.instances:
+        for copy in (kernel.serial, kernel.parallel):
+            try:
+                codegen = copy.targetctx.codegen()
+                keys = list(copy._cache._cache_file._load_index())  # numba's index: {key: data file}
+                for key in keys:
+                    sig = key[0]
+                    if tuple(sig) not in copy.overloads and copy._cache._index_key(sig, codegen) == key:
+                        copy.compile(sig)
+            except Exception:  # numba's internals moved, or an unreadable index: the first call compiles it
+                continue
 
 
 def _warm_up() -> None:
