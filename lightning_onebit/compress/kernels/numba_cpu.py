@@ -27,7 +27,7 @@ from .layout import DIFF, ERROR_FEEDBACK, FORMATS, MARKOV, PLAIN, REDUCE_TILE, L
 from .numba_decode import decode_run, rows_mean
 from .numba_encode import BATCH as BATCH  # the reduction and encode kernels moved there
 from .numba_encode import SUB as SUB
-from .numba_encode import _combine, _encode, _reduce_minmax, _reduce_sign
+from .numba_encode import _combine, _encode_minmax, _encode_sign, _reduce_minmax, _reduce_sign
 from .numba_source import NO_ROWS, SCRATCH, mean_of_rows, pack
 from .numba_source import apply_sink as _apply_sink
 from .numba_source import pack_sink as _pack_sink
@@ -179,8 +179,9 @@ def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
 @parallel_kernel
 def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     src, rws, sa = _source(x, st)
-    _encode(layout.nseg * layout.seg_len, kind, mode, _mode_factor(mode), src, rws, sa, layout.seg_len, layout.starts,
-            layout.data_ends, scales.reshape(-1).contiguous().numpy(), _rows(codes))
+    kernel = _encode_sign if is_sign(kind) else _encode_minmax
+    kernel(layout.nseg * layout.seg_len, kind, mode, _mode_factor(mode), src, rws, sa, layout.seg_len, layout.starts,
+           layout.data_ends, scales.reshape(-1).contiguous().numpy(), _rows(codes))
 
 
 def accepts_sink(sink) -> bool:

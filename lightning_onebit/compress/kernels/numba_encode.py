@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .layout import KIND_BITS, MINMAX_U8
+from .layout import KIND_BITS
 from .numba_common import combine_block
 from .numba_decode import mm_top
 from .numba_source import SCRATCH
@@ -44,7 +44,7 @@ from .numba_tiles import (
     sign_bits_run,
     tile_span,
 )
-from .threads import parallel_and_serial
+from .threads import parallel_and_serial, variant
 
 __all__ = ["BATCH", "SUB"]
 
@@ -139,7 +139,7 @@ def _combine(kind, ptr, partials, totals):
 
 
 @njit(inline="always", cache=True)
-def _encode_sign_piece(mode, a, xs, ss, r, lo, hi, starts, ends, scales, codes, bits):
+def _encode_sign_piece(kind, mode, a, xs, ss, r, lo, hi, starts, ends, scales, codes, bits):
     """Sign codes of elements [lo, hi) of row r (a piece that starts on a code byte) and the state
     of each scale block's run; padding (from ends[r]) decodes to 0, so its state stays (zero)."""
     nb = starts.shape[1] - 1
@@ -192,23 +192,17 @@ def _encode_minmax_piece(kind, mode, a, xs, ss, r, lo, hi, starts, ends, scales,
         pack_codes(qs, hi - lo, kind, codes[r, (lo * bits) >> 3 : (hi * bits + 7) >> 3])
 
 
-@njit(cache=True)
 def _encode_tile(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, codes, r, t_lo, t_hi, buf, qs):
     """Codes and state of elements [t_lo, t_hi) of row r: the source in cache-sized pieces that start
-    on a code byte (SUB: a multiple of 8), each encoded by the kind's piece (a branch per piece)."""
+    on a code byte (SUB: a multiple of 8), each encoded by the variant's ``_piece``."""
     base = r * seg_len
-    sign = kind < MINMAX_U8
     for lo in range(t_lo, t_hi, SUB):
         hi = min(lo + SUB, t_hi)
         xs = _fill(src, rws, kind, base + lo, hi - lo, buf)
         ss = None if st is None else st[base + lo : base + hi]
-        if sign:
-            _encode_sign_piece(mode, a, xs, ss, r, lo, hi, starts, ends, scales, codes, qs)
-        else:
-            _encode_minmax_piece(kind, mode, a, xs, ss, r, lo, hi, starts, ends, scales, codes, qs)
+        _piece(kind, mode, a, xs, ss, r, lo, hi, starts, ends, scales, codes, qs)
 
 
-@parallel_and_serial
 def _encode(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, codes):
     per_row = (seg_len + TILE - 1) // TILE
     for t in prange(starts.shape[0] * per_row):
@@ -216,6 +210,15 @@ def _encode(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, codes):
         buf = np.empty(SUB + SCRATCH, np.float32)
         qs = np.empty(SUB, np.uint8)  # a piece's sign bits or narrow min-max codes, before packing
         if st.size:
-            _encode_tile(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, codes, r, t_lo, t_hi, buf, qs)
+            _tile(kind, mode, a, src, rws, st, seg_len, starts, ends, scales, codes, r, t_lo, t_hi, buf, qs)
         else:
-            _encode_tile(kind, mode, a, src, rws, None, seg_len, starts, ends, scales, codes, r, t_lo, t_hi, buf, qs)
+            _tile(kind, mode, a, src, rws, None, seg_len, starts, ends, scales, codes, r, t_lo, t_hi, buf, qs)
+
+
+# One encode source, a kernel per family of codes (sign, min-max), each with only its own pieces
+# inlined: a fit compiles the encode of the codes it sends, not of every kind.
+_piece = _tile = None  # bound in each variant
+_encode_sign_tile = njit(cache=True)(variant(_encode_tile, "_encode_sign_tile", _piece=_encode_sign_piece))
+_encode_minmax_tile = njit(cache=True)(variant(_encode_tile, "_encode_minmax_tile", _piece=_encode_minmax_piece))
+_encode_sign = parallel_and_serial(variant(_encode, "_encode_sign", _tile=_encode_sign_tile))
+_encode_minmax = parallel_and_serial(variant(_encode, "_encode_minmax", _tile=_encode_minmax_tile))

@@ -43,7 +43,7 @@ import numba
 import torch
 
 __all__ = ["SERIAL_BELOW", "apply_thread_budget", "available_cores", "parallel_and_serial", "parallel_kernel",
-           "set_thread_budget", "thread_budget"]
+           "set_thread_budget", "thread_budget", "variant"]
 
 SERIAL_BELOW = 1 << 15
 """Element count from which a :func:`parallel_and_serial` kernel runs its parallel copy."""
@@ -144,6 +144,16 @@ def parallel_kernel(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def variant(fn: Callable, name: str, **names: Any) -> Callable:
+    """A copy of ``fn`` named ``name`` (numba caches each copy apart) whose globals ``names`` are bound
+    to other objects: one source for kernels that differ only in the functions they call, each
+    compiled with its own (numba reads globals when it compiles), so a kernel holds only its code."""
+    scope = {**fn.__globals__, **names} if names else fn.__globals__
+    copy = types.FunctionType(fn.__code__, scope, name, fn.__defaults__, fn.__closure__)
+    copy.__qualname__ = fn.__qualname__.rpartition(".")[0] + "." + name if "." in fn.__qualname__ else name
+    return copy
+
+
 class parallel_and_serial:  # noqa: N801  (used as a decorator, like numba's njit)
     """A numba kernel compiled twice, ``parallel=True`` and serial, both cached on disk (the serial
     one is a copy of the function under another name, so the cache keeps them apart). Called with
@@ -155,9 +165,7 @@ class parallel_and_serial:  # noqa: N801  (used as a decorator, like numba's nji
     instances: list[parallel_and_serial] = []
 
     def __init__(self, fn: Callable) -> None:
-        serial = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__,
-                                    fn.__closure__)
-        serial.__qualname__ = fn.__qualname__ + "_serial"
+        serial = variant(fn, fn.__name__ + "_serial")
         self.parallel = numba.njit(parallel=True, nogil=True, cache=True)(fn)
         self.serial = numba.njit(nogil=True, cache=True)(serial)
         parallel_and_serial.instances.append(self)
