@@ -95,8 +95,10 @@ def minmax_dec_run(kind, cw, sc0, sc1, p, q, out):
     # a loop per width, whose shifts are constants (LLVM vectorises it; a width read at run time it does not)
     elif bits == _U4_BITS:
         _packed_dec_run(cw, smin, step, p, q, out, _U4_BITS, _U4_TOP)
-    else:
+    elif bits == _U2_BITS:
         _packed_dec_run(cw, smin, step, p, q, out, _U2_BITS, _U2_TOP)
+    else:  # another width of the table: right, if slower until it gets a loop of its own
+        _packed_dec_run(cw, smin, step, p, q, out, bits, KIND_TOP[kind])
 
 
 @njit(inline="always", cache=True)
