@@ -75,20 +75,11 @@ def pytest_configure(config):
 
 def pytest_sessionstart(session):
     """Compile the numba kernels (both paths) before the first test, so that no test's budget pays
-    for it: a fresh clone compiles for tens of seconds, later runs load numba's on-disk cache."""
-    from lightning_onebit.comm import SimulatedCluster
-    from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
-    from lightning_onebit.compress.kernels import threads
+    for it: a fresh clone compiles for minutes, later runs load numba's on-disk cache (and parallel
+    sessions, pytest-xdist's workers, wait for the first one's compile instead of compiling too)."""
+    from lightning_onebit.compress.kernels import compile_kernels
 
-    below = threads.SERIAL_BELOW
-    try:
-        for serial_below in (below, 0):  # 64 values: the serial copies, then the parallel ones
-            threads.SERIAL_BELOW = serial_below
-            for codec in (SignCodec(), MinMaxUInt8Codec()):
-                for mode in ("error_feedback", "markov"):
-                    SimulatedCluster(codec, mode, 2).allreduce([torch.ones(64), torch.ones(64)])
-    finally:
-        threads.SERIAL_BELOW = below
+    compile_kernels(every=True)
 
 
 def pytest_report_header(config):

@@ -29,11 +29,11 @@ def test_every_kernel_compiles_to_ptx(cc):
 
     ptx = kc.compile_ptx(cc)
     assert set(ptx) == set(kc.kernel_signatures()) == {
-        "_reduce_kernel", "_combine_kernel", "_encode_sign_kernel", "_encode_minmax_kernel", "_decode_kernel"}
+        "_reduce_kernel", "_combine_kernel", "_encode_kernel", "_decode_kernel"}
     for name, text in ptx.items():
         assert f".target sm_{cc[0]}{cc[1]}" in text, name
         assert ".visible .entry" in text and name in text, name
-    for name in ("_encode_minmax_kernel", "_decode_kernel"):  # lo + code * step rounds twice, as on the CPU
+    for name in ("_encode_kernel", "_decode_kernel"):  # lo + code * step rounds twice, as on the CPU
         assert "fma.rn.f64" not in ptx[name] and "mul.rn.f64" in ptx[name], name
 
 

@@ -100,6 +100,35 @@ def test_thread_budget_rule(monkeypatch):
         threads.set_thread_budget(None)
 
 
+def test_the_budget_outlives_the_thread_count_its_own_kernels_set(monkeypatch):
+    """A kernel launch sets numba's count to the budget; applying the budget again afterwards (the
+    optimizer under torchrun, after the strategy compiled the kernels) keeps it, where it used to
+    take that count for the user's choice and drop the budget. A count the user sets still wins."""
+    import numba
+
+    from lightning_onebit.compress.kernels import threads
+
+    count = {"n": 16}
+    monkeypatch.delenv("NUMBA_NUM_THREADS", raising=False)
+    monkeypatch.setattr(threads, "_logged", set())
+    monkeypatch.setattr(threads, "_applied", None)
+    monkeypatch.setattr(threads, "available_cores", lambda: 16)
+    monkeypatch.setattr(numba.config, "NUMBA_NUM_THREADS", 16)
+    monkeypatch.setattr(numba, "get_num_threads", lambda: count["n"])
+    monkeypatch.setattr(numba, "set_num_threads", lambda n: count.update(n=n))
+    try:
+        threads.apply_thread_budget(4)
+        threads.parallel_kernel(lambda: None)()  # a launch: numba's count becomes the budget
+        assert count["n"] == 4
+        threads.apply_thread_budget(4)
+        assert threads.thread_budget() == 4
+        numba.set_num_threads(3)  # the user's
+        msg = threads.apply_thread_budget(4)
+        assert threads.thread_budget() is None and "numba.set_num_threads(3)" in msg
+    finally:
+        threads.set_thread_budget(None)
+
+
 FIT = textwrap.dedent("""
     import json, os, sys
     import lightning as L

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels.layout import Layout, code_bytes_per_row
+from .kernels.layout import Layout
 
 __all__ = ["Encoded"]
 
@@ -44,8 +44,8 @@ class Encoded:
 
     @property
     def nbytes(self) -> int:
-        """Bytes this message puts on the wire: packed codes + fp32 scales."""
-        return self.nseg * code_bytes_per_row(self.kind, self.seg_len) + self.scales.numel() * 4
+        """Bytes this message puts on the wire: its code bytes (``[nseg, bytes_per_row]``) + fp32 scales."""
+        return self.codes.shape[0] * self.codes.shape[1] + self.scales.numel() * 4
 
     def row(self, i: int) -> Encoded:
         return Encoded(self.codes[i : i + 1], self.scales[i : i + 1], self.layout.row(i), self.kind, self.dtype)

@@ -4,9 +4,9 @@ On the CPU, a large buffer comes from numpy's allocator (wrapped by ``torch.from
 an ordinary tensor), which asks Linux for transparent huge pages (``madvise(MADV_HUGEPAGE)``, the
 system default ``madvise`` mode); torch's own allocator does not, unless the process sets
 ``THP_MEM_ALLOC_ENABLE=1``. A compressed step streams four to six bucket-sized buffers at once,
-and with 4 KiB pages their TLB misses cost about a fifth of a reduction's time (17M fp32
-elements, one thread: 14.3 ms on torch's pages, 12.1 ms on numpy's). Elsewhere (a GPU, a small
-buffer) it is ``torch.zeros``/``torch.empty``.
+and with 4 KiB pages their TLB misses slow the reductions down (``benchmarks/optimizer_step.py``
+times the step; ``THP_MEM_ALLOC_ENABLE=1`` gives torch's buffers huge pages too, to compare).
+Elsewhere (a GPU, a small buffer) it is ``torch.zeros``/``torch.empty``.
 """
 
 from __future__ import annotations

@@ -204,7 +204,7 @@ class Source:
             for v, a, b, f in zip(views, bounds[:-1], bounds[1:], self.factors, strict=True):
                 torch.div(self.start[a:b], f, out=v)
         if self.mask is not None and self.mask.numel():
-            # index_fill_ / index_copy_: 2-3x faster than a tensor-indexed assignment on the CPU
+            # index_fill_ / index_copy_: cheaper than a tensor-indexed assignment on the CPU
             if self.masked == "zero":
                 out.index_fill_(0, self.mask, 0.0)
             else:

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .codecs import MODES, Codec, Encoded, _as_fp32_vector, _check_state
+from .base import MODES, Codec, _as_fp32_vector, _check_state
+from .encoded import Encoded
 from .kernels.layout import DIFF, ERROR_FEEDBACK, MARKOV, PLAIN, Layout, make_layout
 
 __all__ = ["TopKCodec"]

@@ -58,7 +58,7 @@ from torch.optim import Optimizer
 
 from ..callbacks.phase import DEFAULT_WARMUP, PhaseSwitch, check_warmup
 from ..comm.agree import gather_objects, is_distributed, max_across_
-from ..compress.kernels import apply_thread_budget
+from ..compress.kernels import apply_thread_budget, compile_kernels
 from ..optim import CompressedOptimizer
 from ..optim.ddp import attach_several
 from .checkpoints import SHARD_DIR, ErrorStateShards, shard_path
@@ -203,6 +203,7 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
         msg = apply_thread_budget(self.num_processes)
         if msg:
             rank_zero_info(msg)
+        compile_kernels(self.root_device)  # once per host: one rank compiles, the others load numba's cache
 
     def setup(self, trainer) -> None:
         super().setup(trainer)

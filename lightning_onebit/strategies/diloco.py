@@ -37,6 +37,7 @@ from ..comm.accounting import ring_allreduce_bytes
 from ..comm.agree import is_distributed, sum_across_
 from ..comm.ddp_hook import register_local_hook
 from ..comm.duplex import enable_duplex
+from ..compress.kernels import compile_kernels
 from ..optim.diloco import COMPRESSIONS, DiLoCo
 from .checkpoints import RankShards
 from .launch import BaseDDPStrategy
@@ -115,6 +116,7 @@ class DiLoCoStrategy(RankShards, BaseDDPStrategy):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         enable_duplex()  # gloo: the compressed outer mean at the link's rate both ways (comm.duplex)
+        compile_kernels(self.root_device)  # the compressed outer all-reduce's numba kernels, compiled once per host
 
     def setup(self, trainer) -> None:
         super().setup(trainer)

@@ -12,6 +12,9 @@ backend can be forced per codec (``backend=...``) or process-wide with the envir
 variable ``LIGHTNING_ONEBIT_BACKEND``; forcing ``cuda`` on CPU tensors is only meaningful
 under numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``), which is how the CUDA kernels
 are tested on machines without a GPU.
+
+:func:`compile_kernels` compiles (or loads from numba's cache) the numba CPU kernels once per host
+(:mod:`.compile_once`); the strategies call it at setup.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ from types import ModuleType
 
 import torch
 
+from .compile_once import compile_kernels
+
 # importing .threads chooses numba's threading layer before any parallel kernel runs
 from .threads import apply_thread_budget, set_thread_budget, thread_budget
 
-__all__ = ["BACKENDS", "ENV_VAR", "apply_thread_budget", "cuda_compiler_available", "get_backend",
+__all__ = ["BACKENDS", "ENV_VAR", "apply_thread_budget", "compile_kernels", "cuda_compiler_available", "get_backend",
            "resolve_backend_name", "set_thread_budget", "thread_budget"]
 
 BACKENDS = ("torch", "numba", "cuda")

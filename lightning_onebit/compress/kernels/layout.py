@@ -26,13 +26,55 @@ from functools import cached_property
 
 import numpy as np
 
-# Codec kinds.
+# Codec kinds: small integers, the kernels' index into the per-kind tuples below.
 SIGN_L2 = 0  # 1-bit sign, scale = ||v||_2 / sqrt(len)        (1-bit Adam)
 SIGN_L1 = 1  # 1-bit sign, scale = ||v||_1 / len              (scaled sign, CD-Adam / EF21)
 MINMAX_U8 = 2  # 8-bit min-max quantisation per block           (QAdam / Bagua MinMaxUInt8)
 MINMAX_U4 = 3  # 4-bit min-max, two codes per byte                (Streaming DiLoCo's outer gradients)
 MINMAX_U2 = 4  # 2-bit min-max, four codes per byte               (MuLoCo / SparseLoCo)
 # every kind from MINMAX_U8 on is min-max: the kernels test ``kind >= MINMAX_U8``
+
+
+@dataclass(frozen=True)
+class CodeFormat:
+    """How a kind of codec puts a scale block on the wire: ``bits``-bit codes, packed little-endian
+    within a byte (element i of a row in byte ``i * bits // 8`` at bit ``(i * bits) % 8``; ``bits``
+    divides 8, so no code spans two bytes), and ``scale_words`` fp32 scales per block. A min-max code
+    q decodes to ``min + q * (max - min) / top``; a sign code to ``+scale`` (1) or ``-scale`` (0)."""
+
+    bits: int  # bits per element
+    top: int  # the largest code: 1 (sign), 2**bits - 1 (min-max)
+    scale_words: int  # fp32 words per scale block: 1 (the scale) or 2 (min, max)
+    totals: int  # fp64 values per block a scale reduction returns: 1 (the sum) or 3 (min, max, finiteness probe)
+
+    def __post_init__(self) -> None:
+        if 8 % self.bits or self.top != (1 << self.bits) - 1 or self.scale_words not in (1, 2):
+            raise ValueError(f"inconsistent code format {self}")
+
+    @property
+    def codes_per_byte(self) -> int:
+        return 8 // self.bits
+
+
+#: Every fact about a kind's codes that the kernels, codecs and byte counts need: one row per kind
+#: (a new bit width is a row here plus the kernels that pack it, see ``MinMaxCodec``).
+FORMATS: dict[int, CodeFormat] = {
+    #          bits  top  scale words  totals
+    SIGN_L2: CodeFormat(1, 1, 1, 1),
+    SIGN_L1: CodeFormat(1, 1, 1, 1),
+    MINMAX_U8: CodeFormat(8, 255, 2, 3),
+    MINMAX_U4: CodeFormat(4, 15, 2, 3),
+    MINMAX_U2: CodeFormat(2, 3, 2, 3),
+}
+#: The min-max kinds by code width (what ``MinMaxCodec(bits=...)`` accepts).
+MINMAX_KINDS: dict[int, int] = {f.bits: k for k, f in FORMATS.items() if f.scale_words == 2}
+
+# The table as tuples indexed by kind, for the numba kernels: numba compiles a global tuple in as a
+# constant, so ``KIND_TOP[kind]`` costs a lookup that LLVM hoists out of the loops.
+assert sorted(FORMATS) == list(range(len(FORMATS))), "kinds index the tuples below"
+KIND_BITS = tuple(FORMATS[k].bits for k in range(len(FORMATS)))
+KIND_PER_BYTE = tuple(FORMATS[k].codes_per_byte for k in range(len(FORMATS)))
+KIND_TOP = tuple(FORMATS[k].top for k in range(len(FORMATS)))
 
 # How the value v that gets encoded is formed from the source s and a state buffer b.
 PLAIN = 0  # v = s
@@ -50,27 +92,32 @@ REDUCE_LANES = 32  # one warp on a GPU; on a CPU the 32 fp64 accumulators vector
 
 
 def is_sign(kind: int) -> bool:
-    return kind in (SIGN_L2, SIGN_L1)
+    return FORMATS[kind].scale_words == 1
 
 
 def code_bits(kind: int) -> int:
-    """Bits per element: 1 (sign), 8, 4 or 2 (min-max). Codes are packed little-endian within a
-    byte (element i of a row in byte ``i * bits // 8`` at bit ``(i * bits) % 8``)."""
-    return {SIGN_L2: 1, SIGN_L1: 1, MINMAX_U8: 8, MINMAX_U4: 4, MINMAX_U2: 2}[kind]
+    """Bits per element: 1 (sign), 8, 4 or 2 (min-max); see :class:`CodeFormat` for the packing."""
+    return FORMATS[kind].bits
 
 
 def levels(kind: int) -> float:
     """The largest min-max code (255, 15, 3): decode = min + q * (max - min) / levels."""
-    return float((1 << code_bits(kind)) - 1)
+    return float(FORMATS[kind].top)
 
 
 def scale_width(kind: int) -> int:
     """fp32 values per scale block: one scale (sign), or (min, max)."""
-    return 1 if is_sign(kind) else 2
+    return FORMATS[kind].scale_words
+
+
+def scale_shape(kind: int, nseg: int, nb: int) -> tuple[int, ...]:
+    """The shape of a message's scales: ``[nseg, nb]`` (one word per block) or ``[nseg, nb, words]``."""
+    words = FORMATS[kind].scale_words
+    return (nseg, nb) if words == 1 else (nseg, nb, words)
 
 
 def code_bytes_per_row(kind: int, seg_len: int) -> int:
-    return (seg_len * code_bits(kind) + 7) // 8
+    return (seg_len * FORMATS[kind].bits + 7) // 8
 
 
 def code_bytes_padded(kind: int, seg_len: int) -> int:

@@ -14,6 +14,8 @@ from numba import config as numba_config
 from numba import cuda, float32
 
 from ..source import Source
+from .numba_common import first_at_least
+from .numba_common import last_at_most as _last_at_most
 
 SIMULATED = bool(numba_config.ENABLE_CUDASIM)
 
@@ -66,31 +68,17 @@ else:
         return libdevice.dmul_rn(a, b)
 
 
-@cuda.jit(device=True, inline=True)
-def _group_at(bounds, pos):
-    """The group k of position ``pos`` (the last k with bounds[k] <= pos; bounds: starts, then the end)."""
-    lo = 0
-    hi = bounds.size - 1
-    while hi - lo > 1:
-        mid = (lo + hi) >> 1
-        if bounds[mid] <= pos:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+#: The group k of position ``pos`` (the last k with bounds[k] <= pos; bounds: starts, then the end),
+#: or the block of a row that holds an element (``last_at_most(starts[r], i)``)
+last_at_most = cuda.jit(device=True, inline=True)(_last_at_most)
+_group_at = last_at_most
+_first_at_least = cuda.jit(device=True, inline=True)(first_at_least)
 
 
 @cuda.jit(device=True, inline=True)
 def _in_sorted(a, v):
     """Whether the sorted array ``a`` holds ``v`` (bisection)."""
-    lo = 0
-    hi = a.size
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if a[mid] < v:
-            lo = mid + 1
-        else:
-            hi = mid
+    lo = _first_at_least(a, v)
     return lo < a.size and a[lo] == v
 
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .layout import MINMAX_U4, MINMAX_U8
+from .layout import FORMATS, KIND_BITS, KIND_TOP, MINMAX_U2, MINMAX_U4, MINMAX_U8
 from .numba_tiles import block_at
 
 _F32 = np.float32
+# the packed widths the decode loops are written for (ints: numba compiles them in as constants)
+_U4_BITS, _U4_TOP = FORMATS[MINMAX_U4].bits, FORMATS[MINMAX_U4].top
+_U2_BITS, _U2_TOP = FORMATS[MINMAX_U2].bits, FORMATS[MINMAX_U2].top
 
 
 # --- decode -------------------------------------------------------------------------------------
@@ -31,8 +34,8 @@ def sign_run(cw, s, p, q, out):
     o = out[k : k + 8 * nbytes]
     ns = -s
     bits = np.empty(256, np.uint8)
-    for c in range(nbytes >> 5):  # 32 bytes at a time: their bits as bytes, then a select (vectorises
-        cc = cs[32 * c : 32 * c + 32]  # both ways: 3.4 against 7.6 ms for 17M values)
+    for c in range(nbytes >> 5):  # 32 bytes at a time: their bits as bytes, then a select (both
+        cc = cs[32 * c : 32 * c + 32]  # vectorise; benchmarks/optimizer_step.py times the decode)
         for m in range(32):
             byte = cc[m]
             for j in range(8):
@@ -53,31 +56,49 @@ def sign_run(cw, s, p, q, out):
 
 
 @njit(inline="always", cache=True)
+def code_at(cw, i, bits, top):
+    """The ``bits``-bit code of element i of a row whose packed codes are cw (``top``: the largest)."""
+    at = i * bits
+    return (cw[at >> 3] >> (at & 7)) & top
+
+
+@njit(inline="always", cache=True)
 def mm_code(kind, cw, i):
-    """The min-max code of element i of a row whose codes are cw (8, 4 or 2 bits, packed)."""
-    if kind == MINMAX_U8:
+    """The code of element i of a row whose codes are cw, packed at the kind's width (layout.FORMATS)."""
+    bits = KIND_BITS[kind]
+    if bits == 8:
         return cw[i]
-    if kind == MINMAX_U4:
-        return (cw[i >> 1] >> ((i & 1) << 2)) & 15
-    return (cw[i >> 2] >> ((i & 3) << 1)) & 3
+    return code_at(cw, i, bits, KIND_TOP[kind])
 
 
 @njit(inline="always", cache=True)
 def mm_top(kind):
-    return 255.0 if kind == MINMAX_U8 else (15.0 if kind == MINMAX_U4 else 3.0)
+    """The largest code of ``kind`` as a float (the divisor of a min-max decode)."""
+    return np.float64(KIND_TOP[kind])
+
+
+@njit(inline="always", cache=True)
+def _packed_dec_run(cw, smin, step, p, q, out, bits, top):
+    for i in range(q - p):
+        out[i] = _F32(smin + np.float64(code_at(cw, p + i, bits, top)) * step)
 
 
 @njit(inline="always", cache=True)
 def minmax_dec_run(kind, cw, sc0, sc1, p, q, out):
     smin = np.float64(sc0)
     step = (np.float64(sc1) - smin) / mm_top(kind)
-    if kind == MINMAX_U8:
+    bits = KIND_BITS[kind]
+    if bits == 8:
         cs = cw[p:q]
         for i in range(q - p):
             out[i] = _F32(smin + np.float64(cs[i]) * step)
-    else:
-        for i in range(q - p):
-            out[i] = _F32(smin + np.float64(mm_code(kind, cw, p + i)) * step)
+    # a loop per width, whose shifts are constants (LLVM vectorises it; a width read at run time it does not)
+    elif bits == _U4_BITS:
+        _packed_dec_run(cw, smin, step, p, q, out, _U4_BITS, _U4_TOP)
+    elif bits == _U2_BITS:
+        _packed_dec_run(cw, smin, step, p, q, out, _U2_BITS, _U2_TOP)
+    else:  # another width of the table: right, if slower until it gets a loop of its own
+        _packed_dec_run(cw, smin, step, p, q, out, bits, KIND_TOP[kind])
 
 
 @njit(inline="always", cache=True)

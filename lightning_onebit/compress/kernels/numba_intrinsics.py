@@ -6,9 +6,9 @@
   contracts ``a * b + c`` by itself (no ``fastmath``), and an fp64 emulation rounds twice.
 * :func:`prefetch`: a software prefetch of ``arr[i]`` into the caches. On this project's
   machines a numba loop that does more than a copy per element (a scale reduction, an encode)
-  does not issue loads far enough ahead to stream memory: prefetching a few KiB ahead takes a
-  reduction over one array from 0.78 to 0.30 ns per element (17M fp32, one thread). A prefetch
-  never faults, so it may point past an array's end.
+  does not issue loads far enough ahead to stream memory, and prefetching a few KiB ahead makes
+  a reduction over one array much faster (``benchmarks/codecs.py`` times the kernels).
+  A prefetch never faults, so it may point past an array's end.
 * :func:`f32_at`: an fp32 pointer from an address. A payload's gradient is read from the
   parameters' own ``.grad`` tensors (one address per tensor, ``numba.carray`` over it) instead
   of a copy in a flat bucket buffer, which cost a read and a write of the whole bucket per step.

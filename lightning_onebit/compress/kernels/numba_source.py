@@ -16,9 +16,10 @@ import torch
 from numba import carray, njit
 
 from ..source import Sink, Source
+from .numba_common import first_at_least
 from .numba_decode import rows_mean
 from .numba_intrinsics import f32_at, fma32
-from .numba_tiles import CH, ahead
+from .numba_tiles import CH, ahead, block_at
 
 # numba's codes of the source operations (Source.op), and of the two inputs that are not expressions
 TENSOR, LERP, GRADIENT, QUOTIENT, ROWS_MEAN = 0, 1, 2, 3, 4
@@ -76,17 +77,9 @@ def mean_of_rows() -> tuple:
     return (ROWS_MEAN, _F32_0, _F32_0, _F32_0, _I64_0, _I64_0, np.float32(0), _F32_0, _I64_0, False, 0, 0)
 
 
-@njit(inline="always", cache=True)
-def _group_at(bounds, pos):
-    """The group k with bounds[k] <= pos < bounds[k + 1] (bounds: starts, then the end)."""
-    lo, hi = 0, bounds.size - 1
-    while hi - lo > 1:
-        mid = (lo + hi) >> 1
-        if bounds[mid] <= pos:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+#: The group k of a position (bounds[k] <= pos < bounds[k + 1]; bounds: the groups' starts, then the end)
+_group_at = block_at
+_first_at_least = njit(inline="always", cache=True)(first_at_least)
 
 
 @njit(inline="always", cache=True)
@@ -122,19 +115,6 @@ def _lerp_to_zero(w, a, out):
     zero = np.float32(0.0)
     for j in range(out.size):
         out[j] = _lerp(w, a[j], zero)
-
-
-@njit(inline="always", cache=True)
-def _copy_run(b, out):
-    n = out.size
-    for c in range(n // CH):
-        o = c * CH
-        ahead(b, o)
-        bc, oc = b[o:o + CH], out[o:o + CH]
-        for j in range(CH):
-            oc[j] = bc[j]
-    for j in range(n - n % CH, n):
-        out[j] = b[j]
 
 
 @njit(inline="always", cache=True)
@@ -178,7 +158,7 @@ def _expression(op, start, end, addr, bounds, w, factors, pos, n, out):
                     for j in range(e - i):
                         o[j] = o[j] * f
             elif have:
-                _copy_run(b, o)
+                o[:] = b  # a copy streams memory without a prefetch (see numba_intrinsics)
             else:
                 o[:] = 0.0
         i = e
@@ -188,15 +168,9 @@ def _expression(op, start, end, addr, bounds, w, factors, pos, n, out):
 @njit(cache=True)
 def _mask(end, addr, bounds, mask, nonfinite, p, m, out):
     """Masked positions in [p, p + m) (``mask`` sorted, found by bisection) get |0 * end| or 0. Not
-    inlined: the rare branch kept out of the fill's loops lets LLVM vectorise them (17.6 against
-    14.1 ms for a reduction of 17M elements)."""
-    lo, hi = 0, mask.size
-    while lo < hi:
-        mid = (lo + hi) >> 1
-        if mask[mid] < p:
-            lo = mid + 1
-        else:
-            hi = mid
+    inlined: the rare branch kept out of the fill's loops lets LLVM vectorise them (the masked
+    payloads of ``benchmarks/optimizer_step.py --embedding`` run it)."""
+    lo = _first_at_least(mask, p)
     while lo < mask.size and mask[lo] < p + m:
         i = mask[lo]
         out[i - p] = abs(_end_at(end, addr, bounds, i) * np.float32(0.0)) if nonfinite else 0.0
@@ -216,8 +190,8 @@ def fill(src, rws, kind, pos, n, buf):
     ``SCRATCH`` elements of ``buf`` are scratch, after ``n``.
 
     Not inlined into the kernels: called once per few hundred elements, a call costs nothing
-    measurable, while inlining the expression into every kernel made numba take about 20 s to
-    compile each one, and the kernel's loops see an array returned by a call, never one of two
+    measurable, while inlining the expression into every kernel made numba's compile of each one
+    many times longer, and the kernel's loops see an array returned by a call, never one of two
     arrays, which LLVM would not vectorise (and once compiled wrongly, reading a state it had
     already written)."""
     op, x, start, end, addr, bounds, w, factors, mask, mask_nonfinite, valid, base = src

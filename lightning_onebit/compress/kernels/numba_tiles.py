@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .layout import ERROR_FEEDBACK, MARKOV, REDUCE_LANES, SIGN_L2
+from .layout import ERROR_FEEDBACK, KIND_BITS, KIND_PER_BYTE, MARKOV, REDUCE_LANES, SIGN_L2
+from .numba_common import last_at_most
 from .numba_intrinsics import prefetch
 
 LANES = REDUCE_LANES
@@ -150,19 +151,8 @@ def minmax_add_plain(xs, mn, mx, probe):
 
 # --- block walk ---------------------------------------------------------------------------------
 
-
-@njit(inline="always", cache=True)
-def block_at(starts_r, pos):
-    """The block of a row that holds element ``pos``: the last j with starts_r[j] <= pos (empty
-    blocks before it are skipped because they start at or before it too)."""
-    lo, hi = 0, starts_r.size - 1
-    while hi - lo > 1:
-        mid = (lo + hi) >> 1
-        if starts_r[mid] <= pos:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+#: The block of a row that holds element ``pos``: ``block_at(starts_r, pos)`` (see :func:`.numba_common.last_at_most`)
+block_at = njit(inline="always", cache=True)(last_at_most)
 
 
 # --- encode -------------------------------------------------------------------------------------
@@ -232,10 +222,11 @@ def pack_bits(bits, n, cs):
 
 
 @njit(inline="always", cache=True)
-def pack_codes(qs, n, bits, cs):
-    """Pack the codes qs[0:n] (uint8, each < 2**bits; bits 4 or 2) into the bytes cs, element i at
-    bit (i * bits) % 8 of byte i * bits // 8, as :func:`pack_bits` packs signs."""
-    per = 8 // bits
+def pack_codes(qs, n, kind, cs):
+    """Pack the codes qs[0:n] (uint8, each at most the kind's top code) into the bytes cs, element i
+    at bit (i * bits) % 8 of byte i * bits // 8, as :func:`pack_bits` packs signs."""
+    bits = KIND_BITS[kind]
+    per = KIND_PER_BYTE[kind]
     full = n // per
     for k in range(full):
         byte = np.uint8(0)
@@ -261,7 +252,7 @@ def minmax_run_plain(xs, cs, sc0, sc1, top):
 
 @njit(inline="always", cache=True)
 def minmax_run(mode, a, xs, ss, cs, sc0, sc1, top):
-    """Min-max codes (one uint8 each, ``top`` the largest: 255, 15 or 3) of a run of elements that
+    """Min-max codes (one uint8 each, ``top`` the kind's largest, a float) of a run of elements that
     share the scales (sc0, sc1) into ``cs``, and their state in the same loop (see sign_bits_run)."""
     smin = np.float64(sc0)
     rng = np.float64(sc1) - smin

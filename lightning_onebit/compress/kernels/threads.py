@@ -24,10 +24,11 @@ as torchrun does for OpenMP, unless the user set ``NUMBA_NUM_THREADS`` or called
 ``numba.set_num_threads``; the budget is applied on the thread that launches a kernel (numba's
 setting is per thread).
 
-Small inputs: starting numba's parallel region costs tens of microseconds, more than the whole
-kernel on a small tensor (a bias, a simulated worker's share). :func:`parallel_and_serial`
-compiles a kernel twice and runs inputs of fewer than ``SERIAL_BELOW`` elements on the serial
-copy; the summation order is the layout's, not the threads', so both give the same bits.
+Small inputs: starting numba's parallel region costs more than the whole kernel on a small
+tensor (a bias, a simulated worker's share; ``benchmarks/codecs.py --sizes`` times any size).
+:func:`parallel_and_serial` compiles a kernel twice and runs inputs of fewer than ``SERIAL_BELOW``
+elements on the serial copy; the summation order is the layout's, not the threads', so both give
+the same bits.
 """
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ import numba
 import torch
 
 __all__ = ["SERIAL_BELOW", "apply_thread_budget", "available_cores", "parallel_and_serial", "parallel_kernel",
-           "set_thread_budget", "thread_budget"]
+           "set_thread_budget", "thread_budget", "variant"]
 
 SERIAL_BELOW = 1 << 15
 """Element count from which a :func:`parallel_and_serial` kernel runs its parallel copy."""
 
 _budget: int | None = None
+_applied: int | None = None  # the budget a kernel launch last set numba's thread count to
 _logged: set[str] = set()
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -93,8 +95,11 @@ def set_thread_budget(n: int | None) -> None:
 def _user_chose() -> str | None:
     if "NUMBA_NUM_THREADS" in os.environ:
         return f"NUMBA_NUM_THREADS={os.environ['NUMBA_NUM_THREADS']}"
-    if numba.get_num_threads() != numba.config.NUMBA_NUM_THREADS:
-        return f"numba.set_num_threads({numba.get_num_threads()})"
+    n = numba.get_num_threads()
+    # a count other than numba's own is the user's, unless a kernel launch set it to the budget (a rank
+    # that ran kernels before the strategy or the optimizer applied the budget again)
+    if n != numba.config.NUMBA_NUM_THREADS and n != _applied:
+        return f"numba.set_num_threads({n})"
     return None
 
 
@@ -126,8 +131,10 @@ def parallel_kernel(fn: F) -> F:
     @wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         torch_threads = torch.get_num_threads()
+        global _applied
         if _budget is not None and numba.get_num_threads() != _budget:
             numba.set_num_threads(_budget)
+            _applied = _budget
         try:
             return fn(*args, **kwargs)
         finally:
@@ -137,17 +144,37 @@ def parallel_kernel(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def variant(fn: Callable, name: str, **names: Any) -> Callable:
+    """A copy of ``fn`` named ``name`` (numba caches each copy apart) whose globals ``names`` are bound
+    to other objects: one source for kernels that differ only in the functions they call, each
+    compiled with its own (numba reads globals when it compiles), so a kernel holds only its code."""
+    scope = {**fn.__globals__, **names} if names else fn.__globals__
+    copy = types.FunctionType(fn.__code__, scope, name, fn.__defaults__, fn.__closure__)
+    copy.__qualname__ = fn.__qualname__.rpartition(".")[0] + "." + name if "." in fn.__qualname__ else name
+    return copy
+
+
 class parallel_and_serial:  # noqa: N801  (used as a decorator, like numba's njit)
     """A numba kernel compiled twice, ``parallel=True`` and serial, both cached on disk (the serial
     one is a copy of the function under another name, so the cache keeps them apart). Called with
-    the element count first: fewer than ``SERIAL_BELOW`` run serially."""
+    the element count first: fewer than ``SERIAL_BELOW`` run serially. A copy's first call in a
+    process compiles it (or loads numba's cache) under the host's compile lock
+    (:func:`.compile_once.host_lock`), so the ranks of a host compile each kernel once."""
+
+    #: every kernel made so far (:func:`.compile_once.compile_kernels` compiles their parallel copies)
+    instances: list[parallel_and_serial] = []
 
     def __init__(self, fn: Callable) -> None:
-        serial = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial", fn.__defaults__,
-                                    fn.__closure__)
-        serial.__qualname__ = fn.__qualname__ + "_serial"
+        serial = variant(fn, fn.__name__ + "_serial")
         self.parallel = numba.njit(parallel=True, nogil=True, cache=True)(fn)
         self.serial = numba.njit(nogil=True, cache=True)(serial)
+        parallel_and_serial.instances.append(self)
 
     def __call__(self, numel: int, *args: Any) -> Any:
-        return (self.serial if numel < SERIAL_BELOW else self.parallel)(*args)
+        kernel = self.serial if numel < SERIAL_BELOW else self.parallel
+        if kernel.overloads:  # compiled in this process (for some argument types: enough to tell a first call)
+            return kernel(*args)
+        from .compile_once import host_lock
+
+        with host_lock():
+            return kernel(*args)

@@ -10,37 +10,31 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .layout import DIFF, ERROR_FEEDBACK, MARKOV, PLAIN, SIGN_L2, Layout, code_bits, is_sign, levels
-
-
-def _unpack_bits(codes: torch.Tensor, seg_len: int) -> torch.Tensor:
-    shifts = torch.arange(8, device=codes.device, dtype=torch.uint8)
-    bits = (codes.unsqueeze(-1) >> shifts) & 1
-    return bits.reshape(codes.shape[0], -1)[:, :seg_len].bool()
+from .layout import DIFF, ERROR_FEEDBACK, FORMATS, MARKOV, PLAIN, SIGN_L2, Layout, code_bytes_per_row, is_sign, levels
 
 
 def _unpack_codes(kind: int, codes: torch.Tensor, seg_len: int) -> torch.Tensor:
-    """Min-max codes as one uint8 per element [nseg, seg_len] (4- and 2-bit codes unpacked)."""
-    bits = code_bits(kind)
-    if bits == 8:
+    """The codes as one uint8 per element [nseg, seg_len] (unpacked from the kind's width)."""
+    fmt = FORMATS[kind]
+    if fmt.codes_per_byte == 1:
         return codes[:, :seg_len]
-    shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
-    q = (codes.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    shifts = torch.arange(0, 8, fmt.bits, device=codes.device, dtype=torch.uint8)
+    q = (codes.unsqueeze(-1) >> shifts) & fmt.top
     return q.reshape(codes.shape[0], -1)[:, :seg_len]
 
 
 def _pack_codes(kind: int, q: torch.Tensor, codes: torch.Tensor) -> None:
     """Write one uint8 code per element [nseg, seg_len] into ``codes``, packed to the kind's width."""
-    bits = code_bits(kind)
+    fmt = FORMATS[kind]
     nseg, seg_len = q.shape
-    if bits == 8:
+    per = fmt.codes_per_byte
+    if per == 1:
         codes[:, :seg_len] = q
         return
-    per = 8 // bits
-    cb = -(-seg_len // per)
+    cb = code_bytes_per_row(kind, seg_len)
     padded = torch.zeros(nseg, cb * per, dtype=torch.uint8, device=q.device)
     padded[:, :seg_len] = q
-    shifts = torch.arange(0, 8, bits, device=q.device, dtype=torch.uint8)
+    shifts = torch.arange(0, 8, fmt.bits, device=q.device, dtype=torch.uint8)
     codes[:, :cb] = (padded.view(nseg, cb, per) << shifts).sum(-1).to(torch.uint8)
 
 
@@ -67,8 +61,7 @@ def _decode_rows(kind: int, layout: Layout, codes: torch.Tensor, scales: torch.T
     """Decoded values as fp32 [nseg, seg_len] (padding: 0)."""
     if is_sign(kind):
         s = _per_element(scales.reshape(layout.nseg, -1), layout)
-        bits = _unpack_bits(codes, layout.seg_len)
-        dec = torch.where(bits, s, -s)
+        dec = torch.where(_unpack_codes(kind, codes, layout.seg_len).bool(), s, -s)
     else:
         mm = _per_element(scales.reshape(layout.nseg, -1, 2), layout).double()
         lo, hi = mm[..., 0], mm[..., 1]
@@ -113,11 +106,7 @@ def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     v = _value(mode, x.view(layout.nseg, layout.seg_len), st, layout)
     if is_sign(kind):
         bits = v >= 0  # -0.0 >= 0 holds: zero and negative zero both code as +1
-        cb = (layout.seg_len + 7) // 8
-        padded = torch.zeros(layout.nseg, cb * 8, dtype=torch.uint8, device=v.device)
-        padded[:, : layout.seg_len] = bits
-        shifts = torch.arange(8, device=v.device, dtype=torch.uint8)
-        codes[:, :cb] = (padded.view(layout.nseg, cb, 8) << shifts).sum(-1).to(torch.uint8)
+        _pack_codes(kind, bits.to(torch.uint8), codes)
         s = _per_element(scales.reshape(layout.nseg, -1), layout)
         dec = torch.where(bits, s, -s)
     else:
