@@ -77,7 +77,7 @@ def pytest_sessionstart(session):
     """Compile the numba kernels (both paths) before the first test, so that no test's budget pays
     for it: a fresh clone compiles for minutes, later runs load numba's on-disk cache (and parallel
     sessions, pytest-xdist's workers, wait for the first one's compile instead of compiling too)."""
-    from lightning_onebit.compress.kernels import compile_kernels
+    from lightning_onebit.compress import compile_kernels
 
     compile_kernels(every=True)
 

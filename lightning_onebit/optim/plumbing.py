@@ -10,17 +10,23 @@ decodes the result itself.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
 
-from ..comm import ByteCounter, Topology
 from ..compress import Source
 from .buckets import Bucket
 from .sync import BucketSync, SyncContext
 
 __all__ = ["SyncPlumbing"]
+
+
+def _shared(path: str, doc: str) -> property:
+    """A read-only property: ``self.sync_context`` at the dotted ``path``."""
+    get = operator.attrgetter(f"sync_context.{path}")
+    return property(get, doc=doc)
 
 
 class SyncPlumbing:
@@ -39,34 +45,18 @@ class SyncPlumbing:
     def process_group(self, group: Any) -> None:
         self.sync_context.group = group
 
-    @property
-    def simulate_workers(self) -> int | None:
-        return self.sync_context.simulate_workers
-
-    @property
-    def comm_counter(self) -> ByteCounter:
-        """Bytes this rank sent (between nodes, with the two-level collective), per step and in total."""
-        return self.sync_context.counter
-
-    @property
-    def intra_node_counter(self) -> ByteCounter:
-        """The two-level collective's fp32 bytes inside a node."""
-        return self.sync_context.intra_counter
-
-    @property
-    def topology(self) -> Topology:
-        return self.sync_context.topology
-
-    @property
-    def hierarchical(self) -> bool | None:
-        """The two-level collective (fp32 inside a node, compressed between nodes): ``None`` = automatic,
-        on with several nodes of several ranks each; see :meth:`set_topology`."""
-        return self.topology.hierarchical
-
-    @property
-    def ranks_per_node(self) -> int | None:
-        """``None``: the launcher's ``LOCAL_WORLD_SIZE``."""
-        return self.topology.ranks_per_node
+    # read-only views of the context, under the optimizer's public names
+    simulate_workers = _shared("simulate_workers", "A simulated cluster of that many workers (int), or None.")
+    comm_counter = _shared("counter", "The ByteCounter of the bytes this rank sent (between nodes, with the "
+                                      "two-level collective), per step and in total.")
+    intra_node_counter = _shared("intra_counter", "The ByteCounter of the two-level collective's fp32 bytes "
+                                                  "inside a node.")
+    topology = _shared("topology", "The Topology its collectives run on (flat or two-level).")
+    hierarchical = _shared("topology.hierarchical", "The two-level collective (fp32 inside a node, compressed "
+                           "between nodes): None = automatic, on with several nodes of several ranks each; see "
+                           "set_topology.")
+    ranks_per_node = _shared("topology.ranks_per_node", "Ranks per node (int); None: the launcher's "
+                             "LOCAL_WORLD_SIZE.")
 
     @property
     def warmup_comm_dtype(self) -> torch.dtype:

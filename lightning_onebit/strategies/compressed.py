@@ -58,7 +58,8 @@ from torch.optim import Optimizer
 
 from ..callbacks.phase import DEFAULT_WARMUP, PhaseSwitch, check_warmup
 from ..comm.agree import gather_objects, is_distributed, max_across_
-from ..compress.kernels import apply_thread_budget, compile_kernels
+from ..compress import compile_kernels
+from ..compress.kernels import apply_thread_budget
 from ..optim import CompressedOptimizer
 from ..optim.ddp import attach_several
 from .checkpoints import SHARD_DIR, ErrorStateShards, shard_path
