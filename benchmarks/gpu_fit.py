@@ -70,7 +70,7 @@ def _fit(args: argparse.Namespace, algorithm: str, precision: str, lr: float, ep
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_onebit.strategies import CompressedDDPStrategy
+    from lightning_onebit.strategies import ALGORITHMS, CompressedDDPStrategy
 
     class FirstToken(L.LightningModule):
         def __init__(self) -> None:
@@ -116,7 +116,8 @@ def _fit(args: argparse.Namespace, algorithm: str, precision: str, lr: float, ep
     x = torch.randint(0, VOCAB, (HALF * BATCH * world, SEQ), generator=g)  # an epoch: the resume starts the next
     data = DataLoader(TensorDataset(x, x[:, 0].clone()), batch_size=BATCH)
     dev = torch.device("cuda", 0) if args.accelerator == "gpu" else torch.device("cpu")
-    strategy = CompressedDDPStrategy(algorithm, warmup=WARMUP, parallel_devices=[dev] * world, optimizer_kwargs=options,
+    warmup = WARMUP if ALGORITHMS[algorithm].has_warmup else None  # the others have no warm-up to set
+    strategy = CompressedDDPStrategy(algorithm, warmup=warmup, parallel_devices=[dev] * world, optimizer_kwargs=options,
                                      process_group_backend=args.backend, timeout=datetime.timedelta(seconds=60))
     model = FirstToken()
     trainer = L.Trainer(accelerator=args.accelerator, strategy=strategy, precision=precision, max_epochs=epochs,

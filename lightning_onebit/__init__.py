@@ -1,8 +1,13 @@
 """lightning_onebit: communication-compressed data-parallel training for Lightning.
 
+Two families share one synchronisation layer (:mod:`lightning_onebit.comm`): the Adam family compresses
+every step's momentum or gradient (1-bit Adam, 1-bit LAMB, 0/1 Adam, QAdam, CD-Adam and the CD-Adam paper's
+baselines), and DiLoCo takes local steps and averages a compressed pseudo-gradient every few of them
+(Streaming DiLoCo's fragments and overlap; local SGD with another inner optimizer).
+
 ``import lightning_onebit`` registers the strategies ``onebit_adam``, ``zero_one_adam``, ``onebit_lamb``,
-``qadam``, ``cd_adam``, ``ef21``, ``ef_amsgrad`` and ``naive_amsgrad`` (plus ``*_spawn`` variants) with
-Lightning's ``StrategyRegistry``.
+``qadam``, ``cd_adam``, ``ef21``, ``ef_amsgrad``, ``naive_amsgrad`` and ``diloco`` (plus ``*_spawn`` and
+``*_forkserver`` variants) with Lightning's ``StrategyRegistry``.
 """
 
 from .callbacks import CommunicationMonitor, PhaseSwitch, ReplicaSync

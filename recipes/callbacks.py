@@ -15,12 +15,11 @@ from typing import Any
 import lightning as L
 import numpy as np
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.data import _set_sampler_epoch
 
 from lightning_onebit import DiLoCo
 from lightning_onebit.callbacks import ReplicaSync, find_compressed_optimizer
-from lightning_onebit.comm import ring_allreduce_bytes
+from lightning_onebit.comm import gather_objects, ring_allreduce_bytes
 from lightning_onebit.optim import NonFiniteGradientError
 from lightning_onebit.strategies import destroy_process_group_at_exit
 from lightning_onebit.strategies.ddp_hooks import HookDDPStrategy
@@ -143,10 +142,7 @@ class RankRecord(L.Callback):
                   "last_step_ratio_vs_fp32": last_ratio, "rounds": rounds, "switch_step": self.switch_step,
                   "param_digest": _param_digest(pl_module), "metrics": metrics,
                   "status": getattr(pl_module, "status", "ok")}
-        records = [record]
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            records = [None] * trainer.world_size
-            dist.all_gather_object(records, record)
+        records = gather_objects(record)
         if trainer.global_rank == 0:
             Path(self.path).parent.mkdir(parents=True, exist_ok=True)
             Path(self.path).write_text(json.dumps(records, indent=1))
@@ -199,10 +195,7 @@ class RNGStates(L.Callback):
         np_state["state"]["key"] = torch.from_numpy(np_state["state"]["key"].astype(np.int64))
         state = {"python": random.getstate(), "numpy": np_state, "torch": torch.get_rng_state(),
                  "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-        states = [state]
-        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            states = [None] * trainer.world_size
-            dist.all_gather_object(states, state)
+        states = gather_objects(state)
         checkpoint[self.KEY] = states
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:

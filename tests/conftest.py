@@ -77,7 +77,7 @@ def pytest_sessionstart(session):
     """Compile the numba kernels (both paths) before the first test, so that no test's budget pays
     for it: a fresh clone compiles for minutes, later runs load numba's on-disk cache (and parallel
     sessions, pytest-xdist's workers, wait for the first one's compile instead of compiling too)."""
-    from lightning_onebit.compress.kernels import compile_kernels
+    from lightning_onebit.compress import compile_kernels
 
     compile_kernels(every=True)
 
@@ -124,16 +124,39 @@ def _infrastructure() -> set[int]:
 
 @pytest.fixture
 def fresh_process_group():
-    """In-process (devices=1) fits leave a process group and MASTER_PORT behind; spawned fits that
-    follow would then try to bind the same port. Modules that fit in-process use it for every test."""
+    """In-process (devices=1) fits leave a process group behind, and its store keeps listening on
+    MASTER_PORT after ``destroy_process_group`` until the trainer that holds it is collected: a
+    spawned fit that followed on the same port would fail to bind it ("address already in use") or
+    its ranks would read the stale store. Modules that fit in-process use it for every test."""
+    import gc
+
     import torch.distributed as dist
 
     saved = dict(os.environ)
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # closes the store's socket
     os.environ.clear()
     os.environ.update(saved)
+
+
+#: MASTER_PORT as the session began (unset, unless the caller set it)
+_SESSION_PORT = os.environ.get("MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _each_test_picks_its_own_port():
+    """Lightning's launcher writes the port it picked into MASTER_PORT, and every later fit of the
+    process reuses it. A port picked once for the whole session (by a module's fixture, say) can be
+    taken meanwhile (as another socket's ephemeral port, by a store still open), so each test's
+    first fit picks a free one again."""
+    yield
+    if os.environ.get("MASTER_PORT") != _SESSION_PORT:
+        if _SESSION_PORT is None:
+            os.environ.pop("MASTER_PORT", None)
+        else:
+            os.environ["MASTER_PORT"] = _SESSION_PORT
 
 
 @pytest.fixture(autouse=True)

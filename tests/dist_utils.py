@@ -56,8 +56,9 @@ def _entry(rank: int, world_size: int, port: int, outdir: str, fn, args, timeout
     # this rank compiles would reload it and refuse the new count once a cached kernel had started the threads
     numba.core.config.reload_config()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     try:
         result = ("ok", fn(rank, world_size, *args))
     except BaseException as exc:  # reported to the parent, which decides
@@ -77,7 +78,11 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 60.0) -> list:
     """
     with tempfile.TemporaryDirectory() as outdir:
         ctx = mp.get_context("forkserver")
-        port = free_port()
+        # The store lives here, not in rank 0: a rank that returns first and exits must not take it
+        # away from ranks still inside a collective that waits on it (a new group's store barrier).
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        port = store.port
         procs = [ctx.Process(target=_entry, args=(r, world_size, port, outdir, fn, args, timeout_s, dict(os.environ)))
                  for r in range(world_size)]
         try:

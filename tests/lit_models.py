@@ -110,9 +110,10 @@ class SaveParams(L.Callback):
         opt = getattr(trainer.optimizers[0], "_optimizer", trainer.optimizers[0])
         counter = getattr(opt, "comm_counter", None)
         # what one compressed sync of every bucket sends (codes + per-tensor scales)
-        payload = sum(b.comm.bytes_per_call(b.numel) for b in getattr(opt, "_buckets", []) if b.comm is not None)
+        synced = [(b.numel, b.sync.comm) for b in getattr(opt, "_buckets", []) if b.sync.comm is not None]
+        payload = sum(c.bytes_per_call(n) for n, c in synced)
         # whether every bucket's collective sends each direction of a pair on its own connection
-        duplex = [getattr(b.comm, "_twin", None) is not None for b in getattr(opt, "_buckets", []) if b.comm]
+        duplex = [getattr(c, "_twin", None) is not None for _, c in synced]
         torch.save({"params": params, "buffers": [b.detach().clone() for b in pl_module.buffers()],
                     "broadcast_buffers": getattr(trainer.strategy.model, "broadcast_buffers", None),
                     "steps": self.steps, "global_step": trainer.global_step, "payload": payload,

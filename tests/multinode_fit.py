@@ -79,7 +79,7 @@ def main() -> None:
     torch.save({
         "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
         "losses": model.losses,
-        "kinds": sorted({type(b.comm).__name__ for b in opt._buckets}),
+        "kinds": sorted({type(b.sync.comm).__name__ for b in opt._buckets}),
         "compressing": opt.compressing,
         "inter_bytes": opt.comm_counter.total.bytes_sent,
         "intra_bytes": opt.intra_node_counter.total.bytes_sent,

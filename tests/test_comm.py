@@ -444,8 +444,8 @@ def test_sparse_mean_gathers_runs_and_averages_in_rank_order():
     values in one gather (rows padded to the longest; a rank with none sends an empty row): every rank
     gets the sorted union and the mean there, summed in rank order as the simulation sums (the first
     two ranks overlap at 7, so the order shows), with or without the duplex twin."""
+    from lightning_onebit.comm import simulated_mean as _simulated_mean
     from lightning_onebit.comm import sparse_mean, sparse_mean_bytes, sparse_row
-    from lightning_onebit.optim.buckets import _simulated_mean
     dense = [torch.zeros(_DOMAIN).index_put_((i,), v) for i, v in map(_sparse_case, range(3))]
     want_index = torch.tensor(sorted({i for r in range(3) for run in _SPARSE[r] for i in run}))
     want = _simulated_mean(dense)[want_index]

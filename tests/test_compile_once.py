@@ -71,21 +71,22 @@ def test_compile_kernels_every_compiles_each_codec_kernel_once_per_process(monke
     """``compile_kernels(every=True)`` (the session start ran it) leaves every numba kernel of the codecs
     with its serial and parallel copy, and a second call does nothing; the lock sits in numba's cache
     folder of the kernels."""
+    from lightning_onebit.compress import compile as kready
     from lightning_onebit.compress.kernels import compile_once as kcompile
     from lightning_onebit.compress.kernels import numba_cpu
 
-    kcompile.compile_kernels(every=True)
+    kready.compile_kernels(every=True)
     assert len(_codec_kernels()) >= 6
     for k in _codec_kernels():
         assert k.serial.overloads and list(k.parallel.overloads) == list(k.serial.overloads), k.serial.py_func
-    monkeypatch.setattr(kcompile, "_warm_up", lambda: pytest.fail("compile_kernels ran twice"))
-    kcompile.compile_kernels(every=True)
-    kcompile.compile_kernels()
+    monkeypatch.setattr(kready, "_warm_up", lambda: pytest.fail("compile_kernels ran twice"))
+    kready.compile_kernels(every=True)
+    kready.compile_kernels()
     assert os.path.dirname(kcompile.lock_path()) == numba_cpu._decode_rows.serial.stats.cache_path
 
 
 def _load_only(rank: int, world_size: int) -> list:
-    from lightning_onebit.compress.kernels import compile_kernels
+    from lightning_onebit.compress import compile_kernels
 
     compile_kernels()
     return [(k.serial.py_func.__name__, len(k.serial.overloads), len(k.parallel.overloads),

@@ -187,7 +187,7 @@ def test_loaded_state_lands_on_the_parameters_device():
     opt_m.load_state_dict(sd)
     for b in opt_m._buckets:
         assert b.flat["exp_avg"].device.type == "meta" and b.flat["exp_avg"].dtype == torch.float32
-        assert b.comm.worker.device.type == "meta" and b.comm.server.device.type == "meta"
+        assert b.sync.comm.worker.device.type == "meta" and b.sync.comm.server.device.type == "meta"
     car = CompressedAllreduce(SignCodec(), "error_feedback")
     car(torch.randn(100))
     fresh = CompressedAllreduce(SignCodec(), "error_feedback")
@@ -510,7 +510,7 @@ def _sparse_warmup_rank(rank, world_size):
             raised.append(s)
         if poison is not None:
             poison.remove()
-    sparse = {tuple(p.shape for p in b.params): b.warmup_sparse for b in opt._buckets}
+    sparse = {tuple(p.shape for p in b.params): b.sync.warmup_sparse for b in opt._buckets}
     return ([p.detach().clone() for p in model.parameters()], grads, means, raised, sparse,
             opt.comm_counter.total.bytes_sent)
 
@@ -539,7 +539,7 @@ def test_a_mostly_zero_warmup_gradient_goes_sparse_on_every_rank_and_in_the_simu
             sim.step_workers([g0[s], g1[s]])
         except NonFiniteGradientError:
             assert s == 2
-    assert {tuple(p.shape for p in b.params): b.warmup_sparse for b in sim._buckets} == sp0
+    assert {tuple(p.shape for p in b.params): b.sync.warmup_sparse for b in sim._buckets} == sp0
     assert sim.comm_counter.total.bytes_sent == b0
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), p0, strict=True))
     emb = ROWS * 64

@@ -606,7 +606,7 @@ def _overlapped(rank: int, world: int, compression: str, inline: bool = False, *
     net = _model()
     opt = DiLoCo(net.parameters(), **kw)
     if inline:
-        opt._sender = _Inline()
+        opt._means._sender = _Inline()
     threads = set()
     with counting_collectives(lambda name: threads.add(threading.current_thread() is threading.main_thread())):
         for t in range(2 * H):
@@ -737,3 +737,66 @@ def test_streaming_overlap_and_mixing_are_the_papers_and_resume_in_flight():
         assert all(torch.equal(a, b) for a, b in zip(full[1], kept_replicas[rank], strict=True))
         assert all(torch.equal(a, b) for a, b in zip(full[0] + full[1], resumed[0] + resumed[1], strict=True))
     assert any(not torch.equal(a, b) for a, b in zip(kept_anchor, replaced, strict=True))
+
+
+def _local_sgd(rank: int, world: int):
+    """DiLoCo with SGD inside and plain averaging outside (local SGD), exact and 4-bit."""
+    out = {}
+    for compression in ("fp32", "4bit"):
+        net = _model()
+        opt = DiLoCo(net.parameters(), lr=0.05, inner=torch.optim.SGD, inner_kwargs={"momentum": 0.9},
+                     sync_every=H, outer_lr=1.0, outer_momentum=0.0, nesterov=False, compression=compression)
+        for t in range(H * OUTER):
+            _backward(net, rank, t)
+            opt.step()
+        out[compression] = ([p.detach().clone() for p in net.parameters()], type(opt._inner).__name__,
+                            sorted(opt.state[next(net.parameters())]))
+    return out
+
+
+def test_local_sgd_is_diloco_with_sgd_inside_and_averaging_outside():
+    """Every H steps of SGD with momentum on its own replica, the ranks average their models: the plain-torch
+    local SGD below, to rounding (the outer step subtracts the mean difference from the anchor); its SGD's
+    momentum buffers stay per rank; 4-bit outer updates stay close and identical on every rank."""
+    r0, r1 = values(run_ranks(_local_sgd, 2))
+    replicas = [_model() for _ in range(2)]
+    inner = [torch.optim.SGD(r.parameters(), lr=0.05, momentum=0.9) for r in replicas]
+    for t in range(H * OUTER):
+        for rank, (net, opt) in enumerate(zip(replicas, inner, strict=True)):
+            _backward(net, rank, t)
+            opt.step()
+        if (t + 1) % H == 0:
+            with torch.no_grad():
+                for ps in zip(*(r.parameters() for r in replicas), strict=True):
+                    mean = (ps[0] + ps[1]) / 2
+                    for p in ps:
+                        p.copy_(mean)
+    ref = [p.detach() for p in replicas[0].parameters()]
+    exact, name, state = r0["fp32"]
+    assert name == "SGD" and state == ["momentum_buffer"]
+    assert all(torch.equal(a, b) for a, b in zip(exact, r1["fp32"][0], strict=True))
+    for a, b in zip(exact, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    coded = r0["4bit"][0]
+    assert all(torch.equal(a, b) for a, b in zip(coded, r1["4bit"][0], strict=True))
+    err = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(coded, ref, strict=True))
+    assert 0 < err < 0.1, err
+
+
+def test_inner_optimizer_arguments_go_to_one_place():
+    """AdamW's own arguments with another inner optimizer, an argument given twice, an inner lr in
+    inner_kwargs, a class that is not an optimizer: each fails at construction, naming it."""
+    ps = list(_model().parameters())
+    with pytest.raises(ValueError, match=r"\['betas'\] are the inner AdamW's arguments, but inner is SGD"):
+        DiLoCo(ps, inner=torch.optim.SGD, betas=(0.8, 0.9))
+    with pytest.raises(ValueError, match=r"\['eps'\] given both as arguments and in inner_kwargs"):
+        DiLoCo(ps, eps=1e-6, inner_kwargs={"eps": 1e-7})
+    with pytest.raises(ValueError, match="inner learning rate is lr"):
+        DiLoCo(ps, inner=torch.optim.SGD, inner_kwargs={"lr": 0.1})
+    with pytest.raises(ValueError, match="inner must be a torch.optim.Optimizer class"):
+        DiLoCo(ps, inner=torch.optim.SGD(ps, lr=0.1))
+    with pytest.raises(ValueError, match="SGD does not take"):
+        DiLoCo(ps, inner=torch.optim.SGD, inner_kwargs={"betas": (0.9, 0.99)})
+    adamw = DiLoCo(ps, inner_kwargs={"amsgrad": True})  # AdamW's other options go through inner_kwargs
+    assert [(g["betas"], g["eps"], g["weight_decay"], g["amsgrad"]) for g in adamw.param_groups] == [
+        ((0.9, 0.999), 1e-8, 1e-2, True)]

@@ -227,7 +227,7 @@ def test_state_dict_between_a_deferred_sync_and_the_update(fresh_process_group):
             opt.zero_grad()
             ddp(torch.randn(16, 8, generator=g)).pow(2).mean().backward()
             if peek and step == 4:
-                assert any(b.comm is not None and b.comm.pending for b in opt._buckets)
+                assert any(b.sync.deferred for b in opt._buckets)
                 seen = [v["exp_avg"].clone() for v in opt.state_dict()["state"].values()]
             opt.step()
         return [p.detach().clone() for p in ddp.parameters()], opt, seen

@@ -142,7 +142,7 @@ def _train(rank, world_size, hierarchical, via_ddp):
             model[3].weight.grad[0, 0] = float("nan")
         opt.step()
         compressed_bytes.append(opt.comm_counter.last.bytes_sent)
-    kinds = {type(b.comm).__name__ for b in opt._buckets}
+    kinds = {type(b.sync.comm).__name__ for b in opt._buckets}
     params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     # a checkpoint of this layout, loaded into an optimizer of the other layout
     other = OnebitAdam(_model().parameters(), lr=1e-2, warmup_steps=2)
@@ -231,7 +231,7 @@ def test_simulated_optimizer_equals_two_levels_of_real_ranks():
             opt.step_workers(grads)
     finally:
         torch.set_num_threads(threads)
-    assert {type(b.comm).__name__ for b in opt._buckets} == {"SimulatedHierarchicalCluster"}
+    assert {type(b.sync.comm).__name__ for b in opt._buckets} == {"SimulatedHierarchicalCluster"}
     assert torch.equal(torch.cat([p.detach().reshape(-1) for p in model.parameters()]), real[0])
 
 
@@ -295,8 +295,8 @@ def test_automatic_choice_of_the_layout(caplog, hierarchical, ranks_per_node, wo
 
     opt = OnebitAdam(_dense_model().parameters(), lr=1e-3, warmup_steps=1, simulate_workers=world)
     opt.set_topology(hierarchical=hierarchical, ranks_per_node=ranks_per_node)
-    with caplog.at_level("WARNING", logger="lightning_onebit.optim.base"):
-        assert opt._ranks_per_node() == chosen
+    with caplog.at_level("WARNING", logger="lightning_onebit.comm.topology"):
+        assert opt.topology.two_level(world_size=opt.simulate_workers) == chosen
     msgs = [r.getMessage() for r in caplog.records]
     if logged is None:
         assert not msgs

@@ -383,7 +383,7 @@ def test_ddp_hook_equals_simulation_bit_for_bit(algo):
         assert torch.equal(p, q)
     per_step = [b - a for a, b in zip([0] + ranks[0][2][:-1], ranks[0][2], strict=True)]
     # a compressed step sends each bucket's codes + one scale per piece of a tensor in a chunk
-    assert per_step[-1] == sum(b.comm.workers[0].bytes_per_call(b.numel) for b in opt._buckets)
+    assert per_step[-1] == sum(b.sync.comm.workers[0].bytes_per_call(b.numel) for b in opt._buckets)
     if algo != "cd_adam":
         warm, comp = per_step[WARMUP - 1], per_step[-1]
         ratio = warm / comp  # this toy's tensors are tiny (32-1024 values): the scales cost ~20%

@@ -8,7 +8,15 @@ import torch
 from lit_models import DigitsMLP
 
 import lightning_onebit  # noqa: F401  (registers the strategy names)
-from lightning_onebit import CompressedDDPStrategy, DiLoCo, DiLoCoStrategy, OnebitAdam, OnebitAdamStrategy, PhaseSwitch
+from lightning_onebit import (
+    CDAdamStrategy,
+    CompressedDDPStrategy,
+    DiLoCo,
+    DiLoCoStrategy,
+    OnebitAdam,
+    OnebitAdamStrategy,
+    PhaseSwitch,
+)
 from lightning_onebit.callbacks.phase import check_warmup, resolve_warmup
 from lightning_onebit.strategies.ddp_hooks import HookDDPStrategy
 
@@ -178,6 +186,7 @@ BAD_OPTIONS = [
     (OnebitAdamStrategy, {"hierarchical": "auto"}), (OnebitAdamStrategy, {"strict_resume": 1}),
     (OnebitAdamStrategy, {"on_nonfinite": "ignore"}), (OnebitAdamStrategy, {"max_consecutive_skips": 0}),
     (OnebitAdamStrategy, {"max_consecutive_skips": 2.0}), (OnebitAdamStrategy, {"clip_when_compressing": "yes"}),
+    (CDAdamStrategy, {"warmup": 0.2}),  # no warm-up to set: it would be ignored
     (DiLoCoStrategy, {"sync_every": 0}), (DiLoCoStrategy, {"sync_every": 2.5}), (DiLoCoStrategy, {"outer_lr": "x"}),
     (DiLoCoStrategy, {"outer_lr": -1.0}), (DiLoCoStrategy, {"outer_momentum": 1.0}), (DiLoCoStrategy, {"nesterov": 1}),
     (DiLoCoStrategy, {"compression": "3bit"}), (DiLoCoStrategy, {"fragments": 32}), (DiLoCoStrategy, {"overlap": -1}),

@@ -5,10 +5,10 @@ uncompressed calls beside :class:`~lightning_onebit.comm.CompressedAllreduce`. E
 in one process (or without an initialised default group).
 
 Latency on gloo: its ring ``all_gather`` waits a round trip per step, n - 1 of them, and a small
-``all_reduce`` about 2 (measured on 4 emulated nodes with 50 ms round trips: 154 ms and 103 ms,
-against 53 ms for an ``all_to_all_single``). So on gloo with CPU tensors a gather of rows
-(:func:`all_gather_rows`) and a small OR (:func:`any_across`) send each rank's row to every rank in
-one ``all_to_all_single``: one round trip. A gather sends the same (n - 1) rows per rank either way;
+``all_reduce`` about 2, against one for an ``all_to_all_single`` (``benchmarks/collectives.py --rtt 50`` and
+its ``*_ring`` methods; benchmarks/RESULTS.md, "Measurements behind design choices"). So on gloo with CPU
+tensors a gather of rows (:func:`all_gather_rows`) and a small OR (:func:`any_across`) send each rank's row
+to every rank in one ``all_to_all_single``: one round trip. A gather sends the same (n - 1) rows per rank either way;
 an OR sends (n - 1) copies of its bytes instead of a ring's 2 (n - 1) / n, so it fans out only while
 that stays under :data:`FANOUT_MAX_BYTES`.
 """
@@ -25,9 +25,9 @@ import torch.distributed as dist
 from .accounting import ByteCounter, ring_allreduce_bytes
 from .duplex import exchange_rows
 
-__all__ = ["FANOUT_MAX_BYTES", "WIRE_DTYPES", "all_finite", "all_finite_many", "all_gather_rows", "any_across",
-           "any_across_bytes", "backend_for", "collective_device", "fans_out", "group_size", "launcher_ranks_per_node",
-           "mean_allreduce", "mean_allreduce_future", "pack_bits", "ready_future", "unpack_bits", "wire_dtype"]
+__all__ = ["FANOUT_MAX_BYTES", "all_finite", "all_finite_many", "all_gather_rows", "any_across", "any_across_bytes",
+           "backend_for", "collective_device", "fans_out", "group_size", "launcher_ranks_per_node", "mean_allreduce",
+           "mean_allreduce_future", "pack_bits", "ready_future", "to_wire", "unpack_bits"]
 
 FANOUT_MAX_BYTES = 1 << 16
 """The most bytes a rank sends in a fanned-out :func:`any_across` ((n - 1) copies of its packed flags);
@@ -50,24 +50,7 @@ def group_size(group=None) -> int:
     return 1
 
 
-WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""The dtypes a full-precision mean may travel in, by their short names."""
-
-
-def wire_dtype(dtype: torch.dtype | str | None, name: str = "dtype",
-               allowed: dict[str, torch.dtype] = WIRE_DTYPES) -> torch.dtype:
-    """``dtype`` as one of ``allowed`` (default :data:`WIRE_DTYPES`; a name or the dtype; ``None``: fp32),
-    else a ValueError that calls it ``name``."""
-    if dtype is None:
-        return torch.float32
-    got = allowed.get(dtype) if isinstance(dtype, str) else dtype
-    if got not in allowed.values():
-        raise ValueError(f"{name} must be one of {sorted(allowed)} (or the torch dtypes "
-                         f"{', '.join(map(str, allowed.values()))}), got {dtype!r}")
-    return got
-
-
-def _to_wire(t: torch.Tensor, n: int, dtype: torch.dtype | None) -> torch.Tensor:
+def to_wire(t: torch.Tensor, n: int, dtype: torch.dtype | None) -> torch.Tensor:
     """``t / n`` (in place) in the dtype it is sent in: divided in fp32 before the cast, so fp16's sum of
     n quotients stays in range where the sum of the gradients would not."""
     t.div_(n)
@@ -81,7 +64,7 @@ def mean_allreduce(t: torch.Tensor, group=None, counter: ByteCounter | None = No
     that dtype, as PyTorch's ``bf16_compress_hook``/``fp16_compress_hook`` do, for half the bytes."""
     n = group_size(group)
     if n > 1:
-        wire = _to_wire(t, n, dtype)
+        wire = to_wire(t, n, dtype)
         dist.all_reduce(wire, group=group)
         if wire is not t:
             t.copy_(wire)
@@ -103,7 +86,7 @@ def mean_allreduce_future(t: torch.Tensor, group=None, counter: ByteCounter | No
     n = group_size(group)
     if n == 1:
         return ready_future(t)
-    wire = _to_wire(t, n, dtype)
+    wire = to_wire(t, n, dtype)
     if counter is not None:
         counter.add(ring_allreduce_bytes(t.numel(), n, wire.element_size()), t.numel(), n)
     work = dist.all_reduce(wire, group=group, async_op=True).get_future()
@@ -115,8 +98,8 @@ def mean_allreduce_future(t: torch.Tensor, group=None, counter: ByteCounter | No
 def all_finite(x: torch.Tensor) -> torch.Tensor:
     """0-dim bool on ``x``'s device: every element of ``x`` is finite. min and max propagate NaN and
     show an infinity, so one fused pass decides it without a host sync; ``isfinite(x).all()`` makes
-    x-sized temporaries (0.27 s against 0.011 s at 25M fp32 elements on one CPU thread), and so does
-    a sum in fp64."""
+    x-sized temporaries, and so does a sum in fp64 (both far slower: benchmarks/RESULTS.md, "Measurements
+    behind design choices")."""
     if x.numel() == 0:
         return torch.ones((), dtype=torch.bool, device=x.device)
     return torch.isfinite(torch.stack(torch.aminmax(x.detach().reshape(-1)))).all()
@@ -125,8 +108,8 @@ def all_finite(x: torch.Tensor) -> torch.Tensor:
 def all_finite_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """0-dim bool: every element of every tensor in ``tensors`` is finite. GradScaler's foreach check
     (``_amp_foreach_non_finite_check_and_unscale_`` with scale 1, which rewrites each value as itself)
-    decides each device and dtype in one kernel: 0.18 ms against 1.5 ms for :func:`all_finite` on each
-    of the 54 gradients of the time-to-accuracy LM, on one CPU thread. Sparse tensors and dtypes it does
+    decides each device and dtype in one kernel, where :func:`all_finite` makes a pass per tensor (the
+    measurement: benchmarks/RESULTS.md, "Measurements behind design choices"). Sparse tensors and dtypes it does
     not take go through :func:`all_finite`."""
     if not tensors:
         return torch.ones((), dtype=torch.bool)
@@ -220,7 +203,8 @@ _BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 def pack_bits(flags: torch.Tensor) -> torch.Tensor:
     """Bools -> uint8, 8 to a byte, first flag in the lowest bit (the tail padded with False)."""
     if flags.device.type == "cpu":
-        # numpy's C loops: 0.6 ms each way for the 10M flags of a BERT embedding's masked rows, torch's ops 14-17
+        # numpy's C loops: many times faster than torch's ops for a BERT embedding's masked rows (benchmarks/
+        # RESULTS.md, "Measurements behind design choices")
         return torch.from_numpy(np.packbits(flags.reshape(-1).to(torch.bool).numpy(), bitorder="little"))
     flat = flags.reshape(-1).to(torch.uint8)
     pad = -flat.numel() % 8

@@ -1,11 +1,11 @@
 """Exchanges that carry each direction of a rank pair on a TCP connection of its own (gloo).
 
 gloo joins two ranks of a process group by one TCP connection, and bytes sent both ways on it at once
-move at about one direction's rate: on 2 emulated nodes at 100 Mbit/s the two exchanges of the 1-bit
-allreduce's bytes at 30.4M elements (3.8 MB each way) took 0.61 s where the link needs 0.30 s, and 0.32 s
-with each direction on a connection of its own (``benchmarks/collectives.py --methods wire1bit
-wire1bit_duplex pair_bothways pair_duplex``), while plain sockets carry both directions of one connection
-at the link's rate (``benchmarks/netns_cluster.py --selftest 100mbit --both-ways``). The two exchanges of
+move at about one direction's rate, about twice what the link needs, and at the link's rate with each
+direction on a connection of its own (``benchmarks/collectives.py --methods wire1bit wire1bit_duplex
+pair_bothways pair_duplex``; measured in benchmarks/TIME_TO_ACCURACY.md, "Why the exchanges go duplex"),
+while plain sockets carry both directions of one connection at the link's rate
+(``benchmarks/netns_cluster.py --selftest 100mbit --both-ways``). The two exchanges of
 the compressed allreduce send both ways at once by design, so on gloo they go as point-to-point messages:
 from the lower rank of a pair to the higher on the group itself, back on a *twin* group over the same
 ranks.

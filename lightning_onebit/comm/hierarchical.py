@@ -39,7 +39,7 @@ from ..compress.source import Source
 from .accounting import ByteCounter
 from .allreduce import CompressedAllreduce, _group_rank_size
 from .dense import _all_gather_single, all_finite, fans_out
-from .simulated import SimulatedCluster
+from .simulated import SimulatedCluster, record_flags
 from .two_stage import TwoStageRank
 
 __all__ = ["HierarchicalAllreduce", "SimulatedHierarchicalCluster", "node_groups", "shard_groups"]
@@ -94,7 +94,8 @@ def _node_mean(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Ten
     fp64, then / L. The real call and the simulation both use it, so their node means are the same bits.
 
     On the CPU a numba kernel does it in one pass into ``out``; the torch formulation (same arithmetic)
-    makes three fp64 temporaries, ~7x slower at 12.5M elements and the slowest part of the call."""
+    makes three fp64 temporaries and was the slowest part of the call (benchmarks/RESULTS.md, "Measurements
+    behind design choices")."""
     if out is None:
         out = torch.empty(rows.shape[1], dtype=torch.float32, device=rows.device)
     if rows.device.type == "cpu" and rows.dtype == torch.float32 and rows.is_contiguous():
@@ -111,7 +112,27 @@ def _intra_node_bytes(ranks_per_node: int, shard_len: int) -> int:
     return 2 * (ranks_per_node - 1) * shard_len * 4
 
 
-class HierarchicalAllreduce:
+class _Shards:
+    """What both two-level collectives know of their shards: ``numel`` once bound, cut into ``ranks_per_node``."""
+
+    numel: int | None
+    ranks_per_node: int
+
+    @property
+    def shard_len(self) -> int:
+        return _shard_len(self.numel, self.ranks_per_node)
+
+    def _bound(self, numel: int) -> bool:
+        """True if bound to ``numel`` already (another size is an error); else ``numel`` is bound now."""
+        if self.numel is not None:
+            if numel != self.numel:
+                raise ValueError(f"{type(self).__name__} is bound to {self.numel} elements, got {numel}")
+            return True
+        self.numel = numel
+        return False
+
+
+class HierarchicalAllreduce(_Shards):
     """Compressed estimate of the mean of a 1-D tensor over ``N`` nodes of ``L`` ranks.
 
     Args:
@@ -153,17 +174,10 @@ class HierarchicalAllreduce:
     def flag_values(self) -> list[int]:
         return self._agreement.flag_values
 
-    @property
-    def shard_len(self) -> int:
-        return _shard_len(self.numel, self.ranks_per_node)
-
     def bind(self, numel: int, device: torch.device | str) -> None:
         """Allocate the shard's collective (its error state) and the fp32 buffers for ``numel`` elements."""
-        if self.numel is not None:
-            if numel != self.numel:
-                raise ValueError(f"HierarchicalAllreduce is bound to {self.numel} elements, got {numel}")
+        if self._bound(numel):
             return
-        self.numel = numel
         L, s = self.ranks_per_node, self.shard_len
         sg = shard_groups(numel, L, self.local_rank, self.groups, self.codec.block_size)
         # one rank per node by construction: fan out wherever gloo would otherwise ring (see CompressedAllreduce)
@@ -176,8 +190,8 @@ class HierarchicalAllreduce:
         self._recv = torch.zeros(L, s, **f32)
         self._mean = torch.zeros(s, **f32)
         self._gathered = torch.zeros(L * s, **f32)
-        # gloo's all_gather of large fp32 buffers is ~4x slower than an all_to_all of the same bytes
-        # (measured on a host's loopback, 2 x 50 MB); there the shard goes out through all_to_all_single
+        # gloo's all_gather of large fp32 buffers is slower than an all_to_all of the same bytes (benchmarks/
+        # RESULTS.md, "Measurements behind design choices"); there the shard goes out through all_to_all_single
         # from L copies of it in the (by then free) send buffer
         self._gather_by_all_to_all = L > 1 and dist.get_backend(self.local_group) == "gloo"
 
@@ -266,7 +280,7 @@ class HierarchicalAllreduce:
             self.cross.load_state_dict(sd["cross"], device)
 
 
-class SimulatedHierarchicalCluster:
+class SimulatedHierarchicalCluster(_Shards):
     """``nodes`` x ``ranks_per_node`` simulated ranks with exactly the arithmetic of
     :class:`HierarchicalAllreduce` (worker ``node * ranks_per_node + local_rank``): the node means
     are formed as the real call forms them, and local rank ``j``'s shard goes through a
@@ -288,16 +302,9 @@ class SimulatedHierarchicalCluster:
         self.any_flag = False
         self.flag_values: list[int] = [0]  # every worker's flag in the last call, as in the distributed call
 
-    @property
-    def shard_len(self) -> int:
-        return _shard_len(self.numel, self.ranks_per_node)
-
     def bind(self, numel: int, device: torch.device | str) -> None:
-        if self.numel is not None:
-            if numel != self.numel:
-                raise ValueError(f"bound to {self.numel} elements, got {numel}")
+        if self._bound(numel):
             return
-        self.numel = numel
         L = self.ranks_per_node
         self.clusters = [SimulatedCluster(self.codec, self.mode, self.nodes, pieces=self.pieces,
                                           counter=self.counter if j == 0 else None,
@@ -309,13 +316,7 @@ class SimulatedHierarchicalCluster:
     def allreduce(self, xs: Sequence[torch.Tensor], flags: Sequence[bool] | None = None) -> list[torch.Tensor]:
         """The two-level compressed mean of ``xs`` (one per rank); ``flags``: ``flag_values`` and ``any_flag``."""
         xs = [x.materialize() if isinstance(x, Source) else x for x in xs]
-        self.flag_values = [int(f or 0) for f in flags] if flags is not None else [0] * len(xs)
-        self.any_flag = any(self.flag_values)
-        if len(xs) != self.world_size:
-            raise ValueError(f"expected {self.world_size} tensors (one per rank), got {len(xs)}")
-        sizes = {x.numel() for x in xs}
-        if len(sizes) != 1:
-            raise ValueError(f"ranks disagree on numel: {[x.numel() for x in xs]}")
+        record_flags(self, xs, flags, "rank")
         bad = [r for r, x in enumerate(xs) if not bool(all_finite(x))]
         if bad:
             raise ValueError(f"SimulatedHierarchicalCluster: the input of rank(s) {bad} is not finite (NaN or "

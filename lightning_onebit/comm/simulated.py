@@ -19,7 +19,18 @@ from ..compress import Codec
 from .accounting import ByteCounter
 from .two_stage import TwoStageRank
 
-__all__ = ["SimulatedCluster"]
+__all__ = ["SimulatedCluster", "record_flags"]
+
+
+def record_flags(cluster, xs: Sequence[torch.Tensor], flags: Sequence[bool] | None, who: str) -> None:
+    """A simulated call's inputs checked (one per ``who``, all of one size) after its flags are recorded as the
+    distributed call records them (``flag_values`` in rank order, ``any_flag``)."""
+    cluster.flag_values = [int(f or 0) for f in flags] if flags is not None else [0] * len(xs)
+    cluster.any_flag = any(cluster.flag_values)
+    if len(xs) != cluster.world_size:
+        raise ValueError(f"expected {cluster.world_size} tensors (one per {who}), got {len(xs)}")
+    if len({x.numel() for x in xs}) != 1:
+        raise ValueError(f"{who}s disagree on numel: {[x.numel() for x in xs]}")
 
 
 class SimulatedCluster:
@@ -73,13 +84,7 @@ class SimulatedCluster:
 
     def _run(self, xs: Sequence[torch.Tensor], flags: Sequence[bool] | None,
              out: torch.Tensor | None, defer: bool = False) -> list[torch.Tensor] | None:
-        self.flag_values = [int(f or 0) for f in flags] if flags is not None else [0] * len(xs)
-        self.any_flag = any(self.flag_values)
-        if len(xs) != self.world_size:
-            raise ValueError(f"expected {self.world_size} tensors (one per worker), got {len(xs)}")
-        sizes = {x.numel() for x in xs}
-        if len(sizes) != 1:
-            raise ValueError(f"workers disagree on numel: {[x.numel() for x in xs]}")
+        record_flags(self, xs, flags, "worker")
         prepared = [w.prepare(x) for w, x in zip(self.workers, xs, strict=True)]
         bad = [r for r, (_, _, ok) in enumerate(prepared) if not bool(ok)]
         if bad:

@@ -1,4 +1,4 @@
-"""The compressed optimizers: 1-bit Adam, 0/1 Adam, 1-bit LAMB, QAdam, CD-Adam and baselines.
+"""The optimizers: 1-bit Adam, 0/1 Adam, 1-bit LAMB, QAdam, CD-Adam and baselines, and DiLoCo.
 
 Each optimizer class registers its strategy name (``CompressedOptimizer.algorithms()``)."""
 

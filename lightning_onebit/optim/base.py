@@ -28,8 +28,9 @@ its variance has not been estimated yet.
 
 A subclass describes itself with class attributes (``strategy_name``, ``has_warmup``,
 ``comm_mode``, ``flat_state``, ``from_adam``) and defines the codec, the payload, how the
-result is absorbed, and the two update rules. The optimizer never calls torch.distributed
-directly; it goes through the comm layer.
+result is absorbed, and the two update rules; what the compressed mean sends is its ``wire``. The
+optimizer never calls torch.distributed directly; it goes through the comm layer: every bucket's
+:class:`~.sync.BucketSync` makes its collectives through :func:`~lightning_onebit.comm.make_mean`.
 """
 
 from __future__ import annotations
@@ -41,10 +42,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ..comm import ByteCounter, any_across, group_size
+from ..comm import Topology, Wire, any_across
 from ..compress.kernels import apply_thread_budget
 from .buckets import Bucket, BucketState
 from .checkpointing import OptimizerCheckpoint
@@ -52,12 +52,17 @@ from .conversion import AdamConversion, check_hyperparameters
 from .ddp import DDPHookPath
 from .functional import decoupled_update_
 from .nonfinite import NonFiniteGradientError, NonFinitePolicy, SkippedEverywhere, check_nonfinite_policy
-from .sync import BucketSync, CollectiveError, warmup_wire
+from .plumbing import SyncPlumbing
+from .sync import CollectiveError, SyncContext, sync_together
+from .warmup_mean import warmup_mean
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CollectiveError", "CompressedOptimizer", "NonFiniteGradientError", "check_hyperparameters",
+__all__ = ["WARMUP_WIRES", "CollectiveError", "CompressedOptimizer", "NonFiniteGradientError", "check_hyperparameters",
            "check_nonfinite_policy"]
+
+#: what ``warmup_comm_dtype`` may name: a dense mean, or 8-bit codes
+WARMUP_WIRES = ("fp32", "bf16", "fp16", "uint8")
 
 
 def _thread_budget_from_launcher() -> None:
@@ -70,8 +75,8 @@ def _thread_budget_from_launcher() -> None:
             log.info(msg)
 
 
-class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath, OptimizerCheckpoint,
-                          AdamConversion, Optimizer):
+class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPath, OptimizerCheckpoint, AdamConversion,
+                          Optimizer):
     """Base class. Subclasses define the flat state, the payload, and the update rules.
 
     Args (keyword-only in every subclass):
@@ -100,6 +105,8 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
     has_warmup: ClassVar[bool] = True
     #: how the collective treats its state: "plain", "error_feedback" or "markov"
     comm_mode: str = "error_feedback"
+    #: what the compressed mean sends (its codec; every param group's ``block_size`` cuts its scales)
+    wire: Wire = Wire.sign()
     #: the ranks take local steps, so their replicas differ between rounds (see sync_replicas)
     has_local_steps: ClassVar[bool] = False
     #: a NaN/inf gradient always makes the payload non-finite, so the collective's own check (its
@@ -122,8 +129,7 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
         return dict(CompressedOptimizer._registry)
 
     def __init__(self, params: Iterable, defaults: dict, *, warmup_steps: int | None,
-                 bucket_cap_mb: float = 25.0, group: dist.ProcessGroup | None = None,
-                 simulate_workers: int | None = None,
+                 bucket_cap_mb: float = 25.0, group: Any = None, simulate_workers: int | None = None,
                  warmup_comm_dtype: torch.dtype | str | None = None) -> None:
         super().__init__(params, defaults)
         if warmup_steps is not None and (not isinstance(warmup_steps, int) or warmup_steps < 0):
@@ -133,12 +139,12 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
         if simulate_workers is not None and simulate_workers < 1:
             raise ValueError(f"simulate_workers must be >= 1, got {simulate_workers}")
         self.warmup_steps = warmup_steps
-        self.warmup_comm_dtype = warmup_wire(warmup_comm_dtype)
+        self.warmup_wire = Wire.parse(warmup_comm_dtype, option="warmup_comm_dtype", allowed=WARMUP_WIRES)
         self.bucket_cap_mb = bucket_cap_mb
-        self.process_group = group
-        self.simulate_workers = simulate_workers
+        #: the group, topology and byte counters every bucket's synchronisation shares
+        self.sync_context = SyncContext(type(self).__name__, group=group, simulate_workers=simulate_workers,
+                                        topology=Topology(who=type(self).__name__), step=lambda: self._step + 1)
         _thread_budget_from_launcher()
-        self.comm_counter = ByteCounter()
         self._step = 0
         self._compressing = not self.has_warmup
         self._switch_at: int | None = None  # optimizer steps taken when the compression phase began
@@ -152,13 +158,6 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
         #: with DDP, synchronise in step() instead of the backward hook (fp16 + GradScaler:
         #: the hook would see scaled gradients; also lets clipping act before compression)
         self.defer_sync_to_step = False
-        #: two-level collective (fp32 inside a node, compressed between nodes): None = automatic,
-        #: on with several nodes of several ranks each; see set_topology
-        self.hierarchical: bool | None = None
-        self.ranks_per_node: int | None = None  # None: the launcher's LOCAL_WORLD_SIZE
-        self._node_groups: tuple | None = None
-        #: fp32 bytes inside the node of the two-level collective (comm_counter: between nodes)
-        self.intra_node_counter = ByteCounter()
         self.on_nonfinite = "raise"  # see set_nonfinite_policy
         self.max_consecutive_skips = 10
         self.skipped_steps = 0  #: steps skipped for a non-finite gradient (policy "skip")
@@ -172,6 +171,7 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
         for p in self.param_groups[-1]["params"]:
             if p.is_sparse or p.is_complex():
                 raise ValueError(f"{type(self).__name__} supports dense real parameters only")
+        self.wire.codec(self.param_groups[-1].get("block_size"))  # its block size, validated now
 
     # -- phases --------------------------------------------------------------------------
     @property
@@ -209,7 +209,7 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
     def _switch_bucket(self, b: Bucket) -> None:
         b.compressing = True
         b.cache.clear()
-        b.warmup_comm = None  # the warm-up's codes are done: free their collective and its result buffer
+        b.sync.end_warmup()  # the warm-up's codes are done: free their collective and its result buffer
         b.drop_buffers("warm-up mean")
         for p in b.params:
             st = self.state[p]
@@ -244,13 +244,6 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
 
     def _on_switch(self, b: Bucket) -> None:
         """Hook for subclasses: freeze the variance etc. of bucket ``b``, before its first compressed sync."""
-
-    # -- layout --------------------------------------------------------------------------
-    @property
-    def world_size(self) -> int:
-        if self.simulate_workers is not None:
-            return self.simulate_workers
-        return group_size(self.process_group)
 
     # -- updates (subclasses) ------------------------------------------------------------
     def _update_warmup(self, b: Bucket, grad: torch.Tensor | list[torch.Tensor], group: dict,
@@ -318,7 +311,7 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
         local = [i for i, b in enumerate(buckets) if not b.via_ddp]
         if local and self.world_size > 1:
             flags = torch.tensor([h for i in local for h in has[i]], dtype=torch.bool)
-            with self._collective("agreement on which parameters have gradients"):
+            with self.sync_context.failure("agreement on which parameters have gradients"):
                 agreed = any_across(flags, self.process_group).tolist()
             for i in local:
                 has[i], agreed = agreed[: len(has[i])], agreed[len(has[i]) :]
@@ -341,15 +334,13 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
             return
         except BaseException:
             for b in buckets:  # the next step starts from scratch (the hook's work included)
-                b.done, b.ready, b.pending = False, 0, []
-                if b.comm is not None and getattr(b.comm, "pending", False):
-                    b.comm.discard_pending()
+                b.reset_step(discard=True)
             raise
         self._skip_run = []
         # Pass 2: updates.
         self._step += 1
         for b, has, grad, saved in plan:
-            b.done, b.ready, b.pending = False, 0, []
+            b.reset_step()
             if not any(has):
                 continue
             for p, h in zip(b.params, has, strict=True):
@@ -373,8 +364,9 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
         plan, calls = [], []
         for b, has in zip(buckets, has_all, strict=True):
             # a compressed sync whose payload reads the gradients where they are copies none of them
-            in_place = (b.compressing and self.payload_reads_grads and not b.done
-                        and not (b.via_ddp and b.ready))
+            s = b.sync
+            in_place = (b.compressing and self.payload_reads_grads and not s.done
+                        and not (b.via_ddp and s.ready))
             wflat = None
             if worker_grads is not None:
                 wflat = ([[wg[i] for i in b.ids] for wg in worker_grads] if in_place
@@ -386,16 +378,16 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
             averaged = self.world_size == 1 or b.via_ddp  # DDP's hook averaged it (dense, or as codes)
             if wflat is None and not b.compressing and averaged and any(has):
                 direct = self._warmup_on_own_grads(b, has)
-            if (wflat is None and direct is None and own is None and not b.done
-                    and not (b.via_ddp and b.compressing and b.ready)):
+            if (wflat is None and direct is None and own is None and not s.done
+                    and not (b.via_ddp and b.compressing and s.ready)):
                 self._gather_grads(b)
             skipped = [i for i, h in enumerate(has) if not h]
             grad, saved = None, []
             if not any(has):
                 pass
             elif b.compressing:
-                if b.done:  # synchronised in the DDP hook, which kept the state of locally unused params
-                    saved = [s for s in b.pending if not has[s[0]]]
+                if s.done:  # synchronised in the DDP hook, which kept the state of locally unused params
+                    saved = [k for k in s.pending if not has[k[0]]]
                 else:
                     if wflat is None and self.world_size == 1 and not self.payload_shows_nonfinite:
                         # else the collective's scale check sees it
@@ -403,19 +395,19 @@ class CompressedOptimizer(BucketState, BucketSync, NonFinitePolicy, DDPHookPath,
                                            "gradient")
                     saved = self._snapshot(b, skipped)
                     if wflat is None:  # synchronised below, the calls' phases interleaved
-                        calls.append((b, own, finite))
+                        calls.append((s, own, finite))
                     else:
-                        self._sync_bucket(b, wflat)
+                        s.run_simulated(self, wflat)
                     finite = None  # the first call carries it: later calls need not
             elif direct is not None:
                 self._check_finite(direct, "averaged gradient")
                 grad = direct
             else:
                 saved = self._snapshot(b, skipped)
-                grad = self._average_warmup(b, wflat)
+                grad = warmup_mean(s, wflat)
                 self._check_finite(grad, "averaged gradient")
             plan.append((b, has, grad, saved))
-        self._sync_together(calls)
+        sync_together(self, calls)
         return plan
 
     def second_moments(self) -> list[torch.Tensor]:

@@ -11,17 +11,17 @@ communicated with one pair of collectives and updated with a few flat ops.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 
-from ..comm import CompressedAllreduce, SimulatedCluster
 from ..compress import flat_buffer
 
 __all__ = ["Bucket", "BucketState", "drop_positions", "max_dropped_runs"]
 
 MAX_DROPPED_RUNS = 256  # the fewest runs a bucket of any size may drop as slices before it searches again
-# One more slice costs about 25 us (one CPU thread), a search of ``v == 0`` about 5 ns per coordinate of the
-# bucket: on MiniLM's 22.7M a step that reached 400 new rows searched for 118 ms where 400 slices take 21 ms.
+# A slice costs as much as a search of ``v == 0`` over this many coordinates of the bucket (one CPU thread; the
+# optimizer step with a BERT embedding's unseen rows in benchmarks/RESULTS.md measures both ways).
 SEARCH_COORDS_PER_RUN = 8192
 
 
@@ -35,7 +35,7 @@ def drop_positions(idx: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | Non
                    max_runs: int = MAX_DROPPED_RUNS) -> torch.Tensor | None:
     """``idx`` (sorted positions) without ``pos`` (a sorted subset of them), as slices of ``idx``
     between the runs of ``pos``: a BERT embedding's newly seen rows are a few runs, and this copies
-    the positions once, where a boolean mask or a search of the bucket reads it 3-10x longer. None
+    the positions once, where a boolean mask or a search of the bucket reads it several times longer. None
     when ``pos`` falls apart into more than ``max_runs`` runs (search the bucket instead:
     :func:`max_dropped_runs`). ``out``: memory for the result, a view of it returned when it is large
     enough and not ``idx``'s (a fresh tensor of 10M positions costs 3x the copy in page faults)."""
@@ -52,6 +52,14 @@ def drop_positions(idx: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | Non
     if out is not None and out.numel() >= n and out.untyped_storage().data_ptr() != idx.untyped_storage().data_ptr():
         return torch.cat(pieces, out=out[:n]) if pieces else out[:0]
     return torch.cat(pieces) if pieces else idx[:0]
+
+
+class StepSync(Protocol):
+    """What a bucket and its state need of the bucket's synchronisation state (:class:`~.sync.BucketSync`,
+    which imports this module)."""
+
+    def reset_step(self, discard: bool = False) -> None: ...
+    def collective(self) -> Any: ...
 
 
 class Bucket:
@@ -74,18 +82,16 @@ class Bucket:
         self.flat: dict[str, torch.Tensor] = {}
         self.grad = flat_buffer(self.numel, device=dev)  # local gradient
         self._synced: torch.Tensor | None = None
-        self.comm: CompressedAllreduce | SimulatedCluster | None = None
-        self.warmup_comm: CompressedAllreduce | SimulatedCluster | None = None  # warmup_comm_dtype="uint8"
-        self.warmup_sparse: bool | None = None  # its uint8 warm-up mean may go sparse (None: not tried yet)
-        self.warmup_mean_ready = False  # this step's warm-up mean went sparse and is in its buffer
-        self.payload: torch.Tensor | None = None  # reused every step: fresh buffers cost page faults
-        self._worker_bufs: dict[str, list[torch.Tensor]] = {}  # the same for simulated workers
+        self._worker_bufs: dict[str, list[torch.Tensor]] = {}  # kept across steps: fresh buffers cost page faults
         self.cache: dict = {}  # per-bucket values that only change at the switch (see subclasses)
         self.compressing = False  # this bucket has switched to compressed synchronisation
         self.switch_step: int | None = None  # a late bucket switches after this optimizer step
-        self.ready = 0  # params whose local gradient is in self.grad (hook path)
-        self.done = False  # compressed sync of this step finished
-        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # hook path, see ddp_bucket_ready
+        self.sync: StepSync | None = None  # its collectives and this step's progress (set by the optimizer)
+
+    def reset_step(self, discard: bool = False) -> None:
+        """Forget this step's synchronisation progress (``discard``: also a result left for the update)."""
+        if self.sync is not None:
+            self.sync.reset_step(discard)
 
     def worker_buffers(self, name: str, n: int) -> list[torch.Tensor]:
         """``n`` bucket-sized fp32 buffers for the simulated workers, kept across steps (fresh ones
@@ -122,9 +128,9 @@ class Bucket:
         if isinstance(grad, torch.Tensor):
             return grad.index_select(0, idx)
         out = torch.empty(idx.numel(), dtype=torch.float32, device=idx.device)  # the runs cover it
-        # index_select reads a run about 3x faster than indexing does (and a per-position search for
-        # the parameter, as this once did, cost more than the rest of a compressed step with a BERT
-        # embedding's unseen rows masked)
+        # index_select reads a run faster than indexing does, and a per-position search for the parameter
+        # cost more than the rest of a compressed step with a BERT embedding's unseen rows masked (the
+        # optimizer step with those rows in benchmarks/RESULTS.md)
         for k, lo, hi in self.runs(idx):
             if grad[k] is None:
                 out[lo:hi] = 0.0
@@ -197,6 +203,7 @@ class BucketState:
                for k, (gi, ps) in enumerate(runs)]
         late = self._nbucketed > 0 and self._compressing and self.has_warmup
         for b in new:
+            b.sync = self._bucket_sync(b)
             for name in self.flat_state:
                 b.flat[name] = flat_buffer(b.numel, device=b.device)
             for i, p in enumerate(b.params):
@@ -257,7 +264,7 @@ class BucketState:
         lo, n = b.offsets[i], b.numels[i]
         views = [t[lo : lo + n] for t in b.flat.values()]
         if b.compressing:
-            views += self._comm_for(b).state_views(lo, lo + n)
+            views += b.sync.collective().state_views(lo, lo + n)
         return views
 
     def _snapshot(self, b: Bucket, idx: Iterable[int]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -269,20 +276,3 @@ class BucketState:
     def _restore(saved: Iterable[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         for _, view, value in saved:
             view.copy_(value)
-
-
-def _simulated_mean(worker_grads: Sequence[torch.Tensor], out: torch.Tensor | None = None,
-                    scratch: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(g_0 / n) + (g_1 / n) + ... in worker order: what DDP's divide-then-sum gives on n ranks
-    (into ``out``, with ``scratch`` for the quotients, when given: no fresh buffers). ``dtype``: the
-    quotients and the sum in that dtype, rounded after each add as a collective summing it would."""
-    n = len(worker_grads)
-    if dtype is not None and dtype != worker_grads[0].dtype and n > 1:
-        acc = (worker_grads[0] / n).to(dtype)
-        for g in worker_grads[1:]:
-            acc += (g / n).to(dtype)
-        return out.copy_(acc) if out is not None else acc.to(worker_grads[0].dtype)
-    acc = torch.div(worker_grads[0], n, out=out) if out is not None else worker_grads[0] / n
-    for g in worker_grads[1:]:
-        acc += torch.div(g, n, out=scratch) if scratch is not None else g / n
-    return acc

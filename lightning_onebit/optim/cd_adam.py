@@ -25,7 +25,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..compress import Codec, SignCodec, TopKCodec
+from ..comm import Wire
 from .base import CompressedOptimizer, check_hyperparameters
 from .buckets import Bucket
 
@@ -44,18 +44,9 @@ class CompressedGradientOptimizer(CompressedOptimizer):
         if compressor not in ("sign", "topk"):
             raise ValueError(f"compressor must be 'sign' (scaled sign) or 'topk', got {compressor!r}")
         self.block_size, self.compressor, self.topk_ratio = block_size, compressor, topk_ratio
-        if compressor == "topk":
-            TopKCodec(topk_ratio)  # validate early
+        # the scaled sign C(x) = ||x||_1 / d * sign(x), or top-k (validated here, before any bucket)
+        self.wire = Wire.topk(topk_ratio) if compressor == "topk" else Wire.sign("l1")
         super().__init__(params, dict(defaults, block_size=block_size), warmup_steps=None, **kw)
-
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        SignCodec("l1", block_size=self.param_groups[-1]["block_size"])  # validate early
-
-    def _make_codec(self, b: Bucket) -> Codec:
-        if self.compressor == "topk":
-            return TopKCodec(self.topk_ratio)
-        return SignCodec("l1", block_size=self.param_groups[b.group_index]["block_size"])
 
     def _payload(self, b: Bucket, grad: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(grad)

@@ -14,7 +14,7 @@ class OptimizerCheckpoint:
     """Mixin of :class:`~lightning_onebit.optim.CompressedOptimizer` (placed right before
     ``torch.optim.Optimizer`` in its bases): the ``onebit`` section of the state dict (step, phases,
     bucket layout, byte counters, the collectives' state) and its loading. Uses the optimizer's
-    buckets, phase attributes and ``_comm_for``."""
+    buckets (each with its :class:`~.sync.BucketSync`) and phase attributes."""
 
     def state_dict(self) -> dict:
         self._flush_pending()  # a synchronised momentum left for the update is state too
@@ -38,7 +38,7 @@ class OptimizerCheckpoint:
         """What every data-parallel rank must share, as text: algorithm, codec and mode, phases,
         bucketing, layout, the hyperparameters of each param group and the parameter shapes. The
         strategies compare it across ranks at setup, so a mismatch fails there on every rank."""
-        out = {"algorithm": type(self).__name__, "codec": getattr(getattr(self, "codec_cls", None), "__name__", "-"),
+        out = {"algorithm": type(self).__name__, "wire": str(self.wire),
                "comm_mode": str(self.comm_mode),
                "warmup_steps": repr(self.warmup_steps), "warmup_comm_dtype": str(self.warmup_comm_dtype),
                "bucket_cap_mb": repr(self.bucket_cap_mb),
@@ -55,7 +55,7 @@ class OptimizerCheckpoint:
         """This rank's compression state per bucket (error feedback, Markov reference; ``None`` for a
         bucket without a collective yet): the part of :meth:`state_dict` that differs between ranks,
         as large as the model in fp32. Checkpoints keep it per rank (see the strategies)."""
-        return [None if b.comm is None else b.comm.state_dict() for b in self._buckets]
+        return [None if b.sync.comm is None else b.sync.comm.state_dict() for b in self._buckets]
 
     def _extra_state(self) -> dict:
         return {}
@@ -107,7 +107,7 @@ class OptimizerCheckpoint:
         for b, csd in zip(buckets, extra["comm"], strict=False):
             if csd is None:
                 continue
-            comm = self._comm_for(b)
+            comm = b.sync.collective()
             saved, now = _collective_layout(csd), _collective_layout(comm.state_dict())
             if saved != now:  # per-rank state of another layout does not carry over
                 warnings.warn(f"{type(self).__name__}: the checkpoint's collectives ran {saved}, this run's {now}; "

@@ -3,8 +3,8 @@
 DDP hands each gradient bucket to the hook. :class:`CodedWarmupSender` copies its local gradients into
 the optimizer's buckets (whose tensors carry their own scales, the layout the simulation uses too) and
 gives every optimizer bucket whose gradients are all in to one sender thread. The thread runs the
-bucket's coded mean (:meth:`~lightning_onebit.optim.sync.BucketSync._coded_warmup_mean`, in its two
-halves: it starts the next bucket's call before it completes this one's) and writes it into DDP's
+bucket's coded mean (:func:`~lightning_onebit.optim.warmup_mean.coded_start` and ``coded_complete``:
+it starts the next bucket's call before it completes this one's) and writes it into DDP's
 buckets. A DDP bucket's future completes when all its parameters have their mean, so after
 ``backward()`` ``p.grad`` holds the mean, as after DDP's own all-reduce: gradient clipping acts on it,
 and ``step()`` updates from it directly.
@@ -25,15 +25,18 @@ Trade-offs:
 
 from __future__ import annotations
 
-import queue
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
+from ..comm import Sender
 from .buckets import Bucket
 from .nonfinite import NonFiniteGradientError
+from .warmup_mean import coded_complete, coded_relay, coded_start
+
+if TYPE_CHECKING:
+    from torch.distributed import GradBucket
 
 __all__ = ["CodedWarmupSender"]
 
@@ -43,15 +46,15 @@ class CodedWarmupSender:
 
     def __init__(self, optimizer: Any) -> None:  # a CompressedOptimizer attached to DDP (its module imports this one)
         self.optimizer = optimizer
-        self._jobs: queue.SimpleQueue[Bucket] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
+        self._sender: Sender | None = None  # the thread, started at the first bucket
+        self._started: Bucket | None = None  # a bucket whose call the thread started and has not completed
         self._lock = threading.Lock()
         self._open: dict[int, list] = {}  # DDP bucket index -> [future, buffer, parameters still without a mean]
         self._into: dict[int, tuple[int, torch.Tensor]] = {}  # id(param) -> (DDP bucket index, its view of the buffer)
         self._failed: BaseException | None = None  # a collective failed: the group is unusable
         self._left = 0  # optimizer buckets of this backward the sender has not taken yet
 
-    def bucket_ready(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def bucket_ready(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Take a DDP bucket's local gradients; the future completes with their mean."""
         opt, buf, k = self.optimizer, bucket.buffer(), bucket.index()
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -65,7 +68,7 @@ class CodedWarmupSender:
             return fut
         if k == 0:  # DDP hands its buckets over in index order: a new backward starts (one given up counts none)
             for b in opt._buckets:
-                b.ready = 0
+                b.sync.ready = 0
             self._left = sum(b.via_ddp for b in opt._buckets)  # the sender is idle: DDP waited for the last
         at, full = 0, []
         with torch.no_grad():
@@ -75,52 +78,49 @@ class CodedWarmupSender:
                 ob, i = opt._param_bucket[id(p)]
                 self._into[id(p)] = (k, view)
                 ob.views(ob.grad)[i].copy_(view)
-                ob.ready += 1
-                if ob.ready == len(ob.params):
-                    ob.ready = 0
+                ob.sync.ready += 1
+                if ob.sync.ready == len(ob.params):
+                    ob.sync.ready = 0
                     full.append(ob)
         for ob in full:
             self._submit(ob)
         return fut
 
     def _submit(self, b: Bucket) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="lightning_onebit warm-up sender", daemon=True)
-            self._thread.start()
-        self._jobs.put(b)
+        if self._sender is None:
+            self._sender = Sender("lightning_onebit warm-up sender")
+        self._sender.submit(lambda: self._next(b))
 
-    def _run(self) -> None:
-        """Start each bucket's call, then complete the one before it: the next bucket's stage 1 goes
-        on the wire while this one's server decodes and re-encodes (the link idles less). Before a
-        bucket that may go as a sparse mean, whose rounds block the thread, the started call's server
-        rows go on the wire, so that they travel meanwhile. Every rank issues its collectives in this
-        one order, decided by the bucket count and the agreed ``warmup_sparse`` flags, never by timing
-        (gloo pairs calls by their order). Waiting for a next bucket cannot hang: DDP waits for the
-        futures only once every bucket has come through the hook."""
-        started: Bucket | None = None
-        while True:
-            b = self._jobs.get()
-            self._left -= 1
+    def _next(self, b: Bucket) -> None:
+        """On the thread, bucket by bucket: start each bucket's call, then complete the one before it: the
+        next bucket's stage 1 goes on the wire while this one's server decodes and re-encodes (the link
+        idles less). Before a bucket that may go as a sparse mean, whose rounds block the thread, the started
+        call's server rows go on the wire, so that they travel meanwhile. Every rank issues its collectives in
+        this one order, decided by the bucket count and the agreed ``warmup_sparse`` flags, never by timing
+        (gloo pairs calls by their order). Waiting for a next bucket cannot hang: DDP waits for the futures
+        only once every bucket has come through the hook."""
+        self._left -= 1
+        if self._failed is not None:
+            return  # the futures it would complete hold the error already
+        started = self._started
+        if started is not None and b.sync.warmup_sparse is not False:
+            # b may go as a sparse mean, whose rounds block this thread: started's server rows go on the
+            # wire first and travel meanwhile (the same choice on every rank: warmup_sparse is agreed)
+            self._relay(started)
             if self._failed is not None:
-                continue  # the futures it would complete hold the error already
-            if started is not None and b.warmup_sparse is not False:
-                # b may go as a sparse mean, whose rounds block this thread: started's server rows go on
-                # the wire first and travel meanwhile (the same choice on every rank: warmup_sparse is agreed)
-                self._relay(started)
-                if self._failed is not None:
-                    continue
-            b_started = self._start(b)
-            if started is not None:
-                self._complete(started)
-            started = b if b_started else None
-            if self._left <= 0 and started is not None:  # the last bucket of this backward
-                self._complete(started)
-                started = None
+                return
+        b_started = self._start(b)
+        if started is not None:
+            self._complete(started)
+        self._started = b if b_started else None
+        if self._left <= 0 and self._started is not None:  # the last bucket of this backward
+            self._complete(self._started)
+            self._started = None
 
     def _relay(self, b: Bucket) -> None:
         """Put ``b``'s server rows on the wire now; a failure fails every open future."""
         try:
-            self.optimizer._coded_warmup_relay(b)
+            coded_relay(b.sync)
         except BaseException as exc:  # noqa: BLE001 - as in _complete
             self._fail(exc)
 
@@ -129,7 +129,7 @@ class CodedWarmupSender:
         if self._failed is not None:
             return  # the group broke while ``b`` was on the wire: its futures hold the error already
         try:
-            self._deliver(b, self.optimizer._coded_warmup_complete(b))
+            self._deliver(b, coded_complete(b.sync))
         except BaseException as exc:  # noqa: BLE001 - every open future must hear of it, or DDP waits forever
             self._fail(exc)
 
@@ -138,7 +138,7 @@ class CodedWarmupSender:
         finite: NaN) or failed (every open future holds the error)."""
         try:
             with torch.no_grad():
-                self.optimizer._coded_warmup_start(b)
+                coded_start(b.sync)
         except NonFiniteGradientError:  # on every rank: the agreement saw it
             self._deliver(b, None)
             return False

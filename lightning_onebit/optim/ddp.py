@@ -12,12 +12,16 @@ completes with the local gradients: the optimizer already holds the synchronised
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
-from ..comm.dense import mean_allreduce_future, ready_future
-from ..comm.duplex import enable_duplex
+import torch
+
+from ..comm import DenseMean, enable_duplex, is_default_group, ready_future
 from .coded_warmup import CodedWarmupSender
+from .sync import sync_together
+
+if TYPE_CHECKING:
+    from torch.distributed import GradBucket
 
 __all__ = ["DDPHookPath", "attach_several"]
 
@@ -68,9 +72,9 @@ class DDPHookPath:
         collective, and here every rank is at the same point (in the hook it might not be)."""
         if ddp_model.process_group is not None and self.process_group is None:
             self.process_group = ddp_model.process_group
-        if (local := self._ranks_per_node()) is not None:
-            self._groups_of_nodes(local)
-        elif self.process_group is None or self.process_group is dist.group.WORLD:
+        if (local := self.topology.two_level(self.process_group)) is not None:
+            self.topology.node_groups(local)
+        elif is_default_group(self.process_group):
             enable_duplex()  # gloo: each direction of the exchanges on its own connection (comm.duplex)
 
     def attach(self, ddp_model: torch.nn.parallel.DistributedDataParallel) -> None:
@@ -100,7 +104,7 @@ class DDPHookPath:
         register_compression_hook(ddp_model, self)
         self._ddp_attached = True
 
-    def ddp_bucket_ready(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def ddp_bucket_ready(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The comm hook's work: average in fp32 during warm-up; in the compression phase
         copy the local gradients into this optimizer's buckets and synchronise every bucket
         that is complete."""
@@ -114,21 +118,23 @@ class DDPHookPath:
             for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
                 ob, i = self._param_bucket[id(p)]
                 ob.views(ob.grad)[i].copy_(g)
+                s = ob.sync
                 # a parameter no rank used keeps grad None (DDP with find_unused_parameters): step()
                 # learns that only after this sync, so keep its state now if it was unused here
                 if self._ddp_find_unused and not bool(g.any()):
-                    ob.pending += self._snapshot(ob, [i])
-                ob.ready += 1
-                if ob.ready == len(ob.params):
-                    self._sync_bucket(ob)
+                    s.pending += self._snapshot(ob, [i])
+                s.ready += 1
+                if s.ready == len(ob.params):
+                    sync_together(self, [(s, None, None)])
         return ready_future(buf)
 
-    def _warmup_future(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def _warmup_future(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         """The warm-up's mean of a DDP bucket: dense (in ``warmup_comm_dtype``), or as 8-bit codes
         through the optimizer's buckets on a sender thread (:class:`~.coded_warmup.CodedWarmupSender`)."""
-        if self._warmup_in_codes and self.world_size > 1:  # one rank: nothing to send, no code error either
+        wire = self.warmup_wire
+        if not wire.is_dense and self.world_size > 1:  # one rank: nothing to send, no code error either
             if self._coded_warmup is None:
                 self._coded_warmup = CodedWarmupSender(self)
             return self._coded_warmup.bucket_ready(bucket)
-        return mean_allreduce_future(bucket.buffer(), self.process_group, self.comm_counter,
-                                     dtype=self._warmup_wire())
+        dense = DenseMean(wire if wire.is_dense else type(wire).dense(), self.process_group, self.comm_counter)
+        return dense.future(bucket.buffer())

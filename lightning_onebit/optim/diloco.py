@@ -1,9 +1,10 @@
-r"""DiLoCo: ``sync_every`` local AdamW steps, then one outer Nesterov step on the averaged pseudo-gradient.
+r"""DiLoCo: ``sync_every`` local steps (AdamW, or any inner optimizer), then one outer Nesterov step on the
+averaged pseudo-gradient.
 
 Douillard et al., *DiLoCo: Distributed Low-Communication Training of Language Models* (arXiv 2311.08105).
-Every rank ``r`` trains its own replica :math:`\theta_r` with AdamW (the inner optimizer: torch's own
-update, by the kernel its ``foreach``/``fused`` options choose, its state per rank, never averaged) and
-sends nothing. Every ``sync_every`` = H inner steps, with :math:`\theta` the anchor (the model every
+Every rank ``r`` trains its own replica :math:`\theta_r` with the inner optimizer (``inner``: torch's
+AdamW by default, by the kernel its ``foreach``/``fused`` options choose; its state per rank, never
+averaged) and sends nothing. Every ``sync_every`` = H inner steps, with :math:`\theta` the anchor (the model every
 rank held after the previous outer step):
 
 .. math::
@@ -15,6 +16,11 @@ rank held after the previous outer step):
 
 with :math:`\eta` = ``outer_lr`` (0.7) and :math:`\mu` = ``outer_momentum`` (0.9), the paper's
 settings; the outer step is ``torch.optim.SGD(nesterov=True)``'s arithmetic on the anchor.
+
+**Local SGD and post-local SGD** are DiLoCo with other inner and outer optimizers: ``inner=torch.optim.SGD``
+(its arguments in ``inner_kwargs``) and the outer step plain averaging, ``outer_lr=1.0, outer_momentum=0.0,
+nesterov=False`` (:math:`\theta \leftarrow \tfrac1n \sum_r \theta_r`, every ``sync_every`` steps), with any
+``compression`` of the averaged difference.
 
 ``fragments`` = F > 1 is Streaming DiLoCo's schedule (Douillard et al., arXiv 2501.18512): the
 parameter tensors are cut into F consecutive fragments of about equal size, each with its own outer
@@ -61,55 +67,79 @@ after the process group's timeout), where it lands; that fragment's outer step i
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
-from torch.optim.adam import adam
 
-from ..comm import CompressedAllreduce, HierarchicalAllreduce, NonFiniteInputError
-from ..comm.accounting import ByteCounter
-from ..comm.dense import all_finite, all_finite_many, any_across, group_size
-from .diloco_allreduce import DiLoCoAllreduce, OuterFlight
+from ..comm import (
+    ByteCounter,
+    CollectiveError,
+    NonFiniteInputError,
+    Topology,
+    Wire,
+    all_finite,
+    all_finite_many,
+    any_across,
+    group_size,
+)
+from .diloco_allreduce import OUTER_WIRES, OuterMeans
 from .diloco_checkpoint import DiLoCoCheckpoint
 from .diloco_layout import DiLoCoLayout
+from .functional import outer_nesterov_
 from .nonfinite import NonFiniteGradientError
-from .sync import CollectiveError
 
 __all__ = ["COMPRESSIONS", "DiLoCo", "outer_nesterov_"]
 
-COMPRESSIONS = ("fp32", "bf16", "8bit", "4bit", "2bit", "1bit")
+COMPRESSIONS = OUTER_WIRES
+#: the inner AdamW's defaults where ``inner`` is AdamW and the arguments are not given
+_ADAMW = {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
 
 
-def outer_nesterov_(anchor: torch.Tensor, delta: torch.Tensor, buf: torch.Tensor | None, *, lr: float,
-                    momentum: float, nesterov: bool, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """The outer step on flat fp32 tensors, ``torch.optim.SGD``'s arithmetic (dampening 0): ``buf``
-    <- ``momentum * buf + delta`` (``delta`` itself when ``buf`` is None), ``anchor`` <-
-    ``anchor - lr * (delta + momentum * buf)`` (or ``- lr * buf``). ``scratch`` (``delta``'s size, may be
-    ``delta`` itself) takes Nesterov's sum instead of a new tensor. Returns the buffer."""
-    if momentum == 0:
-        anchor.add_(delta, alpha=-lr)
-        return delta if buf is None else buf
-    if buf is None:
-        buf = delta.clone()
+def _inner_optimizer(inner: type[torch.optim.Optimizer], params: Iterable, lr: float, adamw: dict[str, Any],
+                     kwargs: Mapping[str, Any] | None) -> torch.optim.Optimizer:
+    """The inner optimizer over ``params``: ``inner(params, lr=lr, **its arguments)``. AdamW's own arguments
+    (``adamw``: ``None`` where not given) go to an AdamW; given to another inner optimizer they are an error
+    (they would be dropped), as is an ``inner`` that is not a ``torch.optim.Optimizer`` class."""
+    if not (isinstance(inner, type) and issubclass(inner, torch.optim.Optimizer)):
+        raise ValueError(f"inner must be a torch.optim.Optimizer class (e.g. torch.optim.SGD), got {inner!r}")
+    kw = dict(kwargs or {})
+    if issubclass(inner, torch.optim.AdamW):
+        given = {k: v for k, v in adamw.items() if v is not None}
+        twice = sorted(set(given) & set(kw))
+        if twice:
+            raise ValueError(f"DiLoCo: {twice} given both as arguments and in inner_kwargs; give each once")
+        kw = {**{k: v for k, v in _ADAMW.items() if k not in kw}, **given, **kw}
     else:
-        buf.mul_(momentum).add_(delta)
-    anchor.add_(torch.add(delta, buf, alpha=momentum, out=scratch) if nesterov else buf, alpha=-lr)
-    return buf
+        given = sorted(k for k, v in adamw.items() if v is not None)
+        if given:
+            raise ValueError(f"DiLoCo: {given} are the inner AdamW's arguments, but inner is {inner.__name__}; "
+                             f"pass {inner.__name__}'s arguments in inner_kwargs")
+    if "lr" in kw:
+        raise ValueError("DiLoCo: the inner learning rate is lr, not inner_kwargs['lr']")
+    try:
+        return inner(params, lr=lr, **kw)
+    except TypeError as exc:
+        raise ValueError(f"DiLoCo: {inner.__name__} does not take {sorted(kw)}: {exc}") from exc
 
 
-class DiLoCo(DiLoCoLayout, DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimizer):
-    """DiLoCo with torch's AdamW inside (see the module docstring for the update rules).
+class DiLoCo(DiLoCoLayout, DiLoCoCheckpoint, torch.optim.Optimizer):
+    """DiLoCo with an inner optimizer on every rank's replica (see the module docstring for the update rules).
 
-    The inner arguments are ``torch.optim.AdamW``'s (``lr`` is the inner learning rate, which LR
-    schedulers drive; ``fused=True`` runs torch's fused kernel, about 5x faster than its default
-    for-loop on a CPU thread: ``benchmarks/optimizer_step.py``); the outer ones are keyword-only.
-    ``process_group``: the ranks that average (default: the world). Call ``step()`` on every rank after
-    each backward, without DDP (or with DDP's allreduce skipped): the inner steps never communicate.
+    ``inner`` (keyword-only, default ``torch.optim.AdamW``): the inner optimizer's class; ``lr`` is its
+    learning rate, which LR schedulers drive. With AdamW, ``betas``, ``eps``, ``weight_decay`` (default
+    (0.9, 0.999), 1e-8, 1e-2), ``foreach`` and ``fused`` are its arguments (``fused=True`` runs torch's
+    fused kernel, faster than its default for-loop on a CPU thread: ``benchmarks/optimizer_step.py``);
+    another inner optimizer takes its arguments beyond ``lr`` in ``inner_kwargs`` (AdamW's arguments may
+    go there too). The outer arguments are keyword-only. ``process_group``: the ranks that average
+    (default: the world). Call ``step()`` on every rank after each backward, without DDP (or with DDP's
+    allreduce skipped): the inner steps never communicate.
     """
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                 eps: float = 1e-8, weight_decay: float = 1e-2, *, foreach: bool | None = None,
-                 fused: bool | None = None, sync_every: int = 16, outer_lr: float = 0.7,
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] | None = None,
+                 eps: float | None = None, weight_decay: float | None = None, *,
+                 inner: type[torch.optim.Optimizer] = torch.optim.AdamW, inner_kwargs: Mapping[str, Any] | None = None,
+                 foreach: bool | None = None, fused: bool | None = None, sync_every: int = 16, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, compression: str = "fp32",
                  fragments: int = 1, on_nonfinite: str = "raise", process_group=None,
                  ranks_per_node: int | None = None, hierarchical: bool | None = None, overlap: int = 0,
@@ -124,13 +154,10 @@ class DiLoCo(DiLoCoLayout, DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimi
             raise ValueError("nesterov=True needs outer_momentum > 0 (as torch.optim.SGD)")
         if not isinstance(fragments, int) or isinstance(fragments, bool) or not 1 <= fragments <= sync_every:
             raise ValueError(f"fragments must be an int in [1, sync_every={sync_every}], got {fragments!r}")
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
+        wire = Wire.parse(compression, option="compression", allowed=OUTER_WIRES)
         if on_nonfinite not in ("raise", "skip"):
             raise ValueError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
-        if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
-                                           or ranks_per_node < 1):
-            raise ValueError(f"ranks_per_node must be a positive int or None, got {ranks_per_node!r}")
+        topology = Topology(hierarchical=hierarchical, ranks_per_node=ranks_per_node, who="DiLoCo")  # validates
         if not isinstance(overlap, int) or isinstance(overlap, bool) or not 0 <= overlap < sync_every:
             raise ValueError(f"overlap must be an int in [0, sync_every={sync_every}), got {overlap!r}")
         if not 0 <= mixing < 1:
@@ -138,23 +165,17 @@ class DiLoCo(DiLoCoLayout, DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimi
         if keep_local not in (True, False) or (keep_local and mixing):
             raise ValueError(f"keep_local must be True or False, and mixing 0 with it; got keep_local={keep_local!r}, "
                              f"mixing={mixing!r}")
-        if hierarchical not in (None, True, False):
-            raise ValueError(f"hierarchical must be None (automatic), True or False, got {hierarchical!r}")
-        # torch.optim.AdamW validates the inner arguments and gives its defaults
-        inner = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
-                                  fused=fused)
-        super().__init__(inner.param_groups, inner.defaults)
+        # the inner optimizer validates its arguments and gives its defaults; it shares DiLoCo's param groups
+        self._inner = _inner_optimizer(inner, params, lr, dict(betas=betas, eps=eps, weight_decay=weight_decay,
+                                                               foreach=foreach, fused=fused), inner_kwargs)
+        super().__init__(self._inner.param_groups, self._inner.defaults)
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
-        self.nesterov, self.compression, self.on_nonfinite = bool(nesterov), compression, on_nonfinite
-        self.process_group = process_group
-        self.ranks_per_node, self.hierarchical = ranks_per_node, hierarchical
+        self.nesterov, self.compression, self.on_nonfinite = bool(nesterov), str(wire), on_nonfinite
+        self.wire, self.process_group, self.topology = wire, process_group, topology
         self.overlap, self.mixing, self.keep_local = overlap, float(mixing), bool(keep_local)
         # outer steps in flight (overlap > 0): per fragment, the clock at which it lands, the all-reduce's
         # handle (None once done) and its result
         self._pending: dict[int, tuple[int, object, torch.Tensor]] = {}
-        self._node_groups: tuple | None = None
-        self._own_group = None  # overlap: the compressed outer all-reduce's own process group
-        self._sender = None  # overlap: the thread that runs the compressed outer all-reduce
         self.intra_node_counter = ByteCounter()  # the two-level layout's fp32 traffic inside nodes
         # per inner step: the fp32 ring all-reduce DDP would have sent (the baseline) and what was sent;
         # steps = inner steps, rounds = outer steps
@@ -169,7 +190,9 @@ class DiLoCo(DiLoCoLayout, DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimi
         self._last_sync = [0] * fragments  # the clock at each fragment's last outer step
         # flat fp32: the anchor; per fragment f: "momentum{f}", and "error{f}" (bf16)
         self._outer: dict[str, torch.Tensor] = {}
-        self._collectives: dict[int, CompressedAllreduce | HierarchicalAllreduce] = {}
+        self._means = OuterMeans(wire, group=process_group, topology=topology, overlap=overlap > 0,
+                                 wire_counter=self._wire, coded_counter=self._coded_wire,
+                                 intra_counter=self.intra_node_counter)
         self._spans: list[tuple[int, int, list[int]]] | None = None  # per fragment: lo, hi, tensor offsets
         self._replica_aside: torch.Tensor | None = None  # this rank's replica while the anchor is in the params
         self._scratch: torch.Tensor | None = None  # flat fp32: pseudo-gradients and Nesterov sums
@@ -177,7 +200,7 @@ class DiLoCo(DiLoCoLayout, DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimi
     # -- steps --------------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        """One inner AdamW step; after every ``sync_every`` of them, the outer step (all ranks)."""
+        """One inner step; after every ``sync_every`` of them, the outer step (all ranks)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -206,29 +229,49 @@ class DiLoCo(DiLoCoLayout, DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimi
         return loss
 
     def _inner_step(self) -> None:
-        """torch's AdamW update (``torch.optim.AdamW.step``'s functional call, by the group's ``foreach`` or
-        ``fused`` kernel: a converted ``AdamW(fused=True)`` stays fused)."""
-        for group in self.param_groups:
-            fused = bool(group.get("fused"))
-            params, grads, m, v, steps = [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                st = self.state[p]
-                if not st:  # as AdamW makes it: the fused kernel reads the count on the parameter's device
-                    st["step"] = torch.zeros((), dtype=torch.float32, device=p.device if fused else None)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                params.append(p)
-                grads.append(p.grad)
-                m.append(st["exp_avg"])
-                v.append(st["exp_avg_sq"])
-                steps.append(st["step"])
-            if params:
-                beta1, beta2 = group["betas"]
-                adam(params, grads, m, v, [], steps, foreach=group["foreach"], fused=fused, amsgrad=False, beta1=beta1,
-                     beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                     maximize=group["maximize"], decoupled_weight_decay=True)
+        """The inner optimizer's step on this rank's replica (a converted ``AdamW(fused=True)`` stays fused)."""
+        inner = self._inner
+        inner.param_groups, inner.state = self.param_groups, self.state  # load_state_dict replaces both
+        inner.step()
+
+    # -- the outer all-reduce (optim.diloco_allreduce) ---------------------------------------------
+    @property
+    def ranks_per_node(self) -> int | None:
+        """Ranks per node of the two-level outer all-reduce (``None``: the launcher's ``LOCAL_WORLD_SIZE``)."""
+        return self.topology.ranks_per_node
+
+    @ranks_per_node.setter
+    def ranks_per_node(self, value: int | None) -> None:
+        self.topology.set(hierarchical=self.topology.hierarchical, ranks_per_node=value)
+
+    @property
+    def hierarchical(self) -> bool | None:
+        return self.topology.hierarchical
+
+    @property
+    def _collectives(self) -> dict[int, object]:
+        """Fragment -> its compressed collective (its error state is this rank's)."""
+        return self._means.collectives
+
+    @_collectives.setter
+    def _collectives(self, value: dict[int, object]) -> None:
+        self._means.collectives = value
+
+    def two_level(self) -> int | None:
+        """Ranks per node when the compressed outer all-reduce runs two-level, else None (flat)."""
+        return self._means.two_level()
+
+    def _make_collective(self, f: int):
+        return self._means.make(self._fragment_spans()[f][2])
+
+    def _average(self, delta: torch.Tensor, f: int, asynchronous: bool = False,
+                 finite: torch.Tensor | None = None):
+        """(the mean's flight, whether it counts its own bytes when it lands): ``delta`` overwritten."""
+        error = None
+        if self.wire.is_dense and self.wire.dtype != torch.float32:  # what the cast drops goes into the next
+            error = self._outer.setdefault(f"error{f}", torch.zeros_like(delta))
+        return self._means.start(f, delta, self._fragment_spans()[f][2], asynchronous=asynchronous,
+                                 finite=finite, error=error, counter=self.comm_counter)
 
     @torch.no_grad()
     def outer_step(self, fragments: list[int] | None = None, _in_step: bool = False) -> None:
@@ -253,20 +296,20 @@ class DiLoCo(DiLoCoLayout, DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimi
                "no state changed")
         # the compressed collective's agreement round carries the flag (it fails on every rank before
         # any write); fp32 and bf16 have no agreement round, so they OR it first
-        finite = ~bad if self.compression not in ("fp32", "bf16") and deltas else None
+        finite = ~bad if not self.wire.is_dense and deltas else None
         if finite is None and bool(any_across(bad.reshape(1), self.process_group, self._wire)[0]):
             raise NonFiniteGradientError(why)
         delay = 0 if finish else self.overlap
         threaded = 0  # outer all-reduces sent to the sender thread: they count their bytes when they land
         for f, delta in zip(fragments, deltas, strict=True):
             try:  # every call carries the flag: an asynchronous one fails only when it lands
-                work, result = self._average(delta, f, asynchronous=delay > 0, finite=finite)
+                flight, counts_itself = self._average(delta, f, asynchronous=delay > 0, finite=finite)
             except NonFiniteInputError as exc:
                 raise NonFiniteGradientError(why) from exc
             except RuntimeError as exc:
                 raise self._lost(f, self._t, exc) from exc
-            threaded += isinstance(work, OuterFlight)
-            self._pending[f] = (self._t + delay, work, result)
+            threaded += counts_itself
+            self._pending[f] = (self._t + delay, flight, flight.result)
             self._last_sync[f] = self._t
         if delay == 0:
             self._land(fragments)
@@ -314,14 +357,15 @@ class DiLoCo(DiLoCoLayout, DiLoCoAllreduce, DiLoCoCheckpoint, torch.optim.Optimi
     # -- conversion, the anchor, the end of an interval ---------------------------------------------
     @classmethod
     def from_optimizer(cls, opt: torch.optim.Optimizer, **kwargs) -> DiLoCo:
-        """A DiLoCo over ``opt``'s parameter groups with its hyperparameters (every key of a group, also
-        those an LR scheduler added, is kept). ``opt``: ``torch.optim.AdamW``, or ``Adam`` without
-        weight decay (Adam's is L2, not decoupled); no AMSGrad, no ``maximize``."""
+        """A DiLoCo with an inner AdamW over ``opt``'s parameter groups with its hyperparameters (every key of a
+        group, also those an LR scheduler added, is kept). ``opt``: ``torch.optim.AdamW``, or ``Adam`` without
+        weight decay (Adam's is L2, not decoupled). For another inner optimizer build
+        ``DiLoCo(params, inner=..., inner_kwargs=...)`` itself."""
         if not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
-            raise ValueError(f"DiLoCo runs AdamW inside; cannot convert {type(opt).__name__}")
+            raise ValueError(f"DiLoCo converts an AdamW; cannot convert {type(opt).__name__} (for another inner "
+                             f"optimizer return DiLoCo(params, inner=torch.optim.{type(opt).__name__}, "
+                             "inner_kwargs=...) from configure_optimizers)")
         for g in opt.param_groups:
-            if g.get("amsgrad") or g.get("maximize"):
-                raise ValueError("DiLoCo's inner AdamW has no amsgrad or maximize; turn them off")
             if type(opt) is torch.optim.Adam and g["weight_decay"] and not g.get("decoupled_weight_decay"):
                 raise ValueError("Adam's weight_decay is L2 regularisation, which DiLoCo's AdamW does not run; "
                                  "return torch.optim.AdamW (decoupled weight decay) instead")

@@ -24,7 +24,7 @@ from ..compress.kernels.numba_intrinsics import fma32
 from ..compress.kernels.numba_tiles import ahead
 from ..compress.kernels.threads import parallel_and_serial, parallel_kernel
 
-__all__ = ["decoupled_update_", "lamb_moments_", "local_adam_step_", "scaled_step_", "shift_in_"]
+__all__ = ["decoupled_update_", "lamb_moments_", "local_adam_step_", "outer_nesterov_", "scaled_step_", "shift_in_"]
 
 _CHUNK = 1 << 14  # elements per parallel work item
 
@@ -305,17 +305,12 @@ def _scaled_fused(params, updates, steps, decays) -> None:
 
 @parallel_and_serial
 def _shift_in(prev, m, new, div):
-    for t in prange((m.size + _CHUNK - 1) // _CHUNK):
-        lo = t * _CHUNK
-        hi = min(lo + _CHUNK, m.size)
-        for o in range(lo, hi, _CH):
-            e = min(o + _CH, hi)
-            pc, mc, nc = prev[o:e], m[o:e], new[o:e]
-            ahead(m, o)
-            ahead(new, o)
-            for j in range(e - o):
-                pc[j] = mc[j]
-                mc[j] = nc[j] / div
+    for c in prange((m.size + _CHUNK - 1) // _CHUNK):
+        lo = c * _CHUNK
+        ps, ms, ns = prev[lo : lo + _CHUNK], m[lo : lo + _CHUNK], new[lo : lo + _CHUNK]
+        for i in range(ms.size):  # a copy and a division: LLVM vectorises the plain loop
+            ps[i] = ms[i]
+            ms[i] = ns[i] / div
 
 
 @torch.no_grad()
@@ -335,3 +330,20 @@ def shift_in_(prevs: Sequence[torch.Tensor], states: Sequence[torch.Tensor], new
 def _shift_in_fused(prevs, states, new, divisors) -> None:
     for p, s, n, dv in zip(prevs, states, new, divisors, strict=True):
         _shift_in(s.numel(), _np(p), _np(s), _np(n), np.float32(dv))
+
+
+def outer_nesterov_(anchor: torch.Tensor, delta: torch.Tensor, buf: torch.Tensor | None, *, lr: float,
+                    momentum: float, nesterov: bool, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """The outer step on flat fp32 tensors, ``torch.optim.SGD``'s arithmetic (dampening 0): ``buf``
+    <- ``momentum * buf + delta`` (``delta`` itself when ``buf`` is None), ``anchor`` <-
+    ``anchor - lr * (delta + momentum * buf)`` (or ``- lr * buf``). ``scratch`` (``delta``'s size, may be
+    ``delta`` itself) takes Nesterov's sum instead of a new tensor. Returns the buffer."""
+    if momentum == 0:
+        anchor.add_(delta, alpha=-lr)
+        return delta if buf is None else buf
+    if buf is None:
+        buf = delta.clone()
+    else:
+        buf.mul_(momentum).add_(delta)
+    anchor.add_(torch.add(delta, buf, alpha=momentum, out=scratch) if nesterov else buf, alpha=-lr)
+    return buf

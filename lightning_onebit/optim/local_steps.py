@@ -14,14 +14,14 @@ import logging
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 
-from ..comm import all_finite
+from ..comm import all_finite, rank
 from ..compress import Source, flat_buffer
 from ..compress.source import Sink
 from .buckets import Bucket
 from .functional import decoupled_update_, local_adam_step_
 from .nonfinite import NonFiniteGradientError
+from .sync import nonfinite_is_gradient_error
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,10 @@ class LocalSteps:
         if not self._local:
             masked = 0
             for b in buckets:
-                self._comm_for(b).reset_state()
+                b.sync.collective().reset_state()
                 masked += 0 if (mask := self._mask(b)) is None else int(mask.sum())
             self._local = True
-            if masked and (not dist.is_initialized() or dist.get_rank() == 0):
+            if masked and rank() == 0:
                 log.warning(f"ZeroOneAdam: the variance froze at step {self._step} with {masked} coordinates that "
                             "never had a gradient at a refresh; they stay where they are (a later var_freeze_step "
                             "trains them)")
@@ -117,7 +117,7 @@ class LocalSteps:
                 local_adam_step_(params, gs, b.views(m), b.views(u), b.views(d),
                                  None if mask is None else b.views(mask), sizes, beta1=group["betas"][0],
                                  lr=group["lr"], weight_decay=group["weight_decay"], move_params=not sync)
-            b.done, b.ready, b.pending = False, 0, []
+            b.reset_step()
         self._since_sync += 1
         if sync:
             try:
@@ -149,7 +149,7 @@ class LocalSteps:
         for i, b in enumerate(buckets):
             group = self.param_groups[b.group_index]
             sums, decay = self._acc[b.index]
-            comm = self._comm_for(b)
+            comm = b.sync.collective()
             mask = self._mask(b)
             if mask is not None and "mask_idx" not in b.cache:
                 b.cache["mask_idx"] = mask.nonzero().view(-1)
@@ -158,20 +158,20 @@ class LocalSteps:
             for w in range(self.simulate_workers or 1):
                 _, _, u = self._worker_state(b, w)
                 if w == 0:
-                    if b.payload is None:
-                        b.payload = flat_buffer(b.numel, device=b.device, zero=False)
-                    out = b.payload
+                    if b.sync.payload is None:
+                        b.sync.payload = flat_buffer(b.numel, device=b.device, zero=False)
+                    out = b.sync.payload
                 else:
                     out = b.worker_buffers("payload", self.simulate_workers)[w]
                 # the lr-weighted mean momentum of the interval, read by the codec where it is
                 payloads.append(Source.quotient(u, sums, groups=b.offsets, mask=idx, masked="zero", out=out))
             synced = b.synced
             defer = {"defer": True} if hasattr(comm, "decode_pending") else {}
-            with self._nonfinite_is_gradient_error():
+            with nonfinite_is_gradient_error(type(self).__name__):
                 if self.simulate_workers is not None:
                     comm.allreduce_into(payloads, synced, flags=bad, **defer)
                 else:
-                    with self._collective("compressed allreduce (local-step synchronisation)", b):
+                    with b.sync.failure("compressed allreduce (local-step synchronisation)"):
                         comm(payloads[0], out=synced, flag=bad[0], **defer)
             if i == 0 and comm.any_flag:
                 self._report_dropped()  # a raise leaves the deferred result undecoded: nothing changed yet

@@ -84,7 +84,7 @@ class NonFinitePolicy:
         first collective is such a call on every rank: real ranks, every bucket compressing in
         ``step()`` (not synchronised in DDP's hook already). The same answer on every rank."""
         return (worker_grads is None and self.world_size > 1 and bool(buckets)
-                and all(b.compressing and not b.done for b in buckets))
+                and all(b.compressing and not b.sync.done for b in buckets))
 
     def _locally_finite(self, buckets: list[Bucket], worker_grads=None) -> torch.Tensor:
         """This rank's gradients (or every simulated worker's) are all finite: a 0-d bool tensor, left
@@ -101,13 +101,13 @@ class NonFinitePolicy:
         """Does any rank (or simulated worker) hold a NaN/inf gradient? One OR across ranks."""
         bad = ~self._locally_finite(buckets, worker_grads).reshape(1)  # read on the host once, below
         if worker_grads is None and self.world_size > 1:
-            with self._collective("agreement on finite gradients"):
+            with self.sync_context.failure("agreement on finite gradients"):
                 bad = any_across(bad, self.process_group)
         return bool(bad[0])
 
     def _skip_step(self, buckets: list[Bucket]) -> None:
         for b in buckets:
-            b.done, b.ready, b.pending = False, 0, []
+            b.reset_step()
         self.skipped_steps += 1
         self._skip_run.append(self._step + 1)
         if len(self._skip_run) >= self.max_consecutive_skips:

@@ -6,11 +6,11 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from ..comm import sparse_mean, sparse_mean_bytes, sparse_row
-from ..compress import Codec, SignCodec, flat_buffer
+from ..comm import Wire, simulated_mean, sparse_mean, sparse_mean_bytes, sparse_row
+from ..compress import flat_buffer
 from ..compress.source import Sink, Source
 from .base import CompressedOptimizer, check_hyperparameters
-from .buckets import Bucket, _simulated_mean, drop_positions, max_dropped_runs
+from .buckets import Bucket, drop_positions, max_dropped_runs
 
 __all__ = ["OnebitAdam"]
 
@@ -86,7 +86,7 @@ class OnebitAdam(CompressedOptimizer):
     strategy_name = "onebit_adam"
     flat_state = ("exp_avg", "exp_avg_sq")
     comm_mode = "error_feedback"
-    codec_cls: type[Codec] = SignCodec
+    wire = Wire.sign("l2")
     from_adam = {**CompressedOptimizer.from_adam, "fused": "fused"}
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -102,14 +102,6 @@ class OnebitAdam(CompressedOptimizer):
         super().__init__(params, defaults, warmup_steps=warmup_steps, bucket_cap_mb=bucket_cap_mb,
                          group=group, simulate_workers=simulate_workers, warmup_comm_dtype=warmup_comm_dtype)
         self.activated = 0  # masked coordinates that have started to train (see the class docstring)
-
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        self.codec_cls(block_size=self.param_groups[-1]["block_size"])  # validate early
-
-    def _make_codec(self, b: Bucket) -> Codec:
-        bs = self.param_groups[b.group_index]["block_size"]
-        return SignCodec("l2", block_size=bs) if self.codec_cls is SignCodec else self.codec_cls(block_size=bs)
 
     def _extra_state(self) -> dict:
         return {"activated": self.activated}
@@ -230,16 +222,16 @@ class OnebitAdam(CompressedOptimizer):
         row = b.cache.pop("flag_row", None)
         if not simulated:
             row = self._touched_row(b, grads, idx) if row is None else row
-            hits, g = sparse_mean(row, self._comm_for(b).flag_values, idx.numel(), self.process_group,
+            hits, g = sparse_mean(row, b.sync.collective().flag_values, idx.numel(), self.process_group,
                                   self.comm_counter)
             pos = idx[hits]
         else:
             at = [b.values_at(w, idx) for w in grads]
             touched = torch.stack([a != 0 for a in at]).any(0)
             pos = idx[touched]
-            g = _simulated_mean([a[touched] for a in at])
+            g = simulated_mean([a[touched] for a in at])
             n = len(grads)  # what the gather of the rows each worker announced (its _flag) would send
-            self.comm_counter.add(sparse_mean_bytes(self._comm_for(b).flag_values, n), pos.numel(), n)
+            self.comm_counter.add(sparse_mean_bytes(b.sync.collective().flag_values, n), pos.numel(), n)
         got = g != 0
         if not bool(got.any()):  # the workers' gradients cancelled exactly
             return
@@ -249,14 +241,14 @@ class OnebitAdam(CompressedOptimizer):
         for k, lo, hi in b.runs(pos):
             bc2[lo:hi] = _bias_correction(beta2, frozen[k])
         self._activate(b, pos, g, g * g * bc2, beta1)  # v_hat = g^2 after the frozen bias correction
-        self._comm_for(b).zero_state_at(pos)  # the masked coordinates' error feedback was noise
+        b.sync.collective().zero_state_at(pos)  # the masked coordinates' error feedback was noise
         self._unmask(b, pos)
         self.activated += pos.numel()
 
     def _unmask(self, b: Bucket, pos: torch.Tensor) -> None:
         """The cache after the coordinates ``pos`` started to train: ``pos`` leave the mask (slices of
-        it between their runs; a search over the bucket, 0.12 s at a BERT embedding's size on a CPU
-        thread, when they fall apart into more runs than that costs: :func:`max_dropped_runs`), the
+        it between their runs; a search over the bucket when they fall apart into more runs than that
+        costs: :func:`max_dropped_runs`), the
         denominator is updated only at ``pos``, with the ops of :meth:`_denominator`, so to the bit
         what a rebuild would give."""
         mask = b.cache.get("mask")
@@ -304,10 +296,10 @@ class OnebitAdam(CompressedOptimizer):
     def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
         # m is zero where v is (see _absorb), so those coordinates do not move
         sizes = self._step_sizes(b, group["lr"], group["betas"][0])
-        if b.comm is not None and getattr(b.comm, "pending", False):
+        if b.sync.deferred:
             # m <- the synced momentum and the parameter update in one pass over the bucket
             targets = self._sink_targets(b)
-            b.comm.decode_pending(Sink(
+            b.sync.comm.decode_pending(Sink(
                 numel=b.numel, groups=b.offsets, targets=[t if h else None for t, h in zip(targets, has_grad,
                                                                                           strict=True)],
                 denom=self._denominator(b, group), values=[-s for s in sizes],

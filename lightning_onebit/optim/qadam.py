@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..compress import MinMaxUInt8Codec
+from ..comm import Wire
 from .onebit_adam import OnebitAdam
 
 __all__ = ["QAdam"]
@@ -20,4 +20,4 @@ class QAdam(OnebitAdam):
 
     strategy_name = "qadam"
     comm_mode = "plain"
-    codec_cls = MinMaxUInt8Codec
+    wire = Wire.minmax(8)

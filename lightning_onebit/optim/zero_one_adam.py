@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
-from ..comm.dense import ready_future
-from ..compress import Codec, SignCodec, flat_buffer
+from ..comm import Wire, ready_future
+from ..compress import flat_buffer
 from .base import CompressedOptimizer, check_hyperparameters
 from .buckets import Bucket
 from .fractions import check_steps, steps_of_run
 from .local_steps import LocalSteps
 from .onebit_adam import _bias_correction
 from .zero_one_schedule import STEP_KINDS, ZeroOneSchedule
+
+if TYPE_CHECKING:
+    from torch.distributed import GradBucket
 
 __all__ = ["ZeroOneAdam", "ZeroOneSchedule"]
 
@@ -100,7 +103,7 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
     has_local_steps = True
     payload_shows_nonfinite = False  # the masked coordinates send zeros whatever the gradient holds
     comm_mode = "error_feedback"
-    codec_cls: type[Codec] = SignCodec
+    wire = Wire.sign("l2")
     #: flat buffers of the local-step phase (allocated at the freeze)
     local_state = ("anchor", "update_sum")
 
@@ -144,10 +147,6 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
             raise RuntimeError("ZeroOneAdam: a param group cannot be added after the variance froze (its variance "
                                "was never estimated)")
         super().add_param_group(param_group)
-        self.codec_cls(block_size=self.param_groups[-1]["block_size"])  # validate early
-
-    def _make_codec(self, b: Bucket) -> Codec:
-        return SignCodec("l2", block_size=self.param_groups[b.group_index]["block_size"])
 
     # -- schedule ------------------------------------------------------------------------
     def set_total_steps(self, total_steps: int) -> None:
@@ -253,7 +252,7 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
         self.step_counts[kind] += 1
         self.schedule().advance(t)
 
-    def ddp_bucket_ready(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    def ddp_bucket_ready(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:
         """Refresh steps average in full precision (or ``warmup_comm_dtype``), 1-bit steps synchronise in
         the optimizer's buckets, and phase-B steps send nothing: the future holds the local gradients at once."""
         self._update_phase()

@@ -82,9 +82,9 @@ class RankShards:
     ``.prev`` copy, save ids, removal with the file, missing/unreadable/stale shards and
     ``strict_resume``). Uses the strategy's ``optimizers``, ranks, ``barrier`` and ``strict_resume``.
 
-    A family says what goes in a shard and where a shard's content goes back:
-    :meth:`_shard_states`, :meth:`_shard_clock`, :meth:`_sharded`, :meth:`_use_shard`, and the
-    words of its warning (``_shard_name``, ``_reset_note``). The main file's optimizer state
+    A family says what goes in a shard (:meth:`_shard_states`), the keys of its section in an
+    optimizer's saved state (``_section``, ``_marker``, ``_slot``, ``_clock_key``: where the shard's
+    content goes back), and the words of its warning (``_shard_name``, ``_reset_note``). The main file's optimizer state
     (``optimizer_state``) and its loading (``load_optimizer_state_dict``) are the family's too.
     """
 
@@ -93,25 +93,35 @@ class RankShards:
     _shards_of: str | None = None  # the checkpoint file last loaded (another rank's shard is found from it)
 
     # -- the family's part ---------------------------------------------------------------------
+    #: the key of the family's section in an optimizer's saved state, the key in it that marks a state
+    #: whose per-rank part is in shards (its value ``"shards"``), where a shard's content goes back in
+    #: the section, and the section's step count (for the save id)
+    _section: str
+    _marker: str
+    _slot: str
+    _clock_key: str
+
     def _shard_states(self) -> dict[int, Any]:
         """This rank's own state per optimizer index, for its shard (empty: no shard)."""
         raise NotImplementedError
 
-    @staticmethod
-    def _shard_clock(optimizer_state: dict) -> Any:
+    def _shard_clock(self, optimizer_state: dict) -> Any:
         """An optimizer's step in its saved state (for the save id)."""
-        raise NotImplementedError
+        return optimizer_state.get(self._section, {}).get(self._clock_key)
 
     def _sharded(self, checkpoint: Mapping[str, Any]) -> tuple[list[int], int | None] | None:
         """(the optimizer indices whose per-rank state is in shards, the world size the main file was
         written on), or None when the checkpoint has no shards."""
-        raise NotImplementedError
+        sections = [st.get(self._section) if isinstance(st, dict) else None
+                    for st in checkpoint.get("optimizer_states", [])]
+        wanted = [i for i, sec in enumerate(sections) if sec is not None and sec.get(self._marker) == "shards"]
+        return (wanted, sections[wanted[0]].get("world_size")) if wanted else None
 
     def _use_shard(self, checkpoint: dict[str, Any], states: Mapping[int, Any]) -> None:
-        """Put this rank's shard (its ``optimizers``) back into the loaded checkpoint."""
-        raise NotImplementedError
+        """Put a shard's content back where the family's loading reads it."""
+        for i, own in states.items():
+            checkpoint["optimizer_states"][i][self._section][self._slot] = own
 
-    # -- saving ----------------------------------------------------------------------------------
     def _save_id(self, checkpoint: Mapping[str, Any]) -> list:
         return _save_id(checkpoint, self._shard_clock)
 
@@ -214,23 +224,11 @@ class ErrorStateShards(RankShards):
     state without the collectives' error-feedback state (``comm``), which goes to the shards. Uses
     the strategy's ``algorithm`` too."""
 
+    _section, _marker, _slot, _clock_key = "onebit", "error_state", "comm", "step"
+
     def _shard_states(self) -> dict[int, Any]:
         return {i: opt.error_state_dict() for i, opt in enumerate(self.optimizers)
                 if isinstance(opt, CompressedOptimizer)}
-
-    @staticmethod
-    def _shard_clock(optimizer_state: dict) -> Any:
-        return optimizer_state.get("onebit", {}).get("step")
-
-    def _sharded(self, checkpoint: Mapping[str, Any]) -> tuple[list[int], int | None] | None:
-        sections = [st.get("onebit") if isinstance(st, dict) else None
-                    for st in checkpoint.get("optimizer_states", [])]
-        wanted = [i for i, sec in enumerate(sections) if sec is not None and sec.get("error_state") == "shards"]
-        return (wanted, sections[wanted[0]].get("world_size")) if wanted else None
-
-    def _use_shard(self, checkpoint: dict[str, Any], states: Mapping[int, Any]) -> None:
-        for i, comm in states.items():
-            checkpoint["optimizer_states"][i]["onebit"]["comm"] = comm
 
     def optimizer_state(self, optimizer: Optimizer) -> dict:
         """The optimizer's state without its per-rank error state (which goes to this rank's shard)."""

@@ -56,14 +56,15 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
-from ..callbacks.phase import DEFAULT_WARMUP, PhaseSwitch, check_warmup, resolve_warmup
+from ..callbacks.phase import DEFAULT_WARMUP, PhaseSwitch, check_warmup
 from ..comm.agree import gather_objects, is_distributed, max_across_
-from ..compress.kernels import apply_thread_budget, compile_kernels
+from ..compress import compile_kernels
+from ..compress.kernels import apply_thread_budget
 from ..optim import CompressedOptimizer
 from ..optim.ddp import attach_several
 from .checkpoints import SHARD_DIR, ErrorStateShards, shard_path
 from .launch import BaseDDPStrategy, destroy_process_group_at_exit
-from .options import check_bool, check_choice, check_int, conflict, keyword_arguments
+from .options import check_bool, check_choice, check_int, checked_optimizer_kwargs, compressed_conflicts
 from .schedulers import repoint_scheduler
 
 __all__ = ["ALGORITHMS", "SHARD_DIR", "CompressedDDPStrategy", "destroy_process_group_at_exit", "repoint_scheduler",
@@ -94,55 +95,6 @@ _CLIP_WRAPPERS: weakref.WeakSet = weakref.WeakSet()
 
 #: the defaults of the options left unset when nothing else sets them
 _DEFAULT_ON_NONFINITE, _DEFAULT_MAX_SKIPS = "skip", 10
-
-#: the converted optimizer's arguments that ``optimizer_kwargs`` cannot give, and where they come from
-_NOT_IN_OPTIMIZER_KWARGS = {
-    "warmup_steps": "the strategy's warmup= sets it (an int is steps)",
-    "simulate_workers": "the strategy runs real ranks, not simulated workers",
-}
-
-
-def _checked_optimizer_kwargs(owner: str, cls: type[CompressedOptimizer],
-                              kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``kwargs`` as a dict, each name an argument of ``cls`` that a strategy may give, and their
-    values accepted by ``cls`` (it is built on a dummy parameter); else a ValueError naming them."""
-    if kwargs is None:
-        return {}
-    if not isinstance(kwargs, Mapping):
-        raise ValueError(f"{owner}: optimizer_kwargs must be a dict of {cls.__name__}'s arguments, got {kwargs!r}")
-    kw = dict(kwargs)
-    carried = set(cls.from_adam.values())  # the conversion takes them from the returned optimizer
-    accepted = [a for a in keyword_arguments(cls) if a not in carried and a not in _NOT_IN_OPTIMIZER_KWARGS]
-    for key, value in kw.items():
-        if key in carried:
-            raise ValueError(f"{owner}: optimizer_kwargs[{key!r}]={value!r}: {key} comes from the optimizer "
-                             "configure_optimizers returns (the conversion keeps its hyperparameters); set it there")
-        if key in _NOT_IN_OPTIMIZER_KWARGS:
-            raise ValueError(f"{owner}: optimizer_kwargs[{key!r}]={value!r}: {_NOT_IN_OPTIMIZER_KWARGS[key]}")
-        if key not in accepted:
-            raise ValueError(f"{owner}: optimizer_kwargs has {key!r}, which {cls.__name__} does not take; it takes "
-                             f"{accepted}")
-    try:
-        cls([torch.zeros(1, requires_grad=True)], **kw)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{owner}: optimizer_kwargs={kw!r}: {exc}") from exc
-    return kw
-
-
-def _option_value(opt: CompressedOptimizer, key: str) -> tuple[Any, str] | None:
-    """``(value, as shown)`` of the constructor argument ``key`` as ``opt`` keeps it: in its
-    defaults, its :meth:`~CompressedOptimizer.settings` (normalised, e.g. dtypes) or an attribute of
-    that name; None if it keeps it nowhere."""
-    if key in opt.defaults:
-        return opt.defaults[key], repr(opt.defaults[key])
-    settings = opt.settings()
-    if key in settings:
-        return settings[key], settings[key]
-    attr = "process_group" if key == "group" else key
-    if hasattr(opt, attr):
-        return getattr(opt, attr), repr(getattr(opt, attr))
-    return None
-
 
 class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
     """DDP with compressed communication by a lightning_onebit algorithm.
@@ -210,7 +162,10 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
                 check_warmup(warmup)
             except ValueError as exc:
                 raise ValueError(f"{owner}: {exc}") from None
-        optimizer_kwargs = _checked_optimizer_kwargs(owner, ALGORITHMS[algorithm], optimizer_kwargs)
+            if not ALGORITHMS[algorithm].has_warmup:  # it would be ignored: say so instead
+                raise ValueError(f"{owner}: warmup={warmup!r}, but {ALGORITHMS[algorithm].__name__} ({algorithm!r}) "
+                                 "has no uncompressed warm-up; leave warmup unset")
+        optimizer_kwargs = checked_optimizer_kwargs(owner, ALGORITHMS[algorithm], optimizer_kwargs)
         check_bool(owner, "hierarchical", hierarchical, none=True)
         check_bool(owner, "strict_resume", strict_resume)
         if on_nonfinite is not None:
@@ -231,7 +186,7 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
         self.strict_resume = strict_resume
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self.clip_when_compressing = clip_when_compressing
-        self._phase_switch: PhaseSwitch | None = None  # the one this strategy added, if any
+        self.phase_switch: PhaseSwitch | None = None  #: the PhaseSwitch this strategy added, if any
 
     # -- setup ---------------------------------------------------------------------------
     def setup_environment(self) -> None:
@@ -259,7 +214,7 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
         opts: list[CompressedOptimizer] = list(self.optimizers)
         # every rank checks the same options, so with the same optimizers every rank raises here,
         # before the strategy's first collective
-        problems = self._conflicts(trainer, opts, returned)
+        problems = compressed_conflicts(self, trainer, opts, returned)
         if problems:
             raise ValueError("\n".join(problems))
         fp16 = getattr(self.precision_plugin, "scaler", None) is not None
@@ -282,56 +237,6 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
         self._ensure_phase_switch(trainer, opts)
         self._ensure_replica_sync(trainer, opts)
         self._place_clipping(trainer, opts)
-
-    def _conflicts(self, trainer, opts: list[CompressedOptimizer], returned: list[int]) -> list[str]:
-        """The options set on this strategy that an optimizer ``configure_optimizers`` returned (the
-        indices ``returned``; the converted ones took the strategy's) or a PhaseSwitch the user added
-        sets otherwise, one message each, naming both values."""
-        owner, out = type(self).__name__, []
-        switch = next((cb for cb in trainer.callbacks if isinstance(cb, PhaseSwitch) and cb is not self._phase_switch),
-                      None)
-        if self.warmup is not None and switch is not None and switch.warmup != self.warmup:
-            out.append(f"{owner}(warmup={self.warmup!r}) but the trainer's callbacks hold "
-                       f"PhaseSwitch(warmup={switch.warmup!r}); set it in one place")
-        probe = None
-        for k in returned:
-            opt = opts[k]
-            cls, where = type(opt).__name__, f" as optimizer {k} of {len(opts)}" if len(opts) > 1 else ""
-            if self.warmup is not None and opt.warmup_steps is not None and not self._same_warmup(trainer, opt):
-                out.append(conflict(owner, "warmup", self.warmup, cls, f"warmup_steps={opt.warmup_steps!r}", where))
-            if self.hierarchical is not None and opt.hierarchical is not None and opt.hierarchical != self.hierarchical:
-                out.append(conflict(owner, "hierarchical", self.hierarchical, cls,
-                                    f"hierarchical={opt.hierarchical!r} by set_topology", where))
-            if opt.nonfinite_policy_set:
-                for option, mine, theirs in (("on_nonfinite", self.on_nonfinite, opt.on_nonfinite),
-                                             ("max_consecutive_skips", self.max_consecutive_skips,
-                                              opt.max_consecutive_skips)):
-                    if mine is not None and mine != theirs:
-                        out.append(conflict(owner, option, mine, cls, f"{option}={theirs!r} by set_nonfinite_policy",
-                                            where))
-            if self.optimizer_kwargs:
-                probe = probe or self.optimizer_cls([torch.zeros(1, requires_grad=True)], **self.optimizer_kwargs)
-                for key, mine in self.optimizer_kwargs.items():
-                    want, theirs = _option_value(probe, key), _option_value(opt, key)
-                    if want is None or theirs is None:
-                        out.append(f"{owner}(optimizer_kwargs={{{key!r}: {mine!r}}}) cannot be compared with the "
-                                   f"{cls}{where} configure_optimizers returned (it does not expose {key}); set it in "
-                                   "one place")
-                    elif want[0] != theirs[0]:
-                        out.append(conflict(owner, "optimizer_kwargs", {key: mine}, cls, f"{key}={theirs[1]}", where))
-        return out
-
-    def _same_warmup(self, trainer, opt: CompressedOptimizer) -> bool:
-        """Whether the strategy's warm-up is ``opt.warmup_steps`` steps (a fraction resolved on this
-        run's length; ``"auto"`` never is)."""
-        if self.warmup == "auto":
-            return False
-        if isinstance(self.warmup, int):
-            return self.warmup == opt.warmup_steps
-        try:
-            return resolve_warmup(self.warmup, trainer.estimated_stepping_batches) == opt.warmup_steps
-        except ValueError:  # a fraction of a run of unknown length
-            return False
 
     def _place_clipping(self, trainer, opts: list[CompressedOptimizer]) -> None:
         """Warn about gradient clipping in the compression phase, or leave it to the warm-up."""
@@ -384,7 +289,7 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
     def _convert_optimizers(self, trainer) -> list[int]:
         """Every optimizer becomes the strategy's algorithm: an Adam/AdamW (or LAMB) is converted and
         its LR schedulers re-pointed; the package's matching optimizer is kept. Returns the indices
-        of the kept ones (their settings are the user's, see :meth:`_conflicts`)."""
+        of the kept ones (their settings are the user's, see :func:`.options.compressed_conflicts`)."""
         name, cls = self.algorithm, self.optimizer_cls
         if not self.optimizers:
             raise ValueError(f"strategy {name!r} needs an optimizer; configure_optimizers returned none")
@@ -435,14 +340,14 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
         """Add a PhaseSwitch with the strategy's warm-up (or the default) unless one is there."""
         if any(isinstance(cb, PhaseSwitch) for cb in trainer.callbacks) or not self.optimizer_cls.has_warmup:
             return
-        self._phase_switch = PhaseSwitch(DEFAULT_WARMUP if self.warmup is None else self.warmup)
-        trainer.callbacks.append(self._phase_switch)
+        self.phase_switch = PhaseSwitch(DEFAULT_WARMUP if self.warmup is None else self.warmup)
+        trainer.callbacks.append(self.phase_switch)
 
     def _ensure_phase_switch(self, trainer, opts: list[CompressedOptimizer]) -> None:
         if all(opt.compressing or opt.warmup_steps is not None for opt in opts):
-            if self._phase_switch is not None and self._phase_switch in trainer.callbacks:
-                trainer.callbacks.remove(self._phase_switch)  # the optimizers switch by themselves
-            self._phase_switch = None
+            if self.phase_switch is not None and self.phase_switch in trainer.callbacks:
+                trainer.callbacks.remove(self.phase_switch)  # the optimizers switch by themselves
+            self.phase_switch = None
             return
         self._add_phase_switch(trainer)
 

@@ -37,7 +37,7 @@ from ..comm.accounting import ring_allreduce_bytes
 from ..comm.agree import is_distributed, sum_across_
 from ..comm.ddp_hook import register_local_hook
 from ..comm.duplex import enable_duplex
-from ..compress.kernels import compile_kernels
+from ..compress import compile_kernels
 from ..optim.diloco import COMPRESSIONS, DiLoCo
 from .checkpoints import RankShards
 from .launch import BaseDDPStrategy
@@ -275,6 +275,7 @@ class DiLoCoStrategy(RankShards, BaseDDPStrategy):
 
     # the per-rank shards (strategies/checkpoints.py): what goes in them and where it goes back
     _shard_name = "DiLoCo"
+    _section, _marker, _slot, _clock_key = "diloco", "per_rank", "rank_state", "t"
     _reset_note = ("the anchor, outer momentum, clock and counters are kept; this rank starts from the anchor "
                    "(error state zero, rank 0's AdamW moments, or fresh ones if its shard cannot be read either)")
 
@@ -287,20 +288,6 @@ class DiLoCoStrategy(RankShards, BaseDDPStrategy):
                 if self._average_buffers_too and len(out) == 1:  # the module's buffers, once
                     out[i]["buffers"] = [b.detach().clone() for b in (self._own_buffers or self._buffers())]
         return out
-
-    @staticmethod
-    def _shard_clock(optimizer_state: dict) -> Any:
-        return optimizer_state.get("diloco", {}).get("t")
-
-    def _sharded(self, checkpoint: Mapping[str, Any]) -> tuple[list[int], int | None] | None:
-        sections = [st.get("diloco") if isinstance(st, dict) else None
-                    for st in checkpoint.get("optimizer_states", [])]
-        wanted = [i for i, sec in enumerate(sections) if sec is not None and sec.get("per_rank") == "shards"]
-        return (wanted, sections[wanted[0]].get("world_size")) if wanted else None
-
-    def _use_shard(self, checkpoint: dict[str, Any], states: Mapping[int, Any]) -> None:
-        for i, own in states.items():
-            checkpoint["optimizer_states"][i]["diloco"]["rank_state"] = own
 
     def optimizer_state(self, optimizer: Optimizer) -> dict:
         """What the ranks share (the main file); this rank's own state goes to its shard (``_shard_states``)."""

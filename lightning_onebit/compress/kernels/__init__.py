@@ -27,12 +27,10 @@ from types import ModuleType
 
 import torch
 
-from .compile_once import compile_kernels
-
 # importing .threads chooses numba's threading layer before any parallel kernel runs
 from .threads import apply_thread_budget, set_thread_budget, thread_budget
 
-__all__ = ["BACKENDS", "ENV_VAR", "apply_thread_budget", "compile_kernels", "cuda_compiler_available", "get_backend",
+__all__ = ["BACKENDS", "ENV_VAR", "apply_thread_budget", "cuda_compiler_available", "get_backend",
            "resolve_backend_name", "set_thread_budget", "thread_budget"]
 
 BACKENDS = ("torch", "numba", "cuda")

@@ -234,14 +234,14 @@ def pack_sink(snk: Sink | None) -> tuple:
 def _addcdiv_run(t, u, d, decay, v):
     """t = t * decay + (v * u) / d, each operation rounded to fp32 (torch's addcdiv order)."""
     n = t.size
-    for c in range(n // CH):
-        o = c * CH
+    whole = n - n % CH  # chunks of CH elements, then the tail one by one
+    for o in range(0, whole, CH):
         ahead(t, o)
         ahead(d, o)
         tc, uc, dc = t[o:o + CH], u[o:o + CH], d[o:o + CH]
         for j in range(CH):
             tc[j] = tc[j] * decay + (v * uc[j]) / dc[j]
-    for j in range(n - n % CH, n):
+    for j in range(whole, n):
         t[j] = t[j] * decay + (v * u[j]) / d[j]
 
 
