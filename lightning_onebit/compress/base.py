@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .encoded import Encoded
@@ -176,12 +177,13 @@ class Codec:
         """fp32 block scales from the per-block fp64 totals ``[nblocks, width]`` of a reduction, and
         ``ok``: a 0-d bool tensor on the totals' device (the input was finite), so no host sync here.
         An empty block gets scale 0, which decodes to zeros; padding does not count in a length."""
-        lens = torch.from_numpy(lay.scale_lengths.reshape(-1)).to(totals.device)
-        live = lens > 0
+        # the block lengths (at least 1, fp64) and which blocks hold data: on the device once per layout
+        lens, live = lay.device_arrays("scale_lengths", totals.device, lambda: (
+            np.maximum(lay.scale_lengths.reshape(-1), 1).astype(np.float64), lay.scale_lengths.reshape(-1) > 0))
         if is_sign(self.kind):
             total = totals[:, 0]
             ok = torch.isfinite(total).all()
-            mean = torch.where(live, total / lens.clamp(min=1).double(), 0.0)
+            mean = torch.where(live, total / lens, 0.0)
             scales = (mean.sqrt() if self.kind == SIGN_L2 else mean).float().view(lay.nseg, -1)
         else:
             ok = torch.isfinite(totals[:, 2]).all()

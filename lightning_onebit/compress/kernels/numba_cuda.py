@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import contextlib
 
-import numpy as np
 import torch
 from numba import cuda
 
 from .layout import FORMATS, REDUCE_TILE, Layout
 from .numba_cuda_kernels import LANES as LANES  # the kernels moved there; their constants stay importable
 from .numba_cuda_kernels import RTHREADS, THREADS, _combine_kernel, _decode_kernel, _encode_kernel, _reduce_kernel
-from .numba_cuda_source import SIMULATED, accepts, kernel_input
+from .numba_cuda_source import SIMULATED, accepts, empty_arrays, kernel_input
 from .numba_cuda_source import arr as _arr
 
 #: ``reduce``/``encode`` evaluate a :class:`~..source.Source` in place (see :func:`accepts`)
@@ -46,10 +45,19 @@ def _on(device: torch.device):
     return cuda.gpus[device.index if device.index is not None else torch.cuda.current_device()]
 
 
+_STREAMS: dict[int, object] = {}
+
+
 def _stream(device: torch.device):
-    if device.type == "cuda":
-        return cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
-    return 0
+    """torch's current stream of ``device`` as numba's, one object per stream: numba caches a kernel's
+    launch configuration per stream object, so a new one per launch would miss that cache every time."""
+    if device.type != "cuda":
+        return 0
+    handle = torch.cuda.current_stream(device).cuda_stream
+    stream = _STREAMS.get(handle)
+    if stream is None:
+        stream = _STREAMS[handle] = cuda.external_stream(handle)
+    return stream
 
 
 def _grid(work: int, threads: int) -> int:
@@ -59,16 +67,12 @@ def _grid(work: int, threads: int) -> int:
 
 def _state(st, device):
     """The state as a kernel array (empty without one)."""
-    return _arr(torch.empty(0, dtype=torch.float32, device=device) if st is None else st)
+    return empty_arrays(device)[0] if st is None else _arr(st)
 
 
 def _geometry(layout: Layout, device: torch.device, what: str, make) -> tuple:
     """Layout arrays as device tensors, made once per layout and device."""
-    cache = layout.__dict__.setdefault("_device_arrays", {})
-    key = (what, str(device))
-    if key not in cache:
-        cache[key] = tuple(torch.from_numpy(np.array(a, copy=True)).to(device) for a in make())
-    return cache[key]
+    return layout.device_arrays(what, device, make)
 
 
 def accepts_sink(sink) -> bool:
