@@ -23,8 +23,10 @@ package's host path changes underneath it:
   ``torch.tensor``/``as_tensor`` of a list, scalar or array without ``device=``, a factory without
   ``device=``, ``.cpu()``, and what ops make of host tensors alone. Everything else is on the device:
   tensors made before the counter started (the model), by autograd or by DDP, those given a
-  ``device=``, moved with ``.to(device)``, and what ops make of a device tensor. Under the simulator
-  both kinds are CPU tensors, so a ``.to(device)`` of a host tensor hands back a fresh alias to tag.
+  ``device=`` (even the CPU: so with several ranks the buffers the package makes for gloo's
+  collectives count as the device's, as NCCL's would), moved with ``.to(device)``, and what ops make
+  of a device tensor. Under the simulator both kinds are CPU tensors, so a ``.to(device)`` of a host
+  tensor hands back a fresh alias to tag.
 * **host-to-device copies**: a host tensor moved to a device (``.to(device)``, ``.cuda()``, a device
   tensor's ``copy_`` from it), ``torch.tensor``/``as_tensor``/``new_tensor`` of host data with a
   device, ``numba.cuda.to_device``, and a host tensor of one element or more handed to an op on
