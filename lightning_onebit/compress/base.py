@@ -209,11 +209,15 @@ class Codec:
         backend = self._backend(device)
         x = self._readable(x, backend)
         if scales is None:
-            totals = backend.reduce(self.kind, mode, lay, x, state)
-            scales, ok = self._scales_unchecked(totals, lay)
+            if hasattr(backend, "reduce_to_scales"):  # written into the message by the kernels
+                ok = backend.reduce_to_scales(self.kind, mode, lay, x, state, out.scales)
+            else:
+                totals = backend.reduce(self.kind, mode, lay, x, state)
+                scales, ok = self._scales_unchecked(totals, lay)
             if check and not bool(ok):
                 raise self._not_finite()
-        out.scales.copy_(scales)
+        if scales is not None:
+            out.scales.copy_(scales)
         backend.encode(self.kind, mode, lay, x, state, out.scales, out.codes)
         return out
 
