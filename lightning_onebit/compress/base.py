@@ -250,7 +250,12 @@ class Codec:
         if lay.numel == 0:
             return self.empty(lay, x.device).scales, torch.ones((), dtype=torch.bool, device=x.device)
         backend = self._backend(x.device)
-        totals = backend.reduce(self.kind, m, lay, self._readable(x, backend), state if m != PLAIN else None)
+        st = state if m != PLAIN else None
+        if hasattr(backend, "reduce_to_scales"):  # the scales by the kernels; the flag is the layout's: copied
+            scales = torch.empty(scale_shape(self.kind, lay.nseg, lay.blocks_per_seg), dtype=torch.float32,
+                                 device=x.device)
+            return scales, backend.reduce_to_scales(self.kind, m, lay, self._readable(x, backend), st, scales).clone()
+        totals = backend.reduce(self.kind, m, lay, self._readable(x, backend), st)
         return self._scales_unchecked(totals, lay)
 
     # Every encode op takes ``out=``: message buffers to write into (e.g. views into a packed

@@ -11,6 +11,7 @@ numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) CPU tensors stand in for dev
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 from numba import cuda
@@ -110,15 +111,14 @@ def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
 def reduce_to_scales(kind, mode, layout: Layout, x, st, scales: torch.Tensor) -> torch.Tensor:
     """``reduce`` and the scales of its totals (``Codec._scales_unchecked``) in two launches: the scales
     written into ``scales`` (the message's, a view into its packed row), and returned: ``ok``, a 0-d
-    bool tensor on the device, False when the input was not finite (nothing waits for it)."""
+    bool tensor on the device, False when the input was not finite (nothing waits for it; it is this
+    layout's flag, valid until the next call on the layout in this thread)."""
     device = x.device
     with _on(device):
         t_row, t_lo, t_hi, ptr = _geometry(layout, device, "tiles", lambda: layout.reduce_tiles(REDUCE_TILE))
         (lens,) = _geometry(layout, device, "scale_lengths_i64", lambda: (layout.scale_lengths.reshape(-1),))
-        width = FORMATS[kind].totals
-        partials = torch.empty(t_row.numel(), width, dtype=torch.float64, device=device)
-        totals = torch.empty(layout.nblocks, width, dtype=torch.float64, device=device)
-        ok = torch.ones(1, dtype=torch.bool, device=device)
+        partials, totals, ok = _scratch(kind, layout, device, t_row.numel())
+        ok.fill_(True)
         rows, col0 = _scale_rows(kind, layout, scales)
         target = rows if rows is not None else torch.empty(layout.nseg, scales[0].numel(), device=device)
         stream = _stream(device)
@@ -131,6 +131,22 @@ def reduce_to_scales(kind, mode, layout: Layout, x, st, scales: torch.Tensor) ->
         if rows is None:  # scales laid out otherwise: written, then copied
             scales.copy_(target.view(scales.shape))
         return ok.reshape(())
+
+
+def _scratch(kind, layout: Layout, device: torch.device, tiles: int) -> tuple[torch.Tensor, ...]:
+    """(partials, totals, flag) of :func:`reduce_to_scales`, made once per layout, device, stream and
+    thread: each call's kernels are done with them before the next call's run (one stream orders
+    them), and a thread of its own (a sender) or another stream gets its own."""
+    width = FORMATS[kind].totals
+    handle = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    cache = layout.__dict__.setdefault("_scratch", {})
+    key = (width, str(device), handle, threading.get_ident())
+    bufs = cache.get(key)
+    if bufs is None:
+        bufs = cache[key] = (torch.empty(tiles, width, dtype=torch.float64, device=device),
+                             torch.empty(layout.nblocks, width, dtype=torch.float64, device=device),
+                             torch.empty(1, dtype=torch.bool, device=device))
+    return bufs
 
 
 def _scale_rows(kind, layout: Layout, scales: torch.Tensor) -> tuple[torch.Tensor | None, int]:
