@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from .encoded import Encoded
@@ -176,12 +177,13 @@ class Codec:
         """fp32 block scales from the per-block fp64 totals ``[nblocks, width]`` of a reduction, and
         ``ok``: a 0-d bool tensor on the totals' device (the input was finite), so no host sync here.
         An empty block gets scale 0, which decodes to zeros; padding does not count in a length."""
-        lens = torch.from_numpy(lay.scale_lengths.reshape(-1)).to(totals.device)
-        live = lens > 0
+        # the block lengths (at least 1, fp64) and which blocks hold data: on the device once per layout
+        lens, live = lay.device_arrays("scale_lengths", totals.device, lambda: (
+            np.maximum(lay.scale_lengths.reshape(-1), 1).astype(np.float64), lay.scale_lengths.reshape(-1) > 0))
         if is_sign(self.kind):
             total = totals[:, 0]
             ok = torch.isfinite(total).all()
-            mean = torch.where(live, total / lens.clamp(min=1).double(), 0.0)
+            mean = torch.where(live, total / lens, 0.0)
             scales = (mean.sqrt() if self.kind == SIGN_L2 else mean).float().view(lay.nseg, -1)
         else:
             ok = torch.isfinite(totals[:, 2]).all()
@@ -207,11 +209,15 @@ class Codec:
         backend = self._backend(device)
         x = self._readable(x, backend)
         if scales is None:
-            totals = backend.reduce(self.kind, mode, lay, x, state)
-            scales, ok = self._scales_unchecked(totals, lay)
+            if hasattr(backend, "reduce_to_scales"):  # written into the message by the kernels
+                ok = backend.reduce_to_scales(self.kind, mode, lay, x, state, out.scales)
+            else:
+                totals = backend.reduce(self.kind, mode, lay, x, state)
+                scales, ok = self._scales_unchecked(totals, lay)
             if check and not bool(ok):
                 raise self._not_finite()
-        out.scales.copy_(scales)
+        if scales is not None:
+            out.scales.copy_(scales)
         backend.encode(self.kind, mode, lay, x, state, out.scales, out.codes)
         return out
 
@@ -244,7 +250,12 @@ class Codec:
         if lay.numel == 0:
             return self.empty(lay, x.device).scales, torch.ones((), dtype=torch.bool, device=x.device)
         backend = self._backend(x.device)
-        totals = backend.reduce(self.kind, m, lay, self._readable(x, backend), state if m != PLAIN else None)
+        st = state if m != PLAIN else None
+        if hasattr(backend, "reduce_to_scales"):  # the scales by the kernels; the flag is the layout's: copied
+            scales = torch.empty(scale_shape(self.kind, lay.nseg, lay.blocks_per_seg), dtype=torch.float32,
+                                 device=x.device)
+            return scales, backend.reduce_to_scales(self.kind, m, lay, self._readable(x, backend), st, scales).clone()
+        totals = backend.reduce(self.kind, m, lay, self._readable(x, backend), st)
         return self._scales_unchecked(totals, lay)
 
     # Every encode op takes ``out=``: message buffers to write into (e.g. views into a packed

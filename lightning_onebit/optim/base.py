@@ -274,8 +274,8 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
         if not keep:
             return
         params = [(b.params if params is None else params)[i] for i in keep]
-        ups = [b.views(update)[i] for i in keep]
-        dens = [b.views(denom)[i] for i in keep] if denom is not None else None
+        ups = [b.view(update, i) for i in keep]
+        dens = [b.view(denom, i) for i in keep] if denom is not None else None
         sizes = [step_size] * len(keep) if isinstance(step_size, float | int) else [step_size[i] for i in keep]
         decoupled_update_(params, ups, dens, sizes, lr=lr, weight_decay=decoupled_wd)
 

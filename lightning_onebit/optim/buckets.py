@@ -117,6 +117,11 @@ class Bucket:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o : o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, self.params, strict=True)]
 
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Parameter ``i``'s part of ``flat`` (``views(flat)[i]`` without the others)."""
+        o = self.offsets[i]
+        return flat[o : o + self.numels[i]].view_as(self.params[i])
+
     def runs(self, idx: torch.Tensor) -> list[tuple[int, int, int]]:
         """(parameter, start, end) of each parameter's run in the sorted flat positions ``idx``."""
         cuts = torch.searchsorted(idx, torch.tensor([*self.offsets, self.numel], device=idx.device)).tolist()

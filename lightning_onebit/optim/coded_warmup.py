@@ -77,7 +77,7 @@ class CodedWarmupSender:
                 at += p.numel()
                 ob, i = opt._param_bucket[id(p)]
                 self._into[id(p)] = (k, view)
-                ob.views(ob.grad)[i].copy_(view)
+                ob.view(ob.grad, i).copy_(view)
                 ob.sync.ready += 1
                 if ob.sync.ready == len(ob.params):
                     ob.sync.ready = 0

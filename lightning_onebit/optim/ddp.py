@@ -117,7 +117,7 @@ class DDPHookPath:
         with torch.no_grad():
             for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
                 ob, i = self._param_bucket[id(p)]
-                ob.views(ob.grad)[i].copy_(g)
+                ob.view(ob.grad, i).copy_(g)
                 s = ob.sync
                 # a parameter no rank used keeps grad None (DDP with find_unused_parameters): step()
                 # learns that only after this sync, so keep its state now if it was unused here

@@ -310,6 +310,7 @@ def test_launch_arguments_match_the_compiled_signatures(monkeypatch):
         codec.encode_error_feedback(src, err, groups=[0, 7, 40])
         codec.decode(enc)
         codec.decode_mean(codec.encode(x, nseg=3))
+        kc.reduce(codec.kind, 0, codec.layout(90, groups=[0, 7, 40]), x, None)  # the totals alone (no codec op)
         sim = SimulatedCluster(codec, "markov", 3, pieces=2, groups=[0, 5])
         sim.allreduce([torch.randn(70, generator=g) for _ in range(3)])
     assert set(seen) == set(sigs)

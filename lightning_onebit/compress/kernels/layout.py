@@ -187,21 +187,47 @@ class Layout:
     def _pad(self, rows) -> np.ndarray | None:
         return None if self.pad_from is None else self.pad_from[rows]
 
+    def _derived(self, key: tuple, make) -> Layout:
+        """A layout cut from this one, made once: its own caches (the device copies of its tables
+        among them) then survive from one step to the next."""
+        cache = self.__dict__.setdefault("_derived_layouts", {})
+        lay = cache.get(key)
+        if lay is None:
+            lay = cache[key] = make()
+        return lay
+
     def row(self, r: int) -> Layout:
-        return Layout(1, self.seg_len, self.starts[r : r + 1], self._pad(slice(r, r + 1)))
+        return self._derived(("row", r), lambda: Layout(1, self.seg_len, self.starts[r : r + 1],
+                                                        self._pad(slice(r, r + 1))))
 
     def repeat_row(self, r: int, n: int) -> Layout:
         """``n`` rows cut like row ``r`` (what a server receives: every worker's chunk r)."""
-        pad = None if self.pad_from is None else np.repeat(self.pad_from[r : r + 1], n)
-        return Layout(n, self.seg_len, np.repeat(self.starts[r : r + 1], n, axis=0), pad)
+        def make() -> Layout:
+            pad = None if self.pad_from is None else np.repeat(self.pad_from[r : r + 1], n)
+            return Layout(n, self.seg_len, np.repeat(self.starts[r : r + 1], n, axis=0), pad)
+        return self._derived(("repeat_row", r, n), make)
+
+    def device_arrays(self, what: str, device, make) -> tuple:
+        """Tables of this layout (``make()``: numpy arrays) as tensors on ``device``, copied there once
+        per layout and device: a copy from the host blocks, so none may happen per step."""
+        import torch  # the layout itself is numpy-only
+
+        cache = self.__dict__.setdefault("_device_arrays", {})
+        key = (what, str(device))
+        if key not in cache:
+            cache[key] = tuple(torch.from_numpy(np.array(a, copy=True)).to(device) for a in make())
+        return cache[key]
 
     def window(self, lo: int, hi: int) -> Layout:
         """Columns ``[lo, hi)`` of every row as a layout of its own: blocks clipped to the window
         (blocks outside it become empty), so block j keeps its index and its scale."""
         if not 0 <= lo <= hi <= self.seg_len:
             raise ValueError(f"window [{lo}, {hi}) outside a row of {self.seg_len}")
-        pad = None if self.pad_from is None else np.clip(self.pad_from - lo, 0, hi - lo)
-        return Layout(self.nseg, hi - lo, np.clip(self.starts - lo, 0, hi - lo), pad)
+
+        def make() -> Layout:
+            pad = None if self.pad_from is None else np.clip(self.pad_from - lo, 0, hi - lo)
+            return Layout(self.nseg, hi - lo, np.clip(self.starts - lo, 0, hi - lo), pad)
+        return self._derived(("window", lo, hi), make)
 
     def reduce_tiles(self, tile: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Work items of a reduction: every non-empty block cut into tiles of ``tile`` elements from

@@ -11,15 +11,23 @@ numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) CPU tensors stand in for dev
 from __future__ import annotations
 
 import contextlib
+import threading
 
-import numpy as np
 import torch
 from numba import cuda
 
-from .layout import FORMATS, REDUCE_TILE, Layout
+from .layout import FORMATS, REDUCE_TILE, Layout, code_bytes_padded
 from .numba_cuda_kernels import LANES as LANES  # the kernels moved there; their constants stay importable
-from .numba_cuda_kernels import RTHREADS, THREADS, _combine_kernel, _decode_kernel, _encode_kernel, _reduce_kernel
-from .numba_cuda_source import SIMULATED, accepts, kernel_input
+from .numba_cuda_kernels import (
+    RTHREADS,
+    THREADS,
+    _combine_kernel,
+    _decode_kernel,
+    _encode_kernel,
+    _reduce_kernel,
+    _scales_kernel,
+)
+from .numba_cuda_source import SIMULATED, accepts, empty_arrays, kernel_input
 from .numba_cuda_source import arr as _arr
 
 #: ``reduce``/``encode`` evaluate a :class:`~..source.Source` in place (see :func:`accepts`)
@@ -46,10 +54,19 @@ def _on(device: torch.device):
     return cuda.gpus[device.index if device.index is not None else torch.cuda.current_device()]
 
 
+_STREAMS: dict[int, object] = {}
+
+
 def _stream(device: torch.device):
-    if device.type == "cuda":
-        return cuda.external_stream(torch.cuda.current_stream(device).cuda_stream)
-    return 0
+    """torch's current stream of ``device`` as numba's, one object per stream: numba caches a kernel's
+    launch configuration per stream object, so a new one per launch would miss that cache every time."""
+    if device.type != "cuda":
+        return 0
+    handle = torch.cuda.current_stream(device).cuda_stream
+    stream = _STREAMS.get(handle)
+    if stream is None:
+        stream = _STREAMS[handle] = cuda.external_stream(handle)
+    return stream
 
 
 def _grid(work: int, threads: int) -> int:
@@ -59,16 +76,12 @@ def _grid(work: int, threads: int) -> int:
 
 def _state(st, device):
     """The state as a kernel array (empty without one)."""
-    return _arr(torch.empty(0, dtype=torch.float32, device=device) if st is None else st)
+    return empty_arrays(device)[0] if st is None else _arr(st)
 
 
 def _geometry(layout: Layout, device: torch.device, what: str, make) -> tuple:
     """Layout arrays as device tensors, made once per layout and device."""
-    cache = layout.__dict__.setdefault("_device_arrays", {})
-    key = (what, str(device))
-    if key not in cache:
-        cache[key] = tuple(torch.from_numpy(np.array(a, copy=True)).to(device) for a in make())
-    return cache[key]
+    return layout.device_arrays(what, device, make)
 
 
 def accepts_sink(sink) -> bool:
@@ -93,6 +106,63 @@ def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
             _combine_kernel[_grid(layout.nblocks, THREADS), THREADS, stream](kind, _arr(ptr), _arr(partials),
                                                                              _arr(totals))
         return totals
+
+
+def reduce_to_scales(kind, mode, layout: Layout, x, st, scales: torch.Tensor) -> torch.Tensor:
+    """``reduce`` and the scales of its totals (``Codec._scales_unchecked``) in two launches: the scales
+    written into ``scales`` (the message's, a view into its packed row), and returned: ``ok``, a 0-d
+    bool tensor on the device, False when the input was not finite (nothing waits for it; it is this
+    layout's flag, valid until the next call on the layout in this thread)."""
+    device = x.device
+    with _on(device):
+        t_row, t_lo, t_hi, ptr = _geometry(layout, device, "tiles", lambda: layout.reduce_tiles(REDUCE_TILE))
+        (lens,) = _geometry(layout, device, "scale_lengths_i64", lambda: (layout.scale_lengths.reshape(-1),))
+        partials, totals, ok = _scratch(kind, layout, device, t_row.numel())
+        ok.fill_(True)
+        rows, col0 = _scale_rows(kind, layout, scales)
+        target = rows if rows is not None else torch.empty(layout.nseg, scales[0].numel(), device=device)
+        stream = _stream(device)
+        _reduce_kernel[_grid(t_row.numel(), 1), RTHREADS, stream](
+            kind, mode, *kernel_input(x, device), _state(st, device), layout.seg_len, _arr(t_row), _arr(t_lo),
+            _arr(t_hi), _arr(partials))
+        _scales_kernel[_grid(layout.nblocks, THREADS), THREADS, stream](
+            kind, _arr(ptr), _arr(partials), _arr(totals), _arr(lens), layout.blocks_per_seg, _arr(target), col0,
+            _arr(ok))
+        if rows is None:  # scales laid out otherwise: written, then copied
+            scales.copy_(target.view(scales.shape))
+        return ok.reshape(())
+
+
+def _scratch(kind, layout: Layout, device: torch.device, tiles: int) -> tuple[torch.Tensor, ...]:
+    """(partials, totals, flag) of :func:`reduce_to_scales`, made once per layout, device, stream and
+    thread: each call's kernels are done with them before the next call's run (one stream orders
+    them), and a thread of its own (a sender) or another stream gets its own."""
+    width = FORMATS[kind].totals
+    handle = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    cache = layout.__dict__.setdefault("_scratch", {})
+    key = (width, str(device), handle, threading.get_ident())
+    bufs = cache.get(key)
+    if bufs is None:
+        bufs = cache[key] = (torch.empty(tiles, width, dtype=torch.float64, device=device),
+                             torch.empty(layout.nblocks, width, dtype=torch.float64, device=device),
+                             torch.empty(1, dtype=torch.bool, device=device))
+    return bufs
+
+
+def _scale_rows(kind, layout: Layout, scales: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """``scales`` as the kernels write them: (a contiguous fp32 [nseg, row] tensor, the column of row r's
+    first scale). The scales alone, or, for the views into a packed ``[codes | pad | scales]`` buffer
+    (:meth:`~..base.Codec.empty`), its whole rows as fp32 (the kernels never write the codes' columns;
+    the simulator takes only contiguous arrays). ``(None, 0)`` for any other layout of them."""
+    if scales.is_contiguous():
+        return scales.view(layout.nseg, -1), 0
+    col0 = code_bytes_padded(kind, layout.seg_len) // 4
+    stride = scales.stride(0)
+    base = scales.storage_offset() - col0
+    if (scales.dim() >= 2 and base >= 0 and stride >= col0 + scales[0].numel()
+            and scales[0].is_contiguous() and base + layout.nseg * stride <= scales.untyped_storage().nbytes() // 4):
+        return torch.as_strided(scales, (layout.nseg, stride), (stride, 1), base), col0
+    return None, 0
 
 
 def _starts(layout: Layout, device: torch.device):
@@ -135,6 +205,7 @@ def kernel_signatures() -> dict[str, tuple]:
     return {
         "_reduce_kernel": (i64, i64, *src, f32v, i64, i64v, i64v, i64v, f64m),
         "_combine_kernel": (i64, i64v, f64m, f64m),
+        "_scales_kernel": (i64, i64v, f64m, f64m, i64v, i64, f32m, i64, nt.Array(nt.boolean, 1, "C")),
         "_encode_kernel": (i64, i64, *src, f32v, i64, i64m, i64v, f32v, u8m),
         "_decode_kernel": (i64, u8m, f32m, i64, i64m, i64v, f32v, flag, flag),
     }
@@ -156,4 +227,4 @@ def compile_ptx(cc: tuple[int, int] = (8, 0)) -> dict[str, str]:
 
 
 __all__ = ["FUSES_SOURCES", "accepts", "accepts_sink", "compile_ptx", "decode", "encode", "kernel_signatures",
-           "reduce"]
+           "reduce", "reduce_to_scales"]

@@ -163,6 +163,33 @@ def _combine_kernel(kind, ptr, partials, totals):
 
 
 @cuda.jit(cache=True)
+def _scales_kernel(kind, ptr, partials, totals, lens, nbs, scales, col0, ok):
+    """The combine, then each block's fp32 scale written where the message keeps it (row r's scales at
+    ``scales[r, col0:]``: the rows of a packed buffer as fp32, or the scales alone with ``col0`` 0; ``nbs``
+    blocks per row) and ``ok[0]`` cleared when a block's total is not finite: the
+    torch ops of ``Codec._scales_unchecked`` in the same roundings (fp64 quotient and square root,
+    one rounding to fp32), so no op of the step's host path computes them."""
+    b = cuda.grid(1)
+    while b < ptr.size - 1:
+        _combine_block(kind, ptr, partials, totals, b)
+        r = b // nbs
+        j = b - r * nbs
+        n = lens[b]
+        if kind >= MINMAX_U8:
+            if not math.isfinite(totals[b, 2]):
+                ok[0] = False
+            scales[r, col0 + 2 * j] = float32(totals[b, 0]) if n > 0 else float32(0.0)
+            scales[r, col0 + 2 * j + 1] = float32(totals[b, 1]) if n > 0 else float32(0.0)
+        else:
+            total = totals[b, 0]
+            if not math.isfinite(total):
+                ok[0] = False
+            mean = total / float64(n) if n > 0 else 0.0
+            scales[r, col0 + j] = float32(math.sqrt(mean)) if kind == SIGN_L2 else float32(mean)
+        b += cuda.gridsize(1)
+
+
+@cuda.jit(cache=True)
 def _encode_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, starts,
                    ends, scales, codes):
     # One thread per element (loads and state updates coalesced); a tile of THREADS elements of one

@@ -125,6 +125,34 @@ def arr(t: torch.Tensor):
     return t.detach().numpy()
 
 
+_EMPTY: dict[str, tuple] = {}
+
+
+def empty_arrays(device: torch.device) -> tuple:
+    """(fp32, int64) empty kernel arrays on ``device``, for the arguments a launch does not use: made
+    once per device, not per launch."""
+    key = str(device)
+    if key not in _EMPTY:
+        _EMPTY[key] = (arr(torch.empty(0, dtype=torch.float32, device=device)),
+                       arr(torch.empty(0, dtype=torch.int64, device=device)))
+    return _EMPTY[key]
+
+
+_BOUNDS: dict[tuple, torch.Tensor] = {}
+
+
+def _group_bounds(groups: tuple, valid: int, device: torch.device) -> torch.Tensor:
+    """A Source's group bounds (its groups' starts, then ``valid``) on the device, copied there once per
+    geometry: a bucket's Source is rebuilt every step, its geometry is not."""
+    key = (groups, valid, str(device))
+    t = _BOUNDS.get(key)
+    if t is None:
+        if len(_BOUNDS) >= 256:
+            _BOUNDS.pop(next(iter(_BOUNDS)))
+        t = _BOUNDS[key] = torch.tensor((*groups, valid), dtype=torch.int64).to(device)
+    return t
+
+
 def _readable(t: torch.Tensor | None, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the kernels read ``t`` where it is: None, or a contiguous ``dtype`` tensor on ``device``."""
     return t is None or (t.device == device and t.dtype == dtype and t.is_contiguous())
@@ -172,10 +200,9 @@ def _expression(src: Source) -> tuple:
                 with np.errstate(divide="ignore"):
                     fs = np.float32(1.0) / fs  # torch's fp32 reciprocal of float32(divisor)
             factors = torch.from_numpy(fs).to(device)
-        bounds = torch.tensor((*root.groups, root.valid), dtype=torch.int64).to(device)
-        mask = root.mask if root.mask is not None and root.mask.numel() else torch.empty(0, dtype=torch.int64,
-                                                                                          device=device)
-        arrays = root.__dict__["_kernel_arrays"] = (op, *(arr(t) for t in (start, end, bounds, factors, mask)))
+        bounds = _group_bounds(tuple(root.groups), root.valid, device)
+        mask = arr(root.mask) if root.mask is not None and root.mask.numel() else empty_arrays(device)[1]
+        arrays = root.__dict__["_kernel_arrays"] = (op, *(arr(t) for t in (start, end, bounds, factors)), mask)
     return arrays
 
 
@@ -185,8 +212,7 @@ def kernel_input(x, device: torch.device) -> tuple:
     if isinstance(x, Source):
         op, start, end, bounds, factors, mask = _expression(x)
         return op, start, end, bounds, np.float32(x.weight), factors, mask, x.masked == "nonfinite", x.valid, x.base
-    f32 = arr(torch.empty(0, dtype=torch.float32, device=device))
-    i64 = arr(torch.empty(0, dtype=torch.int64, device=device))
+    f32, i64 = empty_arrays(device)
     return TENSOR, arr(x), f32, i64, np.float32(0.0), f32, i64, False, x.numel(), 0
 
 

@@ -1,0 +1,124 @@
+"""The host work of a compression-phase step on the CUDA path, held to budgets.
+
+``benchmarks/gpu_host_path.py`` counts it on the CPU, under numba's CUDA simulator with the kernels
+stubbed (in a child process: the simulator must be on before numba is imported), for 1-bit Adam on an
+MLP of 6 tensors in 3 buckets and a GPT-like model of 100 tensors in 13, on 1 rank and on 2 gloo ranks
+with DDP's comm hook. A change that adds a launch, a copy, a host read, a torch op or an allocation
+per step fails here, long before a GPU shows it in a profile.
+
+The budgets are ceilings per step: today's counts. The targets of the CUDA host path stand beside each
+as ``per_bucket(n)``: when a change brings a count down, lower its ceiling with it (to the target once
+it is met), so that the gain cannot be lost unnoticed.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from proc_utils import run as proc_run
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_host_path.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from host_counters import HostPathCounter  # noqa: E402
+
+BUCKETS = {"mlp": 3, "gpt": 13}
+CASES = (("mlp", 1), ("gpt", 1), ("mlp", 2), ("gpt", 2))  # (model, world size)
+
+
+def per_bucket(n: int) -> dict[tuple[str, int], int]:
+    """A budget of ``n`` per bucket, for every case."""
+    return {case: n * BUCKETS[case[0]] for case in CASES}
+
+
+# Ceilings per compression-phase step (after the first), by (model, world size): what is counted today
+# (the table in benchmarks/RESULTS.md), the target beside each.
+LAUNCHES = {("mlp", 1): 24, ("gpt", 1): 104, ("mlp", 2): 24, ("gpt", 2): 104}  # target: per_bucket(5)
+CONVERSIONS = {("mlp", 1): 144, ("gpt", 1): 624, ("mlp", 2): 144, ("gpt", 2): 624}  # target: per_bucket(0)
+# blocking; at 2 ranks the agreement's signature (gloo: to the CPU; a GPU stages it in pinned memory)
+H2D_COPIES = {**per_bucket(0), ("mlp", 2): 3, ("gpt", 2): 13}  # target: per_bucket(0)
+D2H_READS = {("mlp", 1): 6, ("gpt", 1): 26, ("mlp", 2): 9, ("gpt", 2): 39}  # target: per_bucket(0)
+TORCH_OPS = {("mlp", 1): 354, ("gpt", 1): 2274, ("mlp", 2): 576, ("gpt", 2): 3236}  # target: per_bucket(3)
+ALLOCATIONS = {**per_bucket(6), ("mlp", 2): 27, ("gpt", 2): 117}  # device; target: per_bucket(0)
+
+BUDGETS = {"launches": LAUNCHES, "conversions": CONVERSIONS, "h2d": H2D_COPIES, "d2h": D2H_READS,
+           "torch_ops": TORCH_OPS, "allocations": ALLOCATIONS}
+
+#: the counters whose count per bucket is already the same with 6 tensors a bucket as with 100 (at one
+#: world size); the target: every counter of BUDGETS
+SAME_PER_BUCKET = {"launches", "conversions", "h2d", "d2h", "allocations"}
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory) -> dict[tuple[str, int], dict[str, list[int]]]:
+    """{(model, world size): {counter: its count in each counted step}}, from one run of the benchmark."""
+    out = tmp_path_factory.mktemp("host_path") / "counts.json"
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", LIGHTNING_ONEBIT_BACKEND="cuda")
+    proc = proc_run([sys.executable, str(SCRIPT), "--steps", "3", "--timed", "0", "--timeout", "120",
+                     "--json", str(out)], env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert {(r["model"], r["world"]) for r in results} == set(CASES)
+    for r in results:
+        assert r["buckets"] == BUCKETS[r["model"]], r
+        assert not r.get("ranks_differ"), f"the ranks counted {r['ranks_differ']} otherwise"
+        assert list(r["kinds"]) == ["compression"], r["kinds"].keys()
+    return {(r["model"], r["world"]): r["kinds"]["compression"] for r in results}
+
+
+@pytest.mark.cudasim
+@pytest.mark.budget(40)  # the benchmark in a child process (about 10 s): 2 ranks forked from it, then 1
+@pytest.mark.parametrize("counter", list(BUDGETS))
+def test_host_work_per_step_within_budget(counted, counter):
+    over = {case: (max(counted[case][counter]), budget) for case, budget in BUDGETS[counter].items()
+            if max(counted[case][counter]) > budget}
+    assert not over, f"{counter} per step (counted, budget) over budget: {over}"
+
+
+@pytest.mark.cudasim
+@pytest.mark.budget(40)  # the benchmark's run, when this test runs first
+def test_host_work_is_the_same_every_step(counted):
+    """A count that changes from one compression-phase step to the next (a cache that never hits, a
+    buffer made anew) fails, and so would the ceilings' meaning."""
+    changing = {(case, c): v for case, kinds in counted.items() for c, v in kinds.items()
+                if c in BUDGETS and len(set(v)) != 1}
+    assert not changing, changing
+
+
+@pytest.mark.cudasim
+@pytest.mark.budget(40)  # the benchmark's run, when this test runs first
+def test_host_work_per_bucket_does_not_grow_with_its_tensors(counted):
+    for c in SAME_PER_BUCKET:
+        for world in (1, 2):
+            mlp, gpt = counted[("mlp", world)][c][0], counted[("gpt", world)][c][0]
+            assert mlp / BUCKETS["mlp"] == gpt / BUCKETS["gpt"], (c, world, mlp, gpt)
+
+
+def test_counter_tells_host_from_device_data():
+    """The counter alone, on plain CPU tensors: what it calls a copy, a read and an allocation."""
+    c = HostPathCounter()
+    dev = torch.arange(4.0)  # made before it tracks: a device tensor
+    with c.tracking():
+        table = torch.from_numpy(np.arange(4))  # host data
+        host = torch.tensor([1.0, 2.0])
+        with c.window():
+            moved = table.to(dev.device)  # 1 copy, the table stays a host tensor
+            dev.copy_(host.repeat(2))  # 1 copy (and a host tensor made)
+            made = torch.tensor([3.0], device=dev.device)  # 1 copy, 1 allocation
+            picked = dev[table]  # 1 copy (the index), 1 allocation
+            moved.add_(1)  # in place: no allocation
+            assert bool(dev.sum() > 0) and len(dev.tolist()) == 4  # 2 reads
+            host.copy_(dev[:2])  # 1 read
+            _ = dev.shape, dev.numel(), dev.dtype  # metadata: nothing
+        counts = c.take()
+    assert c.is_host(table) and c.is_host(host)
+    assert not (c.is_host(moved) or c.is_host(made) or c.is_host(picked) or c.is_host(dev))
+    # allocations: made, picked, dev.sum() and its comparison; on the host: host.repeat(2)
+    assert (counts["h2d"], counts["d2h"], counts["allocations"], counts["host_allocations"]) == (4, 3, 4, 1), counts
+    assert counts["launches"] == counts["conversions"] == 0
+    assert counts["ops"]["copy_"] == 2 and "numel" not in counts["ops"], counts["ops"]
