@@ -37,7 +37,7 @@ def per_bucket(n: int) -> dict[tuple[str, int], int]:
 
 
 # Ceilings per compression-phase step (after the first), by (model, world size): what is counted today
-# (the table in benchmarks/RESULTS.md), the target beside each.
+# (the table in benchmarks/GPU.md), the target beside each.
 LAUNCHES = {("mlp", 1): 24, ("gpt", 1): 104, ("mlp", 2): 24, ("gpt", 2): 104}  # target: per_bucket(5)
 CONVERSIONS = {("mlp", 1): 144, ("gpt", 1): 624, ("mlp", 2): 144, ("gpt", 2): 624}  # target: per_bucket(0)
 # blocking; at 2 ranks the agreement's signature (gloo: to the CPU; a GPU stages it in pinned memory)
