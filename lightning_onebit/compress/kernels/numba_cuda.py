@@ -79,31 +79,36 @@ def _state(st, device):
     return empty_arrays(device)[0] if st is None else _arr(st)
 
 
-def _geometry(layout: Layout, device: torch.device, what: str, make) -> tuple:
-    """Layout arrays as device tensors, made once per layout and device."""
-    return layout.device_arrays(what, device, make)
-
-
 def accepts_sink(sink) -> bool:
     """``decode`` applies no :class:`~..source.Sink`: the caller applies it to the decoded values."""
     return False
 
 
+def _tiles(layout: Layout, device: torch.device) -> tuple:
+    """(tile rows, tile starts, tile ends, each block's first tile) of the reduction, on the device."""
+    return layout.device_arrays("tiles", device, lambda: layout.reduce_tiles(REDUCE_TILE))
+
+
+def _launch_reduce(kind, mode, layout: Layout, x, st, tiles: tuple, partials: torch.Tensor, stream) -> None:
+    """The first pass of the reduction: one partial per tile, into ``partials``."""
+    t_row, t_lo, t_hi, _ = tiles
+    if t_row.numel():
+        _reduce_kernel[_grid(t_row.numel(), 1), RTHREADS, stream](
+            kind, mode, *kernel_input(x, x.device), _state(st, x.device), layout.seg_len, _arr(t_row), _arr(t_lo),
+            _arr(t_hi), _arr(partials))
+
+
 def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
     device = x.device
     with _on(device):
-        t_row, t_lo, t_hi, ptr = _geometry(layout, device, "tiles", lambda: layout.reduce_tiles(REDUCE_TILE))
+        tiles = _tiles(layout, device)
         width = FORMATS[kind].totals
-        partials = torch.empty(t_row.numel(), width, dtype=torch.float64, device=device)
+        partials = torch.empty(tiles[0].numel(), width, dtype=torch.float64, device=device)
         totals = torch.empty(layout.nblocks, width, dtype=torch.float64, device=device)
-        src = kernel_input(x, device)
         stream = _stream(device)
-        if t_row.numel():
-            _reduce_kernel[_grid(t_row.numel(), 1), RTHREADS, stream](
-                kind, mode, *src, _state(st, device), layout.seg_len, _arr(t_row), _arr(t_lo), _arr(t_hi),
-                _arr(partials))
+        _launch_reduce(kind, mode, layout, x, st, tiles, partials, stream)
         if layout.nblocks:
-            _combine_kernel[_grid(layout.nblocks, THREADS), THREADS, stream](kind, _arr(ptr), _arr(partials),
+            _combine_kernel[_grid(layout.nblocks, THREADS), THREADS, stream](kind, _arr(tiles[3]), _arr(partials),
                                                                              _arr(totals))
         return totals
 
@@ -115,32 +120,30 @@ def reduce_to_scales(kind, mode, layout: Layout, x, st, scales: torch.Tensor) ->
     layout's flag, valid until the next call on the layout in this thread)."""
     device = x.device
     with _on(device):
-        t_row, t_lo, t_hi, ptr = _geometry(layout, device, "tiles", lambda: layout.reduce_tiles(REDUCE_TILE))
-        (lens,) = _geometry(layout, device, "scale_lengths_i64", lambda: (layout.scale_lengths.reshape(-1),))
-        partials, totals, ok = _scratch(kind, layout, device, t_row.numel())
+        tiles = _tiles(layout, device)
+        (lens,) = layout.device_arrays("scale_lengths_i64", device, lambda: (layout.scale_lengths.reshape(-1),))
+        stream = _stream(device)
+        partials, totals, ok = _scratch(kind, layout, device, tiles[0].numel(), stream)
         ok.fill_(True)
         rows, col0 = _scale_rows(kind, layout, scales)
         target = rows if rows is not None else torch.empty(layout.nseg, scales[0].numel(), device=device)
-        stream = _stream(device)
-        _reduce_kernel[_grid(t_row.numel(), 1), RTHREADS, stream](
-            kind, mode, *kernel_input(x, device), _state(st, device), layout.seg_len, _arr(t_row), _arr(t_lo),
-            _arr(t_hi), _arr(partials))
+        _launch_reduce(kind, mode, layout, x, st, tiles, partials, stream)
         _scales_kernel[_grid(layout.nblocks, THREADS), THREADS, stream](
-            kind, _arr(ptr), _arr(partials), _arr(totals), _arr(lens), layout.blocks_per_seg, _arr(target), col0,
-            _arr(ok))
+            kind, _arr(tiles[3]), _arr(partials), _arr(totals), _arr(lens), layout.blocks_per_seg, _arr(target),
+            col0, _arr(ok))
         if rows is None:  # scales laid out otherwise: written, then copied
             scales.copy_(target.view(scales.shape))
         return ok.reshape(())
 
 
-def _scratch(kind, layout: Layout, device: torch.device, tiles: int) -> tuple[torch.Tensor, ...]:
+def _scratch(kind, layout: Layout, device: torch.device, tiles: int, stream) -> tuple[torch.Tensor, ...]:
     """(partials, totals, flag) of :func:`reduce_to_scales`, made once per layout, device, stream and
     thread: each call's kernels are done with them before the next call's run (one stream orders
-    them), and a thread of its own (a sender) or another stream gets its own."""
+    them), and a thread of its own (a sender) or another stream gets its own. ``stream``: :func:`_stream`'s,
+    kept alive there, so its id names it."""
     width = FORMATS[kind].totals
-    handle = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     cache = layout.__dict__.setdefault("_scratch", {})
-    key = (width, str(device), handle, threading.get_ident())
+    key = (width, str(device), id(stream), threading.get_ident())
     bufs = cache.get(key)
     if bufs is None:
         bufs = cache[key] = (torch.empty(tiles, width, dtype=torch.float64, device=device),
@@ -167,7 +170,7 @@ def _scale_rows(kind, layout: Layout, scales: torch.Tensor) -> tuple[torch.Tenso
 
 def _starts(layout: Layout, device: torch.device):
     """(block starts, data ends) of the layout's rows as device arrays."""
-    return tuple(_arr(a) for a in _geometry(layout, device, "starts", lambda: (layout.starts, layout.data_ends)))
+    return tuple(_arr(a) for a in layout.device_arrays("starts", device, lambda: (layout.starts, layout.data_ends)))
 
 
 def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
