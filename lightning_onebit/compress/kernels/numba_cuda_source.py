@@ -8,6 +8,8 @@ a Source into the kernels' arguments, once per expression. The CUDA counterpart 
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 from numba import config as numba_config
@@ -117,25 +119,59 @@ def source_at(op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, j)
     return _mul32(x[i], f)  # RECIPROCAL: f is the fp32 reciprocal of the divisor
 
 
+# Kernel arrays by (address, shape, strides, dtype, device): an array is only a description of memory
+# (it owns none, so it keeps no tensor alive), and any tensor with that key is that memory, so the
+# description made once serves every later launch on it, a view made anew each step included. Going
+# through torch's ``__cuda_array_interface__`` costs tens of microseconds per array and launch (a dict
+# built, numba's typing of a foreign object, and with the interface's stream a synchronize); a cached
+# numba array is typed on numba's fast path.
+_ARRAYS: dict[tuple, object] = {}
+_ARRAYS_MAX = 4096
+
+
 def arr(t: torch.Tensor):
+    """``t`` as a kernel array: a numba device array on the same memory (a numpy array under the
+    simulator), made once per memory and geometry (see ``_ARRAYS``)."""
+    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+    a = _ARRAYS.get(key)
+    if a is None:
+        a = _describe(t.detach())
+        if len(_ARRAYS) >= _ARRAYS_MAX:
+            _ARRAYS.pop(next(iter(_ARRAYS)))
+        _ARRAYS[key] = a
+    return a
+
+
+def _describe(t: torch.Tensor):
+    """A kernel array on ``t``'s memory that does not own it."""
     if t.is_cuda:
-        return cuda.as_cuda_array(t.detach())
+        # sync=False: the kernels run on torch's current stream, in order after what wrote ``t``
+        return cuda.from_cuda_array_interface(t.__cuda_array_interface__, owner=None, sync=False)
     if not SIMULATED:
         raise ValueError("the cuda backend needs CUDA tensors (or NUMBA_ENABLE_CUDASIM=1)")
-    return t.detach().numpy()
+    a = t.numpy()
+    if a.size == 0:
+        return a
+    span = sum((n - 1) * s for n, s in zip(a.shape, a.strides, strict=True)) + a.itemsize
+    raw = np.frombuffer((ctypes.c_char * span).from_address(t.data_ptr()), dtype=np.uint8)
+    return np.lib.stride_tricks.as_strided(raw.view(a.dtype), a.shape, a.strides)
 
 
 _EMPTY: dict[str, tuple] = {}
 
 
-def empty_arrays(device: torch.device) -> tuple:
-    """(fp32, int64) empty kernel arrays on ``device``, for the arguments a launch does not use: made
-    once per device, not per launch."""
+def empty_tensors(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32, int64, bool) empty tensors on ``device``, for the arguments a launch does not use: made once
+    per device, not per launch."""
     key = str(device)
     if key not in _EMPTY:
-        _EMPTY[key] = (arr(torch.empty(0, dtype=torch.float32, device=device)),
-                       arr(torch.empty(0, dtype=torch.int64, device=device)))
+        _EMPTY[key] = tuple(torch.empty(0, dtype=dt, device=device) for dt in (torch.float32, torch.int64, torch.bool))
     return _EMPTY[key]
+
+
+def empty_arrays(device: torch.device) -> tuple:
+    """:func:`empty_tensors` as kernel arrays."""
+    return tuple(arr(t) for t in empty_tensors(device))
 
 
 _BOUNDS: dict[tuple, torch.Tensor] = {}
@@ -188,10 +224,12 @@ def _expression(src: Source) -> tuple:
     arrays = root.__dict__.get("_kernel_arrays")
     if arrays is None:
         device = root.device
-        f32 = torch.empty(0, dtype=torch.float32, device=device)
+        f32 = empty_tensors(device)[0]
         op = _OP[root.op]
         start = f32 if root.start is None else root.start.reshape(-1)
-        end = f32 if root.end is None else root.flat_end()  # per-group tensors: gathered here, once
+        # per-group tensors gathered here, once per expression: into the buffer the expression would be
+        # materialised in, which the kernels never read (they evaluate it), so no allocation per step
+        end = f32 if root.end is None else root.flat_end(_spare(root))
         factors = f32
         if root.factors is not None:
             fs = np.array(root.factors, np.float32)
@@ -202,8 +240,22 @@ def _expression(src: Source) -> tuple:
             factors = torch.from_numpy(fs).to(device)
         bounds = _group_bounds(tuple(root.groups), root.valid, device)
         mask = arr(root.mask) if root.mask is not None and root.mask.numel() else empty_arrays(device)[1]
-        arrays = root.__dict__["_kernel_arrays"] = (op, *(arr(t) for t in (start, end, bounds, factors)), mask)
+        tensors = root.__dict__["_kernel_tensors"] = (start, end, bounds, factors)  # the arrays own no memory
+        arrays = root.__dict__["_kernel_arrays"] = (op, *(arr(t) for t in tensors), mask)
     return arrays
+
+
+def _spare(root: Source) -> torch.Tensor | None:
+    """The root's ``out`` buffer (fp32 on its device, ``valid`` elements), where nothing the expression
+    reads lives, or None."""
+    out = root._out
+    if out is None or out.dtype != torch.float32 or out.device != root.device or out.numel() < root.valid:
+        return None
+    lo, hi = out.data_ptr(), out.data_ptr() + 4 * root.valid
+    for t in (root.start, root.mask):
+        if t is not None and t.numel() and t.data_ptr() < hi and lo < t.data_ptr() + t.numel() * t.element_size():
+            return None
+    return out.reshape(-1)[: root.valid]
 
 
 def kernel_input(x, device: torch.device) -> tuple:
@@ -212,7 +264,7 @@ def kernel_input(x, device: torch.device) -> tuple:
     if isinstance(x, Source):
         op, start, end, bounds, factors, mask = _expression(x)
         return op, start, end, bounds, np.float32(x.weight), factors, mask, x.masked == "nonfinite", x.valid, x.base
-    f32, i64 = empty_arrays(device)
+    f32, i64, _ = empty_arrays(device)
     return TENSOR, arr(x), f32, i64, np.float32(0.0), f32, i64, False, x.numel(), 0
 
 
