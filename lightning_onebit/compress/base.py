@@ -76,6 +76,11 @@ def _check_state(buf: torch.Tensor, numel: int, device: torch.device, what: str)
         raise ValueError(f"{what} is on {buf.device} but the input is on {device}")
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` view the same elements (a copy from one to the other would change nothing)."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
 class Codec:
     """Base class: geometry, dispatch and the scale computation shared by all kinds.
 
@@ -216,7 +221,7 @@ class Codec:
                 scales, ok = self._scales_unchecked(totals, lay)
             if check and not bool(ok):
                 raise self._not_finite()
-        if scales is not None:
+        if scales is not None and not _same_memory(scales, out.scales):
             out.scales.copy_(scales)
         backend.encode(self.kind, mode, lay, x, state, out.scales, out.codes)
         return out
@@ -237,26 +242,40 @@ class Codec:
 
     def compute_scales_unchecked(self, x: torch.Tensor, state: torch.Tensor | None = None, mode: str = "plain",
                                  nseg: int = 1, *, groups: Sequence[int] | None = None,
-                                 layout: Layout | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                 layout: Layout | None = None, out: torch.Tensor | None = None,
+                                 ok: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`compute_scales` without its check: ``(scales, ok)``, ``ok`` a 0-d bool tensor on
         ``x``'s device saying whether the input was finite. Nothing waits for the device, so a
         caller can fold ``ok`` into a collective and read it once (the scales of a non-finite
-        input are meaningless)."""
+        input are meaningless). ``out`` (fp32, the scales' shape) and ``ok`` (a one-element 1-d bool
+        tensor, then returned as the flag): buffers a hot path keeps, written instead of allocated."""
         x = _as_fp32_vector(x, "x", keep_source=True)
         m = MODES[mode]
         lay = self._resolve(x.numel(), nseg, groups, layout)
         if m != PLAIN:
             _check_state(state, lay.numel, x.device, "state buffer")
+        shape = scale_shape(self.kind, lay.nseg, lay.blocks_per_seg)
+        if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != shape or out.device != x.device):
+            raise ValueError(f"out must be an fp32 tensor of shape {shape} on {x.device}, got {out.dtype} "
+                             f"{tuple(out.shape)} on {out.device}")
+        if ok is not None and (ok.dtype != torch.bool or ok.shape != (1,) or ok.device != x.device):
+            raise ValueError(f"ok must be a one-element 1-d bool tensor on {x.device}")
         if lay.numel == 0:
-            return self.empty(lay, x.device).scales, torch.ones((), dtype=torch.bool, device=x.device)
+            scales = self.empty(lay, x.device).scales if out is None else out
+            return scales, torch.ones((), dtype=torch.bool, device=x.device) if ok is None else ok.fill_(True)
         backend = self._backend(x.device)
         st = state if m != PLAIN else None
-        if hasattr(backend, "reduce_to_scales"):  # the scales by the kernels; the flag is the layout's: copied
-            scales = torch.empty(scale_shape(self.kind, lay.nseg, lay.blocks_per_seg), dtype=torch.float32,
-                                 device=x.device)
-            return scales, backend.reduce_to_scales(self.kind, m, lay, self._readable(x, backend), st, scales).clone()
+        if hasattr(backend, "reduce_to_scales"):  # the scales and the flag by the kernels
+            scales = torch.empty(shape, dtype=torch.float32, device=x.device) if out is None else out
+            flag = backend.reduce_to_scales(self.kind, m, lay, self._readable(x, backend), st, scales, ok)
+            return scales, flag.clone() if ok is None else flag  # without ``ok`` the flag is the layout's
         totals = backend.reduce(self.kind, m, lay, self._readable(x, backend), st)
-        return self._scales_unchecked(totals, lay)
+        scales, fine = self._scales_unchecked(totals, lay)
+        if out is not None:
+            scales = out.copy_(scales)
+        if ok is not None:
+            fine = ok.copy_(fine.reshape(1))
+        return scales, fine
 
     # Every encode op takes ``out=``: message buffers to write into (e.g. views into a packed
     # send buffer of a collective, see ``empty(..., packed=...)``); by default they are allocated.

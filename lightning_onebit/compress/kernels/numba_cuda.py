@@ -40,10 +40,19 @@ FUSES_SOURCES = True
 def _codes_arr(codes: torch.Tensor):
     """Codes rows that are views into a packed ``[codes | scales]`` buffer, widened to the full
     row stride: the simulator only takes contiguous arrays, and the kernels never index past
-    the code bytes of a row."""
-    if codes.dim() == 2 and not codes.is_contiguous() and codes.stride(1) == 1:
-        codes = torch.as_strided(codes, (codes.shape[0], codes.stride(0)), (codes.stride(0), 1))
-    return _arr(codes)
+    the code bytes of a row. Made once per memory and geometry, like :func:`arr`'s arrays."""
+    key = (codes.data_ptr(), codes.shape, codes.stride(), codes.device)
+    a = _CODES.get(key)
+    if a is None:
+        if codes.dim() == 2 and not codes.is_contiguous() and codes.stride(1) == 1:
+            codes = torch.as_strided(codes, (codes.shape[0], codes.stride(0)), (codes.stride(0), 1))
+        if len(_CODES) >= 1024:
+            _CODES.pop(next(iter(_CODES)))
+        a = _CODES[key] = _arr(codes)
+    return a
+
+
+_CODES: dict[tuple, object] = {}
 
 
 def _on(device: torch.device):
@@ -89,13 +98,17 @@ def _tiles(layout: Layout, device: torch.device) -> tuple:
     return layout.device_arrays("tiles", device, lambda: layout.reduce_tiles(REDUCE_TILE))
 
 
-def _launch_reduce(kind, mode, layout: Layout, x, st, tiles: tuple, partials: torch.Tensor, stream) -> None:
-    """The first pass of the reduction: one partial per tile, into ``partials``."""
+def _launch_reduce(kind, mode, layout: Layout, x, st, tiles: tuple, partials: torch.Tensor, stream,
+                   ok: torch.Tensor | None = None) -> None:
+    """The first pass of the reduction: one partial per tile, into ``partials``; sets ``ok`` (a flag the
+    next launch may clear), or sets it here without tiles to reduce."""
     t_row, t_lo, t_hi, _ = tiles
     if t_row.numel():
         _reduce_kernel[_grid(t_row.numel(), 1), RTHREADS, stream](
             kind, mode, *kernel_input(x, x.device), _state(st, x.device), layout.seg_len, _arr(t_row), _arr(t_lo),
-            _arr(t_hi), _arr(partials))
+            _arr(t_hi), _arr(partials), empty_arrays(x.device)[2] if ok is None else _arr(ok))
+    elif ok is not None:
+        ok.fill_(True)
 
 
 def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
@@ -113,32 +126,37 @@ def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
         return totals
 
 
-def reduce_to_scales(kind, mode, layout: Layout, x, st, scales: torch.Tensor) -> torch.Tensor:
+def reduce_to_scales(kind, mode, layout: Layout, x, st, scales: torch.Tensor,
+                     ok: torch.Tensor | None = None) -> torch.Tensor:
     """``reduce`` and the scales of its totals (``Codec._scales_unchecked``) in two launches: the scales
     written into ``scales`` (the message's, a view into its packed row), and returned: ``ok``, a 0-d
-    bool tensor on the device, False when the input was not finite (nothing waits for it; it is this
-    layout's flag, valid until the next call on the layout in this thread)."""
+    bool tensor on the device, False when the input was not finite (nothing waits for it). Written into
+    ``ok`` (one bool element) where given, else into this layout's flag, valid until the next call on
+    the layout in this thread."""
     device = x.device
     with _on(device):
         tiles = _tiles(layout, device)
         (lens,) = layout.device_arrays("scale_lengths_i64", device, lambda: (layout.scale_lengths.reshape(-1),))
         stream = _stream(device)
-        partials, totals, ok = _scratch(kind, layout, device, tiles[0].numel(), stream)
-        ok.fill_(True)
-        rows, col0 = _scale_rows(kind, layout, scales)
-        target = rows if rows is not None else torch.empty(layout.nseg, scales[0].numel(), device=device)
-        _launch_reduce(kind, mode, layout, x, st, tiles, partials, stream)
+        partials, totals, flag, flag0 = _scratch(kind, layout, device, tiles[0].numel(), stream)
+        given = ok
+        if ok is None:
+            ok = flag
+        elif ok.dim() != 1:
+            raise ValueError("reduce_to_scales: ok must be a one-element 1-d bool tensor")
+        target, col0, copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
+        _launch_reduce(kind, mode, layout, x, st, tiles, partials, stream, ok)
         _scales_kernel[_grid(layout.nblocks, THREADS), THREADS, stream](
-            kind, _arr(tiles[3]), _arr(partials), _arr(totals), _arr(lens), layout.blocks_per_seg, _arr(target),
+            kind, _arr(tiles[3]), _arr(partials), _arr(totals), _arr(lens), layout.blocks_per_seg, target,
             col0, _arr(ok))
-        if rows is None:  # scales laid out otherwise: written, then copied
-            scales.copy_(target.view(scales.shape))
-        return ok.reshape(())
+        if copy is not None:  # scales laid out otherwise: written, then copied
+            scales.copy_(copy.view(scales.shape))
+        return flag0 if given is None else given
 
 
 def _scratch(kind, layout: Layout, device: torch.device, tiles: int, stream) -> tuple[torch.Tensor, ...]:
-    """(partials, totals, flag) of :func:`reduce_to_scales`, made once per layout, device, stream and
-    thread: each call's kernels are done with them before the next call's run (one stream orders
+    """(partials, totals, flag, the flag 0-d) of :func:`reduce_to_scales`, made once per layout, device,
+    stream and thread: each call's kernels are done with them before the next call's run (one stream orders
     them), and a thread of its own (a sender) or another stream gets its own. ``stream``: :func:`_stream`'s,
     kept alive there, so its id names it."""
     width = FORMATS[kind].totals
@@ -146,26 +164,49 @@ def _scratch(kind, layout: Layout, device: torch.device, tiles: int, stream) -> 
     key = (width, str(device), id(stream), threading.get_ident())
     bufs = cache.get(key)
     if bufs is None:
+        flag = torch.empty(1, dtype=torch.bool, device=device)
         bufs = cache[key] = (torch.empty(tiles, width, dtype=torch.float64, device=device),
                              torch.empty(layout.nblocks, width, dtype=torch.float64, device=device),
-                             torch.empty(1, dtype=torch.bool, device=device))
+                             flag, flag.view(()))
     return bufs
 
 
-def _scale_rows(kind, layout: Layout, scales: torch.Tensor) -> tuple[torch.Tensor | None, int]:
-    """``scales`` as the kernels write them: (a contiguous fp32 [nseg, row] tensor, the column of row r's
-    first scale). The scales alone, or, for the views into a packed ``[codes | pad | scales]`` buffer
-    (:meth:`~..base.Codec.empty`), its whole rows as fp32 (the kernels never write the codes' columns;
-    the simulator takes only contiguous arrays). ``(None, 0)`` for any other layout of them."""
+def _scale_rows(kind, nrows: int, seg_len: int, scales: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """``scales`` (``nrows`` rows of ``seg_len`` elements) as the kernels read and write them: (a contiguous
+    fp32 [nrows, row] tensor, the column of row r's first scale). The scales alone, or, for the views into
+    a packed ``[codes | pad | scales]`` buffer (:meth:`~..base.Codec.empty`), its whole rows as fp32 (the
+    kernels never touch the codes' columns through it; the simulator takes only contiguous arrays), so
+    nothing is copied. ``(None, 0)`` for any other layout of them."""
     if scales.is_contiguous():
-        return scales.view(layout.nseg, -1), 0
-    col0 = code_bytes_padded(kind, layout.seg_len) // 4
+        return scales.view(nrows, -1), 0
+    col0 = code_bytes_padded(kind, seg_len) // 4
     stride = scales.stride(0)
     base = scales.storage_offset() - col0
     if (scales.dim() >= 2 and base >= 0 and stride >= col0 + scales[0].numel()
-            and scales[0].is_contiguous() and base + layout.nseg * stride <= scales.untyped_storage().nbytes() // 4):
-        return torch.as_strided(scales, (layout.nseg, stride), (stride, 1), base), col0
+            and scales[0].is_contiguous() and base + nrows * stride <= scales.untyped_storage().nbytes() // 4):
+        return torch.as_strided(scales, (nrows, stride), (stride, 1), base), col0
     return None, 0
+
+
+_SCALE_ARGS: dict[tuple, tuple] = {}
+
+
+def _scales_in(kind, nrows: int, seg_len: int, scales: torch.Tensor) -> tuple[object, int, torch.Tensor | None]:
+    """The scales as the encode and decode kernels read them (:func:`_scale_rows`): (kernel array, first
+    column, a copy the caller holds until the launch or None). The array is made once per memory and
+    geometry, like :func:`arr`'s; a copy only for a layout of them it cannot widen."""
+    key = (scales.data_ptr(), scales.shape, scales.stride(), kind, nrows, seg_len, scales.device)
+    hit = _SCALE_ARGS.get(key)
+    if hit is not None:
+        return (*hit, None)
+    rows, col0 = _scale_rows(kind, nrows, seg_len, scales)
+    if rows is None:
+        copy = scales.reshape(nrows, -1).contiguous()
+        return _arr(copy), 0, copy
+    if len(_SCALE_ARGS) >= 1024:
+        _SCALE_ARGS.pop(next(iter(_SCALE_ARGS)))
+    _SCALE_ARGS[key] = (_arr(rows), col0)
+    return _SCALE_ARGS[key] + (None,)
 
 
 def _starts(layout: Layout, device: torch.device):
@@ -177,18 +218,20 @@ def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     device = codes.device
     with _on(device):
         tiles = layout.nseg * -(-layout.seg_len // THREADS)
+        rows, col0, _copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
         _encode_kernel[_grid(tiles, 1), THREADS, _stream(device)](
             kind, mode, *kernel_input(x, device), _state(st, device), layout.seg_len, *_starts(layout, device),
-            _arr(scales.reshape(-1).contiguous()), _codes_arr(codes))
+            rows, col0, _codes_arr(codes))
 
 
 def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False) -> None:
     device = codes.device
     with _on(device):
         tiles = (1 if mean_rows else layout.nseg) * -(-layout.seg_len // THREADS)
+        rows, col0, _copy = _scales_in(kind, codes.shape[0], layout.seg_len, scales)
         _decode_kernel[_grid(tiles, 1), THREADS, _stream(device)](
-            kind, _codes_arr(codes), _arr(scales.reshape(codes.shape[0], -1).contiguous()), layout.seg_len,
-            *_starts(layout, device), _arr(out), accumulate, mean_rows)
+            kind, _codes_arr(codes), rows, col0, layout.seg_len, *_starts(layout, device), _arr(out),
+            accumulate, mean_rows)
 
 
 # --- ahead-of-time checks ------------------------------------------------------------------
@@ -205,12 +248,13 @@ def kernel_signatures() -> dict[str, tuple]:
     i64m, u8m = nt.Array(nt.int64, 2, "C"), nt.Array(nt.uint8, 2, "C")
     # the input (_input): op, x, end, bounds, w, factors, mask, nonfinite, valid, offset
     src = (i64, f32v, f32v, i64v, nt.float32, f32v, i64v, flag, i64, i64)
+    b1 = nt.Array(nt.boolean, 1, "C")
     return {
-        "_reduce_kernel": (i64, i64, *src, f32v, i64, i64v, i64v, i64v, f64m),
+        "_reduce_kernel": (i64, i64, *src, f32v, i64, i64v, i64v, i64v, f64m, b1),
         "_combine_kernel": (i64, i64v, f64m, f64m),
-        "_scales_kernel": (i64, i64v, f64m, f64m, i64v, i64, f32m, i64, nt.Array(nt.boolean, 1, "C")),
-        "_encode_kernel": (i64, i64, *src, f32v, i64, i64m, i64v, f32v, u8m),
-        "_decode_kernel": (i64, u8m, f32m, i64, i64m, i64v, f32v, flag, flag),
+        "_scales_kernel": (i64, i64v, f64m, f64m, i64v, i64, f32m, i64, b1),
+        "_encode_kernel": (i64, i64, *src, f32v, i64, i64m, i64v, f32m, i64, u8m),
+        "_decode_kernel": (i64, u8m, f32m, i64, i64, i64m, i64v, f32v, flag, flag),
     }
 
 

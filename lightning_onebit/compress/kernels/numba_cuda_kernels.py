@@ -46,25 +46,25 @@ def _code(kind, codes, row, i):
 
 
 @cuda.jit(device=True, inline=True)
-def _decode_one(kind, codes, scales, row, i, b):
+def _decode_one(kind, codes, scales, col0, row, i, b):
     c = _code(kind, codes, row, i)
     if kind >= MINMAX_U8:
-        lo = float64(scales[row, 2 * b])
-        hi = float64(scales[row, 2 * b + 1])
+        lo = float64(scales[row, col0 + 2 * b])
+        hi = float64(scales[row, col0 + 2 * b + 1])
         return float32(lo + _mul64(float64(c), (hi - lo) / float64(KIND_TOP[kind])))
-    s = scales[row, b]
+    s = scales[row, col0 + b]
     if c:
         return s
     return -s
 
 
 @cuda.jit(device=True, inline=True)
-def _mean_of_rows(kind, mc, ms, i, b):
+def _mean_of_rows(kind, mc, ms, col0, i, b):
     """Element i of the mean over the message rows (workers 0..n-1 summed in order)."""
     nw = mc.shape[0]
     acc = 0.0  # fp64: n large decoded values must not overflow before the division
     for w in range(nw):
-        acc += float64(_decode_one(kind, mc, ms, w, i, b))
+        acc += float64(_decode_one(kind, mc, ms, col0, w, i, b))
     return float32(acc / nw)
 
 
@@ -97,7 +97,10 @@ def _round_half_even(t):
 
 @cuda.jit(cache=True)
 def _reduce_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, t_row,
-                   t_lo, t_hi, out):
+                   t_lo, t_hi, out, ok):
+    # ``ok``: the finiteness flag the scales kernel (launched next) clears, set here (empty: none)
+    if ok.size and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+        ok[0] = True
     s_a = cuda.shared.array(LANES, float64)
     s_b = cuda.shared.array(LANES, float64)
     s_c = cuda.shared.array(LANES, float64)
@@ -162,6 +165,26 @@ def _combine_kernel(kind, ptr, partials, totals):
         b += cuda.gridsize(1)
 
 
+@cuda.jit(device=True, inline=True)
+def _scale_block(kind, ptr, partials, totals, lens, nbs, scales, col0, ok, b):
+    """Scale block b: its tiles combined, its fp32 scale(s) written, ``ok[0]`` cleared if not finite."""
+    _combine_block(kind, ptr, partials, totals, b)
+    r = b // nbs
+    j = b - r * nbs
+    n = lens[b]
+    if kind >= MINMAX_U8:
+        if not math.isfinite(totals[b, 2]):
+            ok[0] = False
+        scales[r, col0 + 2 * j] = float32(totals[b, 0]) if n > 0 else float32(0.0)
+        scales[r, col0 + 2 * j + 1] = float32(totals[b, 1]) if n > 0 else float32(0.0)
+    else:
+        total = totals[b, 0]
+        if not math.isfinite(total):
+            ok[0] = False
+        mean = total / float64(n) if n > 0 else 0.0
+        scales[r, col0 + j] = float32(math.sqrt(mean)) if kind == SIGN_L2 else float32(mean)
+
+
 @cuda.jit(cache=True)
 def _scales_kernel(kind, ptr, partials, totals, lens, nbs, scales, col0, ok):
     """The combine, then each block's fp32 scale written where the message keeps it (row r's scales at
@@ -171,32 +194,17 @@ def _scales_kernel(kind, ptr, partials, totals, lens, nbs, scales, col0, ok):
     one rounding to fp32), so no op of the step's host path computes them."""
     b = cuda.grid(1)
     while b < ptr.size - 1:
-        _combine_block(kind, ptr, partials, totals, b)
-        r = b // nbs
-        j = b - r * nbs
-        n = lens[b]
-        if kind >= MINMAX_U8:
-            if not math.isfinite(totals[b, 2]):
-                ok[0] = False
-            scales[r, col0 + 2 * j] = float32(totals[b, 0]) if n > 0 else float32(0.0)
-            scales[r, col0 + 2 * j + 1] = float32(totals[b, 1]) if n > 0 else float32(0.0)
-        else:
-            total = totals[b, 0]
-            if not math.isfinite(total):
-                ok[0] = False
-            mean = total / float64(n) if n > 0 else 0.0
-            scales[r, col0 + j] = float32(math.sqrt(mean)) if kind == SIGN_L2 else float32(mean)
+        _scale_block(kind, ptr, partials, totals, lens, nbs, scales, col0, ok, b)
         b += cuda.gridsize(1)
 
 
 @cuda.jit(cache=True)
 def _encode_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, starts,
-                   ends, scales, codes):
+                   ends, scales, col0, codes):
     # One thread per element (loads and state updates coalesced); a tile of THREADS elements of one
     # row per block, so the row is found once per tile. 8-bit codes are written by their thread;
     # narrower ones (a sign's bits) meet in shared memory and a thread packs each byte.
     qs = cuda.shared.array(THREADS, int32)
-    nb = starts.shape[1] - 1
     tid = cuda.threadIdx.x
     tiles = (seg_len + THREADS - 1) // THREADS  # per row; a tile starts on a byte
     bits = KIND_BITS[kind]
@@ -209,11 +217,11 @@ def _encode_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, 
         qi = int32(0)
         if i < seg_len:
             e = r * seg_len + i
-            g = r * nb + last_at_most(starts[r], i)
+            g = last_at_most(starts[r], i)  # row r's scales are scales[r, col0:], as the scales kernel writes them
             v = _value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, e)
             if kind >= MINMAX_U8:
-                smin = float64(scales[2 * g])
-                rng = float64(scales[2 * g + 1]) - smin
+                smin = float64(scales[r, col0 + 2 * g])
+                rng = float64(scales[r, col0 + 2 * g + 1]) - smin
                 inv = top / rng if rng > 0 else 0.0
                 q = min(max(_round_half_even((float64(v) - smin) * inv), 0.0), top)
                 if i >= ends[r]:
@@ -221,7 +229,7 @@ def _encode_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, 
                 qi = int32(q)
                 dec = float32(smin + _mul64(q, rng / top))
             else:  # both sign kinds: only their scales differ
-                s = scales[g]
+                s = scales[r, col0 + g]
                 dec = -s
                 if v >= 0:
                     qi = int32(1)
@@ -247,7 +255,7 @@ def _encode_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, 
 
 
 @cuda.jit(cache=True)
-def _decode_kernel(kind, codes, scales, seg_len, starts, ends, out, accumulate, mean_rows):
+def _decode_kernel(kind, codes, scales, col0, seg_len, starts, ends, out, accumulate, mean_rows):
     nrows = 1 if mean_rows else starts.shape[0]
     tiles = (seg_len + THREADS - 1) // THREADS  # as in the encode kernels
     t = cuda.blockIdx.x
@@ -261,9 +269,9 @@ def _decode_kernel(kind, codes, scales, seg_len, starts, ends, out, accumulate, 
         if i >= ends[r]:
             v = float32(0.0)  # padding
         elif mean_rows:
-            v = _mean_of_rows(kind, codes, scales, i, b)
+            v = _mean_of_rows(kind, codes, scales, col0, i, b)
         else:
-            v = _decode_one(kind, codes, scales, r, i, b)
+            v = _decode_one(kind, codes, scales, col0, r, i, b)
         if accumulate:
             out[e] += v
         else:
