@@ -208,9 +208,9 @@ class CompressedAllreduce(TwoStageRank):
                                           "no state was changed")
             return
         work.wait()
-        allsig = allsig.cpu()
+        allsig = allsig.cpu().numpy()  # one read; the fields are compared on the host, not by torch ops
         fields = ["numel", "dtype", "codec kind", "block_size", "mode", "l1 scale", "groups (crc32)"]
-        bad = [f for i, f in enumerate(fields) if not bool((allsig[:, i] == allsig[0, i]).all())]
+        bad = [f for i, f in enumerate(fields) if not (allsig[:, i] == allsig[0, i]).all()]
         if bad:
             rows = "; ".join(
                 f"rank {r}: " + ", ".join(f"{f}={int(allsig[r, i])}" for i, f in enumerate(fields))
@@ -218,7 +218,7 @@ class CompressedAllreduce(TwoStageRank):
             raise ValueError(f"CompressedAllreduce: ranks disagree on {', '.join(bad)} ({rows})")
         self.flag_values = allsig[:, -3].tolist()
         self.any_flag = any(self.flag_values)
-        if not bool(allsig[:, -2].all()):
+        if not allsig[:, -2].all():
             self._server_overflowed()
         nonfinite = [r for r in range(self.world_size) if not int(allsig[r, -1])]
         if nonfinite:

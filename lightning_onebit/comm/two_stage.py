@@ -65,7 +65,7 @@ from collections.abc import Sequence
 import torch
 
 from ..compress import Codec, Encoded, flat_buffer
-from ..compress.kernels.layout import Layout, is_sign
+from ..compress.kernels.layout import Layout, is_sign, scale_shape
 from ..compress.source import Sink, Source
 from .accounting import ByteCounter
 from .pipeline import MAX_PIECES, MIN_PIECE, Piece, plan_pieces
@@ -173,6 +173,15 @@ class TwoStageRank(RankState):
         scales, and ``layout``: those rows' blocks clipped to the piece."""
         return Encoded(buf[rows, : self.plan[k].cb], row_scales[rows], layout, self.codec.kind)
 
+    def _message(self, layout: Layout, packed: torch.Tensor) -> Encoded:
+        """``packed`` (one of this rank's persistent buffers) as the message of ``layout``: its code and
+        scale views made once, not per call."""
+        key = (id(layout), id(packed))
+        msg = self._messages.get(key)
+        if msg is None or msg.codes.data_ptr() != packed.data_ptr():
+            msg = self._messages[key] = self.codec.empty(layout, packed.device, packed=packed)
+        return msg
+
     def bytes_per_call(self, numel: int) -> int:
         """Bytes this rank sends per call for a tensor of ``numel`` elements."""
         return 2 * (self.world_size - 1) * self.codec.row_bytes(self.make_layout(numel))
@@ -216,6 +225,18 @@ class TwoStageRank(RankState):
         # a fresh buffer per call pays first-touch page faults (see Codec.server_step)
         self._mean = flat_buffer(seg, device=dev, zero=False) if self.mode != "markov" else None
         self._outpad = flat_buffer(D, device=dev, zero=False) if D != self.numel else None
+        self._messages: dict[tuple[int, int], Encoded] = {}  # the packed buffers as messages (see _message)
+        # the worker scales and the input's finiteness flag of a call, written in place every call: with
+        # one piece where stage 1 sends them (its packed row); None for a codec whose messages carry
+        # other values than block scales (top-k), which computes its own
+        lay = self.layout
+        shape = scale_shape(self.codec.kind, lay.nseg, lay.blocks_per_seg)
+        sent = self._message(lay, self._send[0]).scales if len(self.plan) == 1 else None
+        if sent is not None:
+            self._worker_scales = sent if tuple(sent.shape) == shape else None
+        else:  # pieces: only block-scale codecs are cut into them
+            self._worker_scales = torch.empty(shape, dtype=torch.float32, device=dev)
+        self._ok = torch.ones(1, dtype=torch.bool, device=dev)
 
     # -- stage 1 (worker) ----------------------------------------------------------------
     def _padded_input(self, x: torch.Tensor | Source) -> torch.Tensor | Source:
@@ -239,13 +260,15 @@ class TwoStageRank(RankState):
             raise TypeError(f"{type(self).__name__} expects a floating-point tensor")
         self.bind(x.numel(), x.device)
         xp = self._padded_input(x)
-        return (xp, *self.codec.compute_scales_unchecked(xp, self.worker, self.mode, layout=self.layout))
+        out = self._worker_scales
+        return (xp, *self.codec.compute_scales_unchecked(xp, self.worker, self.mode, layout=self.layout,
+                                                         out=out, ok=None if out is None else self._ok))
 
     def encode_stage(self, xp: torch.Tensor, scales: torch.Tensor, k: int = 0) -> torch.Tensor:
         """Stage 1 (worker): encode piece ``k`` of every chunk into its send buffer ``[n, rb_k]``."""
         n, seg, send = self.world_size, self.seg_len, self._send
         if self.num_pieces == 1:
-            outs = [(xp, self.worker, self.codec.empty(self.layout, xp.device, packed=send[0]), scales)]
+            outs = [(xp, self.worker, self._message(self.layout, send[0]), scales)]
         else:
             if k == 0:  # piece 0 may go on the wire before the others are encoded: all scales now
                 self._row_scales(send[0]).copy_(scales)
@@ -274,8 +297,8 @@ class TwoStageRank(RankState):
         mean (``markov``: of the server's running mean) is decoded now, and the encode waits
         for the last piece, because the server scales need the whole chunk."""
         if self.num_pieces == 1:
-            msgs = self.codec.empty(self._recv_layout, recv.device, packed=recv)
-            out = self.codec.empty(self._srv_layout, recv.device, packed=self._srv[0])
+            msgs = self._message(self._recv_layout, recv)
+            out = self._message(self._srv_layout, self._srv[0])
             if self.mode in ("error_feedback", "plain"):
                 self.codec.server_step(msgs, self.server if self.mode == "error_feedback" else None,
                                        out=out, mean=self._mean, check_finite=False)
@@ -344,7 +367,7 @@ class TwoStageRank(RankState):
         if self.num_pieces > 1:
             scales = self._row_scales(piece0)
         else:
-            scales = self.codec.empty(self.layout, piece0.device, packed=piece0).scales
+            scales = self._message(self.layout, piece0).scales
         return torch.isfinite(scales).all()
 
     def finish_piece(self, gathered: torch.Tensor, dst: torch.Tensor, k: int = 0, sink: Sink | None = None) -> None:
@@ -354,7 +377,7 @@ class TwoStageRank(RankState):
         if sink is not None and not self.codec.fuses_sink(sink):
             sink = None  # applied by finish() after the whole result is decoded
         if self.num_pieces == 1:
-            self.codec.decode(self.codec.empty(self.layout, gathered.device, packed=gathered), out=dst,
+            self.codec.decode(self._message(self.layout, gathered), out=dst,
                               accumulate=acc, sink=sink)
             return
         if k == 0:
