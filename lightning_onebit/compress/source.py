@@ -244,7 +244,7 @@ class Sink:
 
     def __init__(self, *, numel: int, groups: Sequence[int], targets: Sequence[torch.Tensor | None],
                  denom: torch.Tensor, values: Sequence[float], decay: float,
-                 mask: torch.Tensor | None = None) -> None:
+                 mask: torch.Tensor | None = None, cache: dict | None = None) -> None:
         groups = tuple(int(g) for g in groups)
         if len(targets) != len(groups) or len(values) != len(groups):
             raise ValueError("a Sink needs one target (or None) and one value per group")
@@ -259,6 +259,7 @@ class Sink:
         self.values, self.decay = tuple(float(v) for v in values), float(decay)
         self.mask = mask if mask is not None and mask.numel() else None
         self.base = 0
+        self._cache = cache  # where apply() keeps its per-tensor views between steps (e.g. a bucket's)
 
     def __getitem__(self, key: slice) -> Sink:
         """The sink of a window ``[lo, hi)`` of the result (a pipeline piece of one row)."""
@@ -270,9 +271,8 @@ class Sink:
 
     def apply(self, out: torch.Tensor) -> None:
         """Apply the sink to ``out``, the whole decoded result (the reference the kernels match)."""
-        flat = out.reshape(-1)[: self.valid]
         if self.mask is not None:
-            flat[self.mask] = 0.0
+            out.reshape(-1)[: self.valid][self.mask] = 0.0
         bounds = (*self.groups, self.valid)
         keep = [k for k, t in enumerate(self.targets) if t is not None]
         if not keep:
@@ -280,6 +280,13 @@ class Sink:
         targets = [self.targets[k] for k in keep]
         if self.decay != 1.0:
             torch._foreach_mul_(targets, self.decay)
-        us = [flat[bounds[k]:bounds[k + 1]].view_as(self.targets[k]) for k in keep]
-        ds = [self.denom.reshape(-1)[bounds[k]:bounds[k + 1]].view_as(self.targets[k]) for k in keep]
-        torch._foreach_addcdiv_(targets, us, ds, [self.values[k] for k in keep])
+        key = (out.data_ptr(), self.denom.data_ptr(), bounds, tuple(keep), tuple(t.shape for t in targets))
+        views = None if self._cache is None else self._cache.get("sink_views")
+        if views is None or views[0] != key:
+            flat = out.reshape(-1)
+            us = [flat[bounds[k]:bounds[k + 1]].view_as(self.targets[k]) for k in keep]
+            ds = [self.denom.reshape(-1)[bounds[k]:bounds[k + 1]].view_as(self.targets[k]) for k in keep]
+            views = (key, us, ds)
+            if self._cache is not None:
+                self._cache["sink_views"] = views
+        torch._foreach_addcdiv_(targets, views[1], views[2], [self.values[k] for k in keep])

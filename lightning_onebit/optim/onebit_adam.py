@@ -303,7 +303,7 @@ class OnebitAdam(CompressedOptimizer):
                 numel=b.numel, groups=b.offsets, targets=[t if h else None for t, h in zip(targets, has_grad,
                                                                                           strict=True)],
                 denom=self._denominator(b, group), values=[-s for s in sizes],
-                decay=1 - group["lr"] * group["weight_decay"], mask=self._mask(b)))
+                decay=1 - group["lr"] * group["weight_decay"], mask=self._mask(b), cache=b.cache))
             return
         self._apply(b, b.flat["exp_avg"], group, has_grad, decoupled_wd=group["weight_decay"], step_size=sizes,
                     denom=self._denominator(b, group))

@@ -128,8 +128,12 @@ class SyncPlumbing:
     @staticmethod
     def _sink_targets(b: Bucket) -> list[torch.Tensor] | None:
         """The bucket's parameters as a decode sink updates them (contiguous fp32), else None."""
-        ps = [p.detach() for p in b.params]
-        return ps if all(p.dtype == torch.float32 and p.is_contiguous() for p in ps) else None
+        key = tuple((id(p), p.data_ptr()) for p in b.params)  # made once per bucket and parameter memory
+        if b.cache.get("sink_key") != key:
+            ps = [p.detach() for p in b.params]
+            b.cache["sink_key"] = key
+            b.cache["sink_targets"] = ps if all(p.dtype == torch.float32 and p.is_contiguous() for p in ps) else None
+        return b.cache["sink_targets"]
 
     def _flush_pending(self) -> None:
         """Decode every result a bucket left for its update (before anything reads the state)."""
