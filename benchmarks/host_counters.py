@@ -156,6 +156,7 @@ class HostPathCounter:
         self.counts: Counter[str] = Counter()
         self.kernels: Counter[str] = Counter()  # launches by kernel name
         self.ops: Counter[str] = Counter()  # torch ops by name
+        self.op_sites: Counter[str] = Counter()  # torch ops by "name at path:line"
         self.sites: Counter[str] = Counter()  # "counter at path:line"
         self.stub_s = 0.0  # thread time spent in the kernel stubs (left out of host times)
         self.hook_s = 0.0  # thread time spent in the comm hooks (see counting_ddp_hooks)
@@ -176,15 +177,17 @@ class HostPathCounter:
             self._window -= 1
 
     def take(self) -> dict[str, Any]:
-        """The counts since the last ``take`` (every name of :data:`COUNTERS`, plus ``kernels``, ``ops``
-        and ``sites``: Counters by name), and reset them. An array of a step tensor that reached no
-        launch counts as a CPU-only branch here."""
+        """The counts since the last ``take`` (every name of :data:`COUNTERS`, plus ``kernels``, ``ops``,
+        ``op_sites`` (the torch ops by name and package line) and ``sites``: Counters by name), and reset
+        them. An array of a step tensor that reached no launch counts as a CPU-only branch here."""
         for _ in self._fresh:
             self.counts["cpu_branches"] += 1
         self._fresh.clear()
         out: dict[str, Any] = {k: self.counts.get(k, 0) for k in COUNTERS}
-        out.update(kernels=dict(self.kernels), ops=dict(self.ops), sites=dict(self.sites))
-        self.counts, self.kernels, self.ops, self.sites = Counter(), Counter(), Counter(), Counter()
+        out.update(kernels=dict(self.kernels), ops=dict(self.ops), op_sites=dict(self.op_sites),
+                   sites=dict(self.sites))
+        self.counts, self.kernels, self.ops, self.op_sites, self.sites = (Counter(), Counter(), Counter(), Counter(),
+                                                                          Counter())
         return out
 
     def is_host(self, t: torch.Tensor) -> bool:
@@ -229,6 +232,7 @@ class HostPathCounter:
         self._count("torch_ops")
         if self._window:
             self.ops[name] += 1
+            self.op_sites[f"{name} at {_site()}"] += 1
         device_kw = kwargs.get("device")
         new_host: bool | None = None  # how to tag new result tensors (None: by the inputs)
         if name in _READS:
@@ -389,17 +393,28 @@ class HostPathCounter:
                 continue
             patched.append((cuda, name, real))
             setattr(cuda, name, self._counted(real, what))
+        # the package's conversion (a kernel array described once per memory and geometry): each call one
+        # conversion, whatever it does inside (on a GPU from_cuda_array_interface, here a .numpy())
+        from lightning_onebit.compress.kernels import numba_cuda_source as source
+
+        patched.append((source, "_describe", source._describe))
+        source._describe = self._counted(source._describe, "conversions", internal=True)
         try:
             yield
         finally:
             for owner, name, real in patched:
                 setattr(owner, name, real)
 
-    def _counted(self, f: Callable, what: str) -> Callable:
+    def _counted(self, f: Callable, what: str, internal: bool = False) -> Callable:
+        """``f`` counted as one ``what`` per call (``internal``: the torch calls inside it not counted)."""
         @functools.wraps(f)
         def call(*a, **k):
             self._count(what, site=True)
-            return f(*a, **k)
+            self._internal += internal
+            try:
+                return f(*a, **k)
+            finally:
+                self._internal -= internal
         return call
 
     def _claim(self, a: np.ndarray) -> None:
