@@ -29,14 +29,14 @@ def test_every_kernel_compiles_to_ptx(cc):
 
     ptx = kc.compile_ptx(cc)
     assert set(ptx) == set(kc.kernel_signatures()) == {
-        "_reduce_kernel", "_combine_kernel", "_scales_kernel", "_encode_kernel", "_decode_kernel"}
+        "_reduce_kernel", "_combine_kernel", "_reduce_scales_kernel", "_encode_kernel", "_decode_kernel"}
     for name, text in ptx.items():
         assert f".target sm_{cc[0]}{cc[1]}" in text, name
         assert ".visible .entry" in text and name in text, name
     for name in ("_encode_kernel", "_decode_kernel"):  # lo + code * step rounds twice, as on the CPU
         assert "fma.rn.f64" not in ptx[name] and "mul.rn.f64" in ptx[name], name
     # the scales: torch's fp64 quotient and square root, correctly rounded, then one rounding to fp32
-    assert "div.rn.f64" in ptx["_scales_kernel"] and "sqrt.rn.f64" in ptx["_scales_kernel"]
+    assert "div.rn.f64" in ptx["_reduce_scales_kernel"] and "sqrt.rn.f64" in ptx["_reduce_scales_kernel"]
 
 
 def test_auto_backend_falls_back_to_torch_without_a_compiler(monkeypatch):

@@ -316,3 +316,30 @@ def test_launch_arguments_match_the_compiled_signatures(monkeypatch):
     assert set(seen) == set(sigs)
     for name, types in seen.items():
         assert types == {sigs[name]}, (name, types, sigs[name])
+
+
+def test_fused_reduce_and_scales_match_the_two_pass_reduction(monkeypatch):
+    """``reduce_to_scales`` combines each scale block's tiles in the launch that reduced them (the last
+    tile's thread block, the partials read LANES at a time): with 8-element tiles a block spans 70 tiles
+    (three rounds of reads), and the totals (min-max: all three columns) are those of ``reduce`` (reduce
+    then combine, two launches) bit for bit; a non-finite input clears the flag, and the next call's
+    counters start at zero."""
+    from lightning_onebit.compress.kernels import numba_cuda as kc
+    from lightning_onebit.compress.kernels.layout import MINMAX_U8, make_layout
+
+    monkeypatch.setattr(kc, "REDUCE_TILE", 8)  # the summation order of both paths alike
+    layout = make_layout(1, 600, None, groups=[0, 40, 41])  # blocks of 40, 1 and 559 elements
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(layout.numel, generator=g) * torch.logspace(-2, 2, layout.numel)
+    for bad in (True, False):
+        xi = x.clone()
+        if bad:
+            xi[500] = float("nan")
+        scales = torch.empty(layout.nseg, layout.blocks_per_seg * 2)
+        ok = kc.reduce_to_scales(MINMAX_U8, 0, layout, xi, None, scales)
+        fused = layout.__dict__["_scratch"]  # (partials, totals, flag, flag 0-d, counters) by stream
+        (totals, counters), = [(b[1], b[4]) for b in fused.values()]
+        two_pass = kc.reduce(MINMAX_U8, 0, layout, xi, None)
+        assert bool(ok) is not bad
+        assert torch.equal(totals.nan_to_num(), two_pass.nan_to_num()) and torch.equal(totals.isnan(), two_pass.isnan())
+        assert not counters.any()

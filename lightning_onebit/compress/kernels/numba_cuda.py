@@ -25,7 +25,7 @@ from .numba_cuda_kernels import (
     _decode_kernel,
     _encode_kernel,
     _reduce_kernel,
-    _scales_kernel,
+    _reduce_scales_kernel,
 )
 from .numba_cuda_source import SIMULATED, accepts, empty_arrays, kernel_input
 from .numba_cuda_source import arr as _arr
@@ -98,17 +98,13 @@ def _tiles(layout: Layout, device: torch.device) -> tuple:
     return layout.device_arrays("tiles", device, lambda: layout.reduce_tiles(REDUCE_TILE))
 
 
-def _launch_reduce(kind, mode, layout: Layout, x, st, tiles: tuple, partials: torch.Tensor, stream,
-                   ok: torch.Tensor | None = None) -> None:
-    """The first pass of the reduction: one partial per tile, into ``partials``; sets ``ok`` (a flag the
-    next launch may clear), or sets it here without tiles to reduce."""
+def _launch_reduce(kind, mode, layout: Layout, x, st, tiles: tuple, partials: torch.Tensor, stream) -> None:
+    """The first pass of the reduction: one partial per tile, into ``partials``."""
     t_row, t_lo, t_hi, _ = tiles
     if t_row.numel():
         _reduce_kernel[_grid(t_row.numel(), 1), RTHREADS, stream](
             kind, mode, *kernel_input(x, x.device), _state(st, x.device), layout.seg_len, _arr(t_row), _arr(t_lo),
-            _arr(t_hi), _arr(partials), empty_arrays(x.device)[2] if ok is None else _arr(ok))
-    elif ok is not None:
-        ok.fill_(True)
+            _arr(t_hi), _arr(partials))
 
 
 def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
@@ -128,37 +124,42 @@ def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
 
 def reduce_to_scales(kind, mode, layout: Layout, x, st, scales: torch.Tensor,
                      ok: torch.Tensor | None = None) -> torch.Tensor:
-    """``reduce`` and the scales of its totals (``Codec._scales_unchecked``) in two launches: the scales
-    written into ``scales`` (the message's, a view into its packed row), and returned: ``ok``, a 0-d
-    bool tensor on the device, False when the input was not finite (nothing waits for it). Written into
-    ``ok`` (one bool element) where given, else into this layout's flag, valid until the next call on
-    the layout in this thread."""
+    """``reduce`` and the scales of its totals (``Codec._scales_unchecked``) in one launch
+    (``_reduce_scales_kernel``): the scales written into ``scales`` (the message's, a view into its
+    packed row), and returned: ``ok``, a 0-d bool tensor on the device, False when the input was not
+    finite (nothing waits for it). Written into ``ok`` (one bool element) where given, else into this
+    layout's flag, valid until the next call on the layout in this thread."""
     device = x.device
     with _on(device):
         tiles = _tiles(layout, device)
         (lens,) = layout.device_arrays("scale_lengths_i64", device, lambda: (layout.scale_lengths.reshape(-1),))
         stream = _stream(device)
-        partials, totals, flag, flag0 = _scratch(kind, layout, device, tiles[0].numel(), stream)
+        partials, totals, flag, flag0, count = _scratch(kind, layout, device, tiles[0].numel(), stream)
         given = ok
         if ok is None:
             ok = flag
         elif ok.dim() != 1:
             raise ValueError("reduce_to_scales: ok must be a one-element 1-d bool tensor")
+        if not layout.nblocks:
+            ok.fill_(True)
+            return flag0 if given is None else given
         target, col0, copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
-        _launch_reduce(kind, mode, layout, x, st, tiles, partials, stream, ok)
-        _scales_kernel[_grid(layout.nblocks, THREADS), THREADS, stream](
-            kind, _arr(tiles[3]), _arr(partials), _arr(totals), _arr(lens), layout.blocks_per_seg, target,
-            col0, _arr(ok))
+        t_row, t_lo, t_hi, ptr = tiles
+        _reduce_scales_kernel[_grid(max(t_row.numel(), layout.nblocks), 1), RTHREADS, stream](
+            kind, mode, *kernel_input(x, device), _state(st, device), layout.seg_len, _arr(t_row), _arr(t_lo),
+            _arr(t_hi), _arr(ptr), _arr(partials), _arr(totals), _arr(lens), layout.blocks_per_seg, target, col0,
+            _arr(count), _arr(ok))
         if copy is not None:  # scales laid out otherwise: written, then copied
             scales.copy_(copy.view(scales.shape))
         return flag0 if given is None else given
 
 
 def _scratch(kind, layout: Layout, device: torch.device, tiles: int, stream) -> tuple[torch.Tensor, ...]:
-    """(partials, totals, flag, the flag 0-d) of :func:`reduce_to_scales`, made once per layout, device,
-    stream and thread: each call's kernels are done with them before the next call's run (one stream orders
-    them), and a thread of its own (a sender) or another stream gets its own. ``stream``: :func:`_stream`'s,
-    kept alive there, so its id names it."""
+    """(partials, totals, flag, the flag 0-d, the counters) of :func:`reduce_to_scales`, made once per
+    layout, device, stream and thread (the counters zeroed once: each launch zeroes what it counted).
+    Each call's kernel is done with them before the next call's runs (one stream orders them); a thread
+    of its own (a sender) or another stream gets its own. ``stream``: :func:`_stream`'s, kept alive
+    there, so its id names it."""
     width = FORMATS[kind].totals
     cache = layout.__dict__.setdefault("_scratch", {})
     key = (width, str(device), id(stream), threading.get_ident())
@@ -167,7 +168,7 @@ def _scratch(kind, layout: Layout, device: torch.device, tiles: int, stream) -> 
         flag = torch.empty(1, dtype=torch.bool, device=device)
         bufs = cache[key] = (torch.empty(tiles, width, dtype=torch.float64, device=device),
                              torch.empty(layout.nblocks, width, dtype=torch.float64, device=device),
-                             flag, flag.view(()))
+                             flag, flag.view(()), torch.zeros(layout.nblocks + 2, dtype=torch.int32, device=device))
     return bufs
 
 
@@ -248,11 +249,12 @@ def kernel_signatures() -> dict[str, tuple]:
     i64m, u8m = nt.Array(nt.int64, 2, "C"), nt.Array(nt.uint8, 2, "C")
     # the input (_input): op, x, end, bounds, w, factors, mask, nonfinite, valid, offset
     src = (i64, f32v, f32v, i64v, nt.float32, f32v, i64v, flag, i64, i64)
-    b1 = nt.Array(nt.boolean, 1, "C")
+    b1, i32v = nt.Array(nt.boolean, 1, "C"), nt.Array(nt.int32, 1, "C")
     return {
-        "_reduce_kernel": (i64, i64, *src, f32v, i64, i64v, i64v, i64v, f64m, b1),
+        "_reduce_kernel": (i64, i64, *src, f32v, i64, i64v, i64v, i64v, f64m),
         "_combine_kernel": (i64, i64v, f64m, f64m),
-        "_scales_kernel": (i64, i64v, f64m, f64m, i64v, i64, f32m, i64, b1),
+        "_reduce_scales_kernel": (i64, i64, *src, f32v, i64, i64v, i64v, i64v, i64v, f64m, f64m, i64v, i64, f32m, i64,
+                                  i32v, b1),
         "_encode_kernel": (i64, i64, *src, f32v, i64, i64m, i64v, f32m, i64, u8m),
         "_decode_kernel": (i64, u8m, f32m, i64, i64, i64m, i64v, f32v, flag, flag),
     }

@@ -1,8 +1,10 @@
 """The numba-CUDA kernels and their device functions (the launch wrappers are in :mod:`.numba_cuda`).
 
 The reduction follows the summation order of :mod:`.layout` (one thread block per tile, the
-``REDUCE_LANES`` lanes spread over the block's threads, the same halving tree, tiles combined in
-order by a second small kernel), so its scales are the numba CPU backend's bit for bit. The
+``REDUCE_LANES`` lanes spread over the block's threads, the same halving tree, a scale block's
+tiles combined in order: by a second small kernel for ``reduce``, and for the scales by the thread
+block that finishes the block's last tile, in the same launch), so its scales are the numba CPU
+backend's bit for bit. The
 encode and decode kernels give each thread one element (coalesced loads); the encode packs a
 tile's codes through shared memory, so it needs no atomics or warp votes, and every element finds
 its scale block by a binary search of its row's block starts. Each kernel serves every codec kind
@@ -95,62 +97,69 @@ def _round_half_even(t):
     return f
 
 
+@cuda.jit(device=True, inline=True)
+def _tile_partial(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, t_row,
+                  t_lo, t_hi, out, t, s_a, s_b, s_c):
+    """Tile t's partial (the sum, or min, max and the finiteness probe) into ``out[t]``, by the block's
+    threads: the block's ``REDUCE_LANES`` lanes each sum their strided elements in order, then the
+    halving tree of the CPU backend. Called by every thread of the block; thread 0 writes."""
+    tid = cuda.threadIdx.x
+    base = t_row[t] * seg_len
+    hi = t_hi[t]
+    lane = tid
+    while lane < LANES:  # lane j sums elements j, j + LANES, ... of the tile, in order
+        a = 0.0
+        mn = math.inf
+        mx = -math.inf
+        i = t_lo[t] + lane
+        while i < hi:
+            v = float64(_value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, base + i))
+            if kind >= MINMAX_U8:
+                mn = min(mn, v)
+                mx = max(mx, v)
+                a += v * 0.0
+            elif kind == SIGN_L2:
+                a += v * v  # exact in fp64 (v is fp32), so a fused multiply-add rounds alike
+            else:
+                a += abs(v)
+            i += LANES
+        s_a[lane] = a
+        if kind >= MINMAX_U8:
+            s_b[lane] = mn
+            s_c[lane] = mx
+        lane += RTHREADS
+    cuda.syncthreads()
+    h = LANES // 2
+    while h > 0:
+        lane = tid
+        while lane < h:
+            s_a[lane] += s_a[lane + h]
+            if kind >= MINMAX_U8:
+                s_b[lane] = min(s_b[lane], s_b[lane + h])
+                s_c[lane] = max(s_c[lane], s_c[lane + h])
+            lane += RTHREADS
+        cuda.syncthreads()
+        h //= 2
+    if tid == 0:
+        if kind >= MINMAX_U8:
+            out[t, 0] = s_b[0]
+            out[t, 1] = s_c[0]
+            out[t, 2] = s_a[0]
+        else:
+            out[t, 0] = s_a[0]
+    cuda.syncthreads()
+
+
 @cuda.jit(cache=True)
 def _reduce_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, t_row,
-                   t_lo, t_hi, out, ok):
-    # ``ok``: the finiteness flag the scales kernel (launched next) clears, set here (empty: none)
-    if ok.size and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-        ok[0] = True
+                   t_lo, t_hi, out):
     s_a = cuda.shared.array(LANES, float64)
     s_b = cuda.shared.array(LANES, float64)
     s_c = cuda.shared.array(LANES, float64)
-    tid = cuda.threadIdx.x
     t = cuda.blockIdx.x
     while t < t_row.size:  # grid-stride over tiles; the loop bound is uniform per block
-        base = t_row[t] * seg_len
-        hi = t_hi[t]
-        lane = tid
-        while lane < LANES:  # lane j sums elements j, j + LANES, ... of the tile, in order
-            a = 0.0
-            mn = math.inf
-            mx = -math.inf
-            i = t_lo[t] + lane
-            while i < hi:
-                v = float64(_value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, base + i))
-                if kind >= MINMAX_U8:
-                    mn = min(mn, v)
-                    mx = max(mx, v)
-                    a += v * 0.0
-                elif kind == SIGN_L2:
-                    a += v * v  # exact in fp64 (v is fp32), so a fused multiply-add rounds alike
-                else:
-                    a += abs(v)
-                i += LANES
-            s_a[lane] = a
-            if kind >= MINMAX_U8:
-                s_b[lane] = mn
-                s_c[lane] = mx
-            lane += RTHREADS
-        cuda.syncthreads()
-        h = LANES // 2
-        while h > 0:  # the halving tree of the CPU backend
-            lane = tid
-            while lane < h:
-                s_a[lane] += s_a[lane + h]
-                if kind >= MINMAX_U8:
-                    s_b[lane] = min(s_b[lane], s_b[lane + h])
-                    s_c[lane] = max(s_c[lane], s_c[lane + h])
-                lane += RTHREADS
-            cuda.syncthreads()
-            h //= 2
-        if tid == 0:
-            if kind >= MINMAX_U8:
-                out[t, 0] = s_b[0]
-                out[t, 1] = s_c[0]
-                out[t, 2] = s_a[0]
-            else:
-                out[t, 0] = s_a[0]
-        cuda.syncthreads()
+        _tile_partial(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, t_row,
+                      t_lo, t_hi, out, t, s_a, s_b, s_c)
         t += cuda.gridDim.x
 
 
@@ -166,36 +175,109 @@ def _combine_kernel(kind, ptr, partials, totals):
 
 
 @cuda.jit(device=True, inline=True)
-def _scale_block(kind, ptr, partials, totals, lens, nbs, scales, col0, ok, b):
-    """Scale block b: its tiles combined, its fp32 scale(s) written, ``ok[0]`` cleared if not finite."""
-    _combine_block(kind, ptr, partials, totals, b)
+def _write_scale(kind, totals, lens, nbs, scales, col0, b):
+    """Scale block b's fp32 scale(s) from its totals, written where the message keeps them (row r's
+    scales at ``scales[r, col0:]``, ``nbs`` blocks per row): the torch ops of ``Codec._scales_unchecked``
+    in the same roundings (fp64 quotient and square root, one rounding to fp32). Returns whether the
+    totals are finite."""
     r = b // nbs
     j = b - r * nbs
     n = lens[b]
     if kind >= MINMAX_U8:
-        if not math.isfinite(totals[b, 2]):
-            ok[0] = False
         scales[r, col0 + 2 * j] = float32(totals[b, 0]) if n > 0 else float32(0.0)
         scales[r, col0 + 2 * j + 1] = float32(totals[b, 1]) if n > 0 else float32(0.0)
-    else:
-        total = totals[b, 0]
-        if not math.isfinite(total):
-            ok[0] = False
-        mean = total / float64(n) if n > 0 else 0.0
-        scales[r, col0 + j] = float32(math.sqrt(mean)) if kind == SIGN_L2 else float32(mean)
+        return math.isfinite(totals[b, 2])
+    total = totals[b, 0]
+    mean = total / float64(n) if n > 0 else 0.0
+    scales[r, col0 + j] = float32(math.sqrt(mean)) if kind == SIGN_L2 else float32(mean)
+    return math.isfinite(total)
+
+
+@cuda.jit(device=True, inline=True)
+def _block_done(kind, totals, lens, nbs, scales, col0, count, ok, b):
+    """Block b's totals are in: its scale written, and the last block of the launch to get here writes
+    ``ok`` (no block's total was non-finite) and zeroes the launch's counters for the next one."""
+    nb = count.size - 2
+    if not _write_scale(kind, totals, lens, nbs, scales, col0, b):
+        cuda.atomic.add(count, nb + 1, 1)
+    cuda.threadfence()
+    if cuda.atomic.add(count, nb, 1) == nb - 1:
+        ok[0] = cuda.atomic.add(count, nb + 1, 0) == 0
+        count[nb] = 0
+        count[nb + 1] = 0
 
 
 @cuda.jit(cache=True)
-def _scales_kernel(kind, ptr, partials, totals, lens, nbs, scales, col0, ok):
-    """The combine, then each block's fp32 scale written where the message keeps it (row r's scales at
-    ``scales[r, col0:]``: the rows of a packed buffer as fp32, or the scales alone with ``col0`` 0; ``nbs``
-    blocks per row) and ``ok[0]`` cleared when a block's total is not finite: the
-    torch ops of ``Codec._scales_unchecked`` in the same roundings (fp64 quotient and square root,
-    one rounding to fp32), so no op of the step's host path computes them."""
-    b = cuda.grid(1)
-    while b < ptr.size - 1:
-        _scale_block(kind, ptr, partials, totals, lens, nbs, scales, col0, ok, b)
-        b += cuda.gridsize(1)
+def _reduce_scales_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len,
+                          t_row, t_lo, t_hi, ptr, partials, totals, lens, nbs, scales, col0, count, ok):
+    """The reduction, the combine and the scales in one launch. Each tile's partial is computed as by
+    ``_reduce_kernel``; the thread block that finishes a scale block's last tile (``count[b]``, tiles
+    done per block, counted atomically after a fence) combines that block's partials in tile order, as
+    ``combine_block`` does (read through atomics: the L2 copy, never a stale L1 line of another SM's
+    write), and writes its scale (``_block_done``). ``count``: int32 [nblocks + 2], zero between
+    launches (each launch zeroes what it counted): tiles done per block, blocks done, blocks not
+    finite. Blocks without tiles are finished by thread 0 of a block up front."""
+    s_a = cuda.shared.array(LANES, float64)
+    s_b = cuda.shared.array(LANES, float64)
+    s_c = cuda.shared.array(LANES, float64)
+    last = cuda.shared.array(1, int32)
+    tid = cuda.threadIdx.x
+    nb = ptr.size - 1
+    if tid == 0:
+        b = cuda.blockIdx.x
+        while b < nb:
+            if ptr[b] == ptr[b + 1]:
+                _combine_block(kind, ptr, partials, totals, b)  # no tiles: the zero totals
+                _block_done(kind, totals, lens, nbs, scales, col0, count, ok, b)
+            b += cuda.gridDim.x
+    t = cuda.blockIdx.x
+    while t < t_row.size:  # grid-stride over tiles; uniform per block
+        _tile_partial(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, t_row,
+                      t_lo, t_hi, partials, t, s_a, s_b, s_c)
+        if tid == 0:
+            cuda.threadfence()  # this tile's partial visible before it is counted
+            b = last_at_most(ptr, t)
+            done = cuda.atomic.add(count, b, 1)
+            last[0] = b if done == ptr[b + 1] - ptr[b] - 1 else -1
+        cuda.syncthreads()
+        b = last[0]
+        if b >= 0:  # uniform per block: this tile was its scale block's last
+            cuda.threadfence()
+            mn = math.inf
+            mx = -math.inf
+            acc = 0.0
+            c = ptr[b]
+            while c < ptr[b + 1]:  # LANES partials at a time read by the threads, summed in order by thread 0
+                lane = tid
+                while lane < LANES:
+                    if c + lane < ptr[b + 1]:
+                        s_a[lane] = cuda.atomic.add(partials, (c + lane, 0), 0.0)
+                        if kind >= MINMAX_U8:
+                            s_b[lane] = cuda.atomic.add(partials, (c + lane, 1), 0.0)
+                            s_c[lane] = cuda.atomic.add(partials, (c + lane, 2), 0.0)
+                    lane += RTHREADS
+                cuda.syncthreads()
+                if tid == 0:
+                    for q in range(min(LANES, ptr[b + 1] - c)):
+                        if kind >= MINMAX_U8:  # the order and operations of combine_block
+                            mn = min(mn, s_a[q])
+                            mx = max(mx, s_b[q])
+                            acc += s_c[q]
+                        else:
+                            acc += s_a[q]
+                cuda.syncthreads()
+                c += LANES
+            if tid == 0:
+                count[b] = 0
+                if kind >= MINMAX_U8:
+                    totals[b, 0] = mn
+                    totals[b, 1] = mx
+                    totals[b, 2] = acc
+                else:
+                    totals[b, 0] = acc
+                _block_done(kind, totals, lens, nbs, scales, col0, count, ok, b)
+        cuda.syncthreads()
+        t += cuda.gridDim.x
 
 
 @cuda.jit(cache=True)
@@ -217,7 +299,7 @@ def _encode_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, 
         qi = int32(0)
         if i < seg_len:
             e = r * seg_len + i
-            g = last_at_most(starts[r], i)  # row r's scales are scales[r, col0:], as the scales kernel writes them
+            g = last_at_most(starts[r], i)  # row r's scales are scales[r, col0:], as _reduce_scales_kernel writes them
             v = _value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, e)
             if kind >= MINMAX_U8:
                 smin = float64(scales[r, col0 + 2 * g])
