@@ -323,13 +323,15 @@ class Codec:
         ``encode_error_feedback(mean, error)`` (or ``encode(mean)``): the reduction and the
         encode pass both need the mean, and decoding n rows is the costly part. Up to
         ``FUSED_MEAN_ROWS`` rows (world size 1 or 2, a simulation's worker rows) the numba kernels
-        decode the mean inside both passes instead, which costs less than writing and reading it.
+        decode the mean inside both passes instead, which costs less than writing and reading it;
+        the CUDA kernels decode it in the reduction, which writes it into ``mean`` for the encode.
         ``check_finite=False`` skips the finiteness check (a host sync on a GPU): a mean that
         overflowed fp32 then shows as non-finite scales in the result, for the caller to check.
         """
         backend = self._backend(messages.device)
-        if hasattr(backend, "RowsMean") and messages.seg_len and messages.nseg <= FUSED_MEAN_ROWS:
-            mean = backend.RowsMean(messages)  # decoded inside both passes, never written
+        most = getattr(backend, "ROWS_MEAN_MAX", FUSED_MEAN_ROWS)
+        if hasattr(backend, "RowsMean") and messages.seg_len and (most is None or messages.nseg <= most):
+            mean = backend.RowsMean(messages, out=mean)  # decoded inside the passes
         else:
             if mean is None:
                 mean = torch.empty(messages.seg_len, dtype=torch.float32, device=messages.device)

@@ -310,12 +310,33 @@ def test_launch_arguments_match_the_compiled_signatures(monkeypatch):
         codec.encode_error_feedback(src, err, groups=[0, 7, 40])
         codec.decode(enc)
         codec.decode_mean(codec.encode(x, nseg=3))
+        codec.server_step(codec.encode(x, nseg=3), torch.zeros(30))  # the mean decoded by the reduction
         kc.reduce(codec.kind, 0, codec.layout(90, groups=[0, 7, 40]), x, None)  # the totals alone (no codec op)
         sim = SimulatedCluster(codec, "markov", 3, pieces=2, groups=[0, 5])
         sim.allreduce([torch.randn(70, generator=g) for _ in range(3)])
     assert set(seen) == set(sigs)
     for name, types in seen.items():
         assert types == {sigs[name]}, (name, types, sigs[name])
+
+
+@pytest.mark.parametrize("kind,block_size", [("l2", None), ("minmax", 16)])
+def test_cuda_server_step_decodes_the_mean_in_the_reduction(kind, block_size):
+    """The server's mean over 3 rows is decoded by the reduction, written into ``mean`` for the encode:
+    the re-encoded row, its error feedback and the mean are the numba backend's bits."""
+    g = torch.Generator().manual_seed(9)
+    n, rows = 90, 3
+    x = torch.randn(rows * n, generator=g) * torch.logspace(-2, 2, rows * n)
+    got = {}
+    for backend in ("cuda", "numba"):
+        codec = make_codec(kind, block_size, backend)
+        msgs = codec.encode(x, nseg=rows)
+        err, mean = torch.randn(n, generator=torch.Generator().manual_seed(1)), torch.full((n,), float("nan"))
+        out = codec.server_step(msgs, err, mean=mean)
+        got[backend] = (out.codes.clone(), out.scales.clone(), err, codec.decode_mean(msgs))
+        if backend == "cuda":
+            assert torch.equal(mean, got[backend][3])
+    for a, b in zip(got["cuda"], got["numba"], strict=True):
+        assert torch.equal(a, b)
 
 
 def test_fused_reduce_and_scales_match_the_two_pass_reduction(monkeypatch):

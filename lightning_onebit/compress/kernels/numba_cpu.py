@@ -130,9 +130,10 @@ def _mode_factor(mode: int) -> np.float32:
 
 class RowsMean:
     """The server stage's input: the mean over the rows of ``messages`` (an Encoded whose rows are
-    cut alike), read by ``reduce`` and ``encode`` tile by tile instead of from a buffer."""
+    cut alike), read by ``reduce`` and ``encode`` tile by tile instead of from a buffer (``out``, the
+    buffer the CUDA backend's writes it into, is not used: both passes decode it)."""
 
-    def __init__(self, messages) -> None:
+    def __init__(self, messages, out: torch.Tensor | None = None) -> None:
         self.messages = messages
         self.device = messages.codes.device
 

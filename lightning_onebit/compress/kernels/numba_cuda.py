@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import numpy as np
 import torch
 from numba import cuda
 
@@ -27,11 +28,13 @@ from .numba_cuda_kernels import (
     _reduce_kernel,
     _reduce_scales_kernel,
 )
-from .numba_cuda_source import SIMULATED, accepts, empty_arrays, kernel_input
+from .numba_cuda_source import ROWS_MEAN, SIMULATED, accepts, empty_arrays, empty_tensors, kernel_input
 from .numba_cuda_source import arr as _arr
 
 #: ``reduce``/``encode`` evaluate a :class:`~..source.Source` in place (see :func:`accepts`)
 FUSES_SOURCES = True
+#: a server's mean is a :class:`RowsMean` for any number of rows: it is decoded once (by the reduction)
+ROWS_MEAN_MAX = None
 
 
 # --- torch-facing wrappers ------------------------------------------------------------
@@ -98,13 +101,64 @@ def _tiles(layout: Layout, device: torch.device) -> tuple:
     return layout.device_arrays("tiles", device, lambda: layout.reduce_tiles(REDUCE_TILE))
 
 
+class RowsMean:
+    """The server stage's input: the mean over the rows of ``messages`` (an Encoded whose rows are cut
+    alike). :func:`reduce_to_scales` decodes it while it reduces and writes it into ``out`` (its tiles
+    cover every element), and :func:`encode`, next on the stream, reads it from there: one launch less
+    than decoding it first, the same bits (the decode kernel's expression, element by element)."""
+
+    def __init__(self, messages, out: torch.Tensor | None = None) -> None:
+        self.messages = messages
+        self.device = messages.codes.device
+        n = messages.seg_len
+        if out is None:
+            out = torch.empty(n, dtype=torch.float32, device=self.device)
+        elif out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < n or out.device != self.device:
+            raise ValueError(f"RowsMean: out must be a contiguous fp32 buffer of >= {n} elements on {self.device}")
+        self.out = out if out.dim() == 1 and out.numel() == n else out.reshape(-1)[:n]
+
+    def numel(self) -> int:
+        return self.messages.seg_len
+
+    def rows(self) -> tuple:
+        """(codes, scales, scales' first column, block starts, data ends) as the kernels take them."""
+        m = self.messages
+        scales, col0, copy = _scales_in(m.kind, m.codes.shape[0], m.seg_len, m.scales)
+        self._copy = copy  # held until the launch
+        return (_codes_arr(m.codes), scales, col0, *_starts(m.layout, self.device))
+
+
+_NO_ROWS: dict[str, tuple] = {}
+
+
+def _no_rows(device: torch.device) -> tuple:
+    """The rows arguments of a reduction whose input is not a :class:`RowsMean`: empty, once per device."""
+    key = str(device)
+    if key not in _NO_ROWS:
+        u8 = torch.empty(0, 0, dtype=torch.uint8, device=device)
+        f32 = torch.empty(0, 0, dtype=torch.float32, device=device)
+        i64 = torch.empty(0, 0, dtype=torch.int64, device=device)
+        _NO_ROWS[key] = (u8, f32, i64, (_arr(u8), _arr(f32), 0, _arr(i64), _arr(empty_tensors(device)[1])))
+    return _NO_ROWS[key][3]
+
+
+def _reduce_input(x, st, device: torch.device) -> tuple:
+    """The reduction kernels' input arguments (see ``_tile_partial``): a tensor's or a Source's, or a
+    :class:`RowsMean`'s (op ``ROWS_MEAN``, its ``out`` in the input's place), then the state and the rows."""
+    if isinstance(x, RowsMean):
+        f32, i64, _ = empty_arrays(device)
+        inp = (ROWS_MEAN, _arr(x.out), f32, i64, np.float32(0.0), f32, i64, False, x.numel(), 0)
+        return (*inp, _state(st, device), *x.rows())
+    return (*kernel_input(x, device), _state(st, device), *_no_rows(device))
+
+
 def _launch_reduce(kind, mode, layout: Layout, x, st, tiles: tuple, partials: torch.Tensor, stream) -> None:
     """The first pass of the reduction: one partial per tile, into ``partials``."""
     t_row, t_lo, t_hi, _ = tiles
     if t_row.numel():
         _reduce_kernel[_grid(t_row.numel(), 1), RTHREADS, stream](
-            kind, mode, *kernel_input(x, x.device), _state(st, x.device), layout.seg_len, _arr(t_row), _arr(t_lo),
-            _arr(t_hi), _arr(partials))
+            kind, mode, *_reduce_input(x, st, x.device), layout.seg_len, _arr(t_row), _arr(t_lo), _arr(t_hi),
+            _arr(partials))
 
 
 def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
@@ -146,8 +200,8 @@ def reduce_to_scales(kind, mode, layout: Layout, x, st, scales: torch.Tensor,
         target, col0, copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
         t_row, t_lo, t_hi, ptr = tiles
         _reduce_scales_kernel[_grid(max(t_row.numel(), layout.nblocks), 1), RTHREADS, stream](
-            kind, mode, *kernel_input(x, device), _state(st, device), layout.seg_len, _arr(t_row), _arr(t_lo),
-            _arr(t_hi), _arr(ptr), _arr(partials), _arr(totals), _arr(lens), layout.blocks_per_seg, target, col0,
+            kind, mode, *_reduce_input(x, st, device), layout.seg_len, _arr(t_row), _arr(t_lo), _arr(t_hi),
+            _arr(ptr), _arr(partials), _arr(totals), _arr(lens), layout.blocks_per_seg, target, col0,
             _arr(count), _arr(ok))
         if copy is not None:  # scales laid out otherwise: written, then copied
             scales.copy_(copy.view(scales.shape))
@@ -220,6 +274,8 @@ def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
     with _on(device):
         tiles = layout.nseg * -(-layout.seg_len // THREADS)
         rows, col0, _copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
+        if isinstance(x, RowsMean):
+            x = x.out  # written by the reduction launched before this
         _encode_kernel[_grid(tiles, 1), THREADS, _stream(device)](
             kind, mode, *kernel_input(x, device), _state(st, device), layout.seg_len, *_starts(layout, device),
             rows, col0, _codes_arr(codes))
@@ -250,11 +306,12 @@ def kernel_signatures() -> dict[str, tuple]:
     # the input (_input): op, x, end, bounds, w, factors, mask, nonfinite, valid, offset
     src = (i64, f32v, f32v, i64v, nt.float32, f32v, i64v, flag, i64, i64)
     b1, i32v = nt.Array(nt.boolean, 1, "C"), nt.Array(nt.int32, 1, "C")
+    rows = (u8m, f32m, i64, i64m, i64v)  # a RowsMean input's codes, scales, first column, starts, ends
     return {
-        "_reduce_kernel": (i64, i64, *src, f32v, i64, i64v, i64v, i64v, f64m),
+        "_reduce_kernel": (i64, i64, *src, f32v, *rows, i64, i64v, i64v, i64v, f64m),
         "_combine_kernel": (i64, i64v, f64m, f64m),
-        "_reduce_scales_kernel": (i64, i64, *src, f32v, i64, i64v, i64v, i64v, i64v, f64m, f64m, i64v, i64, f32m, i64,
-                                  i32v, b1),
+        "_reduce_scales_kernel": (i64, i64, *src, f32v, *rows, i64, i64v, i64v, i64v, i64v, f64m, f64m, i64v, i64, f32m,
+                                  i64, i32v, b1),
         "_encode_kernel": (i64, i64, *src, f32v, i64, i64m, i64v, f32m, i64, u8m),
         "_decode_kernel": (i64, u8m, f32m, i64, i64, i64m, i64v, f32v, flag, flag),
     }
@@ -275,5 +332,5 @@ def compile_ptx(cc: tuple[int, int] = (8, 0)) -> dict[str, str]:
     return out
 
 
-__all__ = ["FUSES_SOURCES", "accepts", "accepts_sink", "compile_ptx", "decode", "encode", "kernel_signatures",
-           "reduce", "reduce_to_scales"]
+__all__ = ["FUSES_SOURCES", "ROWS_MEAN_MAX", "RowsMean", "accepts", "accepts_sink", "compile_ptx", "decode", "encode",
+           "kernel_signatures", "reduce", "reduce_to_scales"]

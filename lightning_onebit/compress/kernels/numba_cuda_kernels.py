@@ -27,7 +27,7 @@ from numba import cuda, float32, float64, int32
 
 from .layout import DIFF, ERROR_FEEDBACK, KIND_BITS, KIND_PER_BYTE, KIND_TOP, MARKOV, MINMAX_U8, REDUCE_LANES, SIGN_L2
 from .numba_common import combine_block
-from .numba_cuda_source import SIMULATED, _mul64, last_at_most, source_at
+from .numba_cuda_source import ROWS_MEAN, SIMULATED, _mul64, last_at_most, source_at
 
 __all__ = ["LANES", "RTHREADS", "THREADS"]
 
@@ -73,7 +73,11 @@ def _mean_of_rows(kind, mc, ms, col0, i, b):
 @cuda.jit(device=True, inline=True)
 def _value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, j):
     """The value v that element j encodes: the input's, with the state added or subtracted (``mode``)."""
-    s = source_at(op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, j)
+    return _with_state(mode, source_at(op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, j), st, j)
+
+
+@cuda.jit(device=True, inline=True)
+def _with_state(mode, s, st, j):
     if mode == ERROR_FEEDBACK:
         return s + st[j]
     if mode == MARKOV or mode == DIFF:
@@ -98,11 +102,14 @@ def _round_half_even(t):
 
 
 @cuda.jit(device=True, inline=True)
-def _tile_partial(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, t_row,
-                  t_lo, t_hi, out, t, s_a, s_b, s_c):
+def _tile_partial(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, mc, ms, mcol0,
+                  mstarts, mends, seg_len, t_row, t_lo, t_hi, out, t, s_a, s_b, s_c):
     """Tile t's partial (the sum, or min, max and the finiteness probe) into ``out[t]``, by the block's
     threads: the block's ``REDUCE_LANES`` lanes each sum their strided elements in order, then the
-    halving tree of the CPU backend. Called by every thread of the block; thread 0 writes."""
+    halving tree of the CPU backend. Called by every thread of the block; thread 0 writes. With op
+    ``ROWS_MEAN`` the input is the mean over the message rows ``mc``/``ms`` (scales from column ``mcol0``,
+    blocks ``mstarts[0]``, data up to ``mends[0]``), decoded here and written into ``x`` as it is read:
+    the tiles cover every element, so ``x`` then holds what ``decode_mean`` would have written."""
     tid = cuda.threadIdx.x
     base = t_row[t] * seg_len
     hi = t_hi[t]
@@ -113,7 +120,15 @@ def _tile_partial(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, v
         mx = -math.inf
         i = t_lo[t] + lane
         while i < hi:
-            v = float64(_value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, base + i))
+            if op == ROWS_MEAN:
+                j = base + i
+                m = float32(0.0)  # padding
+                if j < mends[0]:
+                    m = _mean_of_rows(kind, mc, ms, mcol0, j, last_at_most(mstarts[0], j))
+                x[j] = m
+                v = float64(_with_state(mode, m, st, j))
+            else:
+                v = float64(_value(mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, base + i))
             if kind >= MINMAX_U8:
                 mn = min(mn, v)
                 mx = max(mx, v)
@@ -151,15 +166,15 @@ def _tile_partial(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, v
 
 
 @cuda.jit(cache=True)
-def _reduce_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, t_row,
-                   t_lo, t_hi, out):
+def _reduce_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, mc, ms, mcol0,
+                   mstarts, mends, seg_len, t_row, t_lo, t_hi, out):
     s_a = cuda.shared.array(LANES, float64)
     s_b = cuda.shared.array(LANES, float64)
     s_c = cuda.shared.array(LANES, float64)
     t = cuda.blockIdx.x
     while t < t_row.size:  # grid-stride over tiles; the loop bound is uniform per block
-        _tile_partial(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, t_row,
-                      t_lo, t_hi, out, t, s_a, s_b, s_c)
+        _tile_partial(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, mc, ms, mcol0,
+                      mstarts, mends, seg_len, t_row, t_lo, t_hi, out, t, s_a, s_b, s_c)
         t += cuda.gridDim.x
 
 
@@ -208,8 +223,9 @@ def _block_done(kind, totals, lens, nbs, scales, col0, count, ok, b):
 
 
 @cuda.jit(cache=True)
-def _reduce_scales_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len,
-                          t_row, t_lo, t_hi, ptr, partials, totals, lens, nbs, scales, col0, count, ok):
+def _reduce_scales_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, mc, ms,
+                          mcol0, mstarts, mends, seg_len, t_row, t_lo, t_hi, ptr, partials, totals, lens, nbs, scales,
+                          col0, count, ok):
     """The reduction, the combine and the scales in one launch. Each tile's partial is computed as by
     ``_reduce_kernel``; the thread block that finishes a scale block's last tile (``count[b]``, tiles
     done per block, counted atomically after a fence) combines that block's partials in tile order, as
@@ -232,8 +248,8 @@ def _reduce_scales_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonf
             b += cuda.gridDim.x
     t = cuda.blockIdx.x
     while t < t_row.size:  # grid-stride over tiles; uniform per block
-        _tile_partial(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, t_row,
-                      t_lo, t_hi, partials, t, s_a, s_b, s_c)
+        _tile_partial(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, mc, ms, mcol0,
+                      mstarts, mends, seg_len, t_row, t_lo, t_hi, partials, t, s_a, s_b, s_c)
         if tid == 0:
             cuda.threadfence()  # this tile's partial visible before it is counted
             b = last_at_most(ptr, t)

@@ -24,6 +24,7 @@ SIMULATED = bool(numba_config.ENABLE_CUDASIM)
 # The kernels' codes of an input: a tensor, or a Source's operation. RECIPROCAL is ``quotient`` on a
 # GPU, where torch divides by a Python float as ``a * (1 / b)`` (the fp32 reciprocal; its CPU divides).
 TENSOR, LERP, GRADIENT, QUOTIENT, RECIPROCAL = 0, 1, 2, 3, 4
+ROWS_MEAN = 5  # the server's mean over message rows, decoded by the reduction (see numba_cuda.RowsMean)
 _OP = {"lerp": LERP, "gradient": GRADIENT, "quotient": QUOTIENT}
 
 
