@@ -43,7 +43,7 @@ CONVERSIONS = per_bucket(0)  # the target: kernel arrays made once per memory an
 # blocking; at 2 ranks the agreement's signature (gloo: to the CPU; a GPU stages it in pinned memory)
 H2D_COPIES = {**per_bucket(0), ("mlp", 2): 3, ("gpt", 2): 13}  # target: per_bucket(0)
 D2H_READS = {("mlp", 1): 6, ("gpt", 1): 26, ("mlp", 2): 9, ("gpt", 2): 39}  # target: per_bucket(0)
-TORCH_OPS = {("mlp", 1): 51, ("gpt", 1): 443, ("mlp", 2): 135, ("gpt", 2): 807}  # target: per_bucket(3)
+TORCH_OPS = {("mlp", 1): 27, ("gpt", 1): 117, ("mlp", 2): 110, ("gpt", 2): 479}  # target: per_bucket(3)
 ALLOCATIONS = {**per_bucket(2), ("mlp", 2): 9, ("gpt", 2): 39}  # device; target: per_bucket(0)
 
 BUDGETS = {"launches": LAUNCHES, "conversions": CONVERSIONS, "h2d": H2D_COPIES, "d2h": D2H_READS,

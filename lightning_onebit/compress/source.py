@@ -44,7 +44,7 @@ class Source:
     def __init__(self, op: str, *, numel: int, groups: Sequence[int], start: torch.Tensor | None = None,
                  end: torch.Tensor | Sequence[torch.Tensor | None] | None = None, weight: float = 0.0,
                  factors: Sequence[float] | None = None, mask: torch.Tensor | None = None,
-                 masked: str = "nonfinite", out: torch.Tensor | None = None) -> None:
+                 masked: str = "nonfinite", out: torch.Tensor | None = None, cache: dict | None = None) -> None:
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
         if masked not in ("nonfinite", "zero"):
@@ -75,6 +75,7 @@ class Source:
         self.groups, self.valid = groups, numel
         self.base, self.length = 0, numel  # the window of the expression this object stands for
         self._out = out  # where materialize() writes (e.g. a bucket's payload buffer)
+        self._cache = cache  # where flat_end() keeps its per-group views between steps (e.g. a bucket's)
         self._root: Source = self
         self._value: torch.Tensor | None = None  # the root's materialised expression, once made
         ref = start if start is not None else (end if isinstance(end, torch.Tensor) else
@@ -84,16 +85,16 @@ class Source:
     @classmethod
     def lerp(cls, start: torch.Tensor, end, weight: float, *, groups: Sequence[int],
              factors: Sequence[float] | None = None, mask: torch.Tensor | None = None,
-             out: torch.Tensor | None = None) -> Source:
+             out: torch.Tensor | None = None, cache: dict | None = None) -> Source:
         """``torch.lerp(start, end, weight)`` [``* factors[k]``] (1-bit Adam's momentum payload)."""
         return cls("lerp", numel=start.numel(), groups=groups, start=start, end=end, weight=weight,
-                   factors=factors, mask=mask, out=out)
+                   factors=factors, mask=mask, out=out, cache=cache)
 
     @classmethod
     def gradient(cls, end, *, numel: int, groups: Sequence[int], mask: torch.Tensor | None = None,
-                 masked: str = "zero", out: torch.Tensor | None = None) -> Source:
+                 masked: str = "zero", out: torch.Tensor | None = None, cache: dict | None = None) -> Source:
         """``end`` itself, masked positions 0 (0/1 Adam's 1-bit gradient steps)."""
-        return cls("gradient", numel=numel, groups=groups, end=end, mask=mask, masked=masked, out=out)
+        return cls("gradient", numel=numel, groups=groups, end=end, mask=mask, masked=masked, out=out, cache=cache)
 
     @classmethod
     def quotient(cls, start: torch.Tensor, divisors: Sequence[float], *, groups: Sequence[int],
@@ -148,17 +149,26 @@ class Source:
 
     def flat_end(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """``end`` as one flat fp32 tensor of ``numel`` elements (per-group tensors copied into
-        ``out``, or a new tensor; zeros for a group without one)."""
+        ``out``, or a new tensor; zeros for a group without one): one foreach copy, into views of
+        ``out`` kept in the cache given at construction while ``out`` and the groups' shapes stay."""
         if isinstance(self.end, torch.Tensor):
             return self.end.reshape(-1)
         if out is None:
             out = torch.empty(self.valid, dtype=torch.float32, device=self.device)
         bounds = (*self.groups, self.valid)
-        for t, a, b in zip(self.end, bounds[:-1], bounds[1:], strict=True):
-            if t is None:
-                out[a:b].zero_()
-            else:
-                out[a:b].copy_(t.reshape(-1))
+        key = (out.data_ptr(), bounds, tuple(None if t is None else t.shape for t in self.end))
+        views = None if self._cache is None else self._cache.get("end_views")
+        if views is None or views[0] != key:
+            flat = out.reshape(-1)
+            pieces = list(zip(self.end, bounds[:-1], bounds[1:], strict=True))
+            views = (key, [flat[a:b].view(t.shape) for t, a, b in pieces if t is not None],
+                     [flat[a:b] for t, a, b in pieces if t is None])
+            if self._cache is not None:
+                self._cache["end_views"] = views
+        if views[1]:
+            torch._foreach_copy_(views[1], [t for t in self.end if t is not None])
+        if views[2]:
+            torch._foreach_zero_(views[2])
         return out
 
     def materialize(self, out: torch.Tensor | None = None) -> torch.Tensor:

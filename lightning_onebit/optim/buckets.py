@@ -117,6 +117,14 @@ class Bucket:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o : o + n].view_as(p) for o, n, p in zip(self.offsets, self.numels, self.params, strict=True)]
 
+    def grad_views(self) -> list[torch.Tensor]:
+        """:meth:`views` of the local gradient buffer, made once per buffer (DDP's hook copies into them
+        every step)."""
+        hit = self.cache.get("grad_views")
+        if hit is None or hit[0] != self.grad.data_ptr():
+            hit = self.cache["grad_views"] = (self.grad.data_ptr(), self.views(self.grad))
+        return hit[1]
+
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Parameter ``i``'s part of ``flat`` (``views(flat)[i]`` without the others)."""
         o = self.offsets[i]

@@ -115,9 +115,11 @@ class DDPHookPath:
         if self.defer_sync_to_step:
             return ready_future(buf)  # local gradients; step() synchronises them
         with torch.no_grad():
-            for p, g in zip(bucket.parameters(), bucket.gradients(), strict=True):
-                ob, i = self._param_bucket[id(p)]
-                ob.view(ob.grad, i).copy_(g)
+            grads = bucket.gradients()
+            places = [self._param_bucket[id(p)] for p in bucket.parameters()]
+            # every gradient into this optimizer's buckets in one foreach copy, before any of them syncs
+            torch._foreach_copy_([ob.grad_views()[i] for ob, i in places], grads)
+            for (ob, i), g in zip(places, grads, strict=True):
                 s = ob.sync
                 # a parameter no rank used keeps grad None (DDP with find_unused_parameters): step()
                 # learns that only after this sync, so keep its state now if it was unused here

@@ -188,7 +188,8 @@ class OnebitAdam(CompressedOptimizer):
         # coordinates send nothing: 0, or NaN where the gradient is not finite, so the collective's
         # check still sees it
         beta1 = self.param_groups[b.group_index]["betas"][0]
-        return Source.lerp(b.flat["exp_avg"], grad, 1 - beta1, groups=b.offsets, mask=self._mask(b), out=out)
+        return Source.lerp(b.flat["exp_avg"], grad, 1 - beta1, groups=b.offsets, mask=self._mask(b), out=out,
+                           cache=b.cache)
 
     def _sync_target(self, b: Bucket) -> torch.Tensor:
         return b.flat["exp_avg"]  # m <- synced momentum, without a copy

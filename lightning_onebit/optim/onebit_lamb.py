@@ -164,7 +164,7 @@ class OnebitLamb(OnebitAdam):
     def _payload(self, b: Bucket, grad, out: torch.Tensor) -> Source:
         beta1 = self.param_groups[b.group_index]["betas"][0]
         return Source.lerp(b.flat["exp_avg"], grad, 1 - beta1, groups=b.offsets, factors=self._scaling(b),
-                           mask=self._mask(b), out=out)
+                           mask=self._mask(b), out=out, cache=b.cache)
 
     def _sync_target(self, b: Bucket) -> torch.Tensor:
         return b.synced  # exp_avg is still needed: _absorb keeps it as exp_avg_prev first

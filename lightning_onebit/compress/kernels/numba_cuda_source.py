@@ -227,7 +227,7 @@ def _expression(src: Source) -> tuple:
         device = root.device
         f32 = empty_tensors(device)[0]
         op = _OP[root.op]
-        start = f32 if root.start is None else root.start.reshape(-1)
+        start = f32 if root.start is None else root.start if root.start.dim() == 1 else root.start.reshape(-1)
         # per-group tensors gathered here, once per expression: into the buffer the expression would be
         # materialised in, which the kernels never read (they evaluate it), so no allocation per step
         end = f32 if root.end is None else root.flat_end(_spare(root))
@@ -256,7 +256,7 @@ def _spare(root: Source) -> torch.Tensor | None:
     for t in (root.start, root.mask):
         if t is not None and t.numel() and t.data_ptr() < hi and lo < t.data_ptr() + t.numel() * t.element_size():
             return None
-    return out.reshape(-1)[: root.valid]
+    return out if out.dim() == 1 and out.numel() == root.valid else out.reshape(-1)[: root.valid]
 
 
 def kernel_input(x, device: torch.device) -> tuple:
