@@ -92,6 +92,17 @@ def test_non_world_group():
         assert torch.equal(ranks[1][s], expected[0]) and torch.equal(ranks[2][s], expected[1])
 
 
+def test_message_views_of_a_callers_buffers_are_not_kept():
+    """A rank keeps its persistent buffers' message views between calls, but not those of buffers a
+    caller hands it fresh each call (the simulation's gathered rows): they would keep that memory alive."""
+    sim = SimulatedCluster(MinMaxUInt8Codec(), "error_feedback", 2)
+    kept = []
+    for s in range(4):
+        sim.allreduce([_input(1, s, 300), _input(2, s, 300)])
+        kept.append([len(w._messages) for w in sim.workers])
+    assert kept[1] == kept[3], kept
+
+
 def _mismatch(rank, world_size, what):
     codec = SignCodec() if (what != "codec" or rank == 0) else MinMaxUInt8Codec()
     groups = [0, 10 + rank] if what == "groups" else None

@@ -174,13 +174,22 @@ class TwoStageRank(RankState):
         return Encoded(buf[rows, : self.plan[k].cb], row_scales[rows], layout, self.codec.kind)
 
     def _message(self, layout: Layout, packed: torch.Tensor) -> Encoded:
-        """``packed`` (one of this rank's persistent buffers) as the message of ``layout``: its code and
-        scale views made once, not per call."""
-        key = (id(layout), id(packed))
+        """``packed`` as the message of ``layout``: for one of this rank's persistent buffers its code and
+        scale views are made once, not per call; any other buffer (a caller's, fresh each call) gets
+        views of its own, never kept (they would keep its memory alive)."""
+        key = (id(layout), packed.data_ptr(), tuple(packed.shape))
         msg = self._messages.get(key)
-        if msg is None or msg.codes.data_ptr() != packed.data_ptr():
-            msg = self._messages[key] = self.codec.empty(layout, packed.device, packed=packed)
+        if msg is None:
+            msg = self.codec.empty(layout, packed.device, packed=packed)
+            if any(b is not None and b.data_ptr() == key[1] and tuple(b.shape) == key[2]
+                   for b in self._persistent_buffers()):
+                self._messages[key] = msg
         return msg
+
+    def _persistent_buffers(self) -> list[torch.Tensor | None]:
+        """The packed buffers this rank allocates once per bind (see :meth:`_message`)."""
+        extra = [getattr(self, name, None) or () for name in ("_recv", "_gathered", "_fan")]
+        return [*self._send, *self._srv, *(b for bufs in extra for b in bufs)]
 
     def bytes_per_call(self, numel: int) -> int:
         """Bytes this rank sends per call for a tensor of ``numel`` elements."""
