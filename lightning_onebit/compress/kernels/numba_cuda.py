@@ -28,7 +28,7 @@ from .numba_cuda_kernels import (
     _reduce_kernel,
     _reduce_scales_kernel,
 )
-from .numba_cuda_source import ROWS_MEAN, SIMULATED, accepts, empty_arrays, empty_tensors, kernel_input
+from .numba_cuda_source import ROWS_MEAN, SIMULATED, accepts, empty_arrays, empty_tensors, kernel_input, memo
 from .numba_cuda_source import arr as _arr
 
 #: ``reduce``/``encode`` evaluate a :class:`~..source.Source` in place (see :func:`accepts`)
@@ -44,15 +44,12 @@ def _codes_arr(codes: torch.Tensor):
     """Codes rows that are views into a packed ``[codes | scales]`` buffer, widened to the full
     row stride: the simulator only takes contiguous arrays, and the kernels never index past
     the code bytes of a row. Made once per memory and geometry, like :func:`arr`'s arrays."""
-    key = (codes.data_ptr(), codes.shape, codes.stride(), codes.device)
-    a = _CODES.get(key)
-    if a is None:
+    def make():
         if codes.dim() == 2 and not codes.is_contiguous() and codes.stride(1) == 1:
-            codes = torch.as_strided(codes, (codes.shape[0], codes.stride(0)), (codes.stride(0), 1))
-        if len(_CODES) >= 1024:
-            _CODES.pop(next(iter(_CODES)))
-        a = _CODES[key] = _arr(codes)
-    return a
+            return _arr(torch.as_strided(codes, (codes.shape[0], codes.stride(0)), (codes.stride(0), 1)))
+        return _arr(codes)
+
+    return memo(_CODES, (codes.data_ptr(), codes.shape, codes.stride(), codes.device), make)
 
 
 _CODES: dict[tuple, object] = {}
@@ -258,10 +255,7 @@ def _scales_in(kind, nrows: int, seg_len: int, scales: torch.Tensor) -> tuple[ob
     if rows is None:
         copy = scales.reshape(nrows, -1).contiguous()
         return _arr(copy), 0, copy
-    if len(_SCALE_ARGS) >= 1024:
-        _SCALE_ARGS.pop(next(iter(_SCALE_ARGS)))
-    _SCALE_ARGS[key] = (_arr(rows), col0)
-    return _SCALE_ARGS[key] + (None,)
+    return (*memo(_SCALE_ARGS, key, lambda: (_arr(rows), col0)), None)
 
 
 def _starts(layout: Layout, device: torch.device):

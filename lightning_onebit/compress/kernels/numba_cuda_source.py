@@ -130,17 +130,22 @@ _ARRAYS: dict[tuple, object] = {}
 _ARRAYS_MAX = 4096
 
 
+def memo(cache: dict, key, make, limit: int = 1024):
+    """``cache[key]``, made by ``make()`` on a miss; past ``limit`` entries the oldest is dropped (the
+    kernel-array caches: an entry describes memory and owns none, so dropping one only costs a remake)."""
+    hit = cache.get(key)
+    if hit is None:
+        if len(cache) >= limit:
+            cache.pop(next(iter(cache)))
+        hit = cache[key] = make()
+    return hit
+
+
 def arr(t: torch.Tensor):
     """``t`` as a kernel array: a numba device array on the same memory (a numpy array under the
     simulator), made once per memory and geometry (see ``_ARRAYS``)."""
-    key = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
-    a = _ARRAYS.get(key)
-    if a is None:
-        a = _describe(t.detach())
-        if len(_ARRAYS) >= _ARRAYS_MAX:
-            _ARRAYS.pop(next(iter(_ARRAYS)))
-        _ARRAYS[key] = a
-    return a
+    return memo(_ARRAYS, (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device), lambda: _describe(t.detach()),
+                _ARRAYS_MAX)
 
 
 def _describe(t: torch.Tensor):
