@@ -130,6 +130,7 @@ class CompressedAllreduce(TwoStageRank):
             self._twin = duplex_twin(self.group) if gloo_cpu and self.duplex else None
             self._fan = [flat_buffer((self.world_size, p.rb), torch.uint8, self.worker_device)
                          if self.fanout and self._twin is None else None for p in self.plan]
+            self._messages.keep([*self._recv, *self._gathered, *self._fan])
 
     # -- the server-overflow check -------------------------------------------------------
     def check_gathered(self, piece0: torch.Tensor) -> None:

@@ -68,6 +68,8 @@ from ..compress import Codec, Encoded, flat_buffer
 from ..compress.kernels.layout import Layout, is_sign, scale_shape
 from ..compress.source import Sink, Source
 from .accounting import ByteCounter
+from .deferred import DeferredDecode
+from .messages import MessageViews
 from .pipeline import MAX_PIECES, MIN_PIECE, Piece, plan_pieces
 from .rank_state import RankState
 
@@ -76,7 +78,7 @@ __all__ = ["MAX_PIECES", "MIN_PIECE", "MODES", "TwoStageRank"]
 MODES = ("plain", "error_feedback", "markov")
 
 
-class TwoStageRank(RankState):
+class TwoStageRank(DeferredDecode, RankState):
     """Rank ``rank`` of ``world_size`` in the two-stage compressed mean of a 1-D tensor, without
     the exchanges (see the module docstring).
 
@@ -173,24 +175,6 @@ class TwoStageRank(RankState):
         scales, and ``layout``: those rows' blocks clipped to the piece."""
         return Encoded(buf[rows, : self.plan[k].cb], row_scales[rows], layout, self.codec.kind)
 
-    def _message(self, layout: Layout, packed: torch.Tensor) -> Encoded:
-        """``packed`` as the message of ``layout``: for one of this rank's persistent buffers its code and
-        scale views are made once, not per call; any other buffer (a caller's, fresh each call) gets
-        views of its own, never kept (they would keep its memory alive)."""
-        key = (id(layout), packed.data_ptr(), tuple(packed.shape))
-        msg = self._messages.get(key)
-        if msg is None:
-            msg = self.codec.empty(layout, packed.device, packed=packed)
-            if any(b is not None and b.data_ptr() == key[1] and tuple(b.shape) == key[2]
-                   for b in self._persistent_buffers()):
-                self._messages[key] = msg
-        return msg
-
-    def _persistent_buffers(self) -> list[torch.Tensor | None]:
-        """The packed buffers this rank allocates once per bind (see :meth:`_message`)."""
-        extra = [getattr(self, name, None) or () for name in ("_recv", "_gathered", "_fan")]
-        return [*self._send, *self._srv, *(b for bufs in extra for b in bufs)]
-
     def bytes_per_call(self, numel: int) -> int:
         """Bytes this rank sends per call for a tensor of ``numel`` elements."""
         return 2 * (self.world_size - 1) * self.codec.row_bytes(self.make_layout(numel))
@@ -234,13 +218,14 @@ class TwoStageRank(RankState):
         # a fresh buffer per call pays first-touch page faults (see Codec.server_step)
         self._mean = flat_buffer(seg, device=dev, zero=False) if self.mode != "markov" else None
         self._outpad = flat_buffer(D, device=dev, zero=False) if D != self.numel else None
-        self._messages: dict[tuple[int, int], Encoded] = {}  # the packed buffers as messages (see _message)
+        self._messages = MessageViews(self.codec)  # the packed buffers as messages, views made once
+        self._messages.keep([*self._send, *self._srv])
         # the worker scales and the input's finiteness flag of a call, written in place every call: with
         # one piece where stage 1 sends them (its packed row); None for a codec whose messages carry
         # other values than block scales (top-k), which computes its own
         lay = self.layout
         shape = scale_shape(self.codec.kind, lay.nseg, lay.blocks_per_seg)
-        sent = self._message(lay, self._send[0]).scales if len(self.plan) == 1 else None
+        sent = self._messages(lay, self._send[0]).scales if len(self.plan) == 1 else None
         if sent is not None:
             self._worker_scales = sent if tuple(sent.shape) == shape else None
         else:  # pieces: only block-scale codecs are cut into them
@@ -277,7 +262,7 @@ class TwoStageRank(RankState):
         """Stage 1 (worker): encode piece ``k`` of every chunk into its send buffer ``[n, rb_k]``."""
         n, seg, send = self.world_size, self.seg_len, self._send
         if self.num_pieces == 1:
-            outs = [(xp, self.worker, self._message(self.layout, send[0]), scales)]
+            outs = [(xp, self.worker, self._messages(self.layout, send[0]), scales)]
         else:
             if k == 0:  # piece 0 may go on the wire before the others are encoded: all scales now
                 self._row_scales(send[0]).copy_(scales)
@@ -306,8 +291,8 @@ class TwoStageRank(RankState):
         mean (``markov``: of the server's running mean) is decoded now, and the encode waits
         for the last piece, because the server scales need the whole chunk."""
         if self.num_pieces == 1:
-            msgs = self._message(self._recv_layout, recv)
-            out = self._message(self._srv_layout, self._srv[0])
+            msgs = self._messages(self._recv_layout, recv)
+            out = self._messages(self._srv_layout, self._srv[0])
             if self.mode in ("error_feedback", "plain"):
                 self.codec.server_step(msgs, self.server if self.mode == "error_feedback" else None,
                                        out=out, mean=self._mean, check_finite=False)
@@ -376,7 +361,7 @@ class TwoStageRank(RankState):
         if self.num_pieces > 1:
             scales = self._row_scales(piece0)
         else:
-            scales = self._message(self.layout, piece0).scales
+            scales = self._messages(self.layout, piece0).scales
         return torch.isfinite(scales).all()
 
     def finish_piece(self, gathered: torch.Tensor, dst: torch.Tensor, k: int = 0, sink: Sink | None = None) -> None:
@@ -386,7 +371,7 @@ class TwoStageRank(RankState):
         if sink is not None and not self.codec.fuses_sink(sink):
             sink = None  # applied by finish() after the whole result is decoded
         if self.num_pieces == 1:
-            self.codec.decode(self._message(self.layout, gathered), out=dst,
+            self.codec.decode(self._messages(self.layout, gathered), out=dst,
                               accumulate=acc, sink=sink)
             return
         if k == 0:
@@ -413,36 +398,6 @@ class TwoStageRank(RankState):
             return dst[:d].to(dtype=dtype, copy=True)
         out.view(-1)[:d].copy_(dst[:d])
         return out
-
-    # -- a decode left for later (see CompressedAllreduce.__call__'s defer) ----------------------
-    @property
-    def pending(self) -> bool:
-        """A call's result is gathered and checked, and waits for :meth:`decode_pending`."""
-        return self._pending is not None
-
-    def _keep_pending(self, gathered: list[torch.Tensor], dst: torch.Tensor, out: torch.Tensor | None,
-                      dtype: torch.dtype) -> None:
-        self._pending = (gathered, dst, out, dtype)
-
-    def decode_pending(self, sink: Sink | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Stage 4 of the deferred call: decode its gathered rows into its ``out`` (or into ``out``
-        given here, e.g. a state buffer the caller may only change once it knows the call went
-        through), applying ``sink``."""
-        if self._pending is None:
-            raise RuntimeError(f"{type(self).__name__}: no deferred result to decode")
-        gathered, dst, kept, dtype = self._pending
-        self._pending = None
-        if out is None:
-            out = kept
-        else:
-            dst = self.result_buffer(out, dtype)
-        for k in range(self.num_pieces):
-            self.finish_piece(gathered[k], dst, k, sink)
-        return self.finish(dst, out, dtype, sink)
-
-    def discard_pending(self) -> None:
-        """Forget a deferred result (its call's state updates stand; the result is never decoded)."""
-        self._pending = None
 
     def account(self) -> None:
         """Count one call's bytes (what this rank sent in both exchanges) here and in ``counter``."""
