@@ -277,6 +277,14 @@ class CompressedAllreduce(TwoStageRank):
         xp, scales, ok = self.prepare(x)
         self._inflight = _Call(x, xp, scales, self._agree_start(x, ok, flag, finite))
 
+    @property
+    def input_finite(self) -> bool | torch.Tensor:
+        """The call begun: its input (and what it vouched for with ``finite=``) is finite on this rank, as
+        its scale reduction found it (a 0-d bool tensor on the data's device; no host read). A caller
+        passes it as the ``finite=`` of another call begun after it, so that one agreement round covers
+        both inputs."""
+        return self._in_phase("input_finite", "begun").agreement.ok
+
     def send(self) -> None:
         """Phase 2: wait for the agreement (a failed one raises on every rank and leaves nothing in
         flight), then encode stage 1 and put the all-to-all on the wire, piece k+1 encoded while piece

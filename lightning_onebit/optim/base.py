@@ -320,15 +320,16 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
     def _run_step(self, worker_grads) -> None:
         buckets = self._build_buckets()
         self._update_phase()
-        finite = None
+        finite, check = None, None
         if self.on_nonfinite == "skip":
-            if self._finiteness_rides_in_sync(buckets, worker_grads):
+            check = self._finiteness_check(buckets, worker_grads)
+            if check == "first call":
                 finite = self._locally_finite(buckets)  # ORed over ranks by the first call's agreement
-            elif self._nonfinite_anywhere(buckets, worker_grads):
+            elif check is None and self._nonfinite_anywhere(buckets, worker_grads):
                 self._skip_step(buckets)
                 return
         try:
-            plan = self._synchronise(buckets, worker_grads, finite)
+            plan = self._synchronise(buckets, worker_grads, finite, carry_finite=check == "payloads")
         except SkippedEverywhere:
             self._skip_step(buckets)
             return
@@ -355,11 +356,13 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
         self.comm_counter.end_step()
         self.intra_node_counter.end_step()
 
-    def _synchronise(self, buckets: list[Bucket], worker_grads, finite: torch.Tensor | None = None) -> list[tuple]:
+    def _synchronise(self, buckets: list[Bucket], worker_grads, finite: torch.Tensor | None = None, *,
+                     carry_finite: bool = False) -> list[tuple]:
         """Pass 1 of a step: every bucket's gradient synchronised (a NaN anywhere raises before any
         update); returns (bucket, has_grad, averaged warm-up gradient, state to put back) per bucket.
         ``finite`` (the policy "skip"): this rank's gradients are all finite, sent with the first
-        compressed call's agreement, which raises :class:`SkippedEverywhere` on every rank if not."""
+        compressed call's agreement, which raises :class:`SkippedEverywhere` on every rank if not;
+        ``carry_finite``: the calls' own scale reductions check it instead (:func:`.sync.sync_together`)."""
         has_all = self._has_grad(buckets, worker_grads)
         plan, calls = [], []
         for b, has in zip(buckets, has_all, strict=True):
@@ -407,7 +410,7 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
                 grad = warmup_mean(s, wflat)
                 self._check_finite(grad, "averaged gradient")
             plan.append((b, has, grad, saved))
-        sync_together(self, calls)
+        sync_together(self, calls, carry_finite=carry_finite)
         return plan
 
     def second_moments(self) -> list[torch.Tensor]:

@@ -6,8 +6,9 @@ the averaged gradient) and every rank raises :class:`NonFiniteGradientError` at 
 "skip" checks every gradient before the first collective changes any state and skips the step on
 every rank, until too many in a row were skipped. Where every bucket compresses in ``step()`` (the
 compression phase) that check rides in the first collective's agreement round, which every rank
-fails together before anything is written; elsewhere (warm-up, simulated workers, buckets
-synchronised in DDP's hook) it is one tiny OR across ranks first.
+fails together before anything is written, and is the calls' own scale reductions (the scales of a
+payload go non-finite exactly when it does), with no pass over the gradients; elsewhere (warm-up,
+simulated workers, buckets synchronised in DDP's hook) it is one tiny OR across ranks first.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..comm import all_finite_many, any_across
+from ..comm import CompressedAllreduce, all_finite_many, any_across
 from .buckets import Bucket
 
 log = logging.getLogger(__name__)
@@ -79,12 +80,20 @@ class NonFinitePolicy:
                 "clipping, or a GradScaler with fp16)"
             )
 
-    def _finiteness_rides_in_sync(self, buckets: list[Bucket], worker_grads) -> bool:
-        """Can the first compressed call's agreement carry the finiteness check? When this step's
-        first collective is such a call on every rank: real ranks, every bucket compressing in
-        ``step()`` (not synchronised in DDP's hook already). The same answer on every rank."""
-        return (worker_grads is None and self.world_size > 1 and bool(buckets)
-                and all(b.compressing and not b.sync.done for b in buckets))
+    def _finiteness_check(self, buckets: list[Bucket], worker_grads) -> str | None:
+        """How the policy "skip" learns, before any state is written, that every rank's gradients are
+        finite; the same answer on every rank. When this step's first collective is a compressed call
+        (real ranks, every bucket compressing in ``step()``, not synchronised in DDP's hook already), its
+        agreement carries the answer: ``"payloads"`` when the calls' own scale reductions find it (every
+        call phased, and a NaN/inf gradient makes the payload non-finite: no pass of its own), else
+        ``"first call"`` (one pass over the gradients, sent in that agreement). ``None``: one tiny OR
+        across ranks first (:meth:`_nonfinite_anywhere`)."""
+        if worker_grads is not None or not buckets or not all(b.compressing and not b.sync.done for b in buckets):
+            return None
+        if self.payload_shows_nonfinite and all(isinstance(b.sync.collective(), CompressedAllreduce)
+                                                for b in buckets):
+            return "payloads"
+        return "first call" if self.world_size > 1 else None
 
     def _locally_finite(self, buckets: list[Bucket], worker_grads=None) -> torch.Tensor:
         """This rank's gradients (or every simulated worker's) are all finite: a 0-d bool tensor, left

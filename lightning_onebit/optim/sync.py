@@ -222,22 +222,36 @@ class BucketSync:
             algorithm._absorb(self.bucket, algorithm._sync_target(self.bucket))
 
 
-def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequence | None, torch.Tensor | None]]
-                  ) -> None:
+def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequence | None, torch.Tensor | None]],
+                  *, carry_finite: bool = False) -> None:
     """The compressed syncs of several buckets on this rank's gradients, ``(sync, grad, finite)`` each, their
     calls' phases interleaved (:meth:`CompressedAllreduce.begin <lightning_onebit.comm.CompressedAllreduce.begin>`):
     every call's agreement goes on the wire, then each call is encoded and sent, relayed by its server, and
     completed. On a link of long round trips k buckets one after another wait 3k of them; interleaved,
     about 3. The two-level collective has no phases: its calls run one after another. ``finite`` (the first
-    call's): this rank's other gradients are finite, checked in that call's agreement round. A failure
-    raises after every call in flight was given up, on every rank alike."""
+    call's): this rank's other gradients are finite, checked in that call's agreement round.
+
+    ``carry_finite`` (every call phased, and a NaN/inf gradient makes its payload non-finite): the calls'
+    own scale reductions are the finiteness check. They begin last to first, each vouching for the calls
+    after it (``finite=`` the later call's :attr:`~lightning_onebit.comm.CompressedAllreduce.input_finite`),
+    so the first call's agreement, the first thing waited for, covers every gradient, with no pass over
+    them of its own. A failure raises after every call in flight was given up, on every rank alike."""
     begun: list[tuple[BucketSync, Sequence]] = []
-    # until the first call's agreement is past, a NaN it found (with ``finite``: on any rank, in any
-    # gradient) has changed no state: the step is skipped everywhere
-    agreed = not calls or calls[0][2] is None
+    # until the first call's agreement is past, a NaN it found (with ``finite`` or ``carry_finite``: on any
+    # rank, in any gradient) has changed no state: the step is skipped everywhere
+    agreed = not calls or (calls[0][2] is None and not carry_finite)
     owner = calls[0][0].context.owner if calls else ""
     try:
-        for s, grad, finite in calls:
+        if carry_finite:
+            if any(finite is not None or not isinstance(s.collective(), CompressedAllreduce)
+                   for s, _, finite in calls):
+                raise ValueError("sync_together: carry_finite needs phased calls and no finite= of their own")
+            later = None
+            for s, grad, _ in reversed(calls):
+                begun.append((s, s.begin(algorithm, grad, later)))
+                later = s.comm.input_finite
+            begun.reverse()
+        for s, grad, finite in () if carry_finite else calls:
             begun.append((s, s.begin(algorithm, grad, finite)))
             if not s.phased:
                 s.finish(algorithm, begun.pop()[1])  # ran whole in begin
