@@ -83,6 +83,7 @@ from ..comm import (
     any_across,
     group_size,
 )
+from ..comm.sharding import ShardedLayout, local
 from .diloco_allreduce import OUTER_WIRES, OuterMeans
 from .diloco_checkpoint import DiLoCoCheckpoint
 from .diloco_layout import DiLoCoLayout
@@ -143,7 +144,7 @@ class DiLoCo(DiLoCoLayout, DiLoCoCheckpoint, torch.optim.Optimizer):
                  outer_momentum: float = 0.9, nesterov: bool = True, compression: str = "fp32",
                  fragments: int = 1, on_nonfinite: str = "raise", process_group=None,
                  ranks_per_node: int | None = None, hierarchical: bool | None = None, overlap: int = 0,
-                 mixing: float = 0.0, keep_local: bool = False) -> None:
+                 mixing: float = 0.0, keep_local: bool = False, mesh=None) -> None:
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
         if not outer_lr > 0:
@@ -165,10 +166,20 @@ class DiLoCo(DiLoCoLayout, DiLoCoCheckpoint, torch.optim.Optimizer):
         if keep_local not in (True, False) or (keep_local and mixing):
             raise ValueError(f"keep_local must be True or False, and mixing 0 with it; got keep_local={keep_local!r}, "
                              f"mixing={mixing!r}")
+        self.sharding = None if mesh is None else ShardedLayout(mesh, who="DiLoCo")
+        if self.sharding is not None:
+            given = {k: v for k, v in (("process_group", process_group), ("ranks_per_node", ranks_per_node))
+                     if v is not None}
+            if given or hierarchical:
+                raise ValueError(f"DiLoCo: mesh= sets the outer all-reduce's group (the ranks holding the same shard "
+                                 f"on every node, one per node); drop {sorted(given) or ['hierarchical']}")
+            process_group, topology = self.sharding.replica_group, Topology(hierarchical=False, who="DiLoCo")
         # the inner optimizer validates its arguments and gives its defaults; it shares DiLoCo's param groups
         self._inner = _inner_optimizer(inner, params, lr, dict(betas=betas, eps=eps, weight_decay=weight_decay,
                                                                foreach=foreach, fused=fused), inner_kwargs)
         super().__init__(self._inner.param_groups, self._inner.defaults)
+        if self.sharding is not None:
+            self.sharding.check_params(self._params())
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
         self.nesterov, self.compression, self.on_nonfinite = bool(nesterov), str(wire), on_nonfinite
         self.wire, self.process_group, self.topology = wire, process_group, topology
@@ -206,10 +217,12 @@ class DiLoCo(DiLoCoLayout, DiLoCoCheckpoint, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._ensure_anchor()
-        grads = [p.grad for p in self._params() if p.grad is not None]
+        grads = [local(p.grad) for p in self._params() if p.grad is not None]
         if any(g.is_sparse for g in grads):
             raise ValueError("DiLoCo does not support sparse gradients")
-        if grads and not bool(all_finite_many(grads)):
+        finite = all_finite_many(grads) if grads else torch.ones((), dtype=torch.bool)
+        # the ranks of a node hold shards of one model: they take (or skip) an inner step together
+        if not (bool(finite) if self.sharding is None else not self.sharding.any_in_node(~finite)):
             if self.on_nonfinite == "raise":
                 raise NonFiniteGradientError(f"DiLoCo: non-finite gradient at inner step {self.inner_steps + 1}")
             self.skipped_steps += 1
@@ -218,7 +231,7 @@ class DiLoCo(DiLoCoLayout, DiLoCoCheckpoint, torch.optim.Optimizer):
             self.inner_steps += 1
         self._t += 1
         n = group_size(self.process_group)
-        self.comm_counter.add_baseline(sum(p.numel() for p in self._params()), n)
+        self.comm_counter.add_baseline(sum(t.numel() for t in self._tensors()), n)
         landed = [f for f, (at, _, _) in self._pending.items() if at == self._t]
         if landed:
             self._land(landed)
@@ -291,6 +304,8 @@ class DiLoCo(DiLoCoLayout, DiLoCoCheckpoint, torch.optim.Optimizer):
         anchor = self._outer["anchor"]
         deltas = [self._pseudo_gradient(f) for f in fragments]
         bad = torch.stack([~all_finite(d) for d in deltas]).any() if deltas else torch.zeros((), dtype=torch.bool)
+        if self.sharding is not None:  # every shard of the node takes its outer step, or none does
+            bad = torch.tensor(self.sharding.any_in_node(bad))
         before = self._wire.total.bytes_sent
         why = (f"DiLoCo: a non-finite pseudo-gradient at outer step {self.outer_steps + 1} on some rank; "
                "no state changed")

@@ -155,7 +155,7 @@ class DiLoCoCheckpoint:
                 return "flat" if k is None else f"two-level with {k} ranks per node"
             raise ValueError(f"state was saved with a {say(mine.get('two_level'))} outer all-reduce, this run has "
                              f"a {say(here)} one: its error state does not fit (resume with the same layout)")
-        numel = sum(p.numel() for p in self._params())
+        numel = sum(t.numel() for t in self._tensors())  # of a sharded model: this rank's shards
         for name, t in (("anchor", mine["outer"].get("anchor")), ("replica", (own or {}).get("replica"))):
             if t is not None and t.numel() != numel:
                 raise ValueError(f"state's {name} has {t.numel()} elements, this optimizer's parameters {numel}")
@@ -166,7 +166,7 @@ class DiLoCoCheckpoint:
         self.inner_steps, self.skipped_steps = counts["inner_steps"], counts["skipped_steps"]
         self.outer_steps = mine["outer_steps"]
         self.comm_counter.load_state_dict(counts.get("comm_counter", mine["comm_counter"]))
-        device = self._params()[0].device  # the flat state lives where the parameters do (a shard loads on CPU)
+        device = self._tensors()[0].device  # the flat state lives where the parameters do (a shard loads on CPU)
         outer = {**mine["outer"], **(own["outer"] if own is not None else {})}
         self._outer = {k: v.to(device, copy=True) for k, v in outer.items()}
         self._pending = {int(f): (at, None, r.to(device, copy=True)) for f, (at, r) in mine.get("pending", {}).items()}

@@ -1,10 +1,13 @@
 """The flat view of :class:`~lightning_onebit.optim.DiLoCo`'s parameters: the fp32 vector the anchor, the
 outer momentum and the pseudo-gradients live in (every parameter in ``param_groups`` order), its fragments
-(Streaming DiLoCo's slices) and their schedule, and the scratch the pseudo-gradients are taken in."""
+(Streaming DiLoCo's slices) and their schedule, and the scratch the pseudo-gradients are taken in. Of sharded
+parameters (FSDP2's DTensors, DiLoCo's ``mesh``) the flat view holds this rank's shards only."""
 
 from __future__ import annotations
 
 import torch
+
+from ..comm.sharding import local
 
 __all__ = ["DiLoCoLayout"]
 
@@ -13,26 +16,33 @@ class DiLoCoLayout:
     """Mixin of :class:`~lightning_onebit.optim.DiLoCo`: the flat view, the fragments and the scratch. Uses
     DiLoCo's ``param_groups``, settings (``fragments``, ``sync_every``, ``keep_local``) and outer state."""
 
+    sharding = None  #: DiLoCo's ShardedLayout where its parameters are sharded (mesh=)
+
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
+    def _tensors(self) -> list[torch.Tensor]:
+        """The parameters as this rank holds them: its shard of a sharded one, a plain one whole."""
+        with torch.no_grad():
+            return [local(p).detach() for p in self._params()]
+
     def _flat(self) -> torch.Tensor:
-        return torch.cat([p.detach().reshape(-1).float() for p in self._params()])
+        return torch.cat([t.reshape(-1).float() for t in self._tensors()])
 
     def _unflatten_into_params(self, flat: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
         """Copy ``flat`` into the parameters whose span lies in ``[lo, hi)`` of the flat vector."""
         o = 0
         with torch.no_grad():
-            for p in self._params():
-                if o >= lo and (hi is None or o + p.numel() <= hi):
-                    p.copy_(flat[o:o + p.numel()].view_as(p))
-                o += p.numel()
+            for t in self._tensors():
+                if o >= lo and (hi is None or o + t.numel() <= hi):
+                    t.copy_(flat[o:o + t.numel()].view_as(t))
+                o += t.numel()
 
     def _fragment_spans(self) -> list[tuple[int, int, list[int]]]:
         """The fragments: consecutive parameter tensors, cut where the running size passes k/F of the
         total (each at least one tensor); per fragment ``(lo, hi, tensor offsets relative to lo)``."""
         if self._spans is None:
-            sizes = [p.numel() for p in self._params()]
+            sizes = [t.numel() for t in self._tensors()]
             if len(sizes) < self.fragments:
                 raise ValueError(f"fragments={self.fragments} but the optimizer holds {len(sizes)} tensors")
             total, cuts, o = sum(sizes), [0], 0
@@ -64,7 +74,10 @@ class DiLoCoLayout:
 
     def _ensure_anchor(self) -> None:
         if "anchor" not in self._outer:
-            self._outer["anchor"] = self._flat()
+            flat = self._flat()
+            if self.sharding is not None:  # once: the outer all-reduce's ranks must hold shards of one size
+                self.sharding.check_sizes(flat.numel())
+            self._outer["anchor"] = flat
 
     def _span_of_scratch(self, f: int) -> torch.Tensor:
         """Fragment f's slice of a flat fp32 buffer kept across outer steps: its pseudo-gradient, then its
@@ -78,8 +91,8 @@ class DiLoCoLayout:
         """``anchor - replica`` over fragment f, in the scratch (a new 4 B per parameter each outer step
         costs as much as the arithmetic here: fresh pages)."""
         lo, hi, _ = self._fragment_spans()[f]
-        out, params = self._span_of_scratch(f), self._params()
-        torch.cat([params[i].detach().reshape(-1).float() for i in self.fragment_tensors()[f]], out=out)
+        out, params = self._span_of_scratch(f), self._tensors()
+        torch.cat([params[i].reshape(-1).float() for i in self.fragment_tensors()[f]], out=out)
         if self.keep_local:  # the replica this outer step starts from
             if f"sent{f}" not in self._outer:
                 self._outer[f"sent{f}"] = torch.empty_like(out)
@@ -87,10 +100,11 @@ class DiLoCoLayout:
         return torch.sub(self._outer["anchor"][lo:hi], out, out=out)
 
     def anchor_views(self) -> dict[int, torch.Tensor]:
-        """``id(parameter)`` -> the anchor of that parameter (a view of the flat anchor, fp32)."""
+        """``id(parameter)`` -> the anchor of that parameter (a view of the flat anchor, fp32; of this rank's
+        shard where the parameter is sharded)."""
         self._ensure_anchor()
         out, o, a = {}, 0, self._outer["anchor"]
-        for p in self._params():
-            out[id(p)] = a[o:o + p.numel()].view(p.shape)
-            o += p.numel()
+        for p, t in zip(self._params(), self._tensors(), strict=True):
+            out[id(p)] = a[o:o + t.numel()].view(t.shape)
+            o += t.numel()
         return out

@@ -1,0 +1,108 @@
+"""Sharded parameters (FSDP2's DTensors) on a 2-D mesh of nodes x ranks per node.
+
+The layout: a :class:`~torch.distributed.device_mesh.DeviceMesh` of shape ``(nodes, ranks per node)``.
+FSDP2 shards every parameter over the inner dimension (``fully_shard(module, mesh=mesh[inner])``), so
+its all-gather in forward and its reduce-scatter in backward stay inside a node (the fast link). The
+package's mean runs over the outer dimension only: the rank that holds shard k of node a talks to the
+ranks that hold shard k of the other nodes (the slow link), one process group per shard index, and
+every member of such a group holds a shard of the same size. Not HSDP: FSDP is never given the outer
+dimension, so it all-reduces nothing across nodes.
+
+:class:`ShardedLayout` is what an optimizer needs of it: the two groups, the local shards it keeps its
+state for (``local``), and the checks that fail at setup on what does not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .dense import any_across, group_size
+
+__all__ = ["ShardedLayout", "is_sharded", "local"]
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor: nothing can be sharded
+        return None
+    return DTensor
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP2 parameter or its gradient)."""
+    cls = _dtensor_type()
+    return cls is not None and isinstance(t, cls)
+
+
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's shard of ``t`` (a plain tensor, sharing its memory: an in-place write under
+    ``no_grad`` changes the parameter); ``t`` itself where it is not sharded."""
+    return t.to_local() if t is not None and is_sharded(t) else t
+
+
+class ShardedLayout:
+    """The 2-D mesh of nodes x ranks per node, as an optimizer of sharded parameters sees it.
+
+    Args:
+        mesh: a 2-D :class:`~torch.distributed.device_mesh.DeviceMesh` of shape ``(nodes, ranks per
+            node)``, the parameters sharded with FSDP2 over its inner dimension (``mesh[1]`` or
+            ``mesh[name]``).
+        who: the optimizer's name, for errors.
+    """
+
+    def __init__(self, mesh, *, who: str = "optimizer") -> None:
+        ndim = getattr(mesh, "ndim", None)
+        if ndim != 2:
+            raise ValueError(f"{who}: mesh must be a 2-D DeviceMesh of (nodes, ranks per node), e.g. "
+                             "init_device_mesh(device, (nodes, ranks_per_node), mesh_dim_names=('node', 'shard')); "
+                             f"got {type(mesh).__name__}" + (f" with {ndim} dimensions" if ndim is not None else ""))
+        names = mesh.mesh_dim_names
+        if not names:
+            raise ValueError(f"{who}: the mesh needs dimension names (init_device_mesh(..., mesh_dim_names=('node', "
+                             "'shard'))): FSDP is given its inner dimension by name, mesh['shard']")
+        self.mesh, self.who = mesh, who
+        self.inner = mesh[names[1]]
+        #: the ranks of this rank's node, over which FSDP shards (the fast link)
+        self.shard_group = mesh.get_group(1)
+        #: the ranks holding this rank's shard index on every node: the package's mean runs here
+        self.replica_group = mesh.get_group(0)
+        self.nodes, self.ranks_per_node = mesh.size(0), mesh.size(1)
+
+    def check_params(self, params: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> None:
+        """Every trainable parameter is sharded over the mesh's inner dimension; raise naming the first that
+        is not (it would be replicated inside a node with no one averaging its gradients there)."""
+        for i, p in enumerate(params):
+            what = names[i] if names is not None else f"parameter {i} (shape {tuple(p.shape)})"
+            if not is_sharded(p):
+                raise ValueError(f"{self.who}: {what} is not sharded, but a mesh was given; apply "
+                                 "fully_shard(module, mesh=mesh[1]) to every module with parameters (the root "
+                                 "module too), or drop mesh= for a replicated model")
+            if p.device_mesh != self.inner:
+                raise ValueError(f"{self.who}: {what} is sharded over {p.device_mesh}, not over the mesh's inner "
+                                 f"dimension {self.inner}: fully_shard(module, mesh=mesh[1]) shards inside a node "
+                                 "(a 2-D mesh given to fully_shard is HSDP, whose dense all-reduce between nodes "
+                                 "this layout replaces)")
+
+    def check_sizes(self, numel: int) -> None:
+        """Every rank of this rank's replica group holds ``numel`` elements (the same model and mesh on every
+        node); raises on every rank of the group otherwise, instead of a collective of mismatched sizes."""
+        sizes = torch.tensor([numel], dtype=torch.int64)
+        every = [torch.empty_like(sizes) for _ in range(group_size(self.replica_group))]
+        dist.all_gather(every, sizes, group=self.replica_group)
+        got = [int(s) for s in every]
+        if len(set(got)) != 1:
+            raise ValueError(f"{self.who}: the ranks holding this shard on each node hold {got} elements; every "
+                             "node must build the same model and shard it over a mesh of the same shape")
+
+    def any_in_node(self, flag: torch.Tensor) -> bool:
+        """Whether ``flag`` (a 0-d or 1-element bool tensor) is set on some rank of this rank's node: the
+        node's ranks hold shards of one model, so they take or skip an inner step together."""
+        return bool(any_across(flag.reshape(1).cpu(), self.shard_group)[0])
+
+    def __repr__(self) -> str:
+        return f"ShardedLayout({self.nodes} nodes x {self.ranks_per_node} ranks)"
+

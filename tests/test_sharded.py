@@ -1,0 +1,143 @@
+"""Sharded models: FSDP2 inside a node, the package's mean between nodes (2 emulated nodes x 2 gloo ranks).
+
+One 4-rank job checks DiLoCo on a ``fully_shard``ed transformer (embeddings, LayerNorm, attention and
+biases next to a wider layer) against the same DiLoCo unsharded, one replica per node that takes the
+node's whole batch: the fp32 outer all-reduce gives the same parameters to float rounding over 3 outer
+steps, 4-bit outer updates leave the two nodes' shards identical, a NaN in one rank's shard skips the
+inner step on both ranks of its node, and what does not fit fails at construction naming the problem.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dist_utils import run_ranks, values
+
+VOCAB, D, SEQ = 40, 16, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.attn = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.ff = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.ff(self.ln2(x))
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, D), nn.Embedding(SEQ, D)
+        self.block = Block()
+        self.head = nn.Linear(D, VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        return self.head(self.block(x))
+
+
+def _batch(node: int, half: int, step: int) -> torch.Tensor:
+    """The tokens rank ``half`` of ``node`` sees at ``step`` (4 sequences); a node's batch is its two halves."""
+    g = torch.Generator().manual_seed(1000 * node + 10 * step + half)
+    return torch.randint(0, VOCAB, (4, SEQ), generator=g)
+
+
+def _loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    logits = model(idx[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), idx[:, 1:].reshape(-1))
+
+
+def _sharded_job(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_onebit import DiLoCo
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "shard"))
+    node, half = divmod(rank, 2)
+    out = {}
+
+    def build(shard: bool) -> nn.Module:
+        torch.manual_seed(0)
+        m = TinyLM()
+        if shard:
+            for mod in (m.tok, m.pos, m.block, m.head):
+                fully_shard(mod, mesh=mesh["shard"])
+            fully_shard(m, mesh=mesh["shard"])
+        return m
+
+    def train(compression: str, steps: int, *, reference: bool, nan_at: int | None = None):
+        sharded, whole = build(True), build(False)
+        kw = dict(lr=3e-3, sync_every=2, compression=compression, on_nonfinite="skip")
+        opt_s = DiLoCo(sharded.parameters(), mesh=mesh, **kw)
+        # unsharded: one replica per node, on the node's whole batch, averaged over the same ranks
+        opt_w = DiLoCo(whole.parameters(), process_group=mesh["node"].get_group(), hierarchical=False, **kw)
+        for t in range(steps):
+            opt_s.zero_grad()
+            _loss(sharded, _batch(node, half, t)).backward()
+            if t == nan_at and rank == 1:  # in this rank's shard only: its node's other rank sees none
+                next(sharded.parameters()).grad.to_local().view(-1)[0] = float("nan")
+            opt_s.step()
+            if reference:
+                opt_w.zero_grad()
+                _loss(whole, torch.cat([_batch(node, 0, t), _batch(node, 1, t)])).backward()
+                opt_w.step()
+        full = {n: p.full_tensor().detach() for n, p in sharded.named_parameters()}
+        return full, dict(whole.named_parameters()), opt_s
+
+    # fp32 outer all-reduce, 3 outer steps: sharded == unsharded to rounding. Not the attention's key bias:
+    # its gradient is zero in exact arithmetic (a constant added to every key leaves the softmax alone), so
+    # AdamW turns either run's rounding noise there into steps of about lr
+    full, ref, opt = train("fp32", 6, reference=True)
+
+    def diff(n: str) -> float:
+        d = (full[n] - ref[n].detach()).abs().reshape(-1)
+        return float(torch.cat([d[:D], d[2 * D:]]).max() if n.endswith("in_proj_bias") else d.max())
+
+    out["fp32_max_diff"] = max(diff(n) for n in full)
+    out["outer_steps"] = opt.outer_steps
+    out["state_numel"] = opt._outer["anchor"].numel()
+    out["model_numel"] = sum(p.numel() for p in ref.values())
+    # 4-bit outer updates: after the outer step every node holds the same shards
+    full, _, opt = train("4bit", 4, reference=False, nan_at=1)
+    out["4bit"] = torch.cat([full[n].reshape(-1) for n in sorted(full)])
+    out["skipped"] = opt.skipped_steps
+    # what does not fit fails at construction, naming the problem
+    errors = {}
+    for name, make in {
+        "unsharded": lambda: DiLoCo(build(False).parameters(), mesh=mesh),
+        "1-d mesh": lambda: DiLoCo(build(True).parameters(), mesh=mesh["shard"]),
+        "group too": lambda: DiLoCo(build(True).parameters(), mesh=mesh, process_group=dist.group.WORLD),
+    }.items():
+        try:
+            make()
+            errors[name] = None
+        except ValueError as exc:
+            errors[name] = str(exc)
+    out["errors"] = errors
+    return out
+
+
+@pytest.mark.budget(60)
+def test_sharded_diloco_matches_unsharded_and_keeps_nodes_in_step():
+    out = values(run_ranks(_sharded_job, 4, timeout_s=90))
+    for r in out:
+        assert r["outer_steps"] == 3
+        assert r["fp32_max_diff"] < 1e-6, r["fp32_max_diff"]  # 2.4e-7 when written
+        # each rank's DiLoCo state is its shard: half the model (FSDP pads a shard by < 1 row per tensor)
+        assert r["state_numel"] <= r["model_numel"] / 2 + 2 * D * 4, (r["state_numel"], r["model_numel"])
+        assert r["skipped"] == (1 if r is out[0] or r is out[1] else 0)  # node 0's ranks skipped together
+        err = r["errors"]
+        assert "not sharded" in err["unsharded"]
+        assert "2-D DeviceMesh" in err["1-d mesh"]
+        assert "drop ['process_group']" in err["group too"]
+    # the two nodes' full models agree bit for bit after the 4-bit outer steps, as do the ranks of a node
+    assert all(torch.equal(out[0]["4bit"], r["4bit"]) for r in out[1:])
