@@ -44,3 +44,17 @@ def test_lightning_examples_run_and_resume_from_their_last_checkpoint(tmp_path, 
     second = _run(script, ["--epochs", "2", "--ckpt-dir", "ck"], tmp_path)
     assert f"Restoring states from the checkpoint path at {tmp_path / 'ck' / 'last.ckpt'}" in second, second[-3000:]
     assert expect in second, second[-3000:]
+
+
+@pytest.mark.budget(60)  # torchrun and 4 ranks on the CI's 2 cores: their start is most of it
+def test_fsdp_diloco_example_under_torchrun(tmp_path):
+    """The sharded example as users launch it: torchrun, 4 ranks as 2 nodes of 2, FSDP2 inside each node,
+    4-bit DiLoCo between them; every node ends on the same model, each rank holding half of its state."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "LOCAL_RANK", "WORLD_SIZE", "RANK"))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+           str(EXAMPLES / "fsdp_diloco.py"), "--ranks-per-node", "2", "--steps", "16"]
+    proc = proc_run(cmd, cwd=tmp_path, env=env, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "2 nodes x 2 ranks; outer steps 2; DiLoCo state for 42757 of 85514 parameters" in out, out[-3000:]
+    assert "nodes agree: True" in out, out[-3000:]

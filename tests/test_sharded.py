@@ -4,7 +4,8 @@ One 4-rank job checks DiLoCo on a ``fully_shard``ed transformer (embeddings, Lay
 biases next to a wider layer) against the same DiLoCo unsharded, one replica per node that takes the
 node's whole batch: the fp32 outer all-reduce gives the same parameters to float rounding over 3 outer
 steps, 4-bit outer updates leave the two nodes' shards identical, a NaN in one rank's shard skips the
-inner step on both ranks of its node, and what does not fit fails at construction naming the problem.
+inner step on both ranks of its node, and what does not fit fails at construction (or at loading an
+unsharded state) naming the problem.
 """
 
 from __future__ import annotations
@@ -112,7 +113,14 @@ def _sharded_job(rank, world_size):
     out["skipped"] = opt.skipped_steps
     # what does not fit fails at construction, naming the problem
     errors = {}
+
+    def load_unsharded_state():
+        whole = DiLoCo(build(False).parameters(), process_group=mesh["node"].get_group(), hierarchical=False)
+        whole._ensure_anchor()
+        DiLoCo(build(True).parameters(), mesh=mesh).load_state_dict(whole.state_dict())
+
     for name, make in {
+        "unsharded state": load_unsharded_state,
         "unsharded": lambda: DiLoCo(build(False).parameters(), mesh=mesh),
         "1-d mesh": lambda: DiLoCo(build(True).parameters(), mesh=mesh["shard"]),
         "group too": lambda: DiLoCo(build(True).parameters(), mesh=mesh, process_group=dist.group.WORLD),
@@ -139,5 +147,7 @@ def test_sharded_diloco_matches_unsharded_and_keeps_nodes_in_step():
         assert "not sharded" in err["unsharded"]
         assert "2-D DeviceMesh" in err["1-d mesh"]
         assert "drop ['process_group']" in err["group too"]
+        assert f"has {r['model_numel']} elements, this optimizer's parameters {r['state_numel']}" in \
+            err["unsharded state"], err["unsharded state"]
     # the two nodes' full models agree bit for bit after the 4-bit outer steps, as do the ranks of a node
     assert all(torch.equal(out[0]["4bit"], r["4bit"]) for r in out[1:])

@@ -135,6 +135,12 @@ class DiLoCo(DiLoCoLayout, DiLoCoCheckpoint, torch.optim.Optimizer):
     go there too). The outer arguments are keyword-only. ``process_group``: the ranks that average
     (default: the world). Call ``step()`` on every rank after each backward, without DDP (or with DDP's
     allreduce skipped): the inner steps never communicate.
+
+    ``mesh``: a 2-D ``DeviceMesh`` of (nodes, ranks per node) with named dimensions, for a model whose every
+    parameter FSDP2 shards over its inner dimension (``fully_shard(module, mesh=mesh["shard"])``): the state
+    is kept for this rank's shards, the outer all-reduce runs over the ranks holding the same shard on every
+    node (instead of ``process_group``, ``ranks_per_node`` and ``hierarchical``), and the ranks of a node skip
+    or raise on a non-finite step together (``docs/design/sharding.md``).
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] | None = None,
