@@ -3,7 +3,8 @@
 One 4-rank job checks DiLoCo on a ``fully_shard``ed transformer (embeddings, LayerNorm, attention and
 biases next to a wider layer) against the same DiLoCo unsharded, one replica per node that takes the
 node's whole batch: the fp32 outer all-reduce gives the same parameters to float rounding over 3 outer
-steps, 4-bit outer updates leave the two nodes' shards identical, a NaN in one rank's shard skips the
+steps, 4-bit outer updates (also streamed: fragments on a sender thread) leave the two nodes' shards
+identical, a NaN in one rank's shard skips the
 inner step on both ranks of its node, and what does not fit fails at construction (or at loading an
 unsharded state) naming the problem.
 """
@@ -75,9 +76,9 @@ def _sharded_job(rank, world_size):
             fully_shard(m, mesh=mesh["shard"])
         return m
 
-    def train(compression: str, steps: int, *, reference: bool, nan_at: int | None = None):
+    def train(compression: str, steps: int, *, reference: bool, nan_at: int | None = None, **streaming):
         sharded, whole = build(True), build(False)
-        kw = dict(lr=3e-3, sync_every=2, compression=compression, on_nonfinite="skip")
+        kw = dict(lr=3e-3, sync_every=2, compression=compression, on_nonfinite="skip", **streaming)
         opt_s = DiLoCo(sharded.parameters(), mesh=mesh, **kw)
         # unsharded: one replica per node, on the node's whole batch, averaged over the same ranks
         opt_w = DiLoCo(whole.parameters(), process_group=mesh["node"].get_group(), hierarchical=False, **kw)
@@ -91,6 +92,7 @@ def _sharded_job(rank, world_size):
                 opt_w.zero_grad()
                 _loss(whole, torch.cat([_batch(node, 0, t), _batch(node, 1, t)])).backward()
                 opt_w.step()
+        opt_s.outer_step()  # the end of a fit: what is in flight lands, every node ends on the anchor
         full = {n: p.full_tensor().detach() for n, p in sharded.named_parameters()}
         return full, dict(whole.named_parameters()), opt_s
 
@@ -111,6 +113,9 @@ def _sharded_job(rank, world_size):
     full, _, opt = train("4bit", 4, reference=False, nan_at=1)
     out["4bit"] = torch.cat([full[n].reshape(-1) for n in sorted(full)])
     out["skipped"] = opt.skipped_steps
+    # Streaming DiLoCo on it: 2 fragments, each outer all-reduce on a sender thread while 1 more inner step runs
+    full, _, opt = train("4bit", 5, reference=False, fragments=2, overlap=1)
+    out["streaming"] = torch.cat([full[n].reshape(-1) for n in sorted(full)])
     # what does not fit fails at construction, naming the problem
     errors = {}
 
@@ -151,3 +156,4 @@ def test_sharded_diloco_matches_unsharded_and_keeps_nodes_in_step():
             err["unsharded state"], err["unsharded state"]
     # the two nodes' full models agree bit for bit after the 4-bit outer steps, as do the ranks of a node
     assert all(torch.equal(out[0]["4bit"], r["4bit"]) for r in out[1:])
+    assert all(torch.equal(out[0]["streaming"], r["streaming"]) for r in out[1:])

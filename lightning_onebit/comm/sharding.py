@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
-from .dense import any_across, group_size
+from .agree import gather_objects
+from .dense import any_across
 
 __all__ = ["ShardedLayout", "is_sharded", "local"]
 
@@ -90,10 +90,7 @@ class ShardedLayout:
     def check_sizes(self, numel: int) -> None:
         """Every rank of this rank's replica group holds ``numel`` elements (the same model and mesh on every
         node); raises on every rank of the group otherwise, instead of a collective of mismatched sizes."""
-        sizes = torch.tensor([numel], dtype=torch.int64)
-        every = [torch.empty_like(sizes) for _ in range(group_size(self.replica_group))]
-        dist.all_gather(every, sizes, group=self.replica_group)
-        got = [int(s) for s in every]
+        got = gather_objects(int(numel), group=self.replica_group)  # NCCL or gloo alike
         if len(set(got)) != 1:
             raise ValueError(f"{self.who}: the ranks holding this shard on each node hold {got} elements; every "
                              "node must build the same model and shard it over a mesh of the same shape")
@@ -101,7 +98,7 @@ class ShardedLayout:
     def any_in_node(self, flag: torch.Tensor) -> bool:
         """Whether ``flag`` (a 0-d or 1-element bool tensor) is set on some rank of this rank's node: the
         node's ranks hold shards of one model, so they take or skip an inner step together."""
-        return bool(any_across(flag.reshape(1).cpu(), self.shard_group)[0])
+        return bool(any_across(flag.reshape(1), self.shard_group)[0])  # on the flag's device (NCCL: a GPU)
 
     def __repr__(self) -> str:
         return f"ShardedLayout({self.nodes} nodes x {self.ranks_per_node} ranks)"

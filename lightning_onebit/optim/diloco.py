@@ -226,7 +226,8 @@ class DiLoCo(DiLoCoLayout, DiLoCoCheckpoint, torch.optim.Optimizer):
         grads = [local(p.grad) for p in self._params() if p.grad is not None]
         if any(g.is_sparse for g in grads):
             raise ValueError("DiLoCo does not support sparse gradients")
-        finite = all_finite_many(grads) if grads else torch.ones((), dtype=torch.bool)
+        finite = all_finite_many(grads) if grads else torch.ones((), dtype=torch.bool,
+                                                                 device=self._outer["anchor"].device)
         # the ranks of a node hold shards of one model: they take (or skip) an inner step together
         if not (bool(finite) if self.sharding is None else not self.sharding.any_in_node(~finite)):
             if self.on_nonfinite == "raise":
@@ -311,7 +312,7 @@ class DiLoCo(DiLoCoLayout, DiLoCoCheckpoint, torch.optim.Optimizer):
         deltas = [self._pseudo_gradient(f) for f in fragments]
         bad = torch.stack([~all_finite(d) for d in deltas]).any() if deltas else torch.zeros((), dtype=torch.bool)
         if self.sharding is not None:  # every shard of the node takes its outer step, or none does
-            bad = torch.tensor(self.sharding.any_in_node(bad))
+            bad = torch.tensor(self.sharding.any_in_node(bad), device=bad.device)
         before = self._wire.total.bytes_sent
         why = (f"DiLoCo: a non-finite pseudo-gradient at outer step {self.outer_steps + 1} on some rank; "
                "no state changed")

@@ -1,0 +1,191 @@
+"""Sharded DiLoCo on emulated nodes: the bytes on the link between nodes and the state per rank, against
+unsharded DiLoCo's two-level layout at the same settings.
+
+    python benchmarks/sharded.py                     # 2 nodes x 2 ranks, 1 Gbit/s, 4-bit (as root)
+    python benchmarks/sharded.py --compression fp32 --out sharded.md
+
+Per emulated node (a network namespace behind a shaped veth, ``netns_cluster.py``) one torchrun of 2 ranks,
+gloo, one thread per process; the ranks of a node talk over its loopback, nodes over the link. Each run
+trains e2e.py's transformer (3.7M parameters: embeddings, LayerNorms, attention, biases) with DiLoCo, AdamW
+inside, on synthetic tokens, in one of two layouts:
+
+* ``sharded``: FSDP2 over the node's ranks (every encoder layer and the root ``fully_shard``ed over
+  ``mesh["shard"]``), ``DiLoCo(mesh=mesh)``: each rank's state its shard, the outer all-reduce over the ranks
+  holding the same shard on each node;
+* ``two-level``: every rank a whole replica, ``DiLoCo(ranks_per_node=2, hierarchical=True)``: an fp32 mean
+  inside the node, the compressed all-reduce between nodes.
+
+Bytes between nodes come from the veth counters (TCP/IP headers included). Per outer step and per inner
+step they come from runs of different lengths in the same layout: per outer step the difference between runs
+of 2 and 4 outer steps of ``--sync-every`` inner steps (the setup's bytes, the rendezvous and process-group
+creation, cancel), and runs of 4 and 12 inner steps without an outer step show what inner steps add. State
+per rank: every tensor the optimizer holds (the inner AdamW's moments, DiLoCo's anchor, outer momentum and
+scratch, the collectives' error state and buffers; of a sharded tensor its local shard), counted once per
+storage, on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from _common import add_out_argument, header, repo_on_path, require_root, write_out
+
+repo_on_path()
+
+MARK = "SHARDED_RESULT "
+
+
+# -- the worker (one rank, under torchrun) -------------------------------------------------------------
+
+def _tensor_bytes(obj, seen: set[int], depth: int = 0) -> int:
+    """Bytes of the tensors reachable from ``obj`` (containers and object attributes, a few levels deep), each
+    storage once; a DTensor counts its local shard."""
+    import torch
+
+    from lightning_onebit.comm.sharding import local
+
+    if depth > 6 or obj is None or isinstance(obj, str | int | float | bool):
+        return 0
+    if isinstance(obj, torch.Tensor):
+        t = local(obj)
+        key = t.untyped_storage().data_ptr()
+        if key in seen or t.device.type == "meta":
+            return 0
+        seen.add(key)
+        return t.untyped_storage().nbytes()
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v, seen, depth + 1) for v in obj.values())
+    if isinstance(obj, list | tuple | set):
+        return sum(_tensor_bytes(v, seen, depth + 1) for v in obj)
+    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("lightning_onebit"):
+        return sum(_tensor_bytes(v, seen, depth + 1) for v in vars(obj).values())
+    return 0
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from workloads import _e2e_net
+
+    from lightning_onebit import DiLoCo
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local_size = int(os.environ["LOCAL_WORLD_SIZE"])
+    net = _e2e_net("transformer")
+    kw = dict(lr=1e-3, sync_every=args.sync_every, compression=args.compression)
+    if args.layout == "sharded":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world // local_size, local_size), mesh_dim_names=("node", "shard"))
+        for layer in net.enc.layers:
+            fully_shard(layer, mesh=mesh["shard"])
+        fully_shard(net, mesh=mesh["shard"])
+        opt = DiLoCo(net.parameters(), mesh=mesh, **kw)
+    else:
+        opt = DiLoCo(net.parameters(), ranks_per_node=local_size, hierarchical=True, **kw)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(args.steps):
+        x = torch.randint(0, 1000, (4, 64), generator=g)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(net(x[:, :-1]).reshape(-1, 1000), x[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+    dist.barrier()
+    state = _tensor_bytes([opt.state, opt._outer, opt._scratch, opt._means], set())
+    params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in net.parameters())
+    if rank == 0:
+        print(MARK + json.dumps({"state_bytes": state, "local_params": params, "outer_steps": opt.outer_steps,
+                                 "loss": float(loss)}), flush=True)
+    dist.destroy_process_group()
+
+
+# -- the driver ----------------------------------------------------------------------------------------
+
+def _run(cluster, args, layout: str, steps: int, sync_every: int, port: int) -> tuple[int, dict]:
+    """One torchrun per node; (bytes the nodes sent on their links, rank 0's result)."""
+    from netns_cluster import report_failures, run_torchrun
+
+    before = sum(cluster.tx_bytes(k) for k in range(cluster.nodes))
+    results = run_torchrun(cluster, __file__, ["--worker", "--layout", layout, "--steps", str(steps),
+                                               "--sync-every", str(sync_every), "--compression", args.compression],
+                           master_port=port, timeout=args.timeout, nproc_per_node=args.ranks_per_node)
+    sent = sum(cluster.tx_bytes(k) for k in range(cluster.nodes)) - before
+    report_failures(results, f"{layout}, {steps} steps", keep_going=False)
+    line = next(ln for r in results for ln in r.stdout.splitlines() if ln.startswith(MARK))
+    return sent, json.loads(line[len(MARK):])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--rate", default="1gbit")
+    ap.add_argument("--compression", default="4bit")
+    ap.add_argument("--sync-every", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per torchrun")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--layout", choices=("sharded", "two-level"), help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, help=argparse.SUPPRESS)
+    add_out_argument(ap)
+    args = ap.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if not require_root():
+        return 1
+    from netns_cluster import EmulatedCluster
+
+    h = args.sync_every
+    rows, port = {}, 29731
+    with EmulatedCluster(args.nodes, rate=args.rate) as cluster:
+        for layout in ("sharded", "two-level"):
+            runs = {}
+            for name, steps, every in (("inner4", 4, 10_000), ("inner12", 12, 10_000), ("outer2", 2 * h, h),
+                                       ("outer4", 4 * h, h)):
+                port += 1
+                runs[name] = _run(cluster, args, layout, steps, every, port)
+                print(f"{layout} {name}: {runs[name][0]} bytes on the links, {runs[name][1]}", file=sys.stderr)
+            inner = (runs["inner4"][0] / args.nodes, runs["inner12"][0] / args.nodes)
+            outer = (runs["outer4"][0] - runs["outer2"][0]) / 2 / args.nodes
+            rows[layout] = (inner, outer, runs["outer4"][1])
+    sh, tl = rows["sharded"], rows["two-level"]
+    lines = [f"2-D layout {args.nodes} nodes x {args.ranks_per_node} ranks, {args.rate}, DiLoCo "
+             f"compression={args.compression}, sync_every={h}; e2e.py's transformer (3.7M parameters)", "",
+             "| layout | link bytes per node, whole runs of 4 / 12 inner steps and no outer step | per outer step "
+             "| optimizer + DiLoCo state per rank (MB) | per parameter on the rank (B) | parameters on a rank "
+             "| loss after 4 outer steps |", "|---|---|---|---|---|---|---|"]
+    for layout, (inner, outer, res) in rows.items():
+        per = res["state_bytes"] / res["local_params"]
+        lines.append(f"| {layout} | {inner[0]:,.0f} / {inner[1]:,.0f} | {outer:,.0f} | {res['state_bytes'] / 1e6:.2f} "
+                     f"| {per:.1f} | {res['local_params']:,} | {res['loss']:.3f} |")
+    ratio_bytes = sh[1] / tl[1]
+    ratio_state = sh[2]["state_bytes"] / tl[2]["state_bytes"]
+    goal = 1 / args.ranks_per_node + 0.10
+    lines += ["", f"- sharded / two-level bytes per outer step: {ratio_bytes:.3f} (target within 5%: "
+              f"{'met' if abs(ratio_bytes - 1) <= 0.05 else 'MISSED'})",
+              f"- sharded / two-level state per rank: {ratio_state:.3f} (target <= 1/L + 10% = {goal:.2f}: "
+              f"{'met' if ratio_state <= goal else 'MISSED'})",
+              f"- inner steps: 8 more of them add {sh[0][1] - sh[0][0]:+,.0f} bytes per node on the link sharded, "
+              f"{tl[0][1] - tl[0][0]:+,.0f} two-level (the runs' setup, rendezvous and groups, is the rest): FSDP's "
+              "all-gather and reduce-scatter stay inside the node"]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        write_out(args.out, header("sharded.py", argv) + text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
