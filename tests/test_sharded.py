@@ -5,11 +5,14 @@ biases next to a wider layer) against the same DiLoCo unsharded, one replica per
 node's whole batch: the fp32 outer all-reduce gives the same parameters to float rounding over 3 outer
 steps, 4-bit outer updates (also streamed: fragments on a sender thread) leave the two nodes' shards
 identical, a NaN in one rank's shard skips the
-inner step on both ranks of its node, and what does not fit fails at construction (or at loading an
-unsharded state) naming the problem.
+inner step on both ranks of its node, a checkpoint of one file per rank resumes mid-interval bit for bit
+on the same layout, and what does not fit fails at construction (or at loading an unsharded state)
+naming the problem.
 """
 
 from __future__ import annotations
+
+import io
 
 import pytest
 import torch
@@ -116,6 +119,26 @@ def _sharded_job(rank, world_size):
     # Streaming DiLoCo on it: 2 fragments, each outer all-reduce on a sender thread while 1 more inner step runs
     full, _, opt = train("4bit", 5, reference=False, fragments=2, overlap=1)
     out["streaming"] = torch.cat([full[n].reshape(-1) for n in sorted(full)])
+    # a checkpoint mid-interval, one file per rank (torch.save of local_state(): its replica shards, the inner
+    # AdamW's DTensor moments, the anchor, momentum and error state of its shards), resumed on the same layout
+    def steps(m, opt, ts):
+        for t in ts:
+            opt.zero_grad()
+            _loss(m, _batch(node, half, t)).backward()
+            opt.step()
+
+    m, kw = build(True), dict(lr=3e-3, sync_every=2, compression="4bit")
+    opt = DiLoCo(m.parameters(), mesh=mesh, **kw)
+    steps(m, opt, range(3))
+    saved = io.BytesIO()
+    torch.save(opt.local_state(), saved)
+    steps(m, opt, range(3, 6))
+    resumed, saved = build(True), io.BytesIO(saved.getvalue())
+    opt = DiLoCo(resumed.parameters(), mesh=mesh, **kw)
+    opt.load_local_state(torch.load(saved, weights_only=False))
+    steps(resumed, opt, range(3, 6))
+    out["resumed_exactly"] = all(torch.equal(p.to_local(), q.to_local())
+                                 for p, q in zip(m.parameters(), resumed.parameters(), strict=True))
     # what does not fit fails at construction, naming the problem
     errors = {}
 
@@ -148,6 +171,7 @@ def test_sharded_diloco_matches_unsharded_and_keeps_nodes_in_step():
         # each rank's DiLoCo state is its shard: half the model (FSDP pads a shard by < 1 row per tensor)
         assert r["state_numel"] <= r["model_numel"] / 2 + 2 * D * 4, (r["state_numel"], r["model_numel"])
         assert r["skipped"] == (1 if r is out[0] or r is out[1] else 0)  # node 0's ranks skipped together
+        assert r["resumed_exactly"]
         err = r["errors"]
         assert "not sharded" in err["unsharded"]
         assert "2-D DeviceMesh" in err["1-d mesh"]
