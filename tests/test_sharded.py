@@ -64,7 +64,7 @@ def _sharded_job(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_onebit import DiLoCo
+    from lightning_onebit import DiLoCo, OnebitAdam
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "shard"))
     node, half = divmod(rank, 2)
@@ -152,6 +152,8 @@ def _sharded_job(rank, world_size):
         "unsharded": lambda: DiLoCo(build(False).parameters(), mesh=mesh),
         "1-d mesh": lambda: DiLoCo(build(True).parameters(), mesh=mesh["shard"]),
         "group too": lambda: DiLoCo(build(True).parameters(), mesh=mesh, process_group=dist.group.WORLD),
+        "no mesh": lambda: DiLoCo(build(True).parameters()),
+        "1-bit Adam": lambda: OnebitAdam(build(True).parameters()),
     }.items():
         try:
             make()
@@ -176,6 +178,8 @@ def test_sharded_diloco_matches_unsharded_and_keeps_nodes_in_step():
         assert "not sharded" in err["unsharded"]
         assert "2-D DeviceMesh" in err["1-d mesh"]
         assert "drop ['process_group']" in err["group too"]
+        assert "is sharded (a DTensor" in err["no mesh"] and "pass mesh=" in err["no mesh"]
+        assert "Adam family has no sharded form yet" in err["1-bit Adam"]
         assert f"has {r['model_numel']} elements, this optimizer's parameters {r['state_numel']}" in \
             err["unsharded state"], err["unsharded state"]
     # the two nodes' full models agree bit for bit after the 4-bit outer steps, as do the ranks of a node

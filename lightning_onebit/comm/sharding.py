@@ -21,7 +21,7 @@ import torch
 from .agree import gather_objects
 from .dense import any_across
 
-__all__ = ["ShardedLayout", "is_sharded", "local"]
+__all__ = ["ShardedLayout", "is_sharded", "local", "sharded_kind"]
 
 
 def _dtensor_type():
@@ -36,6 +36,15 @@ def is_sharded(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor (an FSDP2 parameter or its gradient)."""
     cls = _dtensor_type()
     return cls is not None and isinstance(t, cls)
+
+
+def sharded_kind(t: torch.Tensor) -> str | None:
+    """How ``t`` is sharded, in words, if it is: an FSDP2 parameter (a DTensor) or FSDP1's flat parameter."""
+    if is_sharded(t):
+        return "sharded (a DTensor: FSDP2 or tensor parallelism)"
+    if type(t).__name__ == "FlatParameter" or getattr(t, "_is_flat_param", False):
+        return "an FSDP flat parameter (Lightning's FSDPStrategy or torch's FullyShardedDataParallel)"
+    return None
 
 
 def local(t: torch.Tensor | None) -> torch.Tensor | None:

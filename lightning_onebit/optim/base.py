@@ -45,6 +45,7 @@ import torch
 from torch.optim import Optimizer
 
 from ..comm import Topology, Wire, any_across
+from ..comm.sharding import sharded_kind
 from ..compress.kernels import apply_thread_budget
 from .buckets import Bucket, BucketState
 from .checkpointing import OptimizerCheckpoint
@@ -171,6 +172,11 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
         for p in self.param_groups[-1]["params"]:
             if p.is_sparse or p.is_complex():
                 raise ValueError(f"{type(self).__name__} supports dense real parameters only")
+            if (kind := sharded_kind(p)) is not None:  # its buckets would hold shards as if whole tensors
+                raise ValueError(f"{type(self).__name__}: a parameter of shape {tuple(p.shape)} is {kind}; the "
+                                 "Adam family has no sharded form yet (docs/design/sharding.md). Train the model "
+                                 "unsharded (DDP: attach(), or the strategy), or shard it with FSDP2 inside each "
+                                 "node and use DiLoCo(..., mesh=mesh)")
         self.wire.codec(self.param_groups[-1].get("block_size"))  # its block size, validated now
 
     # -- phases --------------------------------------------------------------------------

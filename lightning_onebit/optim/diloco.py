@@ -83,7 +83,7 @@ from ..comm import (
     any_across,
     group_size,
 )
-from ..comm.sharding import ShardedLayout, local
+from ..comm.sharding import ShardedLayout, local, sharded_kind
 from .diloco_allreduce import OUTER_WIRES, OuterMeans
 from .diloco_checkpoint import DiLoCoCheckpoint
 from .diloco_layout import DiLoCoLayout
@@ -186,6 +186,10 @@ class DiLoCo(DiLoCoLayout, DiLoCoCheckpoint, torch.optim.Optimizer):
         super().__init__(self._inner.param_groups, self._inner.defaults)
         if self.sharding is not None:
             self.sharding.check_params(self._params())
+        elif (kind := next((k for p in self._params() if (k := sharded_kind(p))), None)) is not None:
+            raise ValueError(f"DiLoCo: a parameter is {kind}; for a model FSDP2 shards inside each node pass "
+                             "mesh= (the 2-D mesh of nodes x ranks per node it was sharded over); FSDP1's flat "
+                             "parameters are not supported")
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
         self.nesterov, self.compression, self.on_nonfinite = bool(nesterov), str(wire), on_nonfinite
         self.wire, self.process_group, self.topology = wire, process_group, topology
