@@ -19,9 +19,9 @@ Bytes between nodes come from the veth counters (TCP/IP headers included). Per o
 step they come from runs of different lengths in the same layout: per outer step the difference between runs
 of 2 and 4 outer steps of ``--sync-every`` inner steps (the setup's bytes, the rendezvous and process-group
 creation, cancel), and runs of 4 and 12 inner steps without an outer step show what inner steps add. State
-per rank: every tensor the optimizer holds (the inner AdamW's moments, DiLoCo's anchor, outer momentum and
-scratch, the collectives' error state and buffers; of a sharded tensor its local shard), counted once per
-storage, on rank 0.
+per rank: every tensor the optimizer holds beyond the parameters and gradients (``state_bytes``: the inner
+AdamW's moments, DiLoCo's anchor, outer momentum and scratch, the collectives' error state and buffers; of a
+sharded tensor its local shard), counted once per storage, on rank 0.
 """
 
 from __future__ import annotations
@@ -41,34 +41,6 @@ MARK = "SHARDED_RESULT "
 
 # -- the worker (one rank, under torchrun) -------------------------------------------------------------
 
-def _tensor_bytes(obj, seen: set[int], depth: int = 0) -> int:
-    """Bytes of the tensors reachable from ``obj`` (containers and object attributes, a few levels deep), each
-    storage once; a DTensor counts its local shard."""
-    import torch
-
-    from lightning_onebit.comm.sharding import local
-
-    if depth > 6 or obj is None or isinstance(obj, str | int | float | bool):
-        return 0
-    if isinstance(obj, torch.Tensor):
-        t = local(obj)
-        key = t.untyped_storage().data_ptr()
-        if key in seen or t.device.type == "meta":
-            return 0
-        seen.add(key)
-        return t.untyped_storage().nbytes()
-    if id(obj) in seen:
-        return 0
-    seen.add(id(obj))
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v, seen, depth + 1) for v in obj.values())
-    if isinstance(obj, list | tuple | set):
-        return sum(_tensor_bytes(v, seen, depth + 1) for v in obj)
-    if hasattr(obj, "__dict__") and type(obj).__module__.startswith("lightning_onebit"):
-        return sum(_tensor_bytes(v, seen, depth + 1) for v in vars(obj).values())
-    return 0
-
-
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -76,6 +48,7 @@ def worker(args: argparse.Namespace) -> None:
     from workloads import _e2e_net
 
     from lightning_onebit import DiLoCo
+    from lightning_onebit.optim.state_size import state_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -102,7 +75,7 @@ def worker(args: argparse.Namespace) -> None:
         loss.backward()
         opt.step()
     dist.barrier()
-    state = _tensor_bytes([opt.state, opt._outer, opt._scratch, opt._means], set())
+    state = state_bytes(opt)
     params = sum(p.to_local().numel() if hasattr(p, "to_local") else p.numel() for p in net.parameters())
     if rank == 0:
         print(MARK + json.dumps({"state_bytes": state, "local_params": params, "outer_steps": opt.outer_steps,

@@ -663,3 +663,29 @@ def test_lost_rank_fails_the_others_with_the_collective_and_step(how):
     assert name == "CollectiveError" and "optimizer step 4" in msg and "rank 0" in msg, msg
     assert elapsed < 5 + 10, elapsed
 
+
+
+def test_state_bytes_counts_what_the_optimizer_keeps_and_not_the_parameters():
+    """``state_bytes``: AdamW's 8 B a parameter; 1-bit Adam's moments, bucket gradient and error state in the
+    compression phase; DiLoCo's AdamW moments plus its anchor, outer momentum and scratch after an outer step.
+    Each storage once, the parameters and their gradients never."""
+    from lightning_onebit import DiLoCo, OnebitAdam
+    from lightning_onebit.optim.state_size import state_bytes
+
+    def run(opt_of, steps):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Embedding(50, 16), nn.LayerNorm(16), nn.Flatten(), nn.Linear(64, 10))
+        opt = opt_of(m.parameters())
+        for _ in range(steps):
+            opt.zero_grad()
+            m(torch.randint(0, 50, (8, 4))).square().mean().backward()
+            opt.step()
+        return state_bytes(opt), sum(p.numel() for p in m.parameters())
+
+    got, n = run(lambda ps: torch.optim.AdamW(ps, foreach=False), 2)
+    assert 8 * n <= got <= 8 * n + 64 * 4  # the moments and a 0-d step count per tensor: no parameter, no gradient
+    # moments, the bucket's gradient, the error state; at world size 1 the server's buffers cover every element
+    got, n = run(lambda ps: OnebitAdam(ps, warmup_steps=1), 3)
+    assert 16 * n <= got <= 64 * n, got / n
+    got, n = run(lambda ps: DiLoCo(ps, sync_every=2, compression="4bit"), 2)
+    assert 24 * n <= got <= 64 * n, got / n

@@ -274,6 +274,10 @@ def test_package_optimizer_used_as_is(tmp_path):
     assert opt.warmup_steps == 3 and opt.compressing
     assert not any(isinstance(cb, PhaseSwitch) for cb in trainer.callbacks)
     assert trainer.callback_metrics["comm/compressing"] == 1.0
+    # counted again at the switch: moments, the bucket's gradient, the error state and buffers (one device: the
+    # server's cover every element), 16 B a parameter and more
+    n = sum(p.numel() for p in model.parameters())
+    assert 16 * n <= trainer.callback_metrics["mem/optimizer_state_bytes"] <= 64 * n
 
 
 def test_auto_phase_switch_picks_a_sensible_point(tmp_path):

@@ -8,6 +8,7 @@ from operator import add
 from lightning.pytorch import Callback
 
 from ..comm import StepStats
+from ..optim.state_size import state_bytes
 from .phase import _compressed_optimizers
 
 __all__ = ["CommunicationMonitor"]
@@ -24,11 +25,24 @@ class CommunicationMonitor(Callback):
     ``comm/compressing`` (0/1). ``ratio_vs_fp32`` and ``compressing`` also go to the progress bar.
     With the two-level collective the compressed bytes are those between nodes, and
     ``comm/intra_node_bytes_step`` adds the fp32 bytes inside the node. With several optimizers
-    the figures are their sums (``comm/compressing``: all of them compress).
+    the figures are their sums (``comm/compressing``: all of them compress). ``mem/optimizer_state_bytes``:
+    what the optimizers keep on this rank between steps beyond the parameters and gradients
+    (:func:`~lightning_onebit.optim.state_size.state_bytes`: moments, buckets, error state, DiLoCo's outer
+    state; of a sharded model this rank's shards), counted again every ``log_every_n_steps`` steps and at
+    the switch.
     """
 
     def __init__(self, prog_bar: bool = True) -> None:
         self.prog_bar = prog_bar
+        self._state: tuple[tuple, float] | None = None  # (when it was counted, the state's bytes)
+
+    def _state_bytes(self, trainer, opts) -> float:
+        """The optimizers' state bytes, counted again every ``log_every_n_steps`` steps and when an optimizer
+        switches phase (a walk over the state, which grows when buckets are built and at the switch)."""
+        when = (trainer.global_step // max(1, trainer.log_every_n_steps), tuple(o.compressing for o in opts))
+        if self._state is None or self._state[0] != when:
+            self._state = (when, float(sum(state_bytes(o) for o in opts)))
+        return self._state[1]
 
     def on_train_start(self, trainer, pl_module) -> None:
         _compressed_optimizers(trainer, type(self).__name__)  # fail before the first step, not after it
@@ -45,6 +59,7 @@ class CommunicationMonitor(Callback):
         }
         if any(o.intra_node_counter.total.bytes_sent for o in opts):
             metrics["comm/intra_node_bytes_step"] = float(sum(o.intra_node_counter.last.bytes_sent for o in opts))
+        metrics["mem/optimizer_state_bytes"] = self._state_bytes(trainer, opts)
         pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
         pl_module.log_dict({"comm/ratio_vs_fp32": last.ratio_vs_fp32,
                             "comm/compressing": float(all(o.compressing for o in opts))},
