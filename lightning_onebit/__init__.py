@@ -26,6 +26,7 @@ from .strategies import (
     BaseDDPStrategy,
     CDAdamStrategy,
     CompressedDDPStrategy,
+    DiLoCoFSDPStrategy,
     DiLoCoStrategy,
     OnebitAdamStrategy,
     OnebitLambStrategy,
@@ -35,7 +36,7 @@ from .strategies import (
 
 __version__ = "0.1.0"
 __all__ = ["BaseDDPStrategy", "CDAdam", "CDAdamStrategy", "CommunicationMonitor", "CompressedDDPStrategy", "DiLoCo",
-           "DiLoCoStrategy", "EF21",
+           "DiLoCoFSDPStrategy", "DiLoCoStrategy", "EF21",
            "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad", "OnebitAdam", "OnebitAdamStrategy", "OnebitLamb",
            "OnebitLambStrategy", "PhaseSwitch", "QAdam", "QAdamStrategy", "ReplicaSync", "ZeroOneAdam",
            "ZeroOneAdamStrategy"]

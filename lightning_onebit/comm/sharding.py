@@ -21,7 +21,8 @@ import torch
 from .agree import gather_objects
 from .dense import any_across
 
-__all__ = ["ShardedLayout", "is_sharded", "local", "sharded_kind"]
+__all__ = ["ShardedLayout", "is_sharded", "like", "load_sharded", "local", "node_index", "node_mesh", "save_sharded",
+           "saved_keys", "shard_modules", "sharded_kind"]
 
 
 def _dtensor_type():
@@ -112,3 +113,74 @@ class ShardedLayout:
     def __repr__(self) -> str:
         return f"ShardedLayout({self.nodes} nodes x {self.ranks_per_node} ranks)"
 
+
+
+def node_mesh(world_size: int, ranks_per_node: int, device: torch.device, *, who: str = "strategy"):
+    """The 2-D mesh ``(nodes, ranks per node)`` with dimensions ``("node", "shard")``: consecutive ranks form
+    a node (as launchers number them). Raises naming both numbers when ``ranks_per_node`` does not divide
+    the world (every rank computes the same, so every rank raises before any collective)."""
+    if not isinstance(ranks_per_node, int) or isinstance(ranks_per_node, bool) or ranks_per_node < 1 \
+            or world_size % ranks_per_node:
+        raise ValueError(f"{who}: ranks_per_node={ranks_per_node!r} does not divide the world of {world_size} ranks; "
+                         "give the ranks of one node (its devices), so that nodes x ranks_per_node = world size")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world_size // ranks_per_node, ranks_per_node),
+                            mesh_dim_names=("node", "shard"))
+
+
+def node_index(mesh) -> int:
+    """This rank's node: its coordinate on the mesh's outer dimension."""
+    return int(mesh.get_coordinate()[0])
+
+
+def like(param: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+    """``shard`` (this rank's part, shaped as ``local(param)``) as a tensor sharded as ``param`` is: a DTensor
+    over its mesh and placements sharing ``shard``'s memory, so that a checkpoint reader writes into it and
+    ``torch.distributed.checkpoint`` can reshard it; ``shard`` itself where ``param`` is not sharded."""
+    if not is_sharded(param):
+        return shard
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(shard, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def save_sharded(state: dict, path: str) -> None:
+    """``torch.distributed.checkpoint.save``: every rank writes its own shards of ``state`` under ``path``
+    (a directory), nothing gathered; a DTensor's shards held on several ranks alike are written once."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state, checkpoint_id=path)
+
+
+def load_sharded(state: dict, path: str) -> None:
+    """``torch.distributed.checkpoint.load`` into ``state`` in place: every tensor of ``state`` gets its part
+    of what was saved under the same key, resharded to its own layout (a DTensor's shards of another mesh)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state, checkpoint_id=path)
+
+
+def saved_keys(path: str) -> set[str]:
+    """The flattened keys of what :func:`save_sharded` wrote under ``path`` (``a.b.c``), read from its
+    metadata file (no collective)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return set(FileSystemReader(path).read_metadata().state_dict_metadata)
+
+
+def shard_modules(module: torch.nn.Module, mesh, classes: tuple[type[torch.nn.Module], ...]) -> int:
+    """FSDP2 over the mesh's inner dimension: ``fully_shard`` on every submodule of ``module`` of one of
+    ``classes`` (inner ones first, as FSDP2 wants), then on each direct child that still holds unsharded
+    parameters (``module`` itself stays a plain module: a LightningModule). Returns how many blocks."""
+    from torch.distributed.fsdp import fully_shard
+
+    inner = mesh[mesh.mesh_dim_names[1]]
+    blocks = [m for m in module.modules() if isinstance(m, classes) and m is not module]
+    for m in reversed(blocks):  # modules() lists parents first
+        fully_shard(m, mesh=inner)
+    for child in module.children():
+        if any(not is_sharded(p) for p in child.parameters()):
+            fully_shard(child, mesh=inner)
+    return len(blocks)

@@ -85,7 +85,7 @@ from ..comm import (
 )
 from ..comm.sharding import ShardedLayout, local, sharded_kind
 from .diloco_allreduce import OUTER_WIRES, OuterMeans
-from .diloco_checkpoint import DiLoCoCheckpoint
+from .diloco_checkpoint import DiLoCoCheckpoint, ShardedDiLoCoCheckpoint
 from .diloco_layout import DiLoCoLayout
 from .functional import outer_nesterov_
 from .nonfinite import NonFiniteGradientError
@@ -124,7 +124,7 @@ def _inner_optimizer(inner: type[torch.optim.Optimizer], params: Iterable, lr: f
         raise ValueError(f"DiLoCo: {inner.__name__} does not take {sorted(kw)}: {exc}") from exc
 
 
-class DiLoCo(DiLoCoLayout, DiLoCoCheckpoint, torch.optim.Optimizer):
+class DiLoCo(DiLoCoLayout, ShardedDiLoCoCheckpoint, DiLoCoCheckpoint, torch.optim.Optimizer):
     """DiLoCo with an inner optimizer on every rank's replica (see the module docstring for the update rules).
 
     ``inner`` (keyword-only, default ``torch.optim.AdamW``): the inner optimizer's class; ``lr`` is its

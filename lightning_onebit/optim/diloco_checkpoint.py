@@ -12,14 +12,21 @@ Two ways to save it:
   :meth:`~DiLoCoCheckpoint.load_split_state_dict`. Without this rank's part (another number of ranks,
   a lost shard) the rank starts from the anchor: replica = anchor, error state zero, AdamW moments
   given (another rank's) or fresh. ``DiLoCoStrategy`` writes its checkpoints so.
+* :meth:`~DiLoCoCheckpoint.sharded_state_dict` (a model FSDP2 shards, ``mesh=``): the tensors named by
+  parameter and sharded as the parameters are, for ``torch.distributed.checkpoint`` (which writes every
+  rank's shards and reshards them on loading), a small shared part, and this rank's own part for a file of
+  its own; :meth:`~DiLoCoCheckpoint.load_sharded_state_dict` restores them, on the same mesh exactly, on
+  another from the anchor with node 0's inner moments resharded. ``DiLoCoFSDPStrategy`` writes them so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from ..comm.sharding import like, node_index
 
 __all__ = ["DiLoCoCheckpoint"]
 
@@ -184,3 +191,120 @@ class DiLoCoCheckpoint:
                     self._outer[f"sent{f}"] = anchor[spans[f][0]:spans[f][1]].clone()
         elif own is not None and own.get("replica") is not None:
             self._unflatten_into_params(own["replica"])
+
+
+def _kind(v: Any) -> tuple:
+    """What a saved inner-state value was, to make a tensor of its form to load it into."""
+    if isinstance(v, torch.Tensor):
+        from ..comm.sharding import is_sharded
+
+        return ("dtensor", v.dtype) if is_sharded(v) else ("tensor", tuple(v.shape), v.dtype)
+    return ("value",)
+
+
+class ShardedDiLoCoCheckpoint:
+    """Mixin of :class:`~lightning_onebit.optim.DiLoCo` for sharded parameters (``mesh=``), after
+    :class:`DiLoCoCheckpoint` in its bases: checkpoints through ``torch.distributed.checkpoint``.
+
+    The tensors (:meth:`sharded_state_dict`'s first part), each keyed by parameter name and sharded as
+    its parameter: ``anchor``, ``momentum`` (of the fragments that had an outer step), ``pending`` (the
+    averaged pseudo-gradients of outer steps in flight) — identical on every node, so written once — and
+    ``node<k>.inner``, node k's inner optimizer state (the nodes' replicas differ between outer steps, so
+    each node's is kept). Fragments are cut on the whole parameters' sizes, so these names and fragments
+    mean the same on any mesh."""
+
+    def _views(self, flat: torch.Tensor, f: int | None = None) -> dict[int, torch.Tensor]:
+        """Parameter index -> its part of ``flat`` (the flat view, or fragment f's span of it), shaped as
+        this rank's shard."""
+        tensors = self._tensors()
+        out, o = {}, 0
+        for i in (range(len(tensors)) if f is None else self.fragment_tensors()[f]):
+            out[i] = flat[o:o + tensors[i].numel()].view(tensors[i].shape)
+            o += tensors[i].numel()
+        return out
+
+    def _named(self, names: Sequence[str], anchor: torch.Tensor, momentum: Mapping[int, torch.Tensor],
+               pending: Mapping[int, torch.Tensor], inner: dict, node: int) -> dict:
+        params = self._params()
+
+        def named(flat: torch.Tensor, f: int | None = None) -> dict[str, torch.Tensor]:
+            return {names[i]: like(params[i], v) for i, v in self._views(flat, f).items()}
+
+        out = {"anchor": named(anchor), "momentum": {}, "pending": {}, f"node{node}": {"inner": inner}}
+        for key, flats in (("momentum", momentum), ("pending", pending)):
+            for f, flat in flats.items():  # fragments hold disjoint parameters: one name space
+                out[key].update(named(flat, f))
+        return out
+
+    def _check_names(self, names: Sequence[str]) -> None:
+        if self.sharding is None:
+            raise ValueError("sharded_state_dict is for sharded parameters (DiLoCo(..., mesh=)); use state_dict()")
+        if len(names) != len(self._params()) or len(set(names)) != len(names):
+            raise ValueError(f"names: one distinct name per parameter ({len(self._params())}), got {len(names)}")
+
+    def sharded_state_dict(self, names: Sequence[str]) -> tuple[dict, dict, dict]:
+        """``(tensors, shared, own)`` of a sharded DiLoCo, ``names`` naming its parameters in ``param_groups``
+        order (``named_parameters()``'s names): ``tensors`` for ``torch.distributed.checkpoint`` (see the
+        class docstring; they share this optimizer's memory: save them before the next step), ``shared``
+        what every rank holds alike without tensors (settings, clock, counters, ``param_groups``, what
+        ``tensors`` holds), ``own`` this rank's :meth:`rank_state_dict` without its inner state (its
+        replica, its error state, its counters), for a file of its own."""
+        self._check_names(names)
+        for f in list(self._pending):  # the sender thread is done with the results and the error state
+            self._wait(f)
+        self._ensure_anchor()
+        params = self._params()
+        momentum = {f: self._outer[f"momentum{f}"] for f in range(self.fragments) if f"momentum{f}" in self._outer}
+        pending = {f: r for f, (_, _, r) in self._pending.items()}
+        inner = {names[i]: dict(self.state[p]) for i, p in enumerate(params) if self.state.get(p)}
+        tensors = self._named(names, self._outer["anchor"], momentum, pending, inner,
+                              node_index(self.sharding.mesh))
+        section = {k: v for k, v in self._shared_section().items() if k != "pending"}
+        section.update(pending_at={f: at for f, (at, _, _) in self._pending.items()}, momentum=sorted(momentum),
+                       collectives=sorted(self._collectives),
+                       inner={n: {k: _kind(v) for k, v in st.items()} for n, st in inner.items()},
+                       mesh=(self.sharding.nodes, self.sharding.ranks_per_node))
+        shared = {"param_groups": torch.optim.Optimizer.state_dict(self)["param_groups"], "diloco": section}
+        own = {k: v for k, v in self.rank_state_dict().items() if k != "inner"}
+        return tensors, shared, own
+
+    def load_sharded_state_dict(self, shared: Mapping[str, Any], read: Callable[[dict], None],
+                                names: Sequence[str], own: Mapping[str, Any] | None = None, *,
+                                node: int | None = None) -> None:
+        """Restore :meth:`sharded_state_dict`: ``read(tensors)`` fills tensors of its form in place (a
+        ``torch.distributed.checkpoint`` load, which reshards); every rank calls it together. With ``own``
+        (this rank's part, saved on the same mesh) the rank continues exactly; without, it starts from the
+        anchor (error state zero) with node ``node``'s inner moments (default 0), resharded to this mesh."""
+        self._check_names(names)
+        section = shared["diloco"]
+        here = (self.sharding.nodes, self.sharding.ranks_per_node)
+        if own is not None and tuple(section["mesh"]) != here:
+            raise ValueError(f"state was saved on a mesh of {tuple(section['mesh'])} (nodes, ranks per node), this "
+                             f"optimizer has {here}: this rank's own part does not fit (load without it)")
+        node = node_index(self.sharding.mesh) if own is not None else (node or 0)
+        self._ensure_anchor()
+        spans, device, params = self._fragment_spans(), self._outer["anchor"].device, self._params()
+        anchor = torch.empty_like(self._outer["anchor"])
+
+        def zeros(f: int) -> torch.Tensor:
+            return torch.zeros(spans[f][1] - spans[f][0], device=device)
+
+        momentum = {int(f): zeros(int(f)) for f in section["momentum"]}
+        pending = {int(f): zeros(int(f)) for f in section["pending_at"]}
+        by_name = dict(zip(names, params, strict=True))
+        inner = {}
+        for name, kinds in section["inner"].items():
+            if name not in by_name:
+                raise ValueError(f"state holds inner state for parameter {name!r}, which this optimizer does not have")
+            p = by_name[name]
+            inner[name] = {k: torch.zeros_like(p, dtype=kind[1]) if kind[0] == "dtensor" else
+                           torch.zeros(kind[1], dtype=kind[2]) if kind[0] == "tensor" else None
+                           for k, kind in kinds.items()}
+        tensors = self._named(names, anchor, momentum, pending, inner, node)
+        read(tensors)
+        inner = tensors[f"node{node}"]["inner"]  # values that are not tensors come back in the dict
+        state = {i: inner[n] for i, n in enumerate(names) if n in inner}
+        outer = {"anchor": anchor, **{f"momentum{f}": m for f, m in momentum.items()}}
+        section = dict(section, outer=outer, pending={f: (section["pending_at"][f], pending[f]) for f in pending})
+        whole = {"state": {}, "param_groups": shared["param_groups"], "diloco": section}
+        self._load(whole, None if own is None else dict(own, inner=state), state)

@@ -40,9 +40,11 @@ class DiLoCoLayout:
 
     def _fragment_spans(self) -> list[tuple[int, int, list[int]]]:
         """The fragments: consecutive parameter tensors, cut where the running size passes k/F of the
-        total (each at least one tensor); per fragment ``(lo, hi, tensor offsets relative to lo)``."""
+        total (each at least one tensor); per fragment ``(lo, hi, tensor offsets relative to lo)`` in the flat
+        view."""
         if self._spans is None:
-            sizes = [t.numel() for t in self._tensors()]
+            # cut on the whole parameters' sizes: of sharded ones every rank then cuts alike, whatever the mesh
+            sizes = [p.numel() for p in self._params()]
             if len(sizes) < self.fragments:
                 raise ValueError(f"fragments={self.fragments} but the optimizer holds {len(sizes)} tensors")
             total, cuts, o = sum(sizes), [0], 0
@@ -53,7 +55,8 @@ class DiLoCoLayout:
                 if k < self.fragments and (o >= k * total / self.fragments or left == self.fragments - k):
                     cuts.append(i + 1)
             cuts.append(len(sizes))
-            starts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+            held = [t.numel() for t in self._tensors()]  # the spans in the flat view: this rank's shards
+            starts = [sum(held[:i]) for i in range(len(held) + 1)]
             self._spans = [(starts[a], starts[b], [starts[i] - starts[a] for i in range(a, b)])
                            for a, b in zip(cuts, cuts[1:], strict=False)]
         return self._spans

@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from .compressed import ALGORITHMS, CompressedDDPStrategy
 from .ddp_hooks import HookDDPStrategy, hook_strategy
 from .diloco import DiLoCoStrategy
+from .diloco_fsdp import DiLoCoFSDPStrategy
 from .launch import BaseDDPStrategy, destroy_process_group_at_exit
 
 
@@ -44,7 +45,9 @@ class ZeroOneAdamStrategy(CompressedDDPStrategy):
 
 CompressedDDPStrategy.register_strategies(StrategyRegistry)
 DiLoCoStrategy.register_strategies(StrategyRegistry)
+DiLoCoFSDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ALGORITHMS", "BaseDDPStrategy", "CDAdamStrategy", "CompressedDDPStrategy", "DiLoCoStrategy",
+__all__ = ["ALGORITHMS", "BaseDDPStrategy", "CDAdamStrategy", "CompressedDDPStrategy", "DiLoCoFSDPStrategy",
+           "DiLoCoStrategy",
            "HookDDPStrategy", "OnebitAdamStrategy", "OnebitLambStrategy", "QAdamStrategy", "ZeroOneAdamStrategy",
            "destroy_process_group_at_exit", "hook_strategy"]

@@ -166,6 +166,11 @@ class RankShards:
     # -- loading ---------------------------------------------------------------------------------
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Read the main file (a clear error if it is unreadable) and this rank's shard."""
+        if os.path.isdir(checkpoint_path):  # a sharded checkpoint (torch.distributed.checkpoint's directory)
+            raise ValueError(f"{os.fspath(checkpoint_path)!r} is a sharded checkpoint directory (strategy "
+                             "'diloco_fsdp' or Lightning's ModelParallelStrategy writes them): resume it with the "
+                             "strategy that wrote it, or turn it into one file first with "
+                             "torch.distributed.checkpoint.format_utils.dcp_to_torch_save")
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         except FileNotFoundError:

@@ -44,12 +44,11 @@ from .launch import BaseDDPStrategy
 from .options import check_bool, check_choice, check_int, check_real, conflict
 from .schedulers import repoint_scheduler
 
-__all__ = ["DiLoCoStrategy"]
+__all__ = ["DiLoCoFit", "DiLoCoStrategy", "check_diloco_options"]
 
 
-def _check_diloco_options(options: dict[str, Any]) -> None:
+def check_diloco_options(options: dict[str, Any], owner: str = "DiLoCoStrategy") -> None:
     """The types here (naming the option), the ranges by DiLoCo itself: built on a dummy parameter."""
-    owner = "DiLoCoStrategy"
     for k in ("sync_every", "fragments"):
         if k in options:
             check_int(owner, k, options[k], minimum=1)
@@ -71,68 +70,26 @@ def _check_diloco_options(options: dict[str, Any]) -> None:
         raise ValueError(f"{owner}: {exc}") from exc
 
 
-class DiLoCoStrategy(RankShards, BaseDDPStrategy):
-    """DDP + :class:`~lightning_onebit.DiLoCo` (see the module docstring).
+class DiLoCoFit:
+    """What a Lightning fit with :class:`~lightning_onebit.DiLoCo` needs, replicated or sharded: the options'
+    agreement with a returned DiLoCo, validation on the anchor, the last outer step, buffers averaged at outer
+    steps. Mixed into a strategy before its Lightning base; the strategy sets ``diloco_kwargs``,
+    ``_average_buffers_too``, ``_in_anchor = []`` and ``_own_buffers = None``."""
 
-    Args:
-        sync_every, outer_lr, outer_momentum, nesterov, compression, fragments, on_nonfinite, hierarchical,
-        overlap, mixing, keep_local:
-            DiLoCo's (checked here, before any rank starts). ``None``, the default, is "not set": a
-            ``DiLoCo`` returned by ``configure_optimizers`` keeps its own value, and an ``AdamW`` the strategy
-            converts gets DiLoCo's default (16, 0.7, 0.9, True, ``"fp32"``, 1, ``"raise"``, automatic, 0, 0.0,
-            False: the paper's outer step). An option set here must equal the returned DiLoCo's, else setup
-            fails naming both. The ranks per node are the trainer's devices (unless the DiLoCo has its own),
-            so a compressed outer all-reduce over several nodes of several devices runs two-level.
-        strict_resume: raise instead of warning when a resume cannot continue each rank's own state exactly:
-            another world size or layout, or this rank's shard missing, unreadable or of another save.
-        **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
-            ``gradient_as_bucket_view`` defaults to ``True`` and ``broadcast_buffers`` to ``False``
-            (buffers are averaged with the outer steps instead; see the module docstring).
-    """
+    diloco_kwargs: dict[str, Any]
+    strategy_name = "diloco"
 
-    def __init__(self, sync_every: int | None = None, outer_lr: float | None = None,
-                 outer_momentum: float | None = None, nesterov: bool | None = None, compression: str | None = None,
-                 fragments: int | None = None, on_nonfinite: str | None = None, hierarchical: bool | None = None,
-                 overlap: int | None = None, mixing: float | None = None, keep_local: bool | None = None,
-                 strict_resume: bool = False, **kwargs: Any) -> None:
-        check_bool("DiLoCoStrategy", "strict_resume", strict_resume)
-        if kwargs.get("ddp_comm_hook") is not None:
-            raise ValueError("DiLoCoStrategy installs its own DDP comm hook; ddp_comm_hook cannot be set")
-        given = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
-                 "nesterov": nesterov, "compression": compression, "fragments": fragments,
-                 "on_nonfinite": on_nonfinite, "hierarchical": hierarchical, "overlap": overlap,
-                 "mixing": mixing, "keep_local": keep_local}
-        #: the options set here (the others are the returned DiLoCo's, or DiLoCo's defaults)
-        self.diloco_kwargs = {k: v for k, v in given.items() if v is not None}
-        _check_diloco_options(self.diloco_kwargs)
-        kwargs.setdefault("gradient_as_bucket_view", True)
-        kwargs.setdefault("broadcast_buffers", False)
-        super().__init__(**kwargs)
-        self._average_buffers_too = not kwargs["broadcast_buffers"]
-        self.strict_resume = strict_resume
-        self._in_anchor: list = []
-        self._own_buffers: list[torch.Tensor] | None = None  # this rank's, while validation holds the mean
+    def _layout_kwargs(self) -> dict[str, Any]:
+        """DiLoCo's layout arguments of a converted AdamW: here the ranks per node are the trainer's devices."""
+        return {"ranks_per_node": self.num_processes}
 
-    def setup_distributed(self) -> None:
-        super().setup_distributed()
-        enable_duplex()  # gloo: the compressed outer mean at the link's rate both ways (comm.duplex)
-        compile_kernels(self.root_device)  # the compressed outer all-reduce's numba kernels, compiled once per host
-
-    def setup(self, trainer) -> None:
-        super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING:
-            return
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            # GradScaler skips steps per rank: the ranks' schedules would drift apart and the outer
-            # all-reduce would wait forever for a rank that is a step behind
-            raise ValueError("strategy 'diloco' does not run with precision='16-mixed' (GradScaler skips steps on "
-                             "each rank on its own); use '32-true' or 'bf16-mixed'")
-        self._convert_optimizers()
-        register_local_hook(self.model)
+    def _adopt(self, opt: DiLoCo) -> None:
+        """A DiLoCo from ``configure_optimizers``, fitted to the strategy's layout where it left it open."""
+        opt.ranks_per_node = opt.ranks_per_node or self.num_processes
 
     def _convert_optimizers(self) -> None:
         if not self.optimizers:
-            raise ValueError("strategy 'diloco' needs an optimizer; configure_optimizers returned none")
+            raise ValueError(f"strategy '{self.strategy_name}' needs an optimizer; configure_optimizers returned none")
         # every rank has the same options, so with the same optimizers every rank raises here, before
         # the strategy's first collective
         problems = [msg for k, opt in enumerate(self.optimizers) if isinstance(opt, DiLoCo)
@@ -143,18 +100,18 @@ class DiLoCoStrategy(RankShards, BaseDDPStrategy):
         out = []
         for opt in self.optimizers:
             if isinstance(opt, DiLoCo):
-                opt.ranks_per_node = opt.ranks_per_node or self.num_processes
+                self._adopt(opt)
                 out.append(opt)
                 continue
             try:
-                new = DiLoCo.from_optimizer(opt, ranks_per_node=self.num_processes, **self.diloco_kwargs)
+                new = DiLoCo.from_optimizer(opt, **self._layout_kwargs(), **self.diloco_kwargs)
             except ValueError as exc:
-                raise ValueError(f"strategy 'diloco': {exc}. Return torch.optim.AdamW (or DiLoCo) from "
-                                 "configure_optimizers") from exc
+                raise ValueError(f"strategy '{self.strategy_name}': {exc}. Return torch.optim.AdamW (or DiLoCo) "
+                                 "from configure_optimizers") from exc
             for cfg in self.lr_scheduler_configs:
                 repoint_scheduler(cfg.scheduler, opt, new)
             rank_zero_info(f"lightning_onebit: converted {type(opt).__name__} to DiLoCo (same hyperparameters, "
-                           f"{self.diloco_kwargs}) for strategy 'diloco'")
+                           f"{self.diloco_kwargs}) for strategy '{self.strategy_name}'")
             out.append(new)
         self.optimizers = out
 
@@ -163,7 +120,7 @@ class DiLoCoStrategy(RankShards, BaseDDPStrategy):
         if not self.diloco_kwargs:
             return []
         probe = DiLoCo([torch.zeros(1, requires_grad=True)], **self.diloco_kwargs)  # DiLoCo's normal form
-        return [conflict("DiLoCoStrategy", k, v, "DiLoCo", f"{k}={getattr(opt, k)!r}", where)
+        return [conflict(type(self).__name__, k, v, "DiLoCo", f"{k}={getattr(opt, k)!r}", where)
                 for k, v in self.diloco_kwargs.items() if getattr(probe, k) != getattr(opt, k)]
 
     def _dilocos(self) -> list[DiLoCo]:
@@ -253,6 +210,66 @@ class DiLoCoStrategy(RankShards, BaseDDPStrategy):
         for b in self._buffers():
             b.copy_(self._mean_as(b, flat, o))
             o += b.numel()
+
+
+class DiLoCoStrategy(RankShards, DiLoCoFit, BaseDDPStrategy):
+    """DDP + :class:`~lightning_onebit.DiLoCo` (see the module docstring).
+
+    Args:
+        sync_every, outer_lr, outer_momentum, nesterov, compression, fragments, on_nonfinite, hierarchical,
+        overlap, mixing, keep_local:
+            DiLoCo's (checked here, before any rank starts). ``None``, the default, is "not set": a
+            ``DiLoCo`` returned by ``configure_optimizers`` keeps its own value, and an ``AdamW`` the strategy
+            converts gets DiLoCo's default (16, 0.7, 0.9, True, ``"fp32"``, 1, ``"raise"``, automatic, 0, 0.0,
+            False: the paper's outer step). An option set here must equal the returned DiLoCo's, else setup
+            fails naming both. The ranks per node are the trainer's devices (unless the DiLoCo has its own),
+            so a compressed outer all-reduce over several nodes of several devices runs two-level.
+        strict_resume: raise instead of warning when a resume cannot continue each rank's own state exactly:
+            another world size or layout, or this rank's shard missing, unreadable or of another save.
+        **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
+            ``gradient_as_bucket_view`` defaults to ``True`` and ``broadcast_buffers`` to ``False``
+            (buffers are averaged with the outer steps instead; see the module docstring).
+    """
+
+    def __init__(self, sync_every: int | None = None, outer_lr: float | None = None,
+                 outer_momentum: float | None = None, nesterov: bool | None = None, compression: str | None = None,
+                 fragments: int | None = None, on_nonfinite: str | None = None, hierarchical: bool | None = None,
+                 overlap: int | None = None, mixing: float | None = None, keep_local: bool | None = None,
+                 strict_resume: bool = False, **kwargs: Any) -> None:
+        check_bool("DiLoCoStrategy", "strict_resume", strict_resume)
+        if kwargs.get("ddp_comm_hook") is not None:
+            raise ValueError("DiLoCoStrategy installs its own DDP comm hook; ddp_comm_hook cannot be set")
+        given = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
+                 "nesterov": nesterov, "compression": compression, "fragments": fragments,
+                 "on_nonfinite": on_nonfinite, "hierarchical": hierarchical, "overlap": overlap,
+                 "mixing": mixing, "keep_local": keep_local}
+        #: the options set here (the others are the returned DiLoCo's, or DiLoCo's defaults)
+        self.diloco_kwargs = {k: v for k, v in given.items() if v is not None}
+        check_diloco_options(self.diloco_kwargs)
+        kwargs.setdefault("gradient_as_bucket_view", True)
+        kwargs.setdefault("broadcast_buffers", False)
+        super().__init__(**kwargs)
+        self._average_buffers_too = not kwargs["broadcast_buffers"]
+        self.strict_resume = strict_resume
+        self._in_anchor: list = []
+        self._own_buffers: list[torch.Tensor] | None = None  # this rank's, while validation holds the mean
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        enable_duplex()  # gloo: the compressed outer mean at the link's rate both ways (comm.duplex)
+        compile_kernels(self.root_device)  # the compressed outer all-reduce's numba kernels, compiled once per host
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            # GradScaler skips steps per rank: the ranks' schedules would drift apart and the outer
+            # all-reduce would wait forever for a rank that is a step behind
+            raise ValueError("strategy 'diloco' does not run with precision='16-mixed' (GradScaler skips steps on "
+                             "each rank on its own); use '32-true' or 'bf16-mixed'")
+        self._convert_optimizers()
+        register_local_hook(self.model)
 
     # -- checkpoints -------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
