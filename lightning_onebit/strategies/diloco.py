@@ -41,7 +41,7 @@ from ..compress import compile_kernels
 from ..optim.diloco import COMPRESSIONS, DiLoCo
 from .checkpoints import RankShards
 from .launch import BaseDDPStrategy
-from .options import check_bool, check_choice, check_int, check_real, conflict
+from .options import check_bool, check_choice, check_int, check_real, conflict, keyword_arguments
 from .schedulers import repoint_scheduler
 
 __all__ = ["DiLoCoFit", "DiLoCoStrategy", "check_diloco_options"]
@@ -226,16 +226,33 @@ class DiLoCoStrategy(RankShards, DiLoCoFit, BaseDDPStrategy):
             so a compressed outer all-reduce over several nodes of several devices runs two-level.
         strict_resume: raise instead of warning when a resume cannot continue each rank's own state exactly:
             another world size or layout, or this rank's shard missing, unreadable or of another save.
+        sharding: ``None`` (every rank holds the whole model: DDP) or ``"fsdp"``, which builds a
+            :class:`~lightning_onebit.strategies.diloco_fsdp.DiLoCoFSDPStrategy` instead (FSDP2 inside each node;
+            the same as ``strategy="diloco_fsdp"``), passing it the other arguments.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
             ``gradient_as_bucket_view`` defaults to ``True`` and ``broadcast_buffers`` to ``False``
             (buffers are averaged with the outer steps instead; see the module docstring).
     """
 
+    def __new__(cls, *args: Any, sharding: str | None = None, **kwargs: Any):
+        if sharding is None:
+            return super().__new__(cls)
+        if sharding != "fsdp":
+            raise ValueError(f"DiLoCoStrategy: sharding must be None or 'fsdp', got {sharding!r}")
+        from .diloco_fsdp import DiLoCoFSDPStrategy  # (not a subclass: Python does not call __init__ again)
+
+        takes = keyword_arguments(DiLoCoFSDPStrategy)
+        extra = sorted(k for k in kwargs if k not in takes)
+        if extra:
+            raise ValueError(f"DiLoCoStrategy(sharding='fsdp') does not take {extra}: the mesh of nodes x ranks per "
+                             "node sets the outer all-reduce's layout, and FSDP2 replaces DDP's options")
+        return DiLoCoFSDPStrategy(*args, **kwargs)
+
     def __init__(self, sync_every: int | None = None, outer_lr: float | None = None,
                  outer_momentum: float | None = None, nesterov: bool | None = None, compression: str | None = None,
                  fragments: int | None = None, on_nonfinite: str | None = None, hierarchical: bool | None = None,
                  overlap: int | None = None, mixing: float | None = None, keep_local: bool | None = None,
-                 strict_resume: bool = False, **kwargs: Any) -> None:
+                 strict_resume: bool = False, sharding: None = None, **kwargs: Any) -> None:
         check_bool("DiLoCoStrategy", "strict_resume", strict_resume)
         if kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("DiLoCoStrategy installs its own DDP comm hook; ddp_comm_hook cannot be set")

@@ -1,0 +1,211 @@
+"""``strategy="diloco_fsdp"`` through Lightning: FSDP2 inside each node, DiLoCo between nodes (4 gloo ranks as
+2 emulated nodes of 2, the trainer's ``devices=4`` with ``ranks_per_node=2``).
+
+One 4-rank job runs every fit the tests need: a 2-epoch fit of a transformer (embeddings, LayerNorm,
+attention, biases next to a wider layer) sharded by ``auto_wrap_policy``, with a checkpoint directory after
+each epoch (mid-interval); its resume on the same mesh (bit for bit); resumes on other meshes (1x4 and,
+from a 4x1 save, 2x2) that start every rank from the anchor; a lost rank file; and the setup errors. A
+2-rank job resumes the 2x2 checkpoint on 2x1.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from test_sharded import SEQ, VOCAB, Block, TinyLM
+from torch import nn
+
+from dist_utils import run_ranks, values
+
+SAVED = "epoch=0-step=4.ckpt"  # after epoch 1 of 4 steps: inside an interval of 3
+
+
+def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs: int = 2, strict: bool = False,
+         policy: bool = True):
+    """One fit on this rank: (what it saw, its trainer). ``out``: its root dir, checkpoints in ``out/ckpt``."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_onebit import DiLoCoStrategy
+
+    class Lit(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.lm = TinyLM()
+
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            return nn.functional.cross_entropy(self.lm(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+        def validation_step(self, batch, batch_idx):
+            pass
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def full(m) -> torch.Tensor:  # every rank of a node gathers its node's model
+        return torch.cat([p.full_tensor().detach().reshape(-1) for p in m.parameters()])
+
+    class Probe(L.Callback):
+        def __init__(self) -> None:
+            self.seen: dict = {}
+
+        def on_train_start(self, trainer, m) -> None:  # after a resume restored everything
+            self.seen["start"] = full(m)
+
+        def on_validation_epoch_start(self, trainer, m) -> None:  # after the strategy put the anchor in
+            if trainer.global_step:
+                self.seen.setdefault("validated", full(m))
+
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randint(0, VOCAB, (64, SEQ), generator=g))  # 4 batches of 4 per rank and epoch
+    probe = Probe()
+    strategy = DiLoCoStrategy(sync_every=3, compression="4bit", sharding="fsdp", ranks_per_node=per_node,
+                              auto_wrap_policy={Block} if policy else None, strict_resume=strict)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+                        limit_val_batches=1, num_sanity_val_steps=0,
+                        callbacks=[probe, ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), save_top_k=-1,
+                                                          every_n_epochs=1)])
+    model = Lit()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4), ckpt_path=ckpt)
+    seen = dict(probe.seen, end=full(model), step=trainer.global_step,
+                warnings=[str(w.message) for w in caught if "resum" in str(w.message) or "own state" in str(w.message)])
+    opt = trainer.strategy.optimizers[0]
+    seen["kind"], seen["mesh"] = type(trainer.strategy).__name__, (opt.sharding.nodes, opt.sharding.ranks_per_node)
+    seen["state_numel"], seen["model_numel"] = opt._outer["anchor"].numel(), sum(p.numel() for p in model.parameters())
+    return seen
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _anchor_of(ckpt: str, tmp: str) -> torch.Tensor:
+    """The checkpoint's model (the anchor) turned into one file by torch's converter, in parameter order."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = os.path.join(tmp, os.path.basename(ckpt) + ".pt")
+    if dist.get_rank() == 0:
+        dcp_to_torch_save(ckpt, whole)
+    dist.barrier()
+    sd = torch.load(whole, weights_only=False)["state_dict"]
+    return torch.cat([sd[f"lm.{n}"].reshape(-1) for n, _ in TinyLM().named_parameters()])
+
+
+def _four_rank_job(rank, world_size, tmp):
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size), RANK=str(rank))
+    out = {}
+    a = os.path.join(tmp, "a")
+    out["full"] = _fit(a, world_size, per_node=2)
+    ckpt = os.path.join(a, "ckpt", SAVED)
+    out["files"] = sorted(os.listdir(ckpt))
+    out["file_sizes"] = {n: os.path.getsize(os.path.join(ckpt, n)) for n in out["files"]}
+    out["anchor"] = _anchor_of(ckpt, tmp)
+    out["resumed"] = _fit(os.path.join(tmp, "b"), world_size, per_node=2, ckpt=ckpt)
+    out["1x4"] = _fit(os.path.join(tmp, "c"), world_size, per_node=4, ckpt=ckpt)
+    out["strict"] = _error(lambda: _fit(os.path.join(tmp, "d"), world_size, per_node=4, ckpt=ckpt, strict=True))
+    # 4x1 (FSDP over one rank per node) -> 2x2
+    f = os.path.join(tmp, "f")
+    _fit(f, world_size, per_node=1, epochs=1)
+    out["4x1 anchor"] = _anchor_of(os.path.join(f, "ckpt", SAVED), tmp)
+    out["4x1->2x2"] = _fit(os.path.join(tmp, "g"), world_size, per_node=2, ckpt=os.path.join(f, "ckpt", SAVED))
+    # rank 3 lost its file: its node (ranks 2, 3) starts from the anchor, node 0 continues exactly
+    import torch.distributed as dist
+
+    lost = os.path.join(tmp, "lost")
+    if rank == 0:
+        import shutil
+
+        shutil.copytree(ckpt, lost)
+        os.remove(os.path.join(lost, "onebit-rank00003-of-00004.pt"))
+    dist.barrier()
+    out["lost"] = _fit(os.path.join(tmp, "h"), world_size, per_node=2, ckpt=lost)
+    out["errors"] = {
+        "per node": _error(lambda: _fit(os.path.join(tmp, "e1"), world_size, per_node=3)),
+        "nothing sharded": _error(lambda: _fit(os.path.join(tmp, "e2"), world_size, per_node=2, policy=False)),
+        "a file": _error(lambda: _fit(os.path.join(tmp, "e3"), world_size, per_node=2,
+                                      ckpt=os.path.join(ckpt, "meta.pt"))),
+    }
+    return out
+
+
+def _two_rank_job(rank, world_size, ckpt):
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size), RANK=str(rank))
+    return _fit(os.path.join(os.path.dirname(os.path.dirname(ckpt)), "two"), world_size, per_node=1, ckpt=ckpt)
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("diloco_fsdp")
+    return tmp, values(run_ranks(_four_rank_job, 4, str(tmp), timeout_s=300))
+
+
+@pytest.mark.budget(120)  # about 10 Lightning fits on 4 ranks
+def test_diloco_fsdp_fits_validates_the_anchor_and_resumes_bit_for_bit(four_ranks):
+    _, out = four_ranks
+    for r in out:
+        full = r["full"]
+        assert full["kind"] == "DiLoCoFSDPStrategy" and full["mesh"] == (2, 2) and full["step"] == 8
+        assert full["state_numel"] <= full["model_numel"] / 2 + 4 * 16 * 4  # DiLoCo state of this rank's shard
+        # validation at step 4 (mid-interval) sees the anchor on every rank; the fit ends on one model
+        assert torch.equal(full["validated"], out[0]["full"]["validated"])
+        assert torch.equal(full["end"], out[0]["full"]["end"])
+        # the resume from the epoch-1 directory on the same mesh goes on bit for bit, with no warning
+        assert torch.equal(r["resumed"]["end"], full["end"]) and r["resumed"]["warnings"] == []
+    assert torch.equal(out[0]["full"]["validated"], out[0]["anchor"])
+    # the directory: DCP's files (one per rank), a file per rank of its own state, the metadata
+    files = out[0]["files"]
+    assert {".metadata", "meta.pt"} <= set(files)
+    assert sorted(n for n in files if n.endswith(".distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+    assert sorted(n for n in files if n.startswith("onebit-rank")) == [f"onebit-rank0000{r}-of-00004.pt"
+                                                                      for r in range(4)]
+    sizes = [s for n, s in out[0]["file_sizes"].items() if n.endswith(".distcp")]
+    assert max(sizes) < 0.5 * sum(sizes)  # nothing gathered: no rank wrote most of it
+
+
+@pytest.mark.budget(120)  # and a 2-rank fit
+def test_diloco_fsdp_reshards_on_another_mesh_from_the_anchor(four_ranks):
+    tmp, out = four_ranks
+    for r in out:
+        # 2x2 -> 1x4: every rank starts from the saved anchor (resharded), warns, and trains on
+        c = r["1x4"]
+        assert c["mesh"] == (1, 4) and torch.equal(c["start"], out[0]["anchor"]) and c["step"] == 8
+        assert any("resharded" in w for w in c["warnings"]) or r is not out[0]
+        assert torch.isfinite(c["end"]).all() and not torch.equal(c["end"], c["start"])
+        assert "strict_resume=True" in r["strict"]
+        # 4x1 -> 2x2
+        g = r["4x1->2x2"]
+        assert g["mesh"] == (2, 2) and torch.equal(g["start"], out[0]["4x1 anchor"]) and g["step"] == 8
+    # rank 3's file lost: node 1 starts from the anchor, node 0 where it was (as the exact resume did)
+    assert all(torch.equal(out[r]["lost"]["start"], out[0]["anchor"]) for r in (2, 3))
+    assert all(torch.equal(out[r]["lost"]["start"], out[r]["resumed"]["start"]) for r in (0, 1))
+    assert not torch.equal(out[0]["lost"]["start"], out[0]["anchor"])
+    assert any("ranks [3]" in w for w in out[0]["lost"]["warnings"]), out[0]["lost"]["warnings"]
+    # 2x2 -> 2x1 on 2 ranks
+    two = values(run_ranks(_two_rank_job, 2, str(tmp / "a" / "ckpt" / SAVED), timeout_s=120))
+    for r in two:
+        # (8 steps per epoch on 2 ranks: from step 4, the rest of epoch 1)
+        assert r["mesh"] == (2, 1) and torch.equal(r["start"], out[0]["anchor"]) and r["step"] == 12
+
+
+@pytest.mark.budget(120)  # (the module's 4-rank job, when run alone)
+def test_diloco_fsdp_setup_errors_name_the_problem(four_ranks):
+    _, out = four_ranks
+    for r in out:
+        err = r["errors"]
+        assert "ranks_per_node=3 does not divide the world of 4 ranks" in err["per node"], err["per node"]
+        assert "no parameter is sharded" in err["nothing sharded"] and "auto_wrap_policy" in err["nothing sharded"]
+        assert "single file" in err["a file"], err["a file"]
