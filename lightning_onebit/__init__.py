@@ -7,7 +7,7 @@ baselines), and DiLoCo takes local steps and averages a compressed pseudo-gradie
 
 ``import lightning_onebit`` registers the strategies ``onebit_adam``, ``zero_one_adam``, ``onebit_lamb``,
 ``qadam``, ``cd_adam``, ``ef21``, ``ef_amsgrad``, ``naive_amsgrad`` and ``diloco`` (plus ``*_spawn`` and
-``*_forkserver`` variants) with Lightning's ``StrategyRegistry``.
+``*_forkserver`` variants), and ``diloco_fsdp`` (FSDP2 inside each node), with Lightning's ``StrategyRegistry``.
 """
 
 from .callbacks import CommunicationMonitor, PhaseSwitch, ReplicaSync
@@ -20,6 +20,7 @@ from .optim import (
     OnebitAdam,
     OnebitLamb,
     QAdam,
+    ShardedCompressed,
     ZeroOneAdam,
 )
 from .strategies import (
@@ -38,5 +39,5 @@ __version__ = "0.1.0"
 __all__ = ["BaseDDPStrategy", "CDAdam", "CDAdamStrategy", "CommunicationMonitor", "CompressedDDPStrategy", "DiLoCo",
            "DiLoCoFSDPStrategy", "DiLoCoStrategy", "EF21",
            "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad", "OnebitAdam", "OnebitAdamStrategy", "OnebitLamb",
-           "OnebitLambStrategy", "PhaseSwitch", "QAdam", "QAdamStrategy", "ReplicaSync", "ZeroOneAdam",
-           "ZeroOneAdamStrategy"]
+           "OnebitLambStrategy", "PhaseSwitch", "QAdam", "QAdamStrategy", "ReplicaSync", "ShardedCompressed",
+           "ZeroOneAdam", "ZeroOneAdamStrategy"]

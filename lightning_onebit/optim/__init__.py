@@ -9,8 +9,9 @@ from .diloco import DiLoCo
 from .onebit_adam import OnebitAdam
 from .onebit_lamb import OnebitLamb
 from .qadam import QAdam
+from .sharded import ShardedCompressed
 from .zero_one_adam import ZeroOneAdam, ZeroOneSchedule
 
 __all__ = ["CDAdam", "CompressedOptimizer", "DiLoCo", "EF21", "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad",
-           "CollectiveError", "NonFiniteGradientError", "OnebitAdam", "OnebitLamb", "QAdam", "ZeroOneAdam",
-           "ZeroOneSchedule", "check_hyperparameters"]
+           "CollectiveError", "NonFiniteGradientError", "OnebitAdam", "OnebitLamb", "QAdam", "ShardedCompressed",
+           "ZeroOneAdam", "ZeroOneSchedule", "check_hyperparameters"]

@@ -173,10 +173,10 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
             if p.is_sparse or p.is_complex():
                 raise ValueError(f"{type(self).__name__} supports dense real parameters only")
             if (kind := sharded_kind(p)) is not None:  # its buckets would hold shards as if whole tensors
-                raise ValueError(f"{type(self).__name__}: a parameter of shape {tuple(p.shape)} is {kind}; the "
-                                 "Adam family has no sharded form yet (docs/design/sharding.md). Train the model "
-                                 "unsharded (DDP: attach(), or the strategy), or shard it with FSDP2 inside each "
-                                 "node and use DiLoCo(..., mesh=mesh)")
+                raise ValueError(f"{type(self).__name__}: a parameter of shape {tuple(p.shape)} is {kind}; its "
+                                 "buckets would hold shards as whole tensors. For FSDP2 inside each node use "
+                                 f"ShardedCompressed({self.strategy_name!r}, params, mesh=mesh) (docs/design/"
+                                 "sharding.md), or DiLoCo(..., mesh=mesh)")
         self.wire.codec(self.param_groups[-1].get("block_size"))  # its block size, validated now
 
     # -- phases --------------------------------------------------------------------------

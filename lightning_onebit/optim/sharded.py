@@ -1,0 +1,137 @@
+r"""The Adam family on a sharded model: FSDP2 inside each node, the compressed mean between nodes.
+
+On a 2-D mesh of nodes x ranks per node (:class:`~lightning_onebit.comm.sharding.ShardedLayout`), FSDP2's
+reduce-scatter leaves each rank its shard of the node's mean gradient. :class:`ShardedCompressed` runs the
+compressed optimizer of the algorithm on those shards, with the ranks that hold the same shard on every node
+as its process group: the warm-up averages the shard's gradient over the nodes in fp32 (so it is AdamW on
+the world's mean gradient, FSDP + AdamW to rounding), the compression phase sends the shard's momentum
+through the two-stage compressed all-reduce with its error feedback. That is the package's two-level scheme
+(an fp32 mean inside a node, the compressed one between nodes) with every per-parameter state sharded
+instead of replicated: moments, frozen variance and error state take 1/L of a replicated rank's memory.
+
+.. math::
+    g_{a,k} = \tfrac1L \textstyle\sum_{l} g_{a,l}\big|_{\text{shard } k} \ \text{(FSDP, inside node } a)
+    \qquad \theta_k \leftarrow \mathrm{Alg}\big(\theta_k,\ g_{\cdot,k};\ \text{group} = \{(a, k)\}_a\big)
+
+Sound for the algorithms whose update is elementwise given the mean: ``OnebitAdam`` and ``QAdam``
+(``SOUND``). Not offered: ``OnebitLamb`` (its trust ratio needs each whole tensor's norm, which a shard does
+not have), ``ZeroOneAdam`` (its local steps and variance refreshes are not built on shards yet) and
+``CDAdam`` (not built yet). The scales the compressed mean sends are per piece of a shard, not per whole
+tensor: its bits differ from an unsharded run's, not its bytes.
+
+The ranks of a node hold shards of one model, so they take, skip or raise on a step together: every step
+ORs a non-finite flag over the node (one byte on the fast link), and a rank whose node saw one makes its own
+gradient non-finite, so that every replica group skips (or raises) as one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from ..comm import all_finite_many
+from ..comm.sharding import ShardedLayout, local
+from .base import CompressedOptimizer
+
+__all__ = ["SOUND", "ShardedCompressed"]
+
+#: the algorithms with a sharded form, and why the others have none
+SOUND = ("onebit_adam", "qadam")
+_WHY_NOT = {
+    "onebit_lamb": "its trust ratio needs every whole tensor's norm, which a shard does not hold",
+    "zero_one_adam": "its local steps and variance refreshes are not built on shards",
+    "cd_adam": "not built on shards yet",
+}
+
+
+class ShardedCompressed(torch.optim.Optimizer):
+    """``algorithm`` (a strategy name of :data:`SOUND` or its class) on the shards of an FSDP2 model.
+
+    Args:
+        algorithm: ``"onebit_adam"``, ``"qadam"``, or their class.
+        params: the sharded model's parameters (every one sharded over ``mesh``'s inner dimension).
+        mesh: the 2-D ``DeviceMesh`` of (nodes, ranks per node) FSDP2 sharded over (its inner dimension).
+        **kwargs: the algorithm's options (``lr``, ``warmup_steps``, ...), but not ``group`` (the mesh
+            sets it) or ``simulate_workers``.
+
+    Param groups, LR schedulers and ``zero_grad`` act on this optimizer as on any other; ``algorithm``
+    (the inner optimizer over the shards, ``.inner``) takes the groups' hyperparameters at every step. Its
+    counters and phase (``compressing``, ``comm_counter``, ``start_compression()``) are read through.
+    """
+
+    def __init__(self, algorithm: str | type[CompressedOptimizer], params: Iterable, *, mesh, **kwargs: Any) -> None:
+        name = algorithm if isinstance(algorithm, str) else getattr(algorithm, "strategy_name", None)
+        if name not in SOUND:
+            why = _WHY_NOT.get(name, "it is not one of the package's compressed optimizers")
+            raise ValueError(f"ShardedCompressed: {algorithm!r} has no sharded form ({why}); sound on shards: "
+                             f"{list(SOUND)}, or DiLoCo(..., mesh=mesh)")
+        cls = CompressedOptimizer.algorithms()[name]
+        given = sorted(k for k in ("group", "simulate_workers") if k in kwargs)
+        if given:
+            raise ValueError(f"ShardedCompressed: the mesh sets the process group; drop {given}")
+        self.sharding = ShardedLayout(mesh, who=f"{cls.__name__} on shards")
+        super().__init__(params, {})
+        self.sharding.check_params([p for g in self.param_groups for p in g["params"]])
+        # plain tensors sharing each shard's memory: the inner optimizer's updates land in the parameters
+        self._proxies = {id(p): local(p).detach().requires_grad_(p.requires_grad)
+                         for g in self.param_groups for p in g["params"]}
+        inner_groups = [dict(g, params=[self._proxies[id(p)] for p in g["params"]]) for g in self.param_groups]
+        self.inner = cls(inner_groups, group=self.sharding.replica_group, **kwargs)
+        for g, ig in zip(self.param_groups, self.inner.param_groups, strict=True):
+            g.update({k: v for k, v in ig.items() if k != "params"})  # the algorithm's defaults, visible here
+        self.defaults = dict(self.inner.defaults)
+        self.algorithm = name
+
+    def __getattr__(self, name: str) -> Any:  # the inner optimizer's phase, counters and switches
+        inner = self.__dict__.get("inner")
+        if inner is None or name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for g, ig in zip(self.param_groups, self.inner.param_groups, strict=True):
+            ig.update({k: v for k, v in g.items() if k != "params"})  # LR schedulers act on these groups
+        params = [p for g in self.param_groups for p in g["params"]]
+        grads = []
+        for p in params:
+            proxy = self._proxies[id(p)]
+            proxy.grad = local(p.grad)
+            if proxy.grad is not None:
+                grads.append(proxy.grad)
+        finite = all_finite_many(grads) if grads else torch.ones((), dtype=torch.bool)
+        # the node's ranks hold one model: one non-finite shard makes every rank of the node skip (or raise),
+        # and the compressed mean carries it to the other nodes' ranks of each shard
+        if self.sharding.any_in_node(~finite) and bool(finite) and grads:
+            grads[0].view(-1)[:1] = float("nan")
+        try:
+            self.inner.step()
+        finally:
+            for p in params:
+                self._proxies[id(p)].grad = None  # the gradients are FSDP's to free
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state (of this rank's shards) and the mesh it belongs to: one per rank."""
+        groups = torch.optim.Optimizer.state_dict(self)["param_groups"]
+        return {"inner": self.inner.state_dict(), "param_groups": groups,
+                "mesh": (self.sharding.nodes, self.sharding.ranks_per_node), "algorithm": self.algorithm}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` of this rank, saved on a mesh of the same shape (its shards' state
+        fits no other)."""
+        here = (self.sharding.nodes, self.sharding.ranks_per_node)
+        if "inner" not in state_dict or tuple(state_dict.get("mesh", ())) != here \
+                or state_dict.get("algorithm") != self.algorithm:
+            raise ValueError(f"not a state of {self.algorithm} on shards of a {here[0]} x {here[1]} mesh (saved: "
+                             f"{state_dict.get('algorithm')!r} on {state_dict.get('mesh')!r}); a sharded state "
+                             "resumes on the mesh it was saved on")
+        for g, saved in zip(self.param_groups, state_dict["param_groups"], strict=True):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        self.inner.load_state_dict(state_dict["inner"])
