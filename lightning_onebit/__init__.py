@@ -7,7 +7,8 @@ baselines), and DiLoCo takes local steps and averages a compressed pseudo-gradie
 
 ``import lightning_onebit`` registers the strategies ``onebit_adam``, ``zero_one_adam``, ``onebit_lamb``,
 ``qadam``, ``cd_adam``, ``ef21``, ``ef_amsgrad``, ``naive_amsgrad`` and ``diloco`` (plus ``*_spawn`` and
-``*_forkserver`` variants), and ``diloco_fsdp`` (FSDP2 inside each node), with Lightning's ``StrategyRegistry``.
+``*_forkserver`` variants), and ``diloco_fsdp``, ``onebit_adam_fsdp``, ``qadam_fsdp`` (FSDP2 inside each
+node), with Lightning's ``StrategyRegistry``.
 """
 
 from .callbacks import CommunicationMonitor, PhaseSwitch, ReplicaSync
@@ -27,6 +28,7 @@ from .strategies import (
     BaseDDPStrategy,
     CDAdamStrategy,
     CompressedDDPStrategy,
+    CompressedFSDPStrategy,
     DiLoCoFSDPStrategy,
     DiLoCoStrategy,
     OnebitAdamStrategy,
@@ -36,7 +38,8 @@ from .strategies import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["BaseDDPStrategy", "CDAdam", "CDAdamStrategy", "CommunicationMonitor", "CompressedDDPStrategy", "DiLoCo",
+__all__ = ["BaseDDPStrategy", "CDAdam", "CDAdamStrategy", "CommunicationMonitor", "CompressedDDPStrategy",
+           "CompressedFSDPStrategy", "DiLoCo",
            "DiLoCoFSDPStrategy", "DiLoCoStrategy", "EF21",
            "ErrorFeedbackAMSGrad", "NaiveCompressedAMSGrad", "OnebitAdam", "OnebitAdamStrategy", "OnebitLamb",
            "OnebitLambStrategy", "PhaseSwitch", "QAdam", "QAdamStrategy", "ReplicaSync", "ShardedCompressed",

@@ -4,8 +4,9 @@
 One 4-rank job runs every fit the tests need: a 2-epoch fit of a transformer (embeddings, LayerNorm,
 attention, biases next to a wider layer) sharded by ``auto_wrap_policy``, with a checkpoint directory after
 each epoch (mid-interval); its resume on the same mesh (bit for bit); resumes on other meshes (1x4 and,
-from a 4x1 save, 2x2) that start every rank from the anchor; a lost rank file; and the setup errors. A
-2-rank job resumes the 2x2 checkpoint on 2x1.
+from a 4x1 save, 2x2) that start every rank from the anchor; a lost rank file; the same for
+``onebit_adam_fsdp`` (exact resume, 2x2 -> 1x4); and the setup errors. A 2-rank job resumes the 2x2
+checkpoint on 2x1.
 """
 
 from __future__ import annotations
@@ -24,13 +25,13 @@ SAVED = "epoch=0-step=4.ckpt"  # after epoch 1 of 4 steps: inside an interval of
 
 
 def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs: int = 2, strict: bool = False,
-         policy: bool = True):
+         policy: bool = True, onebit: bool = False):
     """One fit on this rank: (what it saw, its trainer). ``out``: its root dir, checkpoints in ``out/ckpt``."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_onebit import DiLoCoStrategy
+    from lightning_onebit import DiLoCoStrategy, OnebitAdamStrategy
 
     class Lit(L.LightningModule):
         def __init__(self) -> None:
@@ -65,8 +66,10 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
     g = torch.Generator().manual_seed(3)
     data = TensorDataset(torch.randint(0, VOCAB, (64, SEQ), generator=g))  # 4 batches of 4 per rank and epoch
     probe = Probe()
-    strategy = DiLoCoStrategy(sync_every=3, compression="4bit", sharding="fsdp", ranks_per_node=per_node,
-                              auto_wrap_policy={Block} if policy else None, strict_resume=strict)
+    layout = dict(sharding="fsdp", ranks_per_node=per_node, auto_wrap_policy={Block} if policy else None,
+                  strict_resume=strict)
+    strategy = OnebitAdamStrategy(warmup=2, **layout) if onebit else \
+        DiLoCoStrategy(sync_every=3, compression="4bit", **layout)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
                         limit_val_batches=1, num_sanity_val_steps=0,
@@ -80,7 +83,11 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
                 warnings=[str(w.message) for w in caught if "resum" in str(w.message) or "own state" in str(w.message)])
     opt = trainer.strategy.optimizers[0]
     seen["kind"], seen["mesh"] = type(trainer.strategy).__name__, (opt.sharding.nodes, opt.sharding.ranks_per_node)
-    seen["state_numel"], seen["model_numel"] = opt._outer["anchor"].numel(), sum(p.numel() for p in model.parameters())
+    if not onebit:
+        seen["state_numel"] = opt._outer["anchor"].numel()
+    else:
+        seen["compressing"], seen["bytes"] = opt.compressing, opt.comm_counter.total.bytes_sent
+    seen["model_numel"] = sum(p.numel() for p in model.parameters())
     return seen
 
 
@@ -133,9 +140,17 @@ def _four_rank_job(rank, world_size, tmp):
         os.remove(os.path.join(lost, "onebit-rank00003-of-00004.pt"))
     dist.barrier()
     out["lost"] = _fit(os.path.join(tmp, "h"), world_size, per_node=2, ckpt=lost)
+    # 1-bit Adam on the shards: warm-up 2 steps, then compressed; exact resume on 2x2, reshard to 1x4
+    o = os.path.join(tmp, "onebit")
+    out["onebit"] = _fit(o, world_size, per_node=2, onebit=True)
+    ockpt = os.path.join(o, "ckpt", SAVED)
+    out["onebit model"] = _anchor_of(ockpt, tmp)
+    out["onebit resumed"] = _fit(os.path.join(tmp, "onebit_b"), world_size, per_node=2, ckpt=ockpt, onebit=True)
+    out["onebit 1x4"] = _fit(os.path.join(tmp, "onebit_c"), world_size, per_node=4, ckpt=ockpt, onebit=True)
     out["errors"] = {
         "per node": _error(lambda: _fit(os.path.join(tmp, "e1"), world_size, per_node=3)),
         "nothing sharded": _error(lambda: _fit(os.path.join(tmp, "e2"), world_size, per_node=2, policy=False)),
+        "other strategy's": _error(lambda: _fit(os.path.join(tmp, "e4"), world_size, per_node=2, ckpt=ockpt)),
         "a file": _error(lambda: _fit(os.path.join(tmp, "e3"), world_size, per_node=2,
                                       ckpt=os.path.join(ckpt, "meta.pt"))),
     }
@@ -209,3 +224,20 @@ def test_diloco_fsdp_setup_errors_name_the_problem(four_ranks):
         assert "ranks_per_node=3 does not divide the world of 4 ranks" in err["per node"], err["per node"]
         assert "no parameter is sharded" in err["nothing sharded"] and "auto_wrap_policy" in err["nothing sharded"]
         assert "single file" in err["a file"], err["a file"]
+        assert "checkpoint of strategy 'onebit_adam_fsdp'" in err["other strategy's"], err["other strategy's"]
+
+
+@pytest.mark.budget(120)  # (the module's 4-rank job, when run alone)
+def test_onebit_adam_fsdp_compresses_resumes_exactly_and_reshards(four_ranks):
+    _, out = four_ranks
+    for r in out:
+        fit = r["onebit"]
+        assert fit["kind"] == "CompressedFSDPStrategy" and fit["mesh"] == (2, 2) and fit["compressing"]
+        assert fit["step"] == 8 and fit["bytes"] > 0
+        assert torch.equal(fit["end"], out[0]["onebit"]["end"])  # every rank holds the same model after each step
+        resumed = r["onebit resumed"]
+        assert torch.equal(resumed["end"], fit["end"]) and resumed["warnings"] == []
+        c = r["onebit 1x4"]  # the model, moments, frozen variance and phase resharded; the error state reset
+        assert c["mesh"] == (1, 4) and torch.equal(c["start"], out[0]["onebit model"]) and c["compressing"]
+        assert torch.isfinite(c["end"]).all() and not torch.equal(c["end"], c["start"])
+    assert any("error state starts at zero" in w for w in out[0]["onebit 1x4"]["warnings"])

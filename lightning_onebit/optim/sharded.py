@@ -26,13 +26,13 @@ gradient non-finite, so that every replica group skips (or raises) as one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from ..comm import all_finite_many
-from ..comm.sharding import ShardedLayout, local
+from ..comm import ByteCounter, all_finite_many
+from ..comm.sharding import ShardedLayout, is_sharded, like, local
 from .base import CompressedOptimizer
 
 __all__ = ["SOUND", "ShardedCompressed"]
@@ -122,6 +122,91 @@ class ShardedCompressed(torch.optim.Optimizer):
         groups = torch.optim.Optimizer.state_dict(self)["param_groups"]
         return {"inner": self.inner.state_dict(), "param_groups": groups,
                 "mesh": (self.sharding.nodes, self.sharding.ranks_per_node), "algorithm": self.algorithm}
+
+    @classmethod
+    def from_optimizer(cls, algorithm: str, opt: torch.optim.Optimizer, *, mesh, **overrides: Any) -> ShardedCompressed:
+        """``algorithm`` on shards over ``opt``'s param groups with its hyperparameters, as the algorithm's own
+        ``from_optimizer`` converts an ``AdamW`` (``overrides``: further options; keys an LR scheduler added
+        to the groups are kept)."""
+        alg = CompressedOptimizer.algorithms().get(algorithm)
+        if alg is None or not isinstance(opt, torch.optim.Adam | torch.optim.AdamW):
+            raise ValueError(f"ShardedCompressed.from_optimizer converts torch.optim.AdamW (or Adam without weight "
+                             f"decay) to one of {list(SOUND)}; got {type(opt).__name__} to {algorithm!r}")
+        if type(opt) is torch.optim.Adam and any(g["weight_decay"] for g in opt.param_groups):
+            raise ValueError("torch.optim.Adam with weight_decay is L2-regularised Adam, which the compressed "
+                             "optimizers do not implement; use torch.optim.AdamW (decoupled)")
+        d = opt.defaults
+        kw = {mine: d[theirs] for theirs, mine in alg.from_adam.items() if theirs in d}
+        kw["warmup_steps"] = None
+        kw.update(overrides)
+        groups = [{"params": g["params"], **{mine: g[theirs] for theirs, mine in alg.from_adam.items() if theirs in g}}
+                  for g in opt.param_groups]
+        new = cls(algorithm, groups, mesh=mesh, **kw)
+        for g_old, g_new in zip(opt.param_groups, new.param_groups, strict=True):
+            for k, v in g_old.items():
+                if k != "params" and k not in opt.defaults and k not in g_new:
+                    g_new[k] = v
+        return new
+
+    # -- checkpoints through torch.distributed.checkpoint ---------------------------------------------
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def sharded_state_dict(self, names: Sequence[str]) -> tuple[dict, dict, dict]:
+        """``(tensors, shared, own)``, as :meth:`DiLoCo.sharded_state_dict
+        <lightning_onebit.optim.DiLoCo.sharded_state_dict>`: ``tensors`` the per-parameter state (moments, the
+        frozen variance) named by ``names`` and sharded as the parameters are, identical on every node after a
+        step (written once; ``torch.distributed.checkpoint`` reshards it), ``shared`` the phase, step counts and
+        settings, ``own`` this rank's error state and byte counter."""
+        params = self._params()
+        if len(names) != len(params):
+            raise ValueError(f"names: one per parameter ({len(params)}), got {len(names)}")
+        sd = self.inner.state_dict()
+        proxies = self.inner.params_in_order()
+        tensors, kinds = {}, {}
+        for i, st in sd["state"].items():
+            p, name = params[i], names[i]
+            tensors[name] = {k: like(p, v) if torch.is_tensor(v) and v.shape == proxies[i].shape else v
+                             for k, v in st.items()}
+            kinds[name] = {k: ("shard", v.dtype) if torch.is_tensor(v) and v.shape == proxies[i].shape
+                           else ("tensor", tuple(v.shape), v.dtype) if torch.is_tensor(v) else ("value",)
+                           for k, v in st.items()}
+        section = {k: v for k, v in sd["onebit"].items() if k not in ("comm", "bytes", "extra")}
+        shared = {"algorithm": self.algorithm, "mesh": (self.sharding.nodes, self.sharding.ranks_per_node),
+                  "param_groups": torch.optim.Optimizer.state_dict(self)["param_groups"],
+                  "inner_groups": sd["param_groups"], "onebit": section, "kinds": kinds}
+        own = {"comm": sd["onebit"]["comm"], "bytes": sd["onebit"]["bytes"], "extra": sd["onebit"]["extra"]}
+        return {"state": tensors}, shared, own
+
+    def load_sharded_state_dict(self, shared: Mapping[str, Any], read: Callable[[dict], None],
+                                names: Sequence[str], own: Mapping[str, Any] | None = None) -> None:
+        """Restore :meth:`sharded_state_dict`: ``read(tensors)`` fills tensors of its form in place (a
+        ``torch.distributed.checkpoint`` load, which reshards); every rank calls it together. With ``own``
+        (saved on the same mesh) the rank continues exactly; without, the moments, frozen variance and phase
+        come back resharded and the error state starts at zero."""
+        if shared.get("algorithm") != self.algorithm:
+            raise ValueError(f"state of {shared.get('algorithm')!r}, this optimizer runs {self.algorithm!r}")
+        params = self._params()
+        by_name = dict(zip(names, params, strict=True))
+        tensors = {}
+        for name, kinds in shared["kinds"].items():
+            if name not in by_name:
+                raise ValueError(f"state holds parameter {name!r}, which this optimizer does not have")
+            p = by_name[name]
+            tensors[name] = {k: (like(p, torch.zeros(local(p).shape, dtype=kind[1], device=local(p).device))
+                                 if kind[0] == "shard" else
+                                 torch.zeros(kind[1], dtype=kind[2]) if kind[0] == "tensor" else None)
+                             for k, kind in kinds.items()}
+        read({"state": tensors})
+        index = {n: i for i, n in enumerate(names)}
+        state = {index[n]: {k: local(v) if is_sharded(v) else v for k, v in st.items()} for n, st in tensors.items()}
+        layout = shared["onebit"]["layout"]
+        onebit = dict(shared["onebit"], comm=own["comm"] if own is not None else [None] * len(layout),
+                      bytes=own["bytes"] if own is not None else ByteCounter().state_dict(),
+                      extra=own["extra"] if own is not None else {})
+        for g, saved in zip(self.param_groups, shared["param_groups"], strict=True):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        self.inner.load_state_dict({"state": state, "param_groups": shared["inner_groups"], "onebit": onebit})
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` of this rank, saved on a mesh of the same shape (its shards' state

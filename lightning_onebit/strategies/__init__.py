@@ -7,6 +7,7 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .compressed import ALGORITHMS, CompressedDDPStrategy
+from .compressed_fsdp import CompressedFSDPStrategy
 from .ddp_hooks import HookDDPStrategy, hook_strategy
 from .diloco import DiLoCoStrategy
 from .diloco_fsdp import DiLoCoFSDPStrategy
@@ -46,8 +47,10 @@ class ZeroOneAdamStrategy(CompressedDDPStrategy):
 CompressedDDPStrategy.register_strategies(StrategyRegistry)
 DiLoCoStrategy.register_strategies(StrategyRegistry)
 DiLoCoFSDPStrategy.register_strategies(StrategyRegistry)
+CompressedFSDPStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["ALGORITHMS", "BaseDDPStrategy", "CDAdamStrategy", "CompressedDDPStrategy", "DiLoCoFSDPStrategy",
+__all__ = ["ALGORITHMS", "BaseDDPStrategy", "CDAdamStrategy", "CompressedDDPStrategy", "CompressedFSDPStrategy",
+           "DiLoCoFSDPStrategy",
            "DiLoCoStrategy",
            "HookDDPStrategy", "OnebitAdamStrategy", "OnebitLambStrategy", "QAdamStrategy", "ZeroOneAdamStrategy",
            "destroy_process_group_at_exit", "hook_strategy"]

@@ -64,7 +64,14 @@ from ..optim import CompressedOptimizer
 from ..optim.ddp import attach_several
 from .checkpoints import SHARD_DIR, ErrorStateShards, shard_path
 from .launch import BaseDDPStrategy, destroy_process_group_at_exit
-from .options import check_bool, check_choice, check_int, checked_optimizer_kwargs, compressed_conflicts
+from .options import (
+    check_bool,
+    check_choice,
+    check_int,
+    checked_optimizer_kwargs,
+    compressed_conflicts,
+    keyword_arguments,
+)
 from .schedulers import repoint_scheduler
 
 __all__ = ["ALGORITHMS", "SHARD_DIR", "CompressedDDPStrategy", "destroy_process_group_at_exit", "repoint_scheduler",
@@ -139,17 +146,36 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
             clip that triggers shrinks the step itself (Adam's denominator no longer follows); see
             docs/results.md for the measurement. ``True``: clip as asked; ``None`` (default): clip as
             asked, with a warning.
+        sharding: ``None`` (every rank holds the whole model: DDP) or ``"fsdp"``, which builds a
+            :class:`~lightning_onebit.strategies.compressed_fsdp.CompressedFSDPStrategy` instead (FSDP2 inside
+            each node, ``strategy="onebit_adam_fsdp"``), for the algorithms with a sharded form.
         **kwargs: everything :class:`~lightning.pytorch.strategies.DDPStrategy` takes;
             ``gradient_as_bucket_view`` defaults to ``True`` here.
     """
 
     algorithm: str = "onebit_adam"
 
+    def __new__(cls, *args: Any, sharding: str | None = None, **kwargs: Any):
+        if sharding is None:
+            return super().__new__(cls)
+        if sharding != "fsdp":
+            raise ValueError(f"{cls.__name__}: sharding must be None or 'fsdp', got {sharding!r}")
+        from .compressed_fsdp import CompressedFSDPStrategy  # (not a subclass: Python does not call __init__ again)
+
+        algorithm = kwargs.pop("algorithm", None) or (args[0] if args else None) or cls.algorithm
+        if len(args) > 3:
+            raise ValueError(f"{cls.__name__}(sharding='fsdp'): pass the options after optimizer_kwargs by keyword")
+        extra = sorted(k for k in kwargs if k not in keyword_arguments(CompressedFSDPStrategy))
+        if extra:
+            raise ValueError(f"{cls.__name__}(sharding='fsdp') does not take {extra}: the mesh of nodes x ranks per "
+                             "node sets the layout, and FSDP2 replaces DDP's options")
+        return CompressedFSDPStrategy(algorithm, *args[1:], **kwargs)
+
     def __init__(self, algorithm: str | None = None, warmup: int | float | str | None = None,
                  optimizer_kwargs: Mapping[str, Any] | None = None, hierarchical: bool | None = None,
                  strict_resume: bool = False, on_nonfinite: str | None = None,
                  max_consecutive_skips: int | None = None, clip_when_compressing: bool | None = None,
-                 **kwargs: Any) -> None:
+                 sharding: None = None, **kwargs: Any) -> None:
         owner = type(self).__name__
         algorithm = algorithm or type(self).algorithm
         if algorithm not in ALGORITHMS:
