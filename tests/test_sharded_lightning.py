@@ -25,7 +25,7 @@ SAVED = "epoch=0-step=4.ckpt"  # after epoch 1 of 4 steps: inside an interval of
 
 
 def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs: int = 2, strict: bool = False,
-         policy: bool = True, onebit: bool = False):
+         policy: bool = True, onebit: bool = False, configure: bool = False):
     """One fit on this rank: (what it saw, its trainer). ``out``: its root dir, checkpoints in ``out/ckpt``."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -49,6 +49,14 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
+    class Configured(Lit):  # sharded by the user, as the docs show
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in (self.lm.tok, self.lm.pos, self.lm.block, self.lm.head):
+                fully_shard(block, mesh=self.device_mesh["shard"])
+            fully_shard(self.lm, mesh=self.device_mesh["shard"])
+
     def full(m) -> torch.Tensor:  # every rank of a node gathers its node's model
         return torch.cat([p.full_tensor().detach().reshape(-1) for p in m.parameters()])
 
@@ -66,7 +74,8 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
     g = torch.Generator().manual_seed(3)
     data = TensorDataset(torch.randint(0, VOCAB, (64, SEQ), generator=g))  # 4 batches of 4 per rank and epoch
     probe = Probe()
-    layout = dict(sharding="fsdp", ranks_per_node=per_node, auto_wrap_policy={Block} if policy else None,
+    layout = dict(sharding="fsdp", ranks_per_node=per_node,
+                  auto_wrap_policy={Block} if policy and not configure else None,
                   strict_resume=strict)
     strategy = OnebitAdamStrategy(warmup=2, **layout) if onebit else \
         DiLoCoStrategy(sync_every=3, compression="4bit", **layout)
@@ -75,7 +84,7 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
                         limit_val_batches=1, num_sanity_val_steps=0,
                         callbacks=[probe, ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), save_top_k=-1,
                                                           every_n_epochs=1)])
-    model = Lit()
+    model = Configured() if configure else Lit()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4), ckpt_path=ckpt)
@@ -117,6 +126,7 @@ def _four_rank_job(rank, world_size, tmp):
     out = {}
     a = os.path.join(tmp, "a")
     out["full"] = _fit(a, world_size, per_node=2)
+    out["configured"] = _fit(os.path.join(tmp, "configured"), world_size, per_node=2, configure=True)
     ckpt = os.path.join(a, "ckpt", SAVED)
     out["files"] = sorted(os.listdir(ckpt))
     out["file_sizes"] = {n: os.path.getsize(os.path.join(ckpt, n)) for n in out["files"]}
@@ -178,6 +188,8 @@ def test_diloco_fsdp_fits_validates_the_anchor_and_resumes_bit_for_bit(four_rank
         # validation at step 4 (mid-interval) sees the anchor on every rank; the fit ends on one model
         assert torch.equal(full["validated"], out[0]["full"]["validated"])
         assert torch.equal(full["end"], out[0]["full"]["end"])
+        # sharded in configure_model (other FSDP groups, the same arithmetic with 2 ranks a node): the same fit
+        assert torch.equal(r["configured"]["end"], full["end"])
         # the resume from the epoch-1 directory on the same mesh goes on bit for bit, with no warning
         assert torch.equal(r["resumed"]["end"], full["end"]) and r["resumed"]["warnings"] == []
     assert torch.equal(out[0]["full"]["validated"], out[0]["anchor"])

@@ -175,8 +175,9 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
             if (kind := sharded_kind(p)) is not None:  # its buckets would hold shards as if whole tensors
                 raise ValueError(f"{type(self).__name__}: a parameter of shape {tuple(p.shape)} is {kind}; its "
                                  "buckets would hold shards as whole tensors. For FSDP2 inside each node use "
-                                 f"ShardedCompressed({self.strategy_name!r}, params, mesh=mesh) (docs/design/"
-                                 "sharding.md), or DiLoCo(..., mesh=mesh)")
+                                 f"ShardedCompressed({self.strategy_name!r}, params, mesh=mesh) (in Lightning: "
+                                 f"strategy='{self.strategy_name}_fsdp'; docs/design/sharding.md), or "
+                                 "DiLoCo(..., mesh=mesh)")
         self.wire.codec(self.param_groups[-1].get("block_size"))  # its block size, validated now
 
     # -- phases --------------------------------------------------------------------------

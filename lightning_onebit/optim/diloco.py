@@ -189,7 +189,8 @@ class DiLoCo(DiLoCoLayout, ShardedDiLoCoCheckpoint, DiLoCoCheckpoint, torch.opti
         elif (kind := next((k for p in self._params() if (k := sharded_kind(p))), None)) is not None:
             raise ValueError(f"DiLoCo: a parameter is {kind}; for a model FSDP2 shards inside each node pass "
                              "mesh= (the 2-D mesh of nodes x ranks per node it was sharded over); FSDP1's flat "
-                             "parameters are not supported")
+                             "parameters (Lightning's FSDPStrategy) are not supported: in Lightning use "
+                             "strategy='diloco_fsdp'")
         self.sync_every, self.outer_lr, self.outer_momentum = sync_every, float(outer_lr), float(outer_momentum)
         self.nesterov, self.compression, self.on_nonfinite = bool(nesterov), str(wire), on_nonfinite
         self.wire, self.process_group, self.topology = wire, process_group, topology
