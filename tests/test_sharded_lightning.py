@@ -31,7 +31,7 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_onebit import DiLoCoStrategy, OnebitAdamStrategy
+    from lightning_onebit import CommunicationMonitor, DiLoCoStrategy, OnebitAdamStrategy
 
     class Lit(L.LightningModule):
         def __init__(self) -> None:
@@ -81,9 +81,9 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
         DiLoCoStrategy(sync_every=3, compression="4bit", **layout)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
-                        limit_val_batches=1, num_sanity_val_steps=0,
-                        callbacks=[probe, ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), save_top_k=-1,
-                                                          every_n_epochs=1)])
+                        limit_val_batches=1, num_sanity_val_steps=0, log_every_n_steps=1,
+                        callbacks=[probe, CommunicationMonitor(prog_bar=False),
+                                   ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), save_top_k=-1, every_n_epochs=1)])
     model = Configured() if configure else Lit()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -97,6 +97,8 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
     else:
         seen["compressing"], seen["bytes"] = opt.compressing, opt.comm_counter.total.bytes_sent
     seen["model_numel"] = sum(p.numel() for p in model.parameters())
+    seen["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
+    seen["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("comm/", "mem/"))}
     return seen
 
 
@@ -185,6 +187,9 @@ def test_diloco_fsdp_fits_validates_the_anchor_and_resumes_bit_for_bit(four_rank
         full = r["full"]
         assert full["kind"] == "DiLoCoFSDPStrategy" and full["mesh"] == (2, 2) and full["step"] == 8
         assert full["state_numel"] <= full["model_numel"] / 2 + 4 * 16 * 4  # DiLoCo state of this rank's shard
+        # CommunicationMonitor: the outer all-reduces' bytes, and state bytes of this rank's shards
+        assert full["logged"]["comm/bytes_total"] > 0 and full["logged"]["comm/rounds"] == 3
+        assert 16 * full["local_numel"] <= full["logged"]["mem/optimizer_state_bytes"] <= 64 * full["local_numel"]
         # validation at step 4 (mid-interval) sees the anchor on every rank; the fit ends on one model
         assert torch.equal(full["validated"], out[0]["full"]["validated"])
         assert torch.equal(full["end"], out[0]["full"]["end"])
@@ -245,7 +250,9 @@ def test_onebit_adam_fsdp_compresses_resumes_exactly_and_reshards(four_ranks):
     for r in out:
         fit = r["onebit"]
         assert fit["kind"] == "CompressedFSDPStrategy" and fit["mesh"] == (2, 2) and fit["compressing"]
-        assert fit["step"] == 8 and fit["bytes"] > 0
+        assert fit["step"] == 8 and fit["bytes"] > 0 and fit["logged"]["comm/bytes_total"] == fit["bytes"]
+        assert fit["logged"]["comm/compressing"] == 1.0
+        assert 8 * fit["local_numel"] <= fit["logged"]["mem/optimizer_state_bytes"] <= 64 * fit["local_numel"]
         assert torch.equal(fit["end"], out[0]["onebit"]["end"])  # every rank holds the same model after each step
         resumed = r["onebit resumed"]
         assert torch.equal(resumed["end"], fit["end"]) and resumed["warnings"] == []

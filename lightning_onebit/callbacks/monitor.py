@@ -8,8 +8,8 @@ from operator import add
 from lightning.pytorch import Callback
 
 from ..comm import StepStats
+from ..optim import CompressedOptimizer, DiLoCo, ShardedCompressed
 from ..optim.state_size import state_bytes
-from .phase import _compressed_optimizers
 
 __all__ = ["CommunicationMonitor"]
 
@@ -25,7 +25,9 @@ class CommunicationMonitor(Callback):
     ``comm/compressing`` (0/1). ``ratio_vs_fp32`` and ``compressing`` also go to the progress bar.
     With the two-level collective the compressed bytes are those between nodes, and
     ``comm/intra_node_bytes_step`` adds the fp32 bytes inside the node. With several optimizers
-    the figures are their sums (``comm/compressing``: all of them compress). ``mem/optimizer_state_bytes``:
+    the figures are their sums (``comm/compressing``: all of them compress). DiLoCo's figures are its outer
+    all-reduces' (``compressing`` is always 1); of a sharded model, the package's mean between nodes (FSDP's
+    own collectives inside the node are torch's and not counted). ``mem/optimizer_state_bytes``:
     what the optimizers keep on this rank between steps beyond the parameters and gradients
     (:func:`~lightning_onebit.optim.state_size.state_bytes`: moments, buckets, error state, DiLoCo's outer
     state; of a sharded model this rank's shards), counted again every ``log_every_n_steps`` steps and at
@@ -45,10 +47,10 @@ class CommunicationMonitor(Callback):
         return self._state[1]
 
     def on_train_start(self, trainer, pl_module) -> None:
-        _compressed_optimizers(trainer, type(self).__name__)  # fail before the first step, not after it
+        _monitored(trainer, type(self).__name__)  # fail before the first step, not after it
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        opts = _compressed_optimizers(trainer, type(self).__name__)
+        opts = _monitored(trainer, type(self).__name__)
         last: StepStats = reduce(add, (o.comm_counter.last for o in opts))
         total: StepStats = reduce(add, (o.comm_counter.total for o in opts))
         metrics = {
@@ -64,3 +66,20 @@ class CommunicationMonitor(Callback):
         pl_module.log_dict({"comm/ratio_vs_fp32": last.ratio_vs_fp32,
                             "comm/compressing": float(all(o.compressing for o in opts))},
                            on_step=True, on_epoch=False, prog_bar=self.prog_bar, rank_zero_only=True)
+
+
+def _monitored(trainer, who: str) -> list:
+    """The trainer's optimizers that count their bytes: the compressed ones (of ``ShardedCompressed``, the
+    one on the shards) and DiLoCo; a ValueError naming what runs instead when there is none."""
+    out = []
+    for opt in (getattr(o, "_optimizer", o) for o in trainer.optimizers):
+        if isinstance(opt, ShardedCompressed):
+            out.append(opt.inner)
+        elif isinstance(opt, CompressedOptimizer | DiLoCo):
+            out.append(opt)
+    if out:
+        return out
+    names = [type(getattr(o, "_optimizer", o)).__name__ for o in trainer.optimizers]
+    raise ValueError(f"{who} needs a lightning_onebit optimizer (use a lightning_onebit strategy, e.g. "
+                     f"strategy='onebit_adam'); this trainer runs {names or 'no optimizer'} with "
+                     f"{type(trainer.strategy).__name__}")
