@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_onebit import DiLoCo
-from lightning_onebit.strategies.launch import attempt_store
+from lightning_onebit.comm.process_group import attempt_store
 
 
 def model() -> nn.Module:

@@ -358,7 +358,7 @@ def test_forkserver_launch_gives_what_spawn_gives(tmp_path, monkeypatch):
 def test_process_group_keys_are_those_of_the_torchrun_attempt(monkeypatch):
     """torchrun keeps its store across restarts; a restarted rank must not see the keys (gloo's
     listening addresses) the ranks of the attempt before it wrote."""
-    from lightning_onebit.strategies.launch import attempt_store
+    from lightning_onebit.comm.process_group import attempt_store
 
     timeout = datetime.timedelta(seconds=10)
     server = torch.distributed.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timeout)

@@ -37,10 +37,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from ..comm.agree import gather_objects
+from ..comm.agree import gather_objects, is_distributed
 from ..comm.duplex import enable_duplex
+from ..comm.process_group import init_for_attempt
 from ..comm.sharding import is_sharded, load_sharded, node_index, node_mesh, save_sharded, shard_modules
 from ..compress import compile_kernels
+from .launch import destroy_process_group_at_exit
 from .options import check_bool, check_int
 
 __all__ = ["NodeShardedStrategy"]
@@ -85,6 +87,16 @@ class NodeShardedStrategy(ModelParallelStrategy):
         self.ranks_per_node, self.auto_wrap_policy, self.strict_resume = ranks_per_node, policy, strict_resume
 
     # -- the mesh and the model ----------------------------------------------------------------------
+    def _setup_distributed(self) -> None:
+        # under torchrun --max-restarts: the group in this attempt's keys (comm.process_group), then
+        # ModelParallelStrategy's, which finds it started
+        if not is_distributed():
+            self.set_world_ranks()
+            init_for_attempt(self._get_process_group_backend(), rank=self.global_rank, world_size=self.world_size,
+                             timeout=self._timeout, device=self.root_device)
+        super()._setup_distributed()
+        destroy_process_group_at_exit()
+
     def setup_environment(self) -> None:
         self._setup_distributed()  # the accelerator's device and the process group (ModelParallelStrategy's)
         per_node = self.ranks_per_node or self.num_processes

@@ -21,14 +21,13 @@ per-attempt prefix to its keys. Gloo's full-mesh connect publishes each rank's l
 under a fixed key, so a restarted rank can read the address its peer had *before* the restart and
 fail with "connectFullMesh failed ... Connection refused" (or wait in the connect); on a 2-core
 machine that happened on most restarts of a 2-rank job. The process group is started here in keys
-of ``TORCHELASTIC_RESTART_COUNT`` (what torch did before the store was shared). Outside torchrun
-nothing changes.
+of ``TORCHELASTIC_RESTART_COUNT`` (what torch did before the store was shared:
+:func:`~lightning_onebit.comm.process_group.init_for_attempt`). Outside torchrun nothing changes.
 """
 
 from __future__ import annotations
 
 import atexit
-import datetime
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -42,6 +41,8 @@ from lightning.fabric.strategies.launchers.multiprocessing import _disable_modul
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.multiprocessing import _GlobalStateSnapshot, _MultiProcessingLauncher
+
+from ..comm.process_group import attempt_store, init_for_attempt
 
 __all__ = ["FORKSERVER_PRELOAD", "BaseDDPStrategy", "attempt_store", "destroy_process_group_at_exit"]
 
@@ -119,17 +120,6 @@ def destroy_process_group_at_exit() -> None:
         _CLEANUP_REGISTERED = True
 
 
-def attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
-    """The elastic agent's store under a prefix of this restart attempt, or ``None`` when this
-    process was not started by an agent that shares its store (then ``env://`` is safe)."""
-    env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "TORCHELASTIC_RESTART_COUNT" not in env:
-        return None
-    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
-                          timeout=timeout)
-    return dist.PrefixStore(f"/worker/attempt_{env['TORCHELASTIC_RESTART_COUNT']}", store)
-
-
 def _preload_forkserver() -> None:
     server = multiprocessing.forkserver._forkserver
     if getattr(server, "_forkserver_pid", 1) is None and getattr(server, "_preload_modules", None) == ["__main__"]:
@@ -182,12 +172,7 @@ class BaseDDPStrategy(DDPStrategy):
     def setup_distributed(self) -> None:
         if not (dist.is_available() and dist.is_initialized()):
             self.set_world_ranks()
-            store = attempt_store(self._timeout)
-            if store is not None:
-                kwargs: dict[str, Any] = {}
-                if self.root_device.type != "cpu":
-                    kwargs["device_id"] = self.root_device
-                dist.init_process_group(self._get_process_group_backend(), store=store, rank=self.global_rank,
-                                        world_size=self.world_size, timeout=self._timeout, **kwargs)
+            init_for_attempt(self._get_process_group_backend(), rank=self.global_rank, world_size=self.world_size,
+                             timeout=self._timeout, device=self.root_device)
         super().setup_distributed()  # finds the group initialised and keeps it
         destroy_process_group_at_exit()
