@@ -73,3 +73,22 @@ def test_fsdp_diloco_example_under_torchrun_and_after_a_lost_rank(tmp_path):
     assert {p.name for p in (tmp_path / "ck").iterdir()} >= {f"rank{r}-step16.pt" for r in range(4)}
     final = [ln.split("; ", 1)[1] for ln in (whole + restarted).splitlines() if "parameter sum" in ln]
     assert len(final) == 2 and final[0] == final[1], final
+
+
+@pytest.mark.budget(120)  # one torchrun of 4 Lightning ranks on the CI's 2 cores, restarted once
+def test_lightning_sharded_example_restarts_after_a_lost_rank_from_its_checkpoint_directory(tmp_path):
+    """strategy="diloco_fsdp" as users launch it: torchrun, 4 ranks as 2 nodes of 2, a checkpoint directory after
+    every epoch; rank 1 lost in epoch 2, torchrun restarts the job, which goes on from the epoch-1 directory
+    (the process group in the new attempt's keys) to the end of the fit. That a resume continues bit for bit is
+    tests/test_sharded_lightning.py's to show."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "LOCAL_RANK", "WORLD_SIZE", "RANK"))}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port()),
+           "--max-restarts", "1", str(EXAMPLES / "lightning_sharded.py"), "--ranks-per-node", "2", "--ckpt-dir", "ck",
+           "--die-at", "20"]
+    proc = proc_run(cmd, cwd=tmp_path, env=dict(env, PYTHONWARNINGS="ignore"), timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "resuming from epoch=0-step=15.ckpt" in out, out[-3000:]
+    assert "2 nodes x 2 ranks; steps 45; state for 78101 of 156202 parameters" in out, out[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == [f"epoch={e}-step={15 * (e + 1)}.ckpt"
+                                                                  for e in range(3)]
