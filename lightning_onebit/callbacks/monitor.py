@@ -10,6 +10,7 @@ from lightning.pytorch import Callback
 from ..comm import StepStats
 from ..optim import CompressedOptimizer, DiLoCo, ShardedCompressed
 from ..optim.state_size import state_bytes
+from .phase import no_package_optimizer
 
 __all__ = ["CommunicationMonitor"]
 
@@ -79,7 +80,4 @@ def _monitored(trainer, who: str) -> list:
             out.append(opt)
     if out:
         return out
-    names = [type(getattr(o, "_optimizer", o)).__name__ for o in trainer.optimizers]
-    raise ValueError(f"{who} needs a lightning_onebit optimizer (use a lightning_onebit strategy, e.g. "
-                     f"strategy='onebit_adam'); this trainer runs {names or 'no optimizer'} with "
-                     f"{type(trainer.strategy).__name__}")
+    raise no_package_optimizer(trainer, who)

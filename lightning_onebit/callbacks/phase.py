@@ -57,10 +57,15 @@ def _compressed_optimizers(trainer, who: str = "PhaseSwitch") -> list[Compressed
     opts = find_compressed_optimizers(trainer)
     if opts:
         return opts
+    raise no_package_optimizer(trainer, who)
+
+
+def no_package_optimizer(trainer, who: str) -> ValueError:
+    """The error of a callback that needs one of the package's optimizers, naming what the trainer runs."""
     names = [type(getattr(o, "_optimizer", o)).__name__ for o in trainer.optimizers]
-    raise ValueError(f"{who} needs a lightning_onebit optimizer (use a lightning_onebit strategy, e.g. "
-                     f"strategy='onebit_adam'); this trainer runs {names or 'no optimizer'} with "
-                     f"{type(trainer.strategy).__name__}")
+    return ValueError(f"{who} needs a lightning_onebit optimizer (use a lightning_onebit strategy, e.g. "
+                      f"strategy='onebit_adam'); this trainer runs {names or 'no optimizer'} with "
+                      f"{type(trainer.strategy).__name__}")
 
 
 class PhaseSwitch(Callback):

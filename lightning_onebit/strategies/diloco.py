@@ -175,6 +175,25 @@ class DiLoCoFit:
     def _outer_steps(self) -> int:
         return sum(opt.outer_steps for opt in self._dilocos())
 
+    def _as_anchor(self, sd: dict[str, Any], wrap: Any = None) -> dict[str, Any]:
+        """``sd`` (the module's state dict) with the anchor for the parameters (``wrap(param, view)``: as the
+        parameter holds it, e.g. sharded) and the mean of the ranks' buffers for the buffers. All ranks call it."""
+        views: dict[int, torch.Tensor] = {}
+        for opt in self._dilocos():
+            views.update(opt.anchor_views())
+        for name, p in self.lightning_module.named_parameters():
+            if id(p) in views and name in sd:
+                v = views[id(p)].to(p.dtype)
+                sd[name] = v if wrap is None else wrap(p, v)
+        mean = self._mean_buffers()
+        if mean is not None:
+            o = 0
+            for name, b in self._named_buffers():
+                if name in sd:
+                    sd[name] = self._mean_as(b, mean, o)
+                o += b.numel()
+        return sd
+
     # -- buffers: each rank's own between outer steps, their mean at them -----------------------------
     def _named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """Real-valued buffers (a complex one would lose its imaginary part in the fp64 mean)."""
@@ -292,20 +311,7 @@ class DiLoCoStrategy(RankShards, DiLoCoFit, BaseDDPStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The anchor as the checkpoint's model (identical on every rank), not this rank's replica."""
         sd = super().lightning_module_state_dict()
-        views: dict[int, torch.Tensor] = {}
-        for opt in self._dilocos():
-            views.update(opt.anchor_views())
-        for name, p in self.lightning_module.named_parameters():
-            if id(p) in views and name in sd:
-                sd[name] = views[id(p)].to(p.dtype)
-        mean = self._mean_buffers()
-        if mean is not None:
-            o = 0
-            for name, b in self._named_buffers():
-                if name in sd:
-                    sd[name] = self._mean_as(b, mean, o)
-                o += b.numel()
-        return sd
+        return self._as_anchor(sd)
 
     # the per-rank shards (strategies/checkpoints.py): what goes in them and where it goes back
     _shard_name = "DiLoCo"

@@ -96,21 +96,7 @@ class DiLoCoFSDPStrategy(DiLoCoFit, NodeShardedStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model as this rank's shards (DTensors): the anchor, not this node's replica, and the mean of
         the ranks' buffers."""
-        sd = self.lightning_module.state_dict()
-        views: dict[int, torch.Tensor] = {}
-        for opt in self._dilocos():
-            views.update(opt.anchor_views())
-        for name, p in self.lightning_module.named_parameters():
-            if id(p) in views and name in sd:
-                sd[name] = like(p, views[id(p)].to(p.dtype))
-        mean = self._mean_buffers()
-        if mean is not None:
-            o = 0
-            for name, b in self._named_buffers():
-                if name in sd:
-                    sd[name] = self._mean_as(b, mean, o)
-                o += b.numel()
-        return sd
+        return self._as_anchor(self.lightning_module.state_dict(), like)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         opt = getattr(optimizer, "_optimizer", optimizer)
