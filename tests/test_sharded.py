@@ -251,7 +251,18 @@ def _sharded_adam_job(rank, world_size):
     steps(q, ShardedCompressed("qadam", q.parameters(), mesh=mesh, lr=3e-3, warmup_steps=2), range(4))
     out["qadam"] = torch.cat([v.reshape(-1) for v in full(q).values()])
     errors = {}
+
+    def fsdp1(orig: bool) -> nn.Module:  # Lightning's FSDPStrategy: FSDP1, use_orig_params=True by default
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), use_orig_params=orig,
+                                        device_id=torch.device("cpu"))
+
+    from lightning_onebit import DiLoCo, OnebitAdam
+
     for name, make in {
+        "fsdp1 views": lambda: OnebitAdam(fsdp1(True).parameters()),
+        "fsdp1 flat": lambda: DiLoCo(fsdp1(False).parameters()),
         "lamb": lambda: ShardedCompressed("onebit_lamb", build(mesh["shard"]).parameters(), mesh=mesh),
         "group": lambda: ShardedCompressed("onebit_adam", build(mesh["shard"]).parameters(), mesh=mesh, group=None),
         "other mesh": lambda: opt2.load_state_dict(dict(back["opt"], mesh=(1, 4))),
@@ -276,6 +287,10 @@ def test_sharded_onebit_adam_warms_up_as_fsdp_adamw_and_keeps_nodes_in_step():
         assert r["resumed_exactly"]
         err = r["errors"]
         assert "trust ratio" in err["lamb"] and "drop ['group']" in err["group"]
+        # FSDP1 fails in the constructor, naming the sharded strategy to use instead
+        assert "a view of an FSDP flat parameter (use_orig_params=True" in err["fsdp1 views"], err["fsdp1 views"]
+        assert "strategy='onebit_adam_fsdp'" in err["fsdp1 views"]
+        assert "an FSDP flat parameter" in err["fsdp1 flat"] and "strategy='diloco_fsdp'" in err["fsdp1 flat"]
         assert "resumes on the mesh it was saved on" in err["other mesh"]
     assert all(torch.equal(out[0]["onebit"], r["onebit"]) for r in out[1:])
     assert all(torch.equal(out[0]["qadam"], r["qadam"]) for r in out[1:])

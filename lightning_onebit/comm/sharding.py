@@ -45,6 +45,9 @@ def sharded_kind(t: torch.Tensor) -> str | None:
         return "sharded (a DTensor: FSDP2 or tensor parallelism)"
     if type(t).__name__ == "FlatParameter" or getattr(t, "_is_flat_param", False):
         return "an FSDP flat parameter (Lightning's FSDPStrategy or torch's FullyShardedDataParallel)"
+    if getattr(t, "_fsdp_flattened", False):  # FSDP1 with use_orig_params=True (Lightning's default): a view of one
+        return ("a view of an FSDP flat parameter (use_orig_params=True: Lightning's FSDPStrategy or torch's "
+                "FullyShardedDataParallel)")
     return None
 
 
