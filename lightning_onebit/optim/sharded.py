@@ -108,8 +108,9 @@ class ShardedCompressed(torch.optim.Optimizer):
         finite = all_finite_many(grads) if grads else torch.ones((), dtype=torch.bool)
         # the node's ranks hold one model: one non-finite shard makes every rank of the node skip (or raise),
         # and the compressed mean carries it to the other nodes' ranks of each shard
-        if self.sharding.any_in_node(~finite) and bool(finite) and grads:
-            grads[0].view(-1)[:1] = float("nan")
+        held = next((g for g in grads if g.numel()), None)  # (a rank's shard of a small tensor may be empty)
+        if self.sharding.any_in_node(~finite) and bool(finite) and held is not None:
+            held.view(-1)[:1] = float("nan")
         try:
             self.inner.step()
         finally:

@@ -53,6 +53,7 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
 
     _reshard_note = ("the model, the moments, the frozen variance and the phase are resharded; the error state starts "
                      "at zero")
+    _lost_note = "their error state starts at zero (the model, moments, variance and phase are the checkpoint's)"
 
     def __init__(self, algorithm: str = "onebit_adam", warmup: int | float | None = None,
                  optimizer_kwargs: Mapping[str, Any] | None = None, on_nonfinite: str | None = None, *,

@@ -60,6 +60,7 @@ class DiLoCoFSDPStrategy(DiLoCoFit, NodeShardedStrategy):
     strategy_name = "diloco_fsdp"
     _reshard_note = ("the model, the anchor, the outer momentum and node 0's moments are resharded; every rank starts "
                      "from the anchor with its error state zero")
+    _lost_note = "their ranks start from the anchor with their node's moments and the error state zero"
 
     def __init__(self, sync_every: int | None = None, outer_lr: float | None = None,
                  outer_momentum: float | None = None, nesterov: bool | None = None, compression: str | None = None,

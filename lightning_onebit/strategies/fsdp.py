@@ -70,6 +70,8 @@ class NodeShardedStrategy(ModelParallelStrategy):
     strategy_name = "fsdp"
     #: what a resume on another mesh keeps and resets, for its warning
     _reshard_note = "the model is resharded"
+    #: what the nodes of ranks whose own file is lost keep and reset, for its warning
+    _lost_note = "they start without it"
 
     def __init__(self, *, ranks_per_node: int | None = None, auto_wrap_policy: Iterable[type[nn.Module]] | None = None,
                  strict_resume: bool = False, process_group_backend: str | None = None,
@@ -225,7 +227,7 @@ class NodeShardedStrategy(ModelParallelStrategy):
             lost = [r for r, ok in enumerate(usable) if not ok]
             msg = (f"checkpoint {path}: the own state of ranks {lost} is missing, unreadable or of another save"
                    + (f" ({why})" if why else "") + "; the nodes of those ranks load without it: "
-                   + self._reshard_note)
+                   + self._lost_note)
         if msg is not None:
             if self.strict_resume:
                 raise RuntimeError(msg + " (strict_resume=True: stopping instead)")
