@@ -192,6 +192,7 @@ def _sharded_adam_job(rank, world_size):
     from torch.distributed.fsdp import fully_shard
 
     from lightning_onebit import ShardedCompressed
+    from lightning_onebit.comm.sharding import reshard
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "shard"))
     node, half = divmod(rank, 2)
@@ -250,6 +251,27 @@ def _sharded_adam_job(rank, world_size):
     q = build(mesh["shard"])
     steps(q, ShardedCompressed("qadam", q.parameters(), mesh=mesh, lr=3e-3, warmup_steps=2), range(4))
     out["qadam"] = torch.cat([v.reshape(-1) for v in full(q).values()])
+    # why a strategy reshards before writing into the shards outside a training step: after a forward without
+    # backward FSDP2's root keeps its gathered parameters, and the next forward uses them as they were
+    def halved_output(forward_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(0)
+        m = TinyLM()  # the block in a group of its own, the rest in the root's (as auto_wrap_policy={Block} makes)
+        fully_shard(m.block, mesh=mesh["shard"])
+        fully_shard(m, mesh=mesh["shard"])
+        shards, x = list(m.parameters()), _batch(node, half, 0)[:, :-1]  # the DTensors, as an optimizer holds them
+        with torch.no_grad():
+            if forward_first:
+                m(x)
+            for p in shards:
+                p.to_local().mul_(0.5)
+            seen = m(x).clone()
+            reshard(m)
+            return seen, m(x).clone()
+
+    expected, _ = halved_output(False)
+    stale, fresh = halved_output(True)
+    out["stale_without_reshard"] = not torch.equal(stale, expected)
+    out["fresh_after_reshard"] = torch.equal(fresh, expected)
     errors = {}
 
     def fsdp1(orig: bool) -> nn.Module:  # Lightning's FSDPStrategy: FSDP1, use_orig_params=True by default
@@ -291,6 +313,7 @@ def test_sharded_onebit_adam_warms_up_as_fsdp_adamw_and_keeps_nodes_in_step():
         assert "a view of an FSDP flat parameter (use_orig_params=True" in err["fsdp1 views"], err["fsdp1 views"]
         assert "strategy='onebit_adam_fsdp'" in err["fsdp1 views"]
         assert "an FSDP flat parameter" in err["fsdp1 flat"] and "strategy='diloco_fsdp'" in err["fsdp1 flat"]
+        assert r["stale_without_reshard"] and r["fresh_after_reshard"]
         assert "resumes on the mesh it was saved on" in err["other mesh"]
     assert all(torch.equal(out[0]["onebit"], r["onebit"]) for r in out[1:])
     assert all(torch.equal(out[0]["qadam"], r["qadam"]) for r in out[1:])

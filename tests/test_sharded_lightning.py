@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import warnings
 
+import lightning as L
 import pytest
 import torch
 from test_sharded import SEQ, VOCAB, Block, TinyLM
@@ -24,32 +25,39 @@ from dist_utils import run_ranks, values
 SAVED = "epoch=0-step=4.ckpt"  # after epoch 1 of 4 steps: inside an interval of 3
 
 
+class _Lit(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lm = TinyLM()
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return nn.functional.cross_entropy(self.lm(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+    def validation_step(self, batch, batch_idx):
+        pass
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _data():
+    from torch.utils.data import TensorDataset
+
+    g = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randint(0, VOCAB, (64, SEQ), generator=g))  # 4 batches of 4 per rank and epoch
+
+
 def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs: int = 2, strict: bool = False,
          policy: bool = True, onebit: bool = False, configure: bool = False):
     """One fit on this rank: (what it saw, its trainer). ``out``: its root dir, checkpoints in ``out/ckpt``."""
-    import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
     from lightning_onebit import CommunicationMonitor, DiLoCoStrategy, OnebitAdamStrategy
 
-    class Lit(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.lm = TinyLM()
-
-        def training_step(self, batch, batch_idx):
-            (x,) = batch
-            return nn.functional.cross_entropy(self.lm(x[:, :-1]).reshape(-1, VOCAB), x[:, 1:].reshape(-1))
-
-        def validation_step(self, batch, batch_idx):
-            pass
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-2)
-
-    class Configured(Lit):  # sharded by the user, as the docs show
+    class Configured(_Lit):  # sharded by the user, as the docs show
         def configure_model(self) -> None:
             from torch.distributed.fsdp import fully_shard
 
@@ -71,8 +79,7 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
             if trainer.global_step:
                 self.seen.setdefault("validated", full(m))
 
-    g = torch.Generator().manual_seed(3)
-    data = TensorDataset(torch.randint(0, VOCAB, (64, SEQ), generator=g))  # 4 batches of 4 per rank and epoch
+    data = _data()
     probe = Probe()
     layout = dict(sharding="fsdp", ranks_per_node=per_node,
                   auto_wrap_policy={Block} if policy and not configure else None,
@@ -84,7 +91,7 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
                         limit_val_batches=1, num_sanity_val_steps=0, log_every_n_steps=1,
                         callbacks=[probe, CommunicationMonitor(prog_bar=False),
                                    ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), save_top_k=-1, every_n_epochs=1)])
-    model = Configured() if configure else Lit()
+    model = Configured() if configure else _Lit()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4), ckpt_path=ckpt)
@@ -260,3 +267,43 @@ def test_onebit_adam_fsdp_compresses_resumes_exactly_and_reshards(four_ranks):
         assert c["mesh"] == (1, 4) and torch.equal(c["start"], out[0]["onebit model"]) and c["compressing"]
         assert torch.isfinite(c["end"]).all() and not torch.equal(c["end"], c["start"])
     assert any("error state starts at zero" in w for w in out[0]["onebit 1x4"]["warnings"])
+
+
+class _SaveWhole(L.Callback):
+    """Rank 0 saves the model whole at the end of the fit (every rank gathers its node's shards)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, m) -> None:
+        whole = torch.cat([p.full_tensor().detach().reshape(-1) for p in m.parameters()])
+        if trainer.global_rank == 0:
+            torch.save(whole, self.path)
+
+
+@pytest.mark.usefixtures("fresh_process_group")
+@pytest.mark.budget(120)  # (the module's 4-rank job, when run alone) and a forkserver launch of 4 ranks
+def test_diloco_fsdp_forkserver_launch_gives_the_launching_process_the_whole_model(four_ranks, tmp_path):
+    """Trainer(devices=4, start_method="forkserver") from this process, as the recipes launch: the ranks train
+    the sharded model and this process's unsharded module ends with their final model, bit for bit (and with
+    the 4-rank job's fit of the same settings, to rounding: another process)."""
+    from torch.utils.data import DataLoader
+
+    from lightning_onebit import DiLoCoStrategy
+
+    _, out = four_ranks
+    model = _Lit()
+    strategy = DiLoCoStrategy(sync_every=3, compression="4bit", sharding="fsdp", ranks_per_node=2,
+                              auto_wrap_policy={Block}, start_method="forkserver")
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=strategy, max_epochs=2, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        callbacks=[_SaveWhole(str(tmp_path / "whole.pt"))])
+    trainer.fit(model, DataLoader(_data(), batch_size=4))
+    whole = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert torch.equal(whole, torch.load(tmp_path / "whole.pt"))
+    sizes = [p.numel() for p in model.parameters()]
+    for (name, _), a, b in zip(model.named_parameters(), torch.split(whole, sizes),
+                               torch.split(out[0]["full"]["end"], sizes), strict=True):
+        # (the attention's key bias aside: zero gradient in exact arithmetic, AdamW makes rounding noise ~lr)
+        if not name.endswith("in_proj_bias"):
+            assert float((a - b).abs().max()) < 1e-5, name

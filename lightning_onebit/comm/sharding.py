@@ -21,8 +21,8 @@ import torch
 from .agree import gather_objects
 from .dense import any_across
 
-__all__ = ["ShardedLayout", "is_sharded", "like", "load_sharded", "local", "node_index", "node_mesh", "save_sharded",
-           "saved_keys", "shard_modules", "sharded_kind"]
+__all__ = ["ShardedLayout", "full_state_dict", "is_sharded", "like", "load_sharded", "local", "node_index",
+           "node_mesh", "reshard", "save_sharded", "saved_keys", "shard_modules", "sharded_kind"]
 
 
 def _dtensor_type():
@@ -187,3 +187,22 @@ def shard_modules(module: torch.nn.Module, mesh, classes: tuple[type[torch.nn.Mo
         if any(not is_sharded(p) for p in child.parameters()):
             fully_shard(child, mesh=inner)
     return len(blocks)
+
+
+def full_state_dict(state: dict) -> dict:
+    """``state`` (a module's state dict) with every sharded tensor gathered whole on this rank (a collective
+    over each tensor's mesh: every rank of it calls it); other entries as they are."""
+    return {k: v.full_tensor() if is_sharded(v) else v for k, v in state.items()}
+
+
+def reshard(module: torch.nn.Module) -> int:
+    """Free every FSDP2 module's gathered parameters in ``module`` (``FSDPModule.reshard``), so that the next
+    forward gathers them from the shards again. FSDP2 keeps the root's gathered after a forward without a
+    backward (validation), and a later forward uses them as they are: whoever writes into the shards outside
+    a training step (DiLoCo's anchor swapped in and out for validation) reshards first. Returns how many."""
+    from torch.distributed.fsdp import FSDPModule
+
+    mods = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for m in mods:
+        m.reshard()
+    return len(mods)

@@ -47,7 +47,7 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
         optimizer_kwargs: the algorithm's further options (``eps_inside_sqrt``, ``bucket_cap_mb``, ...),
             checked against its signature.
         on_nonfinite: ``"skip"`` (default) or ``"raise"``.
-        ranks_per_node, auto_wrap_policy, strict_resume, process_group_backend, timeout:
+        ranks_per_node, auto_wrap_policy, strict_resume, start_method, process_group_backend, timeout:
             :class:`~lightning_onebit.strategies.fsdp.NodeShardedStrategy`'s.
     """
 
@@ -58,7 +58,7 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
     def __init__(self, algorithm: str = "onebit_adam", warmup: int | float | None = None,
                  optimizer_kwargs: Mapping[str, Any] | None = None, on_nonfinite: str | None = None, *,
                  ranks_per_node: int | None = None, auto_wrap_policy: Iterable[type[nn.Module]] | None = None,
-                 strict_resume: bool = False, process_group_backend: str | None = None,
+                 strict_resume: bool = False, start_method: str = "popen", process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout) -> None:
         owner = type(self).__name__
         if algorithm not in SOUND:
@@ -80,7 +80,8 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
         if on_nonfinite is not None:
             check_choice(owner, "on_nonfinite", on_nonfinite, ("skip", "raise"))
         super().__init__(ranks_per_node=ranks_per_node, auto_wrap_policy=auto_wrap_policy,
-                         strict_resume=strict_resume, process_group_backend=process_group_backend, timeout=timeout)
+                         strict_resume=strict_resume, start_method=start_method,
+                         process_group_backend=process_group_backend, timeout=timeout)
         self.algorithm, self.warmup, self.on_nonfinite = algorithm, warmup, on_nonfinite
         self.strategy_name = f"{algorithm}_fsdp"
 
@@ -140,5 +141,7 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
         for algorithm in SOUND:
-            strategy_registry.register(f"{algorithm}_fsdp", cls, description=f"FSDP2 inside each node, {algorithm} "
-                                       "on the shards between nodes", algorithm=algorithm, override=True)
+            for suffix, start in (("", "popen"), ("_spawn", "spawn"), ("_forkserver", "forkserver")):
+                strategy_registry.register(f"{algorithm}_fsdp{suffix}", cls, description=f"FSDP2 inside each node, "
+                                           f"{algorithm} on the shards between nodes", algorithm=algorithm,
+                                           start_method=start, override=True)

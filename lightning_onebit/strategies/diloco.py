@@ -87,6 +87,10 @@ class DiLoCoFit:
         """A DiLoCo from ``configure_optimizers``, fitted to the strategy's layout where it left it open."""
         opt.ranks_per_node = opt.ranks_per_node or self.num_processes
 
+    def _before_param_write(self) -> None:
+        """Called before the strategy writes into the parameters outside a training step (the anchor in or
+        out around validation, the last outer step of a fit stopped early); a sharded strategy reshards."""
+
     def _convert_optimizers(self) -> None:
         if not self.optimizers:
             raise ValueError(f"strategy '{self.strategy_name}' needs an optimizer; configure_optimizers returned none")
@@ -131,6 +135,7 @@ class DiLoCoFit:
         super().on_validation_start()
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
+            self._before_param_write()
             self._in_anchor = [opt.anchor_in_params() for opt in self._dilocos()]
             for ctx in self._in_anchor:
                 ctx.__enter__()
@@ -140,6 +145,8 @@ class DiLoCoFit:
                 self._copy_into_buffers(mean)
 
     def on_validation_end(self) -> None:
+        if self._in_anchor:
+            self._before_param_write()
         for ctx in reversed(self._in_anchor):
             ctx.__exit__(None, None, None)
         self._in_anchor = []
@@ -162,6 +169,8 @@ class DiLoCoFit:
         return out
 
     def on_train_end(self) -> None:
+        if any(not opt.synced for opt in self._dilocos()):
+            self._before_param_write()
         self._finish_interval()  # a fit stopped early (the last step already did it otherwise)
         super().on_train_end()
 

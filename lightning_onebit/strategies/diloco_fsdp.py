@@ -36,7 +36,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from torch import nn
 from torch.optim import Optimizer
 
-from ..comm.sharding import like
+from ..comm.sharding import like, reshard
 from ..optim.diloco import DiLoCo
 from .diloco import DiLoCoFit, check_diloco_options
 from .fsdp import NodeShardedStrategy
@@ -53,7 +53,7 @@ class DiLoCoFSDPStrategy(DiLoCoFit, NodeShardedStrategy):
         sync_every, outer_lr, outer_momentum, nesterov, compression, fragments, on_nonfinite, overlap, mixing,
         keep_local: DiLoCo's, as for :class:`~lightning_onebit.DiLoCoStrategy` (``None``: not set; an option
             set here must equal a returned DiLoCo's, else setup fails naming both).
-        ranks_per_node, auto_wrap_policy, strict_resume, process_group_backend, timeout:
+        ranks_per_node, auto_wrap_policy, strict_resume, start_method, process_group_backend, timeout:
             :class:`~lightning_onebit.strategies.fsdp.NodeShardedStrategy`'s.
     """
 
@@ -67,7 +67,8 @@ class DiLoCoFSDPStrategy(DiLoCoFit, NodeShardedStrategy):
                  fragments: int | None = None, on_nonfinite: str | None = None, overlap: int | None = None,
                  mixing: float | None = None, keep_local: bool | None = None, *, ranks_per_node: int | None = None,
                  auto_wrap_policy: Iterable[type[nn.Module]] | None = None, strict_resume: bool = False,
-                 process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout) -> None:
+                 start_method: str = "popen", process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout) -> None:
         given = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
                  "nesterov": nesterov, "compression": compression, "fragments": fragments,
                  "on_nonfinite": on_nonfinite, "overlap": overlap, "mixing": mixing, "keep_local": keep_local}
@@ -75,7 +76,8 @@ class DiLoCoFSDPStrategy(DiLoCoFit, NodeShardedStrategy):
         self.diloco_kwargs = {k: v for k, v in given.items() if v is not None}
         check_diloco_options(self.diloco_kwargs, _OWNER)
         super().__init__(ranks_per_node=ranks_per_node, auto_wrap_policy=auto_wrap_policy,
-                         strict_resume=strict_resume, process_group_backend=process_group_backend, timeout=timeout)
+                         strict_resume=strict_resume, start_method=start_method,
+                         process_group_backend=process_group_backend, timeout=timeout)
         self._average_buffers_too = True  # FSDP2 leaves buffers whole on every rank: averaged at outer steps
         self._in_anchor: list = []
         self._own_buffers: list[torch.Tensor] | None = None
@@ -89,6 +91,9 @@ class DiLoCoFSDPStrategy(DiLoCoFit, NodeShardedStrategy):
             raise ValueError(f"strategy '{self.strategy_name}' runs on {self.mesh_shape[0]} nodes x "
                              f"{self.mesh_shape[1]} ranks; the DiLoCo from configure_optimizers has mesh={theirs}: "
                              "pass mesh=self.device_mesh")
+
+    def _before_param_write(self) -> None:
+        reshard(self.lightning_module)  # else FSDP2's root keeps what it gathered for validation (comm.sharding)
 
     def _own_buffers_now(self) -> list[torch.Tensor]:
         return self._own_buffers or self._buffers()  # this rank's, also while validation holds the mean
@@ -113,5 +118,6 @@ class DiLoCoFSDPStrategy(DiLoCoFit, NodeShardedStrategy):
 
     @classmethod
     def register_strategies(cls, strategy_registry) -> None:
-        strategy_registry.register("diloco_fsdp", cls, description="FSDP2 inside each node, DiLoCo's compressed "
-                                   "outer updates between nodes", override=True)
+        for suffix, start in (("", "popen"), ("_spawn", "spawn"), ("_forkserver", "forkserver")):
+            strategy_registry.register("diloco_fsdp" + suffix, cls, description="FSDP2 inside each node, DiLoCo's "
+                                       "compressed outer updates between nodes", start_method=start, override=True)

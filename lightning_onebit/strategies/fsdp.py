@@ -32,6 +32,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
@@ -40,10 +41,18 @@ from torch.optim import Optimizer
 from ..comm.agree import gather_objects, is_distributed
 from ..comm.duplex import enable_duplex
 from ..comm.process_group import init_for_attempt
-from ..comm.sharding import is_sharded, load_sharded, node_index, node_mesh, save_sharded, shard_modules
+from ..comm.sharding import (
+    full_state_dict,
+    is_sharded,
+    load_sharded,
+    node_index,
+    node_mesh,
+    save_sharded,
+    shard_modules,
+)
 from ..compress import compile_kernels
-from .launch import destroy_process_group_at_exit
-from .options import check_bool, check_int
+from .launch import _ForkserverLauncher, destroy_process_group_at_exit
+from .options import check_bool, check_choice, check_int
 
 __all__ = ["NodeShardedStrategy"]
 
@@ -52,6 +61,29 @@ _META = "meta.pt"  # Lightning's name for a sharded checkpoint's metadata file (
 
 def _rank_file(path: Path, rank: int, world_size: int) -> Path:
     return path / f"onebit-rank{rank:05d}-of-{world_size:05d}.pt"
+
+
+class _WholeModelBack:
+    """Mixin of a multiprocessing launcher: rank 0 hands the launching process the model whole (its shards
+    gathered on every rank first), which that process's unsharded module loads, as after a DDP fit."""
+
+    def _collect_rank_zero_results(self, trainer, results):
+        module = trainer.lightning_module
+        whole = full_state_dict(module.state_dict())  # a collective: on every rank, before rank 0 returns
+        original = module.state_dict
+        module.state_dict = lambda *a, **k: whole  # what the base saves for the launching process
+        try:
+            return super()._collect_rank_zero_results(trainer, results)
+        finally:
+            module.state_dict = original
+
+
+class _ShardedForkserverLauncher(_WholeModelBack, _ForkserverLauncher):
+    pass
+
+
+class _ShardedSpawnLauncher(_WholeModelBack, _MultiProcessingLauncher):
+    pass
 
 
 class NodeShardedStrategy(ModelParallelStrategy):
@@ -64,6 +96,9 @@ class NodeShardedStrategy(ModelParallelStrategy):
             ``{TransformerBlock}``); each direct child of the LightningModule is then sharded as a whole.
         strict_resume: raise instead of warning when a resume cannot continue each rank exactly (another
             mesh, a rank's file missing, unreadable or of another save).
+        start_method: how the trainer starts its ranks when no launcher did (``torchrun``, a cluster):
+            ``"popen"`` (Lightning's: the script again per rank), ``"spawn"`` or ``"forkserver"`` (the package's
+            sound forkserver, as for the DDP strategies); the launching process gets the model whole back.
         process_group_backend, timeout: Lightning's ``ModelParallelStrategy``'s.
     """
 
@@ -74,10 +109,11 @@ class NodeShardedStrategy(ModelParallelStrategy):
     _lost_note = "they start without it"
 
     def __init__(self, *, ranks_per_node: int | None = None, auto_wrap_policy: Iterable[type[nn.Module]] | None = None,
-                 strict_resume: bool = False, process_group_backend: str | None = None,
+                 strict_resume: bool = False, start_method: str = "popen", process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout) -> None:
         owner = type(self).__name__
         check_bool(owner, "strict_resume", strict_resume)
+        check_choice(owner, "start_method", start_method, ("popen", "spawn", "forkserver"))
         if ranks_per_node is not None:
             check_int(owner, "ranks_per_node", ranks_per_node, minimum=1)
         policy = tuple(auto_wrap_policy or ())
@@ -87,6 +123,13 @@ class NodeShardedStrategy(ModelParallelStrategy):
         super().__init__(save_distributed_checkpoint=True, process_group_backend=process_group_backend,
                          timeout=timeout)
         self.ranks_per_node, self.auto_wrap_policy, self.strict_resume = ranks_per_node, policy, strict_resume
+        self._start_method = start_method
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()  # Lightning's script launcher, unless the processes exist already
+        if self._launcher is not None and self._start_method != "popen":
+            cls = _ShardedForkserverLauncher if self._start_method == "forkserver" else _ShardedSpawnLauncher
+            self._launcher = cls(self, start_method=self._start_method)
 
     # -- the mesh and the model ----------------------------------------------------------------------
     def _setup_distributed(self) -> None:
