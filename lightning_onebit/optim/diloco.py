@@ -406,7 +406,9 @@ class DiLoCo(DiLoCoLayout, ShardedDiLoCoCheckpoint, DiLoCoCheckpoint, torch.opti
     @contextlib.contextmanager
     def anchor_in_params(self) -> Iterator[None]:
         """Inside: the parameters hold the anchor, the model every rank shares (what validation
-        evaluates); on exit this rank's replica comes back."""
+        evaluates); on exit this rank's replica comes back. Of an FSDP2 model, call
+        ``lightning_onebit.comm.sharding.reshard(model)`` before entering and before leaving: FSDP2's root keeps
+        the parameters it gathered for a forward without backward, and would not see the swap."""
         local = self._replica_aside = self._flat()  # local_state() inside saves the replica, not the anchor
         self._unflatten_into_params(self._outer["anchor"] if "anchor" in self._outer else local)
         try:
