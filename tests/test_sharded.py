@@ -251,6 +251,15 @@ def _sharded_adam_job(rank, world_size):
     q = build(mesh["shard"])
     steps(q, ShardedCompressed("qadam", q.parameters(), mesh=mesh, lr=3e-3, warmup_steps=2), range(4))
     out["qadam"] = torch.cat([v.reshape(-1) for v in full(q).values()])
+    # a param group added later trains too (not only the groups given at construction)
+    m = build(mesh["shard"])
+    first, rest = list(m.head.parameters()), [p for n, p in m.named_parameters() if not n.startswith("head.")]
+    opt3 = ShardedCompressed("onebit_adam", first, mesh=mesh, lr=3e-3, warmup_steps=1)
+    opt3.add_param_group({"params": rest, "lr": 1e-3})
+    before = [p.to_local().clone() for p in rest]
+    steps(m, opt3, range(2))
+    out["added_group_trains"] = all(not torch.equal(b, p.to_local()) for b, p in zip(before, rest, strict=True)
+                                    if b.numel()) and opt3.param_groups[1]["lr"] == 1e-3
     # why a strategy reshards before writing into the shards outside a training step: after a forward without
     # backward FSDP2's root keeps its gathered parameters, and the next forward uses them as they were
     def halved_output(forward_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,6 +323,7 @@ def test_sharded_onebit_adam_warms_up_as_fsdp_adamw_and_keeps_nodes_in_step():
         assert "strategy='onebit_adam_fsdp'" in err["fsdp1 views"]
         assert "an FSDP flat parameter" in err["fsdp1 flat"] and "strategy='diloco_fsdp'" in err["fsdp1 flat"]
         assert r["stale_without_reshard"] and r["fresh_after_reshard"]
+        assert r["added_group_trains"]
         assert "resumes on the mesh it was saved on" in err["other mesh"]
     assert all(torch.equal(out[0]["onebit"], r["onebit"]) for r in out[1:])
     assert all(torch.equal(out[0]["qadam"], r["qadam"]) for r in out[1:])

@@ -84,6 +84,19 @@ class ShardedCompressed(torch.optim.Optimizer):
         self.defaults = dict(self.inner.defaults)
         self.algorithm = name
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group here and to the optimizer on the shards (after construction: torch's ``__init__`` adds
+        the first groups before that optimizer exists, and builds it from them)."""
+        super().add_param_group(param_group)
+        if "inner" not in self.__dict__:
+            return
+        g = self.param_groups[-1]
+        self.sharding.check_params(g["params"])
+        for p in g["params"]:
+            self._proxies[id(p)] = local(p).detach().requires_grad_(p.requires_grad)
+        self.inner.add_param_group(dict(g, params=[self._proxies[id(p)] for p in g["params"]]))
+        g.update({k: v for k, v in self.inner.param_groups[-1].items() if k != "params"})
+
     def __getattr__(self, name: str) -> Any:  # the inner optimizer's phase, counters and switches
         inner = self.__dict__.get("inner")
         if inner is None or name.startswith("_"):
