@@ -70,7 +70,7 @@ from .options import (
     check_int,
     checked_optimizer_kwargs,
     compressed_conflicts,
-    keyword_arguments,
+    sharded_variant,
 )
 from .schedulers import repoint_scheduler
 
@@ -79,6 +79,12 @@ __all__ = ["ALGORITHMS", "SHARD_DIR", "CompressedDDPStrategy", "destroy_process_
 
 #: strategy name -> optimizer class (each optimizer names its strategy, see CompressedOptimizer)
 ALGORITHMS: dict[str, type[CompressedOptimizer]] = CompressedOptimizer.algorithms()
+
+
+def _compressed_fsdp() -> type:
+    from .compressed_fsdp import CompressedFSDPStrategy  # (imported late: it imports this package's optimizers)
+
+    return CompressedFSDPStrategy
 
 
 class _AgreeingGradScaler(torch.amp.GradScaler):
@@ -156,20 +162,13 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
     algorithm: str = "onebit_adam"
 
     def __new__(cls, *args: Any, sharding: str | None = None, **kwargs: Any):
-        if sharding is None:
+        target = sharded_variant(cls.__name__, sharding, _compressed_fsdp, kwargs)
+        if target is None:
             return super().__new__(cls)
-        if sharding != "fsdp":
-            raise ValueError(f"{cls.__name__}: sharding must be None or 'fsdp', got {sharding!r}")
-        from .compressed_fsdp import CompressedFSDPStrategy  # (not a subclass: Python does not call __init__ again)
-
-        algorithm = kwargs.pop("algorithm", None) or (args[0] if args else None) or cls.algorithm
         if len(args) > 3:
             raise ValueError(f"{cls.__name__}(sharding='fsdp'): pass the options after optimizer_kwargs by keyword")
-        extra = sorted(k for k in kwargs if k not in keyword_arguments(CompressedFSDPStrategy))
-        if extra:
-            raise ValueError(f"{cls.__name__}(sharding='fsdp') does not take {extra}: the mesh of nodes x ranks per "
-                             "node sets the layout, and FSDP2 replaces DDP's options")
-        return CompressedFSDPStrategy(algorithm, *args[1:], **kwargs)
+        algorithm = kwargs.pop("algorithm", None) or (args[0] if args else None) or cls.algorithm
+        return target(algorithm, *args[1:], **kwargs)  # (not a subclass: Python does not call __init__ again)
 
     def __init__(self, algorithm: str | None = None, warmup: int | float | str | None = None,
                  optimizer_kwargs: Mapping[str, Any] | None = None, hierarchical: bool | None = None,

@@ -24,7 +24,6 @@ from typing import Any
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
-from torch.optim import Optimizer
 
 from ..callbacks.phase import DEFAULT_WARMUP, check_warmup, resolve_warmup
 from ..optim import CompressedOptimizer, ShardedCompressed
@@ -51,6 +50,7 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
             :class:`~lightning_onebit.strategies.fsdp.NodeShardedStrategy`'s.
     """
 
+    _optimizer_type = ShardedCompressed
     _reshard_note = ("the model, the moments, the frozen variance and the phase are resharded; the error state starts "
                      "at zero")
     _lost_note = "their error state starts at zero (the model, moments, variance and phase are the checkpoint's)"
@@ -126,14 +126,6 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
         self.optimizers = out
 
     # -- checkpoints ------------------------------------------------------------------------------------
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        opt = getattr(optimizer, "_optimizer", optimizer)
-        if not isinstance(opt, ShardedCompressed):
-            raise ValueError(f"strategy '{self.strategy_name}' checkpoints ShardedCompressed optimizers only, got "
-                             f"{type(opt).__name__}")
-        tensors, shared, own = opt.sharded_state_dict(self._names(opt))
-        return {"tensors": tensors, "shared": shared, "own": own}
-
     def _load_optimizer(self, opt: ShardedCompressed, shared: dict, read: Callable[[dict], None],
                         own: dict | None, node: int) -> None:
         opt.load_sharded_state_dict(shared, read, self._names(opt), own)

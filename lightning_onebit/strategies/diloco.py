@@ -41,7 +41,7 @@ from ..compress import compile_kernels
 from ..optim.diloco import COMPRESSIONS, DiLoCo
 from .checkpoints import RankShards
 from .launch import BaseDDPStrategy
-from .options import check_bool, check_choice, check_int, check_real, conflict, keyword_arguments
+from .options import check_bool, check_choice, check_int, check_real, conflict, sharded_variant
 from .schedulers import repoint_scheduler
 
 __all__ = ["DiLoCoFit", "DiLoCoStrategy", "check_diloco_options"]
@@ -68,6 +68,12 @@ def check_diloco_options(options: dict[str, Any], owner: str = "DiLoCoStrategy")
         DiLoCo([torch.zeros(1, requires_grad=True)], **options)  # the ranges, and the options together
     except ValueError as exc:
         raise ValueError(f"{owner}: {exc}") from exc
+
+
+def _diloco_fsdp() -> type:
+    from .diloco_fsdp import DiLoCoFSDPStrategy  # (imported late: it builds on this module)
+
+    return DiLoCoFSDPStrategy
 
 
 class DiLoCoFit:
@@ -263,18 +269,9 @@ class DiLoCoStrategy(RankShards, DiLoCoFit, BaseDDPStrategy):
     """
 
     def __new__(cls, *args: Any, sharding: str | None = None, **kwargs: Any):
-        if sharding is None:
-            return super().__new__(cls)
-        if sharding != "fsdp":
-            raise ValueError(f"DiLoCoStrategy: sharding must be None or 'fsdp', got {sharding!r}")
-        from .diloco_fsdp import DiLoCoFSDPStrategy  # (not a subclass: Python does not call __init__ again)
-
-        takes = keyword_arguments(DiLoCoFSDPStrategy)
-        extra = sorted(k for k in kwargs if k not in takes)
-        if extra:
-            raise ValueError(f"DiLoCoStrategy(sharding='fsdp') does not take {extra}: the mesh of nodes x ranks per "
-                             "node sets the outer all-reduce's layout, and FSDP2 replaces DDP's options")
-        return DiLoCoFSDPStrategy(*args, **kwargs)
+        target = sharded_variant(cls.__name__, sharding, _diloco_fsdp, kwargs)
+        # (not a subclass: Python does not call __init__ again)
+        return super().__new__(cls) if target is None else target(*args, **kwargs)
 
     def __init__(self, sync_every: int | None = None, outer_lr: float | None = None,
                  outer_momentum: float | None = None, nesterov: bool | None = None, compression: str | None = None,

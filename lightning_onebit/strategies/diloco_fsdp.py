@@ -34,7 +34,6 @@ from typing import Any
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch import nn
-from torch.optim import Optimizer
 
 from ..comm.sharding import like, reshard
 from ..optim.diloco import DiLoCo
@@ -58,6 +57,7 @@ class DiLoCoFSDPStrategy(DiLoCoFit, NodeShardedStrategy):
     """
 
     strategy_name = "diloco_fsdp"
+    _optimizer_type = DiLoCo
     _reshard_note = ("the model, the anchor, the outer momentum and node 0's moments are resharded; every rank starts "
                      "from the anchor with its error state zero")
     _lost_note = "their ranks start from the anchor with their node's moments and the error state zero"
@@ -103,14 +103,6 @@ class DiLoCoFSDPStrategy(DiLoCoFit, NodeShardedStrategy):
         """The model as this rank's shards (DTensors): the anchor, not this node's replica, and the mean of
         the ranks' buffers."""
         return self._as_anchor(self.lightning_module.state_dict(), like)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        opt = getattr(optimizer, "_optimizer", optimizer)
-        if not isinstance(opt, DiLoCo):
-            raise ValueError(f"strategy '{self.strategy_name}' checkpoints DiLoCo optimizers only, got "
-                             f"{type(opt).__name__}")
-        tensors, shared, own = opt.sharded_state_dict(self._names(opt))
-        return {"tensors": tensors, "shared": shared, "own": own}
 
     def _load_optimizer(self, opt: DiLoCo, shared: dict, read: Callable[[dict], None], own: dict | None,
                         node: int) -> None:

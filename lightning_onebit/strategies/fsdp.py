@@ -213,9 +213,17 @@ class NodeShardedStrategy(ModelParallelStrategy):
         """The model as this rank's shards (DTensors; FSDP2's own state dict)."""
         return self.lightning_module.state_dict()
 
+    #: the optimizer class this strategy checkpoints (its ``sharded_state_dict`` and ``load_sharded_state_dict``)
+    _optimizer_type: type = Optimizer
+
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """``{"tensors": ..., "shared": ..., "own": ...}`` of ``optimizer`` (see the module docstring)."""
-        raise NotImplementedError
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        if not isinstance(opt, self._optimizer_type):
+            raise ValueError(f"strategy '{self.strategy_name}' checkpoints {self._optimizer_type.__name__} optimizers "
+                             f"only, got {type(opt).__name__}")
+        tensors, shared, own = opt.sharded_state_dict(self._names(opt))
+        return {"tensors": tensors, "shared": shared, "own": own}
 
     def _load_optimizer(self, opt: Optimizer, shared: dict, read: Callable[[dict], None], own: dict | None,
                         node: int) -> None:

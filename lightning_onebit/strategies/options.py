@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -165,3 +165,18 @@ def _same_warmup(strategy, trainer, opt: CompressedOptimizer) -> bool:
         return resolve_warmup(strategy.warmup, trainer.estimated_stepping_batches) == opt.warmup_steps
     except ValueError:  # a fraction of a run of unknown length
         return False
+
+
+def sharded_variant(owner: str, sharding: str | None, target: Callable[[], type], kwargs: Mapping[str, Any]):
+    """The class ``sharding="fsdp"`` builds instead of ``owner`` (``target()``, imported late), after checking
+    that it takes every keyword in ``kwargs``; ``None`` for ``sharding=None``."""
+    if sharding is None:
+        return None
+    if sharding != "fsdp":
+        raise ValueError(f"{owner}: sharding must be None or 'fsdp', got {sharding!r}")
+    cls = target()
+    extra = sorted(k for k in kwargs if k not in keyword_arguments(cls))
+    if extra:
+        raise ValueError(f"{owner}(sharding='fsdp') does not take {extra}: the mesh of nodes x ranks per node sets "
+                         "the layout, and FSDP2 replaces DDP's options")
+    return cls
