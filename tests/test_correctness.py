@@ -74,8 +74,8 @@ def test_lamb_frozen_coefficient_is_a_bias_corrected_average_of_defined_ratios()
     seen: dict[int, list[float]] = {id(p): [] for p in lin.parameters()}
     ratio = OnebitLamb._trust_ratio
 
-    def record(p, u, group):
-        coeff, defined = ratio(p, u, group)
+    def record(p, w_norm, u_norm, group):
+        coeff, defined = ratio(p, w_norm, u_norm, group)
         if defined:
             seen[id(p)].append(coeff)
         return coeff, defined

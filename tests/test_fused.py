@@ -3,6 +3,8 @@ decode that updates the parameters in its pass. Each is held to the unfused path
 reference backend, which materialises a Source with the torch ops that define it and applies a Sink
 after decoding."""
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -280,3 +282,14 @@ def test_functional_kernels_have_the_bits_of_their_torch_ops(fn, numba_path):
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
     if fn == "lamb_moments_":  # IEEE's square root against torch's vectorised one: an ulp apart at most
         torch.testing.assert_close(maxima[0], maxima[1], rtol=2.4e-7, atol=0)
+
+
+def test_lamb_moments_of_an_empty_tensor_is_minus_inf(numba_path):
+    """A rank's shard of a small tensor can be empty (FSDP2): its maximum is -inf, the identity of the max the
+    shards' maxima are reduced with, on the fused path and on torch's."""
+    from lightning_onebit.optim import functional as F
+
+    for make in (torch.ones, lambda n: torch.ones(n, 2).t()[0]):  # contiguous, then strided (torch's ops)
+        ts = [[make(0), make(3)] for _ in range(5)]
+        mx = F.lamb_moments_(*ts, [0.5, 0.5], beta1=0.9, beta2=0.999, eps=1e-8, eps_inside_sqrt=True)
+        assert mx[0] == -math.inf and math.isfinite(float(mx[1]))

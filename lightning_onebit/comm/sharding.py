@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from .agree import gather_objects
-from .dense import any_across
+from .dense import all_gather_rows, any_across
 
 __all__ = ["ShardedLayout", "full_state_dict", "is_sharded", "like", "load_sharded", "local", "node_index",
            "node_mesh", "reshard", "save_sharded", "saved_keys", "shard_modules", "sharded_kind"]
@@ -112,6 +112,16 @@ class ShardedLayout:
         """Whether ``flag`` (a 0-d or 1-element bool tensor) is set on some rank of this rank's node: the
         node's ranks hold shards of one model, so they take or skip an inner step together."""
         return bool(any_across(flag.reshape(1), self.shard_group)[0])  # on the flag's device (NCCL: a GPU)
+
+    def whole_tensor_stats(self, sums: torch.Tensor, maxima: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-tensor statistics of the whole tensors from those of this rank's shards: ``sums`` (e.g. squared
+        norms, element counts) added and ``maxima`` maxed over the node's ranks (1-D fp32 tensors of the same
+        lengths on every rank of the node). One all-gather on the fast link, reduced here in rank order, so
+        every rank of the node gets the same bits."""
+        row = torch.cat([sums.reshape(-1).float(), maxima.reshape(-1).float()])
+        rows = torch.empty((self.ranks_per_node, row.numel()), dtype=row.dtype, device=row.device)
+        all_gather_rows(rows, row, group=self.shard_group)
+        return rows[:, :sums.numel()].sum(0), rows[:, sums.numel():].amax(0)
 
     def __repr__(self) -> str:
         return f"ShardedLayout({self.nodes} nodes x {self.ranks_per_node} ranks)"

@@ -113,6 +113,10 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
     #: a NaN/inf gradient always makes the payload non-finite, so the collective's own check (its
     #: scale reduction, on every rank) finds it and no extra pass over the gradient is needed
     payload_shows_nonfinite: ClassVar[bool] = True
+    #: ``(sums, maxima) -> (sums, maxima)`` of per-tensor statistics over every shard of each tensor, for rules
+    #: that need whole tensors (1-bit LAMB's norms); ``None``: each tensor is whole on this rank. Set by
+    #: :class:`~.sharded.ShardedCompressed` (the node's ranks hold the shards)
+    whole_tensor_stats: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     _registry: ClassVar[dict[str, type[CompressedOptimizer]]] = {}
 

@@ -188,6 +188,11 @@ class BucketState:
     that must not move in a step. Expects the optimizer's ``param_groups``, ``state``,
     ``flat_state`` and phase attributes."""
 
+    #: the size a parameter counts for against ``bucket_cap_mb``, by ``id`` (default: its own): a parameter's
+    #: whole size when it is one rank's shard, so that the ranks of a node, whose shards differ in size, cut
+    #: the same buckets and can reduce per-bucket statistics together (:class:`~.sharded.ShardedCompressed`)
+    bucket_sizes: dict[int, int] | None = None
+
     def params_in_order(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
@@ -204,12 +209,13 @@ class BucketState:
             for p in reversed(self.param_groups[gi]["params"]):  # backward order: last layers first
                 if not p.requires_grad:
                     continue
-                if cur and (size + p.numel() > cap or p.device != cur[0].device or p.dtype != cur[0].dtype
+                n = p.numel() if self.bucket_sizes is None else self.bucket_sizes.get(id(p), p.numel())
+                if cur and (size + n > cap or p.device != cur[0].device or p.dtype != cur[0].dtype
                             or (id(p) in self._ddp_params) != (id(cur[0]) in self._ddp_params)):
                     runs.append((gi, cur))
                     cur, size = [], 0
                 cur.append(p)
-                size += p.numel()
+                size += n
             if cur:
                 runs.append((gi, cur))
         new = [Bucket(len(self._buckets) + k, gi, ps, [ids[id(q)] for q in ps], via_ddp=id(ps[0]) in self._ddp_params)

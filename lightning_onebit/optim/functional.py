@@ -14,6 +14,7 @@ CPU kernels use one (``lerp``, ``add(alpha=)``), nowhere else (numba does not co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -236,7 +237,7 @@ def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor
        u = \frac{m}{d} \cdot \frac{1}{1-\beta_1^t}
 
     (``updates`` receives u), returning each tensor's :math:`\max d / d^{fresh}` (one tensor, on the
-    tensors' device: no host sync) with
+    tensors' device: no host sync; -inf for an empty tensor) with
     :math:`d^{fresh} = \sqrt{v^{fresh} + \epsilon}` (or :math:`\sqrt{v^{fresh}} + \epsilon`). The bits of
     ``torch.sub(m, prev, alpha=beta1)``, ``fresh.mul_(beta2).addcmul_(w, w, value=...)``, the
     divisions and ``torch.segment_reduce(..., "max")``; one pass on the CPU instead of eight. One
@@ -251,7 +252,7 @@ def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor
             w = torch.sub(m, p, alpha=beta1)
             f.mul_(beta2).addcmul_(w, w, value=c)
             df = (f + eps).sqrt_() if eps_inside_sqrt else f.sqrt().add_(eps)
-            out.append((d / df).max())
+            out.append((d / df).max() if d.numel() else d.new_full((), -math.inf))
             torch.div(m, d, out=u).mul_(1 / bc)
         return torch.stack(out)
     return _lamb_fused(exp_avgs, prevs, fresh, denoms, updates, bias_corrections, beta1, c, beta2, eps,
@@ -265,7 +266,8 @@ def _lamb_fused(ms, ps, fs, ds, us, bcs, beta1, c, beta2, eps, inside) -> torch.
         maxima = np.empty((m.numel() + _CHUNK - 1) // _CHUNK, np.float32)
         _lamb_stats(m.numel(), _np(m), _np(p), _np(f), _np(d), _np(u), f32(beta1), f32(c), f32(beta2), f32(eps),
                     inside, f32(1 / bc), maxima, _CHUNK)
-        out.append(torch.from_numpy(maxima).max())  # a NaN anywhere stays NaN, as in torch
+        # a NaN anywhere stays NaN, as in torch; an empty tensor (a rank's empty shard of it) has none
+        out.append(torch.from_numpy(maxima).max() if maxima.size else torch.tensor(-math.inf))
     return torch.stack(out)
 
 

@@ -107,40 +107,63 @@ class OnebitLamb(OnebitAdam):
         super()._load_extra_state(extra)
         self._united_scale = extra.get("united_scale")
 
+    # -- whole-tensor statistics ----------------------------------------------------------
+    def _norms(self, tensors: list[torch.Tensor]) -> list[float]:
+        """Each tensor's L2 norm in one host read; of the whole tensor where this rank holds a shard of it."""
+        if not tensors:
+            return []
+        if self.whole_tensor_stats is None:
+            return torch.stack([t.norm() for t in tensors]).tolist()
+        squares = torch.stack([torch.dot(f, f) for f in (t.reshape(-1) for t in tensors)])
+        return self.whole_tensor_stats(squares, squares[:0])[0].sqrt().tolist()
+
+    def _rms(self, params: list[torch.Tensor], views: list[torch.Tensor]) -> list[float]:
+        """The root mean square of each parameter's ``views`` (its whole tensor's, where this rank holds a shard)."""
+        if not views:
+            return []
+        if self.whole_tensor_stats is None:
+            return torch.stack([v.norm() / v.numel() ** 0.5 for v in views]).tolist()
+        sizes = self.bucket_sizes or {}
+        return [n / sizes.get(id(p), v.numel()) ** 0.5
+                for p, v, n in zip(params, views, self._norms(views), strict=True)]
+
     # -- warm-up ---------------------------------------------------------------------------
     def _update_warmup(self, b: Bucket, grad: torch.Tensor, group: dict, has_grad: list[bool]) -> None:
         m, v = self._warmup_moments(b, grad, group)
         beta1, beta2 = group["betas"]
         wd, cb = group["weight_decay"], group["coeff_beta"]
-        for p, mm, vv, t, h in zip(b.params, b.views(m), b.views(v), self._steps(b), has_grad, strict=True):
-            if not h:
-                continue
-            u = (mm / _bias_correction(beta1, t)) / (vv / _bias_correction(beta2, t)).sqrt_().add_(group["eps"])
+        keep = [i for i, h in enumerate(has_grad) if h]
+        if not keep:
+            return
+        ms, vs, us, steps = b.views(m), b.views(v), b.views(self._scratch(b)), self._steps(b)
+        ws = [b.params[i].detach().float() for i in keep]
+        for i, w in zip(keep, ws, strict=True):  # u = m_hat / (sqrt(v_hat) + eps) + wd w, as torch's ops round it
+            u = torch.div(ms[i], _bias_correction(beta1, steps[i]), out=us[i])
+            u.div_((vs[i] / _bias_correction(beta2, steps[i])).sqrt_().add_(group["eps"]))
             if wd:
-                u.add_(p.detach().float(), alpha=wd)
-            coeff, defined = self._trust_ratio(p, u, group)
+                u.add_(w, alpha=wd)
+        norms = self._norms([*ws, *(us[i] for i in keep)])  # every ||w||, ||u|| of the bucket in one read
+        for j, i in enumerate(keep):
+            p = b.params[i]
+            coeff, defined = self._trust_ratio(p, norms[j], norms[len(keep) + j], group)
             if defined:
                 st = self.state[p]
                 st["lamb_coeff_ema"] = cb * st.get("lamb_coeff_ema", 0.0) + (1 - cb) * coeff
                 st["lamb_coeff_n"] = st.get("lamb_coeff_n", 0) + 1
-            p.add_(u.to(p.dtype), alpha=-group["lr"] * coeff)
+            p.add_(us[i].to(p.dtype), alpha=-group["lr"] * coeff)
 
     @staticmethod
-    def _trust_ratio(p: torch.Tensor, u: torch.Tensor, group: dict) -> tuple[float, bool]:
-        """(clipped ||w|| / ||u||, whether the ratio is defined); 1 where it is not."""
-        w_norm, u_norm = p.detach().float().norm().item(), u.norm().item()
+    def _trust_ratio(p: torch.Tensor, w_norm: float, u_norm: float, group: dict) -> tuple[float, bool]:
+        """(clipped ||w|| / ||u||, whether the ratio is defined) for parameter ``p``; 1 where it is not."""
         if w_norm > 0 and u_norm > 0:
             return min(max(w_norm / u_norm, group["min_coeff"]), group["max_coeff"]), True
         return 1.0, False
 
     # -- switch ----------------------------------------------------------------------------
-    @staticmethod
-    def _rms(views: list[torch.Tensor]) -> list[float]:
-        return torch.stack([v.norm() / v.numel() ** 0.5 for v in views]).tolist() if views else []
-
     def _on_start_compression(self) -> None:
         # DeepSpeed's united scale: the mean momentum rms over all layers, at the switch
-        rms = self._rms([v for b in self._buckets if b.switch_step is None for v in b.views(b.flat["exp_avg"])])
+        due = [b for b in self._buckets if b.switch_step is None]
+        rms = self._rms([p for b in due for p in b.params], [v for b in due for v in b.views(b.flat["exp_avg"])])
         self._united_scale = sum(rms) / len(rms) if rms else 1.0
 
     def _on_switch(self, b: Bucket) -> None:
@@ -150,7 +173,7 @@ class OnebitLamb(OnebitAdam):
         for out, vv, t in zip(b.views(fresh), b.views(v), self._steps(b, "frozen_step"), strict=True):
             torch.div(vv, _bias_correction(beta2, t), out=out)  # v_fresh starts at the frozen v_hat
         united = self._united_scale if self._united_scale is not None else 1.0
-        for p, rms in zip(b.params, self._rms(b.views(b.flat["exp_avg"])), strict=True):
+        for p, rms in zip(b.params, self._rms(b.params, b.views(b.flat["exp_avg"])), strict=True):
             st = self.state[p]
             st["last_factor"] = 1.0
             n = st.get("lamb_coeff_n", 0)
@@ -210,6 +233,9 @@ class OnebitLamb(OnebitAdam):
         if wd:
             stats += [torch.stack([u.dot(u) for u in us]), torch.stack([u.dot(q) for u, q in zip(us, pf, strict=True)]),
                       torch.stack([q.dot(q) for q in pf])]
+        if self.whole_tensor_stats is not None:  # the whole tensors' maxima and dot products, from the shards'
+            sums, top = self.whole_tensor_stats(torch.cat(stats[1:]) if wd else stats[0][:0], stats[0])
+            stats = [top, *sums.view(len(stats) - 1, -1)]
         rows = torch.stack(stats).tolist()
         steps, decays = [], []
         for j, i in enumerate(keep):
