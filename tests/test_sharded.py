@@ -251,6 +251,36 @@ def _sharded_adam_job(rank, world_size):
     q = build(mesh["shard"])
     steps(q, ShardedCompressed("qadam", q.parameters(), mesh=mesh, lr=3e-3, warmup_steps=2), range(4))
     out["qadam"] = torch.cat([v.reshape(-1) for v in full(q).values()])
+    # 1-bit LAMB on shards, buckets small enough that the node's uneven shards would cut them differently: its
+    # warm-up is LAMB on the world's mean gradient (whole-tensor norms from the shards'), its per-tensor scalars
+    # are the whole tensors' on every rank, and its compressed steps keep the nodes in step
+    from lightning_onebit import OnebitLamb
+
+    lamb_kw = dict(lr=1e-2, weight_decay=0.01, warmup_steps=3, bucket_cap_mb=0.004)
+    lm = build(mesh["shard"])
+    lamb = ShardedCompressed("onebit_lamb", lm.parameters(), mesh=mesh, **lamb_kw)
+    torch.manual_seed(0)
+    plain = TinyLM()
+    ref = OnebitLamb(plain.parameters(), **lamb_kw)  # every rank the same model and the world's mean gradient
+    for t in range(3):
+        steps(lm, lamb, [t])
+        ref.zero_grad()
+        (sum(_loss(plain, _batch(r // 2, r % 2, t)) for r in range(4)) / 4).backward()
+        ref.step()
+    mine = full(lm)
+    out["lamb_warmup_max_diff"] = max(float((mine[n] - p.detach()).abs().max())
+                                      for n, p in plain.named_parameters() if not n.endswith("in_proj_bias"))
+    ref.start_compression()
+    ref_state = [ref.state[p] for p in plain.parameters()]
+    steps(lm, lamb, range(3, 6))
+    keys = ("lamb_coeff_freeze", "scaling_coeff", "last_factor")
+    inner = [lamb.inner.state[q] for q in lamb.inner.params_in_order()]
+    out["lamb_scalars"] = [[st[k] for k in keys] for st in inner]
+    out["lamb_scalars_vs_whole"] = {n: max(abs(st[k] / rs[k] - 1) for k in keys[:2])
+                                    for (n, _), st, rs in zip(plain.named_parameters(), inner, ref_state, strict=True)
+                                    if not n.endswith("in_proj_bias")}  # (as above)
+    out["lamb"] = torch.cat([v.reshape(-1) for v in full(lm).values()])
+    out["lamb_buckets"] = [b.ids for b in lamb.inner._buckets]
     # a param group added later trains too (not only the groups given at construction)
     m = build(mesh["shard"])
     first, rest = list(m.head.parameters()), [p for n, p in m.named_parameters() if not n.startswith("head.")]
@@ -294,7 +324,7 @@ def _sharded_adam_job(rank, world_size):
     for name, make in {
         "fsdp1 views": lambda: OnebitAdam(fsdp1(True).parameters()),
         "fsdp1 flat": lambda: DiLoCo(fsdp1(False).parameters()),
-        "lamb": lambda: ShardedCompressed("onebit_lamb", build(mesh["shard"]).parameters(), mesh=mesh),
+        "0/1 adam": lambda: ShardedCompressed("zero_one_adam", build(mesh["shard"]).parameters(), mesh=mesh),
         "group": lambda: ShardedCompressed("onebit_adam", build(mesh["shard"]).parameters(), mesh=mesh, group=None),
         "other mesh": lambda: opt2.load_state_dict(dict(back["opt"], mesh=(1, 4))),
     }.items():
@@ -317,7 +347,10 @@ def test_sharded_onebit_adam_warms_up_as_fsdp_adamw_and_keeps_nodes_in_step():
         assert r["state_numel"] <= r["model_numel"] / 2 + 2 * D * 4  # its state is of this rank's shards
         assert r["resumed_exactly"]
         err = r["errors"]
-        assert "trust ratio" in err["lamb"] and "drop ['group']" in err["group"]
+        assert "local steps" in err["0/1 adam"] and "drop ['group']" in err["group"]
+        assert r["lamb_warmup_max_diff"] < 1e-6, r["lamb_warmup_max_diff"]
+        assert max(r["lamb_scalars_vs_whole"].values()) < 1e-5, r["lamb_scalars_vs_whole"]  # not one shard's norms
+        assert len(r["lamb_buckets"]) > 2
         # FSDP1 fails in the constructor, naming the sharded strategy to use instead
         assert "a view of an FSDP flat parameter (use_orig_params=True" in err["fsdp1 views"], err["fsdp1 views"]
         assert "strategy='onebit_adam_fsdp'" in err["fsdp1 views"]
@@ -327,3 +360,5 @@ def test_sharded_onebit_adam_warms_up_as_fsdp_adamw_and_keeps_nodes_in_step():
         assert "resumes on the mesh it was saved on" in err["other mesh"]
     assert all(torch.equal(out[0]["onebit"], r["onebit"]) for r in out[1:])
     assert all(torch.equal(out[0]["qadam"], r["qadam"]) for r in out[1:])
+    assert all(torch.equal(out[0]["lamb"], r["lamb"]) and r["lamb_scalars"] == out[0]["lamb_scalars"]
+               and r["lamb_buckets"] == out[0]["lamb_buckets"] for r in out[1:])

@@ -5,8 +5,8 @@ One 4-rank job runs every fit the tests need: a 2-epoch fit of a transformer (em
 attention, biases next to a wider layer) sharded by ``auto_wrap_policy``, with a checkpoint directory after
 each epoch (mid-interval); its resume on the same mesh (bit for bit); resumes on other meshes (1x4 and,
 from a 4x1 save, 2x2) that start every rank from the anchor; a lost rank file; the same for
-``onebit_adam_fsdp`` (exact resume, 2x2 -> 1x4); and the setup errors. A 2-rank job resumes the 2x2
-checkpoint on 2x1.
+``onebit_adam_fsdp`` (exact resume, 2x2 -> 1x4); ``onebit_lamb_fsdp`` (exact resume); and the setup errors.
+A 2-rank job resumes the 2x2 checkpoint on 2x1.
 """
 
 from __future__ import annotations
@@ -50,12 +50,12 @@ def _data():
 
 
 def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs: int = 2, strict: bool = False,
-         policy: bool = True, onebit: bool = False, configure: bool = False):
+         policy: bool = True, onebit: bool = False, configure: bool = False, lamb: bool = False):
     """One fit on this rank: (what it saw, its trainer). ``out``: its root dir, checkpoints in ``out/ckpt``."""
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    from lightning_onebit import CommunicationMonitor, DiLoCoStrategy, OnebitAdamStrategy
+    from lightning_onebit import CommunicationMonitor, DiLoCoStrategy, OnebitAdamStrategy, OnebitLambStrategy
 
     class Configured(_Lit):  # sharded by the user, as the docs show
         def configure_model(self) -> None:
@@ -84,7 +84,7 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
     layout = dict(sharding="fsdp", ranks_per_node=per_node,
                   auto_wrap_policy={Block} if policy and not configure else None,
                   strict_resume=strict)
-    strategy = OnebitAdamStrategy(warmup=2, **layout) if onebit else \
+    strategy = (OnebitLambStrategy if lamb else OnebitAdamStrategy)(warmup=2, **layout) if onebit else \
         DiLoCoStrategy(sync_every=3, compression="4bit", **layout)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
@@ -166,6 +166,11 @@ def _four_rank_job(rank, world_size, tmp):
     out["onebit model"] = _anchor_of(ockpt, tmp)
     out["onebit resumed"] = _fit(os.path.join(tmp, "onebit_b"), world_size, per_node=2, ckpt=ockpt, onebit=True)
     out["onebit 1x4"] = _fit(os.path.join(tmp, "onebit_c"), world_size, per_node=4, ckpt=ockpt, onebit=True)
+    # 1-bit LAMB on the shards (whole-tensor norms over the node): compressed, exact resume on 2x2
+    lamb = os.path.join(tmp, "lamb")
+    out["lamb"] = _fit(lamb, world_size, per_node=2, onebit=True, lamb=True)
+    out["lamb resumed"] = _fit(os.path.join(tmp, "lamb_b"), world_size, per_node=2, onebit=True, lamb=True,
+                               ckpt=os.path.join(lamb, "ckpt", SAVED))
     out["errors"] = {
         "per node": _error(lambda: _fit(os.path.join(tmp, "e1"), world_size, per_node=3)),
         "nothing sharded": _error(lambda: _fit(os.path.join(tmp, "e2"), world_size, per_node=2, policy=False)),
@@ -267,6 +272,16 @@ def test_onebit_adam_fsdp_compresses_resumes_exactly_and_reshards(four_ranks):
         assert c["mesh"] == (1, 4) and torch.equal(c["start"], out[0]["onebit model"]) and c["compressing"]
         assert torch.isfinite(c["end"]).all() and not torch.equal(c["end"], c["start"])
     assert any("error state starts at zero" in w for w in out[0]["onebit 1x4"]["warnings"])
+
+
+@pytest.mark.budget(120)  # (the module's 4-rank job, when run alone)
+def test_onebit_lamb_fsdp_compresses_and_resumes_exactly(four_ranks):
+    _, out = four_ranks
+    for r in out:
+        fit, resumed = r["lamb"], r["lamb resumed"]
+        assert fit["kind"] == "CompressedFSDPStrategy" and fit["compressing"] and fit["step"] == 8
+        assert torch.equal(fit["end"], out[0]["lamb"]["end"]) and not torch.equal(fit["end"], out[0]["onebit"]["end"])
+        assert torch.equal(resumed["end"], fit["end"]) and resumed["warnings"] == []
 
 
 class _SaveWhole(L.Callback):

@@ -13,11 +13,13 @@ instead of replicated: moments, frozen variance and error state take 1/L of a re
     g_{a,k} = \tfrac1L \textstyle\sum_{l} g_{a,l}\big|_{\text{shard } k} \ \text{(FSDP, inside node } a)
     \qquad \theta_k \leftarrow \mathrm{Alg}\big(\theta_k,\ g_{\cdot,k};\ \text{group} = \{(a, k)\}_a\big)
 
-Sound for the algorithms whose update is elementwise given the mean: ``OnebitAdam`` and ``QAdam``
-(``SOUND``). Not offered: ``OnebitLamb`` (its trust ratio needs each whole tensor's norm, which a shard does
-not have), ``ZeroOneAdam`` (its local steps and variance refreshes are not built on shards yet) and
-``CDAdam`` (not built yet). The scales the compressed mean sends are per piece of a shard, not per whole
-tensor: its bits differ from an unsharded run's, not its bytes.
+Sound for the algorithms whose update is elementwise given the mean, ``OnebitAdam`` and ``QAdam``, and for
+``OnebitLamb``, whose per-tensor scalars (trust ratio, momentum rms, the layer factor's maximum) come from
+the whole tensors: each rank's shard statistics are summed (maxed) over the node's ranks in one small
+all-gather on the fast link per bucket and step (``SOUND``); the ranks of a node cut the same buckets, by
+the parameters' whole sizes. Not offered: ``ZeroOneAdam`` (its local steps and variance refreshes are not
+built on shards yet) and ``CDAdam`` (not built yet). The scales the compressed mean sends are per piece of a
+shard, not per whole tensor: its bits differ from an unsharded run's, not its bytes.
 
 The ranks of a node hold shards of one model, so they take, skip or raise on a step together: every step
 ORs a non-finite flag over the node (one byte on the fast link), and a rank whose node saw one makes its own
@@ -38,9 +40,8 @@ from .base import CompressedOptimizer
 __all__ = ["SOUND", "ShardedCompressed"]
 
 #: the algorithms with a sharded form, and why the others have none
-SOUND = ("onebit_adam", "qadam")
+SOUND = ("onebit_adam", "qadam", "onebit_lamb")
 _WHY_NOT = {
-    "onebit_lamb": "its trust ratio needs every whole tensor's norm, which a shard does not hold",
     "zero_one_adam": "its local steps and variance refreshes are not built on shards",
     "cd_adam": "not built on shards yet",
 }
@@ -50,7 +51,7 @@ class ShardedCompressed(torch.optim.Optimizer):
     """``algorithm`` (a strategy name of :data:`SOUND` or its class) on the shards of an FSDP2 model.
 
     Args:
-        algorithm: ``"onebit_adam"``, ``"qadam"``, or their class.
+        algorithm: ``"onebit_adam"``, ``"qadam"``, ``"onebit_lamb"``, or their class.
         params: the sharded model's parameters (every one sharded over ``mesh``'s inner dimension).
         mesh: the 2-D ``DeviceMesh`` of (nodes, ranks per node) FSDP2 sharded over (its inner dimension).
         **kwargs: the algorithm's options (``lr``, ``warmup_steps``, ...), but not ``group`` (the mesh
@@ -79,6 +80,9 @@ class ShardedCompressed(torch.optim.Optimizer):
                          for g in self.param_groups for p in g["params"]}
         inner_groups = [dict(g, params=[self._proxies[id(p)] for p in g["params"]]) for g in self.param_groups]
         self.inner = cls(inner_groups, group=self.sharding.replica_group, **kwargs)
+        # the node's ranks cut the same buckets and take whole-tensor statistics together
+        self.inner.bucket_sizes = {id(self._proxies[id(p)]): p.numel() for g in self.param_groups for p in g["params"]}
+        self.inner.whole_tensor_stats = self.sharding.whole_tensor_stats
         for g, ig in zip(self.param_groups, self.inner.param_groups, strict=True):
             g.update({k: v for k, v in ig.items() if k != "params"})  # the algorithm's defaults, visible here
         self.defaults = dict(self.inner.defaults)
@@ -94,6 +98,7 @@ class ShardedCompressed(torch.optim.Optimizer):
         self.sharding.check_params(g["params"])
         for p in g["params"]:
             self._proxies[id(p)] = local(p).detach().requires_grad_(p.requires_grad)
+            self.inner.bucket_sizes[id(self._proxies[id(p)])] = p.numel()
         self.inner.add_param_group(dict(g, params=[self._proxies[id(p)] for p in g["params"]]))
         g.update({k: v for k, v in self.inner.param_groups[-1].items() if k != "params"})
 

@@ -1,5 +1,5 @@
-"""``strategy="onebit_adam_fsdp"`` (and ``"qadam_fsdp"``): FSDP2 inside each node, the compressed
-optimizer on the shards between nodes.
+"""``strategy="onebit_adam_fsdp"`` (and ``"qadam_fsdp"``, ``"onebit_lamb_fsdp"``): FSDP2 inside each node,
+the compressed optimizer on the shards between nodes.
 
 The mesh, the sharding and the checkpoint directory are :class:`~.fsdp.NodeShardedStrategy`'s. An ``AdamW``
 from ``configure_optimizers`` becomes a :class:`~lightning_onebit.ShardedCompressed` of the algorithm with the
@@ -39,8 +39,8 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
     """FSDP2 inside each node + ``algorithm`` on the shards between nodes (see the module docstring).
 
     Args:
-        algorithm: ``"onebit_adam"`` or ``"qadam"`` (the algorithms with a sound sharded form; the others fail
-            here with the reason).
+        algorithm: ``"onebit_adam"``, ``"qadam"`` or ``"onebit_lamb"`` (the algorithms with a sound sharded form;
+            the others fail here with the reason).
         warmup: steps (an int) or a fraction of the run (a float in (0, 1)) of exact, fp32-averaged warm-up;
             default 0.15. A returned ``ShardedCompressed`` with other ``warmup_steps`` fails at setup naming both.
         optimizer_kwargs: the algorithm's further options (``eps_inside_sqrt``, ``bucket_cap_mb``, ...),
