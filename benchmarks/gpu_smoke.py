@@ -3,6 +3,8 @@
     python benchmarks/gpu_smoke.py                  # full: sizes up to 2^24 + 1000, timings, profile
     python benchmarks/gpu_smoke.py --quick          # sizes up to 2^20 + 3, fewer timings
     python benchmarks/gpu_smoke.py --out gpu_smoke.md --trace trace.json   # also keep the output, the trace
+    python benchmarks/gpu_smoke.py --only throughput step   # some groups: parity, device, throughput, step,
+                                                            # profile, capture
     NUMBA_ENABLE_CUDASIM=1 python benchmarks/gpu_smoke.py --cudasim   # the checks on CPU, under numba's
                                                                       # simulator (tiny sizes; CI runs it)
 
@@ -19,7 +21,8 @@ Checks, each a row of the table it prints:
   instead folds the workers' check into its agreement round);
 * ``SimulatedCluster`` on CUDA tensors with 1 and 3 pieces gives the same result;
 * resume: a compression-phase ``OnebitAdam`` state saved and loaded on the GPU continues bit for bit;
-* throughput: encode + error feedback and decode against the device copy bandwidth, 1M-128M;
+* throughput: encode + error feedback and decode against the device copy bandwidth, 1M-128M, and at
+  64M each kernel's own time (the profiler) against the bytes it must move;
 * the optimizer step alone: the compression-phase steps of ``OnebitAdam`` (world size 1 and 2 simulated
   workers), ``QAdam``, ``OnebitLamb`` and ``ZeroOneAdam`` (local and sync) and the warm-up of
   ``OnebitAdam(fused=True)`` over ``AdamW(fused=True)``'s on the same MLP, at 17M and 100M parameters
@@ -31,6 +34,8 @@ Checks, each a row of the table it prints:
 * a compression-phase ``OnebitAdam`` step captured with ``torch.cuda.graph`` and replayed 3 times
   against the same steps run eagerly on a copy, bit for bit (reported, not failed: the step is not
   capturable yet, and the line says why);
+* a ``torch.profiler`` profile of one compression-phase ``OnebitAdam`` step at 17M: host time by op,
+  the device's busy time, launches, copies and synchronizations;
 * a ``torch.profiler`` profile of one 8-worker 25M simulated call (with ``--trace PATH``, its chrome trace).
 
 Exits 1 if any parity, ordering, cluster or resume check fails, 2 if there is no GPU (and no
@@ -230,6 +235,35 @@ def check_throughput(device: torch.device, sizes: list[int]) -> None:
             f"({enc_bw / bw:.0%} of copy); decode {dec_s * 1e3:.2f} ms ({dec_bw / bw:.0%} of copy)")
 
 
+def profile_kernels(device: torch.device, n: int = 1 << 26) -> None:
+    """Each kernel of one encode + error feedback and one decode of ``n`` values, timed alone by the
+    profiler, with the bytes it must move over the device's copy bandwidth; and the torch ops between."""
+    from torch.profiler import ProfilerActivity, profile
+
+    codec = SignCodec(backend="cuda")
+    x, err = torch.randn(n, device=device), torch.zeros(n, device=device)
+    enc, out = codec.encode_error_feedback(x, err), torch.empty_like(x)
+    codec.decode(enc, out=out)
+    bw = 8 * n / _time(x.clone, 10)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            codec.encode_error_feedback(x, err, out=enc)
+            codec.decode(enc, out=out)
+        torch.cuda.synchronize(device)
+    # the fewest bytes each kernel must move: the reduction reads x and err, the encode reads them again
+    # and writes err and the codes, the decode reads the codes and writes the values
+    floor = {"_reduce_scales_kernel": 8 * n, "_encode_kernel": 12 * n + n / 8, "_decode_kernel": 4 * n + n / 8}
+    parts = []
+    for e in prof.key_averages():
+        dev_us = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0)) / max(e.count, 1)
+        name = next((k for k in floor if k in e.key), None)
+        if name is not None and dev_us > 0:
+            parts.append(f"{name.strip('_')} {dev_us:.0f} us ({floor[name] / (dev_us * 1e-6) / bw:.0%} of copy)")
+        elif "numba_cuda" not in e.key and dev_us > 0 and not e.key.startswith(("cuda", "cu", "Memcpy")):
+            parts.append(f"{e.key[:40]} {dev_us:.0f} us x{e.count // 3}")
+    row(f"kernels n={n >> 20}M", None, f"copy {bw / 1e9:.0f} GB/s; " + "; ".join(parts))
+
+
 #: the step's target over AdamW(fused=True)'s, by model size
 STEP_TARGET = {"17M": 3.0, "100M": 2.0}
 
@@ -313,6 +347,8 @@ def check_step_sync_free(device: torch.device) -> None:
     except RuntimeError as e:
         import traceback
 
+        while (e.__cause__ or e.__context__) is not None:  # the package wraps the collective's error: its origin
+            e = e.__cause__ or e.__context__
         frames = [f for f in traceback.extract_tb(e.__traceback__) if "lightning_onebit" in f.filename]
         at = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
         detail, ok = f"waits for the device{at}: {str(e).splitlines()[0]}", False
@@ -336,8 +372,15 @@ def check_graph_replay(device: torch.device, replays: int = 3) -> None:
         with torch.cuda.graph(graph):
             opt.step()
     except Exception as e:  # noqa: BLE001 - reported: what stops the capture is the finding
-        row("graph-captured OnebitAdam step", None, f"not capturable: {type(e).__name__}: "
-            f"{str(e).splitlines()[0][:160]}")
+        first = e
+        while (first.__cause__ or first.__context__) is not None:  # capture_end's error hides the first one
+            first = first.__cause__ or first.__context__
+        import traceback
+
+        frames = [f for f in traceback.extract_tb(first.__traceback__) if "lightning_onebit" in f.filename]
+        at = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+        row("graph-captured OnebitAdam step", None, f"not capturable{at}: {type(first).__name__}: "
+            f"{str(first).splitlines()[0][:160]}")
         return
     same = True
     for _ in range(replays):
@@ -356,6 +399,37 @@ def _kind(opt: torch.optim.Optimizer) -> str:
     if isinstance(opt, torch.optim.AdamW):
         return "step"
     return "compression" if opt.optimizer_steps >= opt.warmup_steps else "warm-up"
+
+
+def profile_step(device: torch.device, size: str = "17M", rows: int = 12) -> None:
+    """A ``torch.profiler`` profile of one compression-phase ``OnebitAdam`` step at world size 1:
+    where its host time goes (ops by self CPU time) against the device's busy time."""
+    from optimizer_step import _grads, mlp
+    from torch.profiler import ProfilerActivity, profile
+
+    params = [torch.nn.Parameter(p.detach().to(device)) for p in mlp(size)]
+    for p, g in zip(params, _grads(params, 1)[0], strict=True):
+        p.grad = g.to(device)
+    opt = OnebitAdam(params, lr=1e-3, warmup_steps=1)
+    for _ in range(3):
+        opt.step()
+    torch.cuda.synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        opt.step()
+        torch.cuda.synchronize(device)
+    from torch.autograd import DeviceType
+
+    events = prof.key_averages()
+    print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
+    # as the table's totals: host time of the CPU events, device time of the kernels and copies
+    cpu_us = sum(e.self_cpu_time_total for e in events if e.device_type == DeviceType.CPU)
+    dev_us = sum(getattr(e, "self_device_time_total", 0) for e in events if e.device_type != DeviceType.CPU)
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+    copies = sum(e.count for e in events if e.key.startswith("cudaMemcpy"))
+    syncs = sum(e.count for e in events if e.key in ("cudaStreamSynchronize", "cudaEventSynchronize"))
+    row(f"profile of one OnebitAdam compression step, {size}", None,
+        f"host {cpu_us / 1e3:.2f} ms in profiled ops (the profiler's own included), device {dev_us / 1e3:.2f} "
+        f"ms; {launches} kernel launches, {copies} copies, {syncs} stream/event synchronizations")
 
 
 def profile_call(device: torch.device, path: Path | None) -> None:
@@ -403,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", type=int, nargs="+", help="parity sizes (default 0 .. 2^24+1000)")
     ap.add_argument("--trace", type=Path, metavar="PATH",
                     help="write the chrome trace of one 8-worker 25M call to PATH (default: not written)")
+    ap.add_argument("--only", nargs="+", choices=GROUPS, metavar="GROUP",
+                    help=f"run only these groups of checks (default all: {', '.join(GROUPS)})")
     add_out_argument(ap)
     args = ap.parse_args(argv)
     if args.cudasim:
@@ -422,28 +498,41 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if FAILED else 0
 
 
+GROUPS = ("parity", "device", "throughput", "step", "profile", "capture")
+
+
 def run_checks(device: torch.device, sizes: list[int], args: argparse.Namespace) -> None:
-    """Every check of the module docstring that ``device`` allows, then the table of their rows."""
+    """Every check of the module docstring that ``device`` and ``--only`` allow, then the table of their rows."""
     t0 = time.time()
+    gpu = device.type == "cuda"
+    want = set(args.only or GROUPS)
     environment(device)
-    check_parity(device, sizes)
-    if device.type == "cuda":
-        check_stream_order(device)
-        check_sync_debug(device)
-        check_step_sync_free(device)
-        check_graph_replay(device)
-    check_cluster_pieces(device, 120 if args.cudasim else 1 << 20)  # the simulator pays per launch
-    check_resume(device)
-    if device.type == "cuda":
+    if "parity" in want:
+        check_parity(device, sizes)
+    if "device" in want:
+        if gpu:
+            check_stream_order(device)
+            check_sync_debug(device)
+        check_cluster_pieces(device, 120 if args.cudasim else 1 << 20)  # the simulator pays per launch
+        check_resume(device)
+    if gpu and "throughput" in want:
         check_throughput(device, [1 << 20, 1 << 26] if args.quick else [1 << 20, 1 << 24, 1 << 26, 1 << 27])
+        profile_kernels(device)
+    if gpu and "step" in want:
         check_step(device, "17M")
+        profile_step(device, "17M")
         if not args.quick:
             check_step(device, "100M")
+    if gpu and "profile" in want:
         profile_call(device, args.trace)
+    if gpu and "capture" in want:
+        check_step_sync_free(device)
+        check_graph_replay(device)  # last: a capture that fails can leave the device's RNG unusable
     print("\n| check | status | detail |\n|---|---|---|")
     for check, status, detail in ROWS:
         print(f"| {check} | {status} | {detail} |")
     print(f"\n{len(FAILED)} failed check(s) in {time.time() - t0:.0f} s" + (f": {', '.join(FAILED)}" if FAILED else ""))
+
 
 if __name__ == "__main__":
     sys.exit(main())
