@@ -10,6 +10,7 @@ from lightning_onebit.comm import (
     NonFiniteInputError,
     SimulatedCluster,
     TwoStageRank,
+    check_locally_together,
     duplex_twin,
     enable_duplex,
     ring_allreduce_bytes,
@@ -223,6 +224,39 @@ def test_single_process_runs_both_stages():
     assert not torch.equal(x, y)  # compression error exists in one process too
     torch.testing.assert_close(car.worker, x - y)  # one-rank EF: worker error holds what was lost
     assert torch.equal(SimulatedCluster(SignCodec(), "error_feedback", 1).allreduce([x])[0], y)
+
+
+def test_local_checks_of_begun_calls_in_one_read():
+    """At world size 1 the begun calls' flags (input finite, previous server scales finite) are read
+    together: when all hold no call reads its own; when one does not, each call raises as it would."""
+    def begun(values, prev=None):
+        calls = []
+        for v in values:
+            car = CompressedAllreduce(SignCodec(), "error_feedback")
+            car._gathered_ok = prev  # what a GPU's previous call leaves (a device flag)
+            car.begin(v)
+            calls.append(car)
+        return calls
+
+    x, y = torch.randn(100), torch.randn(300)
+    calls = begun([x, y], prev=torch.tensor(True))
+    check_locally_together(calls)
+    assert all(c._inflight.agreement[:2] == (None, True) for c in calls)  # nothing left to read
+    outs = [(c.send(), c.relay(), c.complete())[-1] for c in calls]
+    ref = [CompressedAllreduce(SignCodec(), "error_feedback")(v) for v in (x, y)]
+    assert all(torch.equal(a, b) for a, b in zip(outs, ref, strict=True))
+
+    calls = begun([x, torch.full((300,), float("nan"))])
+    check_locally_together(calls)
+    calls[0].send()
+    with pytest.raises(NonFiniteInputError, match="not finite"):
+        calls[1].send()
+    assert not calls[1].worker.any()  # no state written
+
+    calls = begun([x, y], prev=torch.tensor(False))
+    check_locally_together(calls)
+    with pytest.raises(ValueError, match="overflowed"):
+        calls[0].send()
 
 
 def test_state_dict_round_trip_continues_exactly():

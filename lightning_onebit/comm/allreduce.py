@@ -36,7 +36,7 @@ from .dense import all_gather_rows, collective_device, fans_out, launcher_ranks_
 from .duplex import duplex_twin, exchange_rows
 from .two_stage import MODES, TwoStageRank
 
-__all__ = ["CompressedAllreduce", "NonFiniteInputError"]
+__all__ = ["CompressedAllreduce", "NonFiniteInputError", "check_locally_together"]
 
 _MODE_ID = {m: i for i, m in enumerate(MODES)}
 _DTYPE_ID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -375,6 +375,25 @@ class CompressedAllreduce(TwoStageRank):
             raise RuntimeError(f"{type(self).__name__}.{phase}: needs a call {after}, "
                                f"{'none is in flight' if call is None else 'this one is ' + call.phase}")
         return call
+
+
+def check_locally_together(calls: Sequence[CompressedAllreduce]) -> None:
+    """The local checks of begun calls that have no agreement round (world size 1, or ``verify="first"``
+    once verified) in one host read: each call's input finiteness and its previous call's server scales,
+    which :meth:`~CompressedAllreduce.send` reads one call at a time, a wait for the device each. When
+    all hold, those calls' own checks are done; when one does not, nothing is changed and each call
+    raises as it would have."""
+    local = [c._inflight for c in calls
+             if c._inflight is not None and c._inflight.phase == "begun" and c._inflight.agreement.work is None]
+    flags = [f for call in local for f in call.agreement[:2] if f is not None]
+    tensors = [f for f in flags if isinstance(f, torch.Tensor)]
+    if len(tensors) < 2 or len({t.device for t in tensors}) > 1 or not all(f for f in flags if isinstance(f, bool)):
+        return  # nothing to save, or a local failure the calls report themselves
+    if len({t.shape for t in tensors}) > 1:  # flags of one element, some 0-d
+        tensors = [t.reshape(()) for t in tensors]
+    if bool(torch.stack(tensors).all()):
+        for call in local:
+            call.agreement = _Agreement(None, True)
 
 
 class _Agreement(NamedTuple):
