@@ -10,7 +10,7 @@ from lightning_onebit.comm import (
     NonFiniteInputError,
     SimulatedCluster,
     TwoStageRank,
-    check_locally_together,
+    check_together,
     duplex_twin,
     enable_duplex,
     ring_allreduce_bytes,
@@ -140,6 +140,46 @@ def test_mismatch_fails_fast_on_every_rank(what, needle):
         assert unchanged
 
 
+def _begun_together(rank, world_size, bad):
+    """Three calls begun, their agreements read together, then completed in order; with ``bad`` the
+    last call's sizes differ between the ranks."""
+    g = torch.Generator().manual_seed(rank)
+    sizes = [300, 4000, 77 + (rank if bad else 0)]
+    calls = [CompressedAllreduce(SignCodec(), "error_feedback") for _ in sizes]
+    xs = [torch.randn(n, generator=g) for n in sizes]
+    for c, x in zip(calls, xs, strict=True):
+        c.begin(x)
+    check_together(calls)
+    read = all(c._inflight.agreement.host is not None for c in calls)
+    outs, msg = [], None
+    try:
+        for c in calls:
+            c.send()
+        for c in calls:
+            c.relay()
+        outs = [c.complete() for c in calls]
+    except ValueError as exc:
+        msg = str(exc)
+        for c in calls:
+            c.abandon()
+    one_by_one = [] if bad else [CompressedAllreduce(SignCodec(), "error_feedback")(x) for x in xs]
+    return read, msg, outs, one_by_one
+
+
+@pytest.mark.parametrize("bad", [False, True])
+def test_agreements_of_begun_calls_read_together(bad):
+    """Several ranks: the calls' gathered signatures come to the host in one read, and each call still
+    compares its ranks' fields (a disagreement in the last call raises on every rank)."""
+    ranks = values(run_ranks(_begun_together, 2, bad, timeout_s=30))
+    assert all(read for read, *_ in ranks)
+    if bad:
+        assert all(msg is not None and "disagree on numel" in msg for _, msg, *_ in ranks), ranks
+        return
+    for _, msg, outs, one_by_one in ranks:  # the calls' results, as each call alone gives them
+        assert msg is None and all(torch.equal(a, b) for a, b in zip(outs, one_by_one, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0][2], ranks[1][2], strict=True))
+
+
 def _server_overflow(rank, world_size, mode, pieces):
     car = CompressedAllreduce(SignCodec(), mode, pieces=pieces)
     car(torch.ones(4000))
@@ -240,21 +280,21 @@ def test_local_checks_of_begun_calls_in_one_read():
 
     x, y = torch.randn(100), torch.randn(300)
     calls = begun([x, y], prev=torch.tensor(True))
-    check_locally_together(calls)
+    check_together(calls)
     assert all(c._inflight.agreement[:2] == (None, True) for c in calls)  # nothing left to read
     outs = [(c.send(), c.relay(), c.complete())[-1] for c in calls]
     ref = [CompressedAllreduce(SignCodec(), "error_feedback")(v) for v in (x, y)]
     assert all(torch.equal(a, b) for a, b in zip(outs, ref, strict=True))
 
     calls = begun([x, torch.full((300,), float("nan"))])
-    check_locally_together(calls)
+    check_together(calls)
     calls[0].send()
     with pytest.raises(NonFiniteInputError, match="not finite"):
         calls[1].send()
     assert not calls[1].worker.any()  # no state written
 
     calls = begun([x, y], prev=torch.tensor(False))
-    check_locally_together(calls)
+    check_together(calls)
     with pytest.raises(ValueError, match="overflowed"):
         calls[0].send()
 

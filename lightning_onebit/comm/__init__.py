@@ -3,7 +3,7 @@ simulated cluster."""
 
 from .accounting import ByteCounter, StepStats, ring_allreduce_bytes
 from .agree import all_ranks, gather_objects, is_distributed, max_across_, sum_across_
-from .allreduce import CompressedAllreduce, NonFiniteInputError, check_locally_together
+from .allreduce import CompressedAllreduce, NonFiniteInputError, check_together
 from .ddp_hook import (
     CompressionHookState,
     compression_hook,
@@ -25,7 +25,7 @@ from .wire import Wire
 __all__ = ["MODES", "ByteCounter", "CollectiveError", "CompressedAllreduce", "CompressionHookState", "DenseMean",
            "Flight", "HierarchicalAllreduce", "NonFiniteInputError", "Sender", "SimulatedCluster", "SimulatedDenseMean",
            "SimulatedHierarchicalCluster", "StepStats", "ThreadedMean", "Topology", "TwoStageRank", "Wire",
-           "all_finite", "all_finite_many", "all_ranks", "any_across", "any_across_bytes", "check_locally_together",
+           "all_finite", "all_finite_many", "all_ranks", "any_across", "any_across_bytes", "check_together",
            "compression_hook",
            "duplex_twin", "enable_duplex", "gather_objects", "gather_sizes", "group_size", "is_default_group",
            "is_distributed", "local_gradients_hook", "make_mean", "max_across_", "mean_allreduce", "node_groups",

@@ -36,7 +36,7 @@ from .dense import all_gather_rows, collective_device, fans_out, launcher_ranks_
 from .duplex import duplex_twin, exchange_rows
 from .two_stage import MODES, TwoStageRank
 
-__all__ = ["CompressedAllreduce", "NonFiniteInputError", "check_locally_together"]
+__all__ = ["CompressedAllreduce", "NonFiniteInputError", "check_together"]
 
 _MODE_ID = {m: i for i, m in enumerate(MODES)}
 _DTYPE_ID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -200,7 +200,7 @@ class CompressedAllreduce(TwoStageRank):
 
     def _agree_finish(self, started: _Agreement) -> None:
         """Wait for the round :meth:`_agree_start` began and raise, on every rank alike, on what it shows."""
-        prev, ok, allsig, work = started
+        prev, ok, allsig, work, host = started
         if work is None:
             if prev is not None and not bool(prev):
                 self._server_overflowed()
@@ -208,8 +208,10 @@ class CompressedAllreduce(TwoStageRank):
                 raise NonFiniteInputError("CompressedAllreduce: the input is not finite (NaN or inf); "
                                           "no state was changed")
             return
-        work.wait()
-        allsig = allsig.cpu().numpy()  # one read; the fields are compared on the host, not by torch ops
+        if host is None:
+            work.wait()
+            host = allsig.cpu().numpy()  # one read; the fields are compared on the host, not by torch ops
+        allsig = host
         fields = ["numel", "dtype", "codec kind", "block_size", "mode", "l1 scale", "groups (crc32)"]
         bad = [f for i, f in enumerate(fields) if not (allsig[:, i] == allsig[0, i]).all()]
         if bad:
@@ -377,14 +379,23 @@ class CompressedAllreduce(TwoStageRank):
         return call
 
 
-def check_locally_together(calls: Sequence[CompressedAllreduce]) -> None:
-    """The local checks of begun calls that have no agreement round (world size 1, or ``verify="first"``
-    once verified) in one host read: each call's input finiteness and its previous call's server scales,
-    which :meth:`~CompressedAllreduce.send` reads one call at a time, a wait for the device each. When
-    all hold, those calls' own checks are done; when one does not, nothing is changed and each call
-    raises as it would have."""
-    local = [c._inflight for c in calls
-             if c._inflight is not None and c._inflight.phase == "begun" and c._inflight.agreement.work is None]
+def check_together(calls: Sequence[CompressedAllreduce]) -> None:
+    """The agreements of begun calls read from the device once for all of them, where
+    :meth:`~CompressedAllreduce.send` reads them one call at a time, a wait for the device each: the
+    gathered signatures of the calls with a round (several ranks), in one read; the local flags of those
+    without (world size 1, or ``verify="first"`` once verified: input finite, previous server scales
+    finite), in one read. When the local flags all hold those calls' checks are done; when one does not,
+    nothing is changed and each call raises as it would have. The collectives are the calls' own: every
+    rank still issues the same ones in the same order, and each call still compares its ranks' fields."""
+    begun = [c._inflight for c in calls if c._inflight is not None and c._inflight.phase == "begun"]
+    rounds = [call for call in begun if call.agreement.work is not None and call.agreement.host is None]
+    if len(rounds) > 1 and len({(c.agreement.allsig.device, c.agreement.allsig.shape) for c in rounds}) == 1:
+        for call in rounds:
+            call.agreement.work.wait()
+        host = torch.stack([call.agreement.allsig for call in rounds]).cpu().numpy()  # one read
+        for call, sig in zip(rounds, host, strict=True):
+            call.agreement = call.agreement._replace(host=sig)
+    local = [call for call in begun if call.agreement.work is None]
     flags = [f for call in local for f in call.agreement[:2] if f is not None]
     tensors = [f for f in flags if isinstance(f, torch.Tensor)]
     if len(tensors) < 2 or len({t.device for t in tensors}) > 1 or not all(f for f in flags if isinstance(f, bool)):
@@ -403,6 +414,7 @@ class _Agreement(NamedTuple):
     ok: bool | torch.Tensor  # this rank's input (and what it vouched for) is finite
     allsig: torch.Tensor | None = None  # every rank's signature, once ``work`` is done
     work: Any = None  # the gather of the signatures, on the wire
+    host: np.ndarray | None = None  # ``allsig`` read to the host already (:func:`check_together`)
 
 
 class _Call:

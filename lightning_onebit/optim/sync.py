@@ -27,7 +27,7 @@ from ..comm import (
     NonFiniteInputError,
     Topology,
     Wire,
-    check_locally_together,
+    check_together,
     group_size,
     make_mean,
 )
@@ -257,7 +257,9 @@ def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequen
             if not s.phased:
                 s.finish(algorithm, begun.pop()[1])  # ran whole in begin
                 agreed = True
-        check_locally_together([s.comm for s, _ in begun])  # world size 1: one host read, not two a call
+        if begun:  # the calls' agreements read from the device once, not once (twice at world size 1) a call
+            with begun[0][0].failure():
+                check_together([s.comm for s, _ in begun])
         for phase in ("send", "relay"):
             for s, _ in begun:
                 with nonfinite_is_gradient_error(owner), s.failure():
