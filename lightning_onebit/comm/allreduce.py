@@ -174,7 +174,11 @@ class CompressedAllreduce(TwoStageRank):
                 raise ValueError(f"{type(self).__name__}: {name}= needs verify='always' (it rides in the "
                                  "per-call agreement round)")
         if finite is not None:
-            ok = torch.as_tensor(ok, device=x.device) & torch.as_tensor(finite, device=x.device)
+            if (isinstance(ok, torch.Tensor) and isinstance(finite, torch.Tensor) and ok.dtype == torch.bool
+                    and ok.device == finite.device and ok.dim() >= finite.dim()):
+                ok = ok.logical_and_(finite)  # this call's own flag buffer, rewritten by its next reduction
+            else:
+                ok = torch.as_tensor(ok, device=x.device) & torch.as_tensor(finite, device=x.device)
         mine_flag = int(flag or 0)
         if mine_flag < 0:
             raise ValueError(f"{type(self).__name__}: flag must be a bool or a non-negative int, got {flag}")

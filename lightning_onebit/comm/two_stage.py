@@ -231,6 +231,9 @@ class TwoStageRank(DeferredDecode, RankState):
         else:  # pieces: only block-scale codecs are cut into them
             self._worker_scales = torch.empty(shape, dtype=torch.float32, device=dev)
         self._ok = torch.ones(1, dtype=torch.bool, device=dev)
+        # one piece: the server row's scales are finite, written by the server encode's own reduction
+        self._srv_ok = torch.ones(1, dtype=torch.bool, device=dev) if len(self.plan) == 1 else None
+        self._srv_ok0 = None if self._srv_ok is None else self._srv_ok.view(())
 
     # -- stage 1 (worker) ----------------------------------------------------------------
     def _padded_input(self, x: torch.Tensor | Source) -> torch.Tensor | Source:
@@ -295,11 +298,11 @@ class TwoStageRank(DeferredDecode, RankState):
             out = self._messages(self._srv_layout, self._srv[0])
             if self.mode in ("error_feedback", "plain"):
                 self.codec.server_step(msgs, self.server if self.mode == "error_feedback" else None,
-                                       out=out, mean=self._mean, check_finite=False)
+                                       out=out, mean=self._mean, check_finite=False, ok=self._srv_ok)
             else:
                 self.codec.decode_mean(msgs, out=self.server, accumulate=True)
                 self.codec.encode_diff(self.server, self._my_tilde(), out=out, layout=self._srv_layout,
-                                       check_finite=False)
+                                       check_finite=False, ok=self._srv_ok)
             return
         p = self.plan[k]
         if k == 0:  # the workers' scales travel in piece 0
@@ -357,7 +360,11 @@ class TwoStageRank(DeferredDecode, RankState):
         return self._outpad if self._outpad is not None else torch.empty(D, dtype=torch.float32, device=dev)
 
     def gathered_finite(self, piece0: torch.Tensor) -> torch.Tensor:
-        """0-d bool device tensor: the server scales in gathered piece 0 are all finite."""
+        """0-d bool device tensor: the server scales in gathered piece 0 are all finite. At world size 1
+        with one piece the one gathered row is this rank's server row, whose encode wrote the flag
+        already (no torch op)."""
+        if self.world_size == 1 and self._srv_ok0 is not None and piece0.data_ptr() == self._srv[0].data_ptr():
+            return self._srv_ok0
         if self.num_pieces > 1:
             scales = self._row_scales(piece0)
         else:

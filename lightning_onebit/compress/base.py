@@ -199,7 +199,7 @@ class Codec:
     # -- core ----------------------------------------------------------------------------
     def _run(self, x: torch.Tensor, state: torch.Tensor | None, mode: int, lay: Layout,
              dtype: torch.dtype = torch.float32, out: Encoded | None = None,
-             scales: torch.Tensor | None = None, check: bool = True) -> Encoded:
+             scales: torch.Tensor | None = None, check: bool = True, ok: torch.Tensor | None = None) -> Encoded:
         device = x.device
         if state is not None:
             _check_state(state, lay.numel, device, "state buffer")
@@ -215,12 +215,16 @@ class Codec:
         x = self._readable(x, backend)
         if scales is None:
             if hasattr(backend, "reduce_to_scales"):  # written into the message by the kernels
-                ok = backend.reduce_to_scales(self.kind, mode, lay, x, state, out.scales)
+                fine = backend.reduce_to_scales(self.kind, mode, lay, x, state, out.scales, ok)
             else:
                 totals = backend.reduce(self.kind, mode, lay, x, state)
-                scales, ok = self._scales_unchecked(totals, lay)
-            if check and not bool(ok):
+                scales, fine = self._scales_unchecked(totals, lay)
+                if ok is not None:
+                    ok.copy_(fine.reshape(1))
+            if check and not bool(fine):
                 raise self._not_finite()
+        elif ok is not None:
+            ok.fill_(True)  # the caller's scales: checked by the caller
         if scales is not None and not _same_memory(scales, out.scales):
             out.scales.copy_(scales)
         backend.encode(self.kind, mode, lay, x, state, out.scales, out.codes)
@@ -300,21 +304,23 @@ class Codec:
     def encode_diff(self, target: torch.Tensor, reference: torch.Tensor, nseg: int = 1,
                     out: Encoded | None = None, scales: torch.Tensor | None = None, *,
                     groups: Sequence[int] | None = None, layout: Layout | None = None,
-                    check_finite: bool = True) -> Encoded:
+                    check_finite: bool = True, ok: torch.Tensor | None = None) -> Encoded:
         """encode(target - reference) without touching ``reference``. ``check_finite=False``: no
-        host sync; a non-finite difference shows as non-finite scales (the caller checks them)."""
-        return self._encode_op(target, "target", reference, DIFF, nseg, out, scales, groups, layout, check_finite)
+        host sync; a non-finite difference shows as non-finite scales (the caller checks them).
+        ``ok`` (a one-element bool tensor): written with whether the scales are finite."""
+        return self._encode_op(target, "target", reference, DIFF, nseg, out, scales, groups, layout, check_finite,
+                               ok)
 
     def _encode_op(self, x, what: str, state: torch.Tensor | None, mode: int, nseg: int, out: Encoded | None,
                    scales: torch.Tensor | None, groups: Sequence[int] | None, layout: Layout | None,
-                   check: bool = True) -> Encoded:
+                   check: bool = True, ok: torch.Tensor | None = None) -> Encoded:
         xf = _as_fp32_vector(x, what, keep_source=True)
         return self._run(xf, state, mode, self._resolve(xf.numel(), nseg, groups, layout), dtype=x.dtype, out=out,
-                         scales=scales, check=check)
+                         scales=scales, check=check, ok=ok)
 
     def server_step(self, messages: Encoded, error: torch.Tensor | None = None,
                     out: Encoded | None = None, mean: torch.Tensor | None = None, *,
-                    check_finite: bool = True) -> Encoded:
+                    check_finite: bool = True, ok: torch.Tensor | None = None) -> Encoded:
         """Average the decoded rows of ``messages`` (+ ``error`` feedback) and re-encode one row.
 
         The rows must be cut alike (every worker's copy of one chunk); the result is cut like
@@ -326,7 +332,8 @@ class Codec:
         decode the mean inside both passes instead, which costs less than writing and reading it;
         the CUDA kernels decode it in the reduction, which writes it into ``mean`` for the encode.
         ``check_finite=False`` skips the finiteness check (a host sync on a GPU): a mean that
-        overflowed fp32 then shows as non-finite scales in the result, for the caller to check.
+        overflowed fp32 then shows as non-finite scales in the result, for the caller to check, or
+        in ``ok`` (a one-element bool tensor the reduction writes, with no torch op of its own).
         """
         backend = self._backend(messages.device)
         most = getattr(backend, "ROWS_MEAN_MAX", FUSED_MEAN_ROWS)
@@ -338,7 +345,7 @@ class Codec:
             self.decode_mean(messages, out=mean)
         mode = PLAIN if error is None else ERROR_FEEDBACK
         return self._run(mean, error, mode, messages.layout.row(0), dtype=messages.dtype, out=out,
-                         check=check_finite)
+                         check=check_finite, ok=ok)
 
     def decode(self, enc: Encoded, out: torch.Tensor | None = None, accumulate: bool = False,
                sink: Sink | None = None) -> torch.Tensor:

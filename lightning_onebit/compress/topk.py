@@ -88,7 +88,8 @@ class TopKCodec(Codec):
             raise ValueError("TopKCodec: the input is not finite (it contains NaN or inf); "
                              "nothing was encoded and no error/estimate state was changed")
 
-    def _run(self, x, state, mode, lay, dtype=torch.float32, out=None, scales=None, check=True) -> Encoded:
+    def _run(self, x, state, mode, lay, dtype=torch.float32, out=None, scales=None, check=True,
+             ok=None) -> Encoded:
         nseg = lay.nseg
         if state is not None:
             _check_state(state, x.numel(), x.device, "state buffer")
@@ -100,11 +101,15 @@ class TopKCodec(Codec):
         out = out if out is not None else self.empty(lay, device, dtype)
         out.dtype = dtype
         if v.numel() == 0:
+            if ok is not None:
+                ok.fill_(True)
             return out
         k = self.k(seg)
         idx = v.abs().topk(k, dim=1, sorted=True).indices.sort(dim=1).values  # ascending: deterministic order
         vals = v.gather(1, idx)
         out.scales.copy_(vals)
+        if ok is not None:  # the values travel as its "scales"
+            ok.copy_(torch.isfinite(vals).all().reshape(1))
         out.codes.copy_(idx.to(torch.int32).view(torch.uint8).view(nseg, -1))
         if mode in (ERROR_FEEDBACK, MARKOV):
             dec = torch.zeros_like(v).scatter_(1, idx, vals)
