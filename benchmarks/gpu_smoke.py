@@ -323,6 +323,17 @@ def check_step(device: torch.device, size: str = "17M") -> None:
         torch.cuda.empty_cache()
 
 
+def _origin(e: BaseException) -> tuple[BaseException, str]:
+    """The first error of ``e``'s chain (the package wraps a collective's; a failed capture's exit raises
+    over the first) and " at file:line" of its last frame in the package ("" if none)."""
+    import traceback
+
+    while (e.__cause__ or e.__context__) is not None:
+        e = e.__cause__ or e.__context__
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "lightning_onebit" in f.filename]
+    return e, f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+
+
 def _compressing_adam(device: torch.device, n: int = 1 << 20, seed: int = 0):
     """(params, OnebitAdam) at world size 1 past its warm-up, with fixed gradients on ``device``."""
     g = torch.Generator().manual_seed(seed)
@@ -345,12 +356,7 @@ def check_step_sync_free(device: torch.device) -> None:
         opt.step()
         detail, ok = "no host wait in the step", True
     except RuntimeError as e:
-        import traceback
-
-        while (e.__cause__ or e.__context__) is not None:  # the package wraps the collective's error: its origin
-            e = e.__cause__ or e.__context__
-        frames = [f for f in traceback.extract_tb(e.__traceback__) if "lightning_onebit" in f.filename]
-        at = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+        e, at = _origin(e)
         detail, ok = f"waits for the device{at}: {str(e).splitlines()[0]}", False
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -372,13 +378,7 @@ def check_graph_replay(device: torch.device, replays: int = 3) -> None:
         with torch.cuda.graph(graph):
             opt.step()
     except Exception as e:  # noqa: BLE001 - reported: what stops the capture is the finding
-        first = e
-        while (first.__cause__ or first.__context__) is not None:  # capture_end's error hides the first one
-            first = first.__cause__ or first.__context__
-        import traceback
-
-        frames = [f for f in traceback.extract_tb(first.__traceback__) if "lightning_onebit" in f.filename]
-        at = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+        first, at = _origin(e)  # capture_end's error hides the first one
         row("graph-captured OnebitAdam step", None, f"not capturable{at}: {type(first).__name__}: "
             f"{str(first).splitlines()[0][:160]}")
         return
@@ -405,6 +405,7 @@ def profile_step(device: torch.device, size: str = "17M", rows: int = 12) -> Non
     """A ``torch.profiler`` profile of one compression-phase ``OnebitAdam`` step at world size 1:
     where its host time goes (ops by self CPU time) against the device's busy time."""
     from optimizer_step import _grads, mlp
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     params = [torch.nn.Parameter(p.detach().to(device)) for p in mlp(size)]
@@ -417,8 +418,6 @@ def profile_step(device: torch.device, size: str = "17M", rows: int = 12) -> Non
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         opt.step()
         torch.cuda.synchronize(device)
-    from torch.autograd import DeviceType
-
     events = prof.key_averages()
     print(events.table(sort_by="self_cpu_time_total", row_limit=rows))
     # as the table's totals: host time of the CPU events, device time of the kernels and copies

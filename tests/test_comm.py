@@ -150,7 +150,7 @@ def _begun_together(rank, world_size, bad):
     for c, x in zip(calls, xs, strict=True):
         c.begin(x)
     check_together(calls)
-    read = all(c._inflight.agreement.host is not None for c in calls)
+    read = all(c.in_flight.agreement.host is not None for c in calls)
     outs, msg = [], None
     try:
         for c in calls:
@@ -281,7 +281,7 @@ def test_local_checks_of_begun_calls_in_one_read():
     x, y = torch.randn(100), torch.randn(300)
     calls = begun([x, y], prev=torch.tensor(True))
     check_together(calls)
-    assert all(c._inflight.agreement[:2] == (None, True) for c in calls)  # nothing left to read
+    assert all(c.in_flight.agreement[:2] == (None, True) for c in calls)  # nothing left to read
     outs = [(c.send(), c.relay(), c.complete())[-1] for c in calls]
     ref = [CompressedAllreduce(SignCodec(), "error_feedback")(v) for v in (x, y)]
     assert all(torch.equal(a, b) for a, b in zip(outs, ref, strict=True))

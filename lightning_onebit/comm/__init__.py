@@ -3,7 +3,7 @@ simulated cluster."""
 
 from .accounting import ByteCounter, StepStats, ring_allreduce_bytes
 from .agree import all_ranks, gather_objects, is_distributed, max_across_, sum_across_
-from .allreduce import CompressedAllreduce, NonFiniteInputError, check_together
+from .allreduce import CompressedAllreduce, NonFiniteInputError
 from .ddp_hook import (
     CompressionHookState,
     compression_hook,
@@ -15,6 +15,7 @@ from .dense import all_finite, all_finite_many, any_across, any_across_bytes, gr
 from .duplex import duplex_twin, enable_duplex
 from .errors import CollectiveError
 from .hierarchical import HierarchicalAllreduce, SimulatedHierarchicalCluster, node_groups
+from .inflight import check_together
 from .mean import DenseMean, Flight, Sender, SimulatedDenseMean, ThreadedMean, make_mean, simulated_mean
 from .simulated import SimulatedCluster
 from .sparse import gather_sizes, sparse_mean, sparse_mean_bytes, sparse_row

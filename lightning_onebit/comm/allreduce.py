@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -34,9 +33,10 @@ from ..compress import Codec, Source, flat_buffer
 from .accounting import ByteCounter
 from .dense import all_gather_rows, collective_device, fans_out, launcher_ranks_per_node
 from .duplex import duplex_twin, exchange_rows
+from .inflight import Agreement, Call
 from .two_stage import MODES, TwoStageRank
 
-__all__ = ["CompressedAllreduce", "NonFiniteInputError", "check_together"]
+__all__ = ["CompressedAllreduce", "NonFiniteInputError"]
 
 _MODE_ID = {m: i for i, m in enumerate(MODES)}
 _DTYPE_ID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
@@ -116,7 +116,7 @@ class CompressedAllreduce(TwoStageRank):
         self._gathered_ok: torch.Tensor | None = None  # GPU: server scales finite, read at the next agreement
         self.any_flag = False  # some rank's flag in the last call was nonzero (see __call__)
         self.flag_values: list[int] = [0]  # every rank's flag in the last call, in rank order
-        self._inflight: _Call | None = None  # a call between begin() and complete(): its phase and buffers
+        self._inflight: Call | None = None  # a call between begin() and complete(): its phase and buffers
 
     def bind(self, numel: int, device: torch.device | str) -> None:
         super().bind(numel, device)
@@ -166,7 +166,7 @@ class CompressedAllreduce(TwoStageRank):
         self._agree_finish(self._agree_start(x, ok, flag, finite))
 
     def _agree_start(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: int | None = None,
-                     finite: bool | torch.Tensor | None = None) -> _Agreement:
+                     finite: bool | torch.Tensor | None = None) -> Agreement:
         """:meth:`_agree` up to its round on the wire (not waited for): what :meth:`_agree_finish` takes.
         Nothing is written but the flag of this rank alone; a local error raises here."""
         for name, arg in (("flag", flag), ("finite", finite)):
@@ -185,7 +185,7 @@ class CompressedAllreduce(TwoStageRank):
         self.any_flag, self.flag_values = bool(mine_flag), [mine_flag]
         prev, self._gathered_ok = self._gathered_ok, None
         if self.world_size == 1 or (self.verify == "first" and self._verified and bool(ok)):
-            return _Agreement(prev, ok)  # no round: _agree_finish checks locally
+            return Agreement(prev, ok)  # no round: _agree_finish checks locally
         dev = collective_device(self.group, x.device)
         sig = self._signature(x, mine_flag, ok if isinstance(ok, bool) else True)
         if dev.type == "cpu":
@@ -200,9 +200,9 @@ class CompressedAllreduce(TwoStageRank):
         if prev is not None:
             mine[-2:-1].copy_(prev.reshape(1))
         allsig = torch.empty(self.world_size, len(sig), dtype=torch.int64, device=dev)
-        return _Agreement(prev, ok, allsig, all_gather_rows(allsig, mine, group=self.group, async_op=True))
+        return Agreement(prev, ok, allsig, all_gather_rows(allsig, mine, group=self.group, async_op=True))
 
-    def _agree_finish(self, started: _Agreement) -> None:
+    def _agree_finish(self, started: Agreement) -> None:
         """Wait for the round :meth:`_agree_start` began and raise, on every rank alike, on what it shows."""
         prev, ok, allsig, work, host = started
         if work is None:
@@ -281,7 +281,7 @@ class CompressedAllreduce(TwoStageRank):
                 self._agree(x, True)  # ranks that disagree all raise here instead of hanging
             self.bind(x.numel(), x.device)  # every rank made the same mistake: raise the local explanation
         xp, scales, ok = self.prepare(x)
-        self._inflight = _Call(x, xp, scales, self._agree_start(x, ok, flag, finite))
+        self._inflight = Call(x, xp, scales, self._agree_start(x, ok, flag, finite))
 
     @property
     def input_finite(self) -> bool | torch.Tensor:
@@ -375,58 +375,14 @@ class CompressedAllreduce(TwoStageRank):
             except Exception:  # noqa: BLE001 - the group failed already; the caller raises that failure
                 pass
 
-    def _in_phase(self, phase: str, after: str) -> _Call:
+    @property
+    def in_flight(self) -> Call | None:
+        """The call between :meth:`begin` and :meth:`complete`, if any (see :func:`.inflight.check_together`)."""
+        return self._inflight
+
+    def _in_phase(self, phase: str, after: str) -> Call:
         call = self._inflight
         if call is None or call.phase != after:
             raise RuntimeError(f"{type(self).__name__}.{phase}: needs a call {after}, "
                                f"{'none is in flight' if call is None else 'this one is ' + call.phase}")
         return call
-
-
-def check_together(calls: Sequence[CompressedAllreduce]) -> None:
-    """The agreements of begun calls read from the device once for all of them, where
-    :meth:`~CompressedAllreduce.send` reads them one call at a time, a wait for the device each: the
-    gathered signatures of the calls with a round (several ranks), in one read; the local flags of those
-    without (world size 1, or ``verify="first"`` once verified: input finite, previous server scales
-    finite), in one read. When the local flags all hold those calls' checks are done; when one does not,
-    nothing is changed and each call raises as it would have. The collectives are the calls' own: every
-    rank still issues the same ones in the same order, and each call still compares its ranks' fields."""
-    begun = [c._inflight for c in calls if c._inflight is not None and c._inflight.phase == "begun"]
-    rounds = [call for call in begun if call.agreement.work is not None and call.agreement.host is None]
-    if len(rounds) > 1 and len({(c.agreement.allsig.device, c.agreement.allsig.shape) for c in rounds}) == 1:
-        for call in rounds:
-            call.agreement.work.wait()
-        host = torch.stack([call.agreement.allsig for call in rounds]).cpu().numpy()  # one read
-        for call, sig in zip(rounds, host, strict=True):
-            call.agreement = call.agreement._replace(host=sig)
-    local = [call for call in begun if call.agreement.work is None]
-    flags = [f for call in local for f in call.agreement[:2] if f is not None]
-    tensors = [f for f in flags if isinstance(f, torch.Tensor)]
-    if len(tensors) < 2 or len({t.device for t in tensors}) > 1 or not all(f for f in flags if isinstance(f, bool)):
-        return  # nothing to save, or a local failure the calls report themselves
-    if len({t.shape for t in tensors}) > 1:  # flags of one element, some 0-d
-        tensors = [t.reshape(()) for t in tensors]
-    if bool(torch.stack(tensors).all()):
-        for call in local:
-            call.agreement = _Agreement(None, True)
-
-
-class _Agreement(NamedTuple):
-    """An agreement round :meth:`CompressedAllreduce._agree_start` began: ``work`` None when it needs no round."""
-
-    prev: torch.Tensor | None  # the previous call's server scales were finite (GPU), read in this round
-    ok: bool | torch.Tensor  # this rank's input (and what it vouched for) is finite
-    allsig: torch.Tensor | None = None  # every rank's signature, once ``work`` is done
-    work: Any = None  # the gather of the signatures, on the wire
-    host: np.ndarray | None = None  # ``allsig`` read to the host already (:func:`check_together`)
-
-
-class _Call:
-    """A call of :class:`CompressedAllreduce` in flight: its phase and what the next phase needs."""
-
-    __slots__ = ("x", "xp", "scales", "agreement", "works", "phase")
-
-    def __init__(self, x, xp, scales, agreement: _Agreement) -> None:
-        self.x, self.xp, self.scales, self.agreement = x, xp, scales, agreement
-        self.works: list = []  # the collectives of the last phase, waited for by the next
-        self.phase = "begun"
