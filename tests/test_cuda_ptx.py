@@ -39,6 +39,35 @@ def test_every_kernel_compiles_to_ptx(cc):
     assert "div.rn.f64" in ptx["_reduce_scales_kernel"] and "sqrt.rn.f64" in ptx["_reduce_scales_kernel"]
 
 
+def _loop_bodies(ptx: str) -> list[list[str]]:
+    """The instructions of each loop of a PTX function: from a label to the last branch back to it."""
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    labels = {ln[:-1]: i for i, ln in enumerate(lines) if ln.startswith("$L") and ln.endswith(":")}
+    bodies = []
+    for label, at in labels.items():
+        back = [i for i, ln in enumerate(lines) if i > at and "bra" in ln and ln.endswith(f"{label};")]
+        if back:
+            bodies.append(lines[at:back[-1] + 1])
+    return bodies
+
+
+@pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", reason="the simulator compiles nothing")
+def test_element_kernels_divide_only_before_their_tile_walk():
+    # an integer division by a run-time value is a long instruction sequence on a GPU: the encode and
+    # decode kernels find each tile's row by stepping, not by a division per element
+    _nvvm_or_skip()
+    from lightning_onebit.compress.kernels import numba_cuda as kc
+
+    ptx = kc.compile_ptx((9, 0))
+    for name in ("_encode_kernel", "_decode_kernel"):
+        assert any(ln.strip().startswith("div.") for ln in ptx[name].splitlines()), name  # the prologue's
+        loops = _loop_bodies(ptx[name])
+        assert loops, name
+        for body in loops:
+            divisions = [ln for ln in body if ln.startswith(("div.s", "div.u", "rem."))]
+            assert not divisions, (name, divisions)
+
+
 def test_auto_backend_falls_back_to_torch_without_a_compiler(monkeypatch):
     monkeypatch.setattr(kernels, "cuda_compiler_available", lambda: "NvvmSupportError: libNVVM cannot be found")
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)

@@ -86,10 +86,27 @@ def _with_state(mode, s, st, j):
 
 
 @cuda.jit(device=True, inline=True)
-def _tile_element(t, tiles):
-    """(row, element) of this thread in tile ``t``: tiles of THREADS elements, ``tiles`` per row."""
+def _first_tile(tiles):
+    """This block's first tile of a grid-stride walk over rows of ``tiles`` tiles (THREADS elements
+    each), and its stride: (row, tile in the row, rows and tiles to add per step). The walk's only
+    divisions, once per thread: a 64-bit division by a value known only at run time is a long
+    instruction sequence on a GPU, which a division per element made a large share of its work."""
+    t = cuda.blockIdx.x
     r = t // tiles
-    return r, (t - r * tiles) * THREADS + cuda.threadIdx.x
+    step = cuda.gridDim.x
+    dr = step // tiles
+    return r, t - r * tiles, dr, step - dr * tiles
+
+
+@cuda.jit(device=True, inline=True)
+def _next_tile(r, c, dr, dc, tiles):
+    """The walk's next (row, tile in the row): ``gridDim.x`` tiles on, without a division."""
+    r += dr
+    c += dc
+    if c >= tiles:
+        c -= tiles
+        r += 1
+    return r, c
 
 
 @cuda.jit(device=True, inline=True)
@@ -307,11 +324,15 @@ def _encode_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, 
     tiles = (seg_len + THREADS - 1) // THREADS  # per row; a tile starts on a byte
     bits = KIND_BITS[kind]
     per = KIND_PER_BYTE[kind]
+    packers = THREADS // per  # threads that pack a byte each (a division: out of the loop)
     top = float64(KIND_TOP[kind])
-    t = cuda.blockIdx.x
-    while t < starts.shape[0] * tiles:  # grid-stride over tiles; uniform per block
-        r, i = _tile_element(t, tiles)
-        i0 = i - tid
+    if tiles == 0:
+        return
+    nrows = starts.shape[0]
+    r, c, dr, dc = _first_tile(tiles)
+    while r < nrows:  # grid-stride over tiles; uniform per block
+        i0 = c * THREADS
+        i = i0 + tid
         qi = int32(0)
         if i < seg_len:
             e = r * seg_len + i
@@ -343,33 +364,36 @@ def _encode_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, 
         if bits != 8:
             qs[tid] = qi
             cuda.syncthreads()
-            if tid < THREADS // per and i0 + per * tid < seg_len:  # codes rows may be wider (packed stride)
+            if tid < packers and i0 + per * tid < seg_len:  # codes rows may be wider (packed stride)
                 byte = 0
                 for k in range(per):
                     byte |= qs[per * tid + k] << (bits * k)
                 codes[r, ((i0 * bits) >> 3) + tid] = byte
             cuda.syncthreads()
-        t += cuda.gridDim.x
+        r, c = _next_tile(r, c, dr, dc, tiles)
 
 
 @cuda.jit(cache=True)
 def _decode_kernel(kind, codes, scales, col0, seg_len, starts, ends, out, accumulate, mean_rows):
     nrows = 1 if mean_rows else starts.shape[0]
     tiles = (seg_len + THREADS - 1) // THREADS  # as in the encode kernels
-    t = cuda.blockIdx.x
-    while t < nrows * tiles:
-        r, i = _tile_element(t, tiles)
-        t += cuda.gridDim.x
+    if tiles == 0:
+        return
+    r, c, dr, dc = _first_tile(tiles)
+    while r < nrows:
+        i = c * THREADS + cuda.threadIdx.x
+        row = r
+        r, c = _next_tile(r, c, dr, dc, tiles)
         if i >= seg_len:
             continue
-        e = r * seg_len + i
-        b = last_at_most(starts[r], i)
-        if i >= ends[r]:
+        e = row * seg_len + i
+        b = last_at_most(starts[row], i)
+        if i >= ends[row]:
             v = float32(0.0)  # padding
         elif mean_rows:
             v = _mean_of_rows(kind, codes, scales, col0, i, b)
         else:
-            v = _decode_one(kind, codes, scales, col0, r, i, b)
+            v = _decode_one(kind, codes, scales, col0, row, i, b)
         if accumulate:
             out[e] += v
         else:
