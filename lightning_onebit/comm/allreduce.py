@@ -112,7 +112,8 @@ class CompressedAllreduce(TwoStageRank):
         self.duplex = duplex
         self._twin = None  # gloo: the group's duplex twin (comm.duplex), if it has one and duplex is on
         self._verified = False
-        self._sig_host: torch.Tensor | None = None  # pinned staging of the agreement (CUDA)
+        self._sig_bufs: tuple | None = None  # the agreement's buffers, made once per device (_sig_buffers)
+        self._groups_crc: tuple | None = None  # (groups, their crc32) for the signature
         self._gathered_ok: torch.Tensor | None = None  # GPU: server scales finite, read at the next agreement
         self.any_flag = False  # some rank's flag in the last call was nonzero (see __call__)
         self.flag_values: list[int] = [0]  # every rank's flag in the last call, in rank order
@@ -150,7 +151,9 @@ class CompressedAllreduce(TwoStageRank):
     # -- the agreement -------------------------------------------------------------------
     def _signature(self, x: torch.Tensor, flag: int, ok: bool) -> list[int]:
         bs = self.codec.block_size or 0
-        groups = zlib.crc32(np.asarray(self.groups, np.int64).tobytes())
+        if self._groups_crc is None or self._groups_crc[0] is not self.groups:
+            self._groups_crc = (self.groups, zlib.crc32(np.asarray(self.groups, np.int64).tobytes()))
+        groups = self._groups_crc[1]
         # the last three fields: flag, the previous call's server scales finite (GPU), input finite
         return [x.numel(), _DTYPE_ID.get(x.dtype, 9), self.codec.kind, bs, _MODE_ID[self.mode],
                 int(getattr(self.codec, "scale", "l2") == "l1"), groups, flag, 1, int(ok)]
@@ -188,19 +191,34 @@ class CompressedAllreduce(TwoStageRank):
             return Agreement(prev, ok)  # no round: _agree_finish checks locally
         dev = collective_device(self.group, x.device)
         sig = self._signature(x, mine_flag, ok if isinstance(ok, bool) else True)
-        if dev.type == "cpu":
-            mine = torch.tensor(sig, dtype=torch.int64)
-        else:  # a pinned staging copy does not wait for the stream, as a pageable one would
-            if self._sig_host is None:
-                self._sig_host = torch.empty(len(sig), dtype=torch.int64).pin_memory()
-            self._sig_host.copy_(torch.tensor(sig, dtype=torch.int64))
-            mine = self._sig_host.to(dev, non_blocking=True)
+        stage, stage_np, mine, allsig, _, mine_prev, mine_ok, fan = self._sig_buffers(dev, len(sig))
+        stage_np[:] = sig  # numpy's write: no torch op, no host tensor per call
+        if mine is not stage:  # pinned: the copy does not wait for the stream, as a pageable one would
+            mine.copy_(stage, non_blocking=True)
         if isinstance(ok, torch.Tensor):  # on the same device no wait; CUDA -> CPU (gloo) waits here
-            mine[-1:].copy_(ok.reshape(1))
+            mine_ok.copy_(ok)
         if prev is not None:
-            mine[-2:-1].copy_(prev.reshape(1))
-        allsig = torch.empty(self.world_size, len(sig), dtype=torch.int64, device=dev)
-        return Agreement(prev, ok, allsig, all_gather_rows(allsig, mine, group=self.group, async_op=True))
+            mine_prev.copy_(prev)
+        return Agreement(prev, ok, allsig, all_gather_rows(allsig, mine, group=self.group, async_op=True, send=fan))
+
+    def _sig_buffers(self, dev: torch.device, length: int) -> tuple:
+        """The agreement's buffers, made once per device and reused by every call: (host staging, its
+        numpy view, this rank's signature on ``dev``, every rank's, their host copy, views of the
+        signature's last two fields, a fanout's staging of this rank's copies). A call's buffers are
+        free again once its round was read (a call is begun only after the previous one completed, and
+        the read waits for the round), so a staging copy still in flight is never overwritten."""
+        bufs = self._sig_bufs
+        if bufs is None or bufs[2].device != dev:
+            on_cpu = dev.type == "cpu"
+            # on the CPU (gloo) the staging is what goes on the wire
+            stage = torch.empty(length, dtype=torch.int64, device=dev) if on_cpu else torch.empty(
+                length, dtype=torch.int64, pin_memory=True)
+            mine = stage if on_cpu else torch.empty(length, dtype=torch.int64, device=dev)
+            allsig = torch.empty(self.world_size, length, dtype=torch.int64, device=dev)
+            host = torch.empty(self.world_size, length, dtype=torch.int64, pin_memory=not on_cpu)
+            bufs = self._sig_bufs = (stage, stage.numpy(), mine, allsig, host, mine[-2:-1], mine[-1:],
+                                     torch.empty_like(allsig))
+        return bufs
 
     def _agree_finish(self, started: Agreement) -> None:
         """Wait for the round :meth:`_agree_start` began and raise, on every rank alike, on what it shows."""
@@ -214,7 +232,9 @@ class CompressedAllreduce(TwoStageRank):
             return
         if host is None:
             work.wait()
-            host = allsig.cpu().numpy()  # one read; the fields are compared on the host, not by torch ops
+            read = self._sig_bufs[4]  # one read into a buffer of its own; the fields compared by numpy
+            read.copy_(allsig)
+            host = read.numpy()
         allsig = host
         fields = ["numel", "dtype", "codec kind", "block_size", "mode", "l1 scale", "groups (crc32)"]
         bad = [f for i, f in enumerate(fields) if not (allsig[:, i] == allsig[0, i]).all()]
