@@ -199,7 +199,8 @@ class Codec:
     # -- core ----------------------------------------------------------------------------
     def _run(self, x: torch.Tensor, state: torch.Tensor | None, mode: int, lay: Layout,
              dtype: torch.dtype = torch.float32, out: Encoded | None = None,
-             scales: torch.Tensor | None = None, check: bool = True, ok: torch.Tensor | None = None) -> Encoded:
+             scales: torch.Tensor | None = None, check: bool = True, ok: torch.Tensor | None = None,
+             go: torch.Tensor | None = None) -> Encoded:
         device = x.device
         if state is not None:
             _check_state(state, lay.numel, device, "state buffer")
@@ -227,8 +228,17 @@ class Codec:
             ok.fill_(True)  # the caller's scales: checked by the caller
         if scales is not None and not _same_memory(scales, out.scales):
             out.scales.copy_(scales)
-        backend.encode(self.kind, mode, lay, x, state, out.scales, out.codes)
+        if go is None:
+            backend.encode(self.kind, mode, lay, x, state, out.scales, out.codes)
+        else:
+            self._predicating(backend).encode(self.kind, mode, lay, x, state, out.scales, out.codes, go=go)
         return out
+
+    def _predicating(self, backend):
+        if not getattr(backend, "PREDICATES", False):
+            raise ValueError(f"{type(self).__name__}: go= needs a backend that predicates its kernels (cuda), "
+                             f"not {backend.__name__.rsplit('.', 1)[-1]}")
+        return backend
 
     # -- public ops ----------------------------------------------------------------------
     def compute_scales(self, x: torch.Tensor, state: torch.Tensor | None = None, mode: str = "plain",
@@ -283,44 +293,51 @@ class Codec:
 
     # Every encode op takes ``out=``: message buffers to write into (e.g. views into a packed
     # send buffer of a collective, see ``empty(..., packed=...)``); by default they are allocated.
+    # ``go`` (every encode op): a one-element bool tensor on the device; unless it holds, the encode
+    # writes no codes and no state (the reduction still writes the scales): a step decided on the
+    # device leaves the state as it was without the host reading the flag. The cuda backend only.
     def encode(self, x: torch.Tensor, nseg: int = 1, out: Encoded | None = None,
                scales: torch.Tensor | None = None, *, groups: Sequence[int] | None = None,
-               layout: Layout | None = None) -> Encoded:
+               layout: Layout | None = None, go: torch.Tensor | None = None) -> Encoded:
         """Encode a 1-D tensor (optionally as ``nseg`` equal rows, each with its own scales)."""
-        return self._encode_op(x, "x", None, PLAIN, nseg, out, scales, groups, layout)
+        return self._encode_op(x, "x", None, PLAIN, nseg, out, scales, groups, layout, go=go)
 
     def encode_error_feedback(self, x: torch.Tensor, error: torch.Tensor, nseg: int = 1,
                               out: Encoded | None = None, scales: torch.Tensor | None = None, *,
-                              groups: Sequence[int] | None = None, layout: Layout | None = None) -> Encoded:
+                              groups: Sequence[int] | None = None, layout: Layout | None = None,
+                              go: torch.Tensor | None = None) -> Encoded:
         """v = x + error; encode v; error <- v - decode(encoded). ``error`` is fp32, updated in place."""
-        return self._encode_op(x, "x", error, ERROR_FEEDBACK, nseg, out, scales, groups, layout)
+        return self._encode_op(x, "x", error, ERROR_FEEDBACK, nseg, out, scales, groups, layout, go=go)
 
     def encode_markov(self, target: torch.Tensor, estimate: torch.Tensor, nseg: int = 1,
                       out: Encoded | None = None, scales: torch.Tensor | None = None, *,
-                      groups: Sequence[int] | None = None, layout: Layout | None = None) -> Encoded:
+                      groups: Sequence[int] | None = None, layout: Layout | None = None,
+                      go: torch.Tensor | None = None) -> Encoded:
         """c = encode(target - estimate); estimate <- estimate + decode(c) (EF21 / CD-Adam)."""
-        return self._encode_op(target, "target", estimate, MARKOV, nseg, out, scales, groups, layout)
+        return self._encode_op(target, "target", estimate, MARKOV, nseg, out, scales, groups, layout, go=go)
 
     def encode_diff(self, target: torch.Tensor, reference: torch.Tensor, nseg: int = 1,
                     out: Encoded | None = None, scales: torch.Tensor | None = None, *,
                     groups: Sequence[int] | None = None, layout: Layout | None = None,
-                    check_finite: bool = True, ok: torch.Tensor | None = None) -> Encoded:
+                    check_finite: bool = True, ok: torch.Tensor | None = None,
+                    go: torch.Tensor | None = None) -> Encoded:
         """encode(target - reference) without touching ``reference``. ``check_finite=False``: no
         host sync; a non-finite difference shows as non-finite scales (the caller checks them).
         ``ok`` (a one-element bool tensor): written with whether the scales are finite."""
         return self._encode_op(target, "target", reference, DIFF, nseg, out, scales, groups, layout, check_finite,
-                               ok)
+                               ok, go=go)
 
     def _encode_op(self, x, what: str, state: torch.Tensor | None, mode: int, nseg: int, out: Encoded | None,
                    scales: torch.Tensor | None, groups: Sequence[int] | None, layout: Layout | None,
-                   check: bool = True, ok: torch.Tensor | None = None) -> Encoded:
+                   check: bool = True, ok: torch.Tensor | None = None, *, go: torch.Tensor | None = None) -> Encoded:
         xf = _as_fp32_vector(x, what, keep_source=True)
         return self._run(xf, state, mode, self._resolve(xf.numel(), nseg, groups, layout), dtype=x.dtype, out=out,
-                         scales=scales, check=check, ok=ok)
+                         scales=scales, check=check, ok=ok, go=go)
 
     def server_step(self, messages: Encoded, error: torch.Tensor | None = None,
                     out: Encoded | None = None, mean: torch.Tensor | None = None, *,
-                    check_finite: bool = True, ok: torch.Tensor | None = None) -> Encoded:
+                    check_finite: bool = True, ok: torch.Tensor | None = None,
+                    go: torch.Tensor | None = None) -> Encoded:
         """Average the decoded rows of ``messages`` (+ ``error`` feedback) and re-encode one row.
 
         The rows must be cut alike (every worker's copy of one chunk); the result is cut like
@@ -345,7 +362,7 @@ class Codec:
             self.decode_mean(messages, out=mean)
         mode = PLAIN if error is None else ERROR_FEEDBACK
         return self._run(mean, error, mode, messages.layout.row(0), dtype=messages.dtype, out=out,
-                         check=check_finite, ok=ok)
+                         check=check_finite, ok=ok, go=go)
 
     def decode(self, enc: Encoded, out: torch.Tensor | None = None, accumulate: bool = False,
                sink: Sink | None = None) -> torch.Tensor:
@@ -362,6 +379,32 @@ class Codec:
                                                  sink=sink)
             return out
         return self._decode(enc, out, accumulate, mean_rows=False)
+
+    def decode_predicated(self, enc: Encoded, out: torch.Tensor, copy: torch.Tensor, *, go: torch.Tensor,
+                          and_go: torch.Tensor | None = None, flags: torch.Tensor | None = None,
+                          decay: float = 1.0, decay_out: torch.Tensor | None = None) -> None:
+        """Decode ``enc`` into ``out`` if ``go[0]`` (and ``and_go[0]``) hold (one-element 1-d bool tensors on
+        the device), else leave it as it is, and into ``copy`` either way: the values, or zeros where not.
+        ``out`` (1-d) may be the result without its padding (fewer elements than ``enc.numel``), e.g. a
+        state buffer; ``copy`` (1-d fp32, at least ``out``'s elements; the kernel writes no more than the
+        message holds) is what an update reads, so that a step the device decided to skip adds nothing
+        there, with no host read. ``flags`` (2 bools): written ``[go and and_go, and_go or not go]`` for
+        the ops after it; ``decay_out`` (one fp32): ``decay`` where both hold, else 1, for an update that
+        multiplies by it. The cuda backend only."""
+        for name, t in (("out", out), ("copy", copy)):
+            if t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous() or t.device != enc.device:
+                raise ValueError(f"decode_predicated: {name} must be a contiguous 1-d fp32 tensor on {enc.device}")
+        if out.numel() > enc.numel or copy.numel() < out.numel():
+            raise ValueError(f"decode_predicated: out has {out.numel()} elements and copy {copy.numel()}, the "
+                             f"message {enc.numel}")
+        if enc.numel:
+            self._predicating(self._backend(enc.device)).decode(
+                self.kind, enc.layout, enc.codes, enc.scales, out, False, False, go=go, and_go=and_go, copy=copy,
+                flags=flags, decay=decay, decay_out=decay_out)
+
+    def predicates(self, device: torch.device) -> bool:
+        """Whether this codec's kernels on ``device`` take ``go=`` (the cuda backend)."""
+        return bool(getattr(self._backend(device), "PREDICATES", False))
 
     def fuses_sink(self, sink: Sink) -> bool:
         """Whether :meth:`decode` applies ``sink`` while decoding (the numba CPU backend, on CPU tensors)."""

@@ -279,8 +279,12 @@ class Sink:
         w.base = self.base + lo
         return w
 
-    def apply(self, out: torch.Tensor) -> None:
-        """Apply the sink to ``out``, the whole decoded result (the reference the kernels match)."""
+    def apply(self, out: torch.Tensor, *, decay: torch.Tensor | None = None) -> None:
+        """Apply the sink to ``out``, the whole decoded result (the reference the kernels match).
+
+        ``decay``: the decay as a 0-d fp32 tensor on the device, for a step decided there: 1 and ``out``
+        zeros where it was skipped (:meth:`~lightning_onebit.compress.Codec.decode_predicated`), so that
+        the targets keep their bits (with negative values, as a step size is: ``t + -0.0`` is ``t``)."""
         if self.mask is not None:
             out.reshape(-1)[: self.valid][self.mask] = 0.0
         bounds = (*self.groups, self.valid)
@@ -289,7 +293,7 @@ class Sink:
             return
         targets = [self.targets[k] for k in keep]
         if self.decay != 1.0:
-            torch._foreach_mul_(targets, self.decay)
+            torch._foreach_mul_(targets, self.decay if decay is None else decay)
         key = (out.data_ptr(), self.denom.data_ptr(), bounds, tuple(keep), tuple(t.shape for t in targets))
         views = None if self._cache is None else self._cache.get("sink_views")
         if views is None or views[0] != key:

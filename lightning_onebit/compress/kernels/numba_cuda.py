@@ -263,7 +263,25 @@ def _starts(layout: Layout, device: torch.device):
     return tuple(_arr(a) for a in layout.device_arrays("starts", device, lambda: (layout.starts, layout.data_ends)))
 
 
-def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
+#: ``encode`` and ``decode`` take ``go`` (see :meth:`~..base.Codec.decode_predicated`)
+PREDICATES = True
+
+_ALWAYS: dict[str, torch.Tensor] = {}
+
+
+def _go(go: torch.Tensor | None, device: torch.device):
+    """``go`` as a kernel array, or a True flag made once per device."""
+    if go is None:
+        key = str(device)
+        if key not in _ALWAYS:
+            _ALWAYS[key] = torch.ones(1, dtype=torch.bool, device=device)
+        go = _ALWAYS[key]
+    elif go.dtype != torch.bool or go.shape != (1,) or go.device != device:
+        raise ValueError(f"go must be a one-element 1-d bool tensor on {device}")
+    return _arr(go)
+
+
+def encode(kind, mode, layout: Layout, x, st, scales, codes, go: torch.Tensor | None = None) -> None:
     device = codes.device
     with _on(device):
         tiles = layout.nseg * -(-layout.seg_len // THREADS)
@@ -272,17 +290,35 @@ def encode(kind, mode, layout: Layout, x, st, scales, codes) -> None:
             x = x.out  # written by the reduction launched before this
         _encode_kernel[_grid(tiles, 1), THREADS, _stream(device)](
             kind, mode, *kernel_input(x, device), _state(st, device), layout.seg_len, *_starts(layout, device),
-            rows, col0, _codes_arr(codes))
+            rows, col0, _codes_arr(codes), _go(go, device))
 
 
-def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False) -> None:
+def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False, *,
+           go: torch.Tensor | None = None, and_go: torch.Tensor | None = None,
+           copy: torch.Tensor | None = None, flags: torch.Tensor | None = None, decay: float = 1.0,
+           decay_out: torch.Tensor | None = None) -> None:
     device = codes.device
     with _on(device):
         tiles = (1 if mean_rows else layout.nseg) * -(-layout.seg_len // THREADS)
         rows, col0, _copy = _scales_in(kind, codes.shape[0], layout.seg_len, scales)
         _decode_kernel[_grid(tiles, 1), THREADS, _stream(device)](
             kind, _codes_arr(codes), rows, col0, layout.seg_len, *_starts(layout, device), _arr(out),
-            accumulate, mean_rows)
+            accumulate, mean_rows, _go(go, device), _go(and_go, device),
+            empty_arrays(device)[0] if copy is None else _arr(copy),
+            _no_flags(device) if flags is None else _arr(flags), np.float64(decay),
+            empty_arrays(device)[0] if decay_out is None else _arr(decay_out))
+
+
+_NO_FLAGS: dict[str, tuple] = {}
+
+
+def _no_flags(device: torch.device):
+    """An empty bool array: the decode writes no flags."""
+    key = str(device)
+    if key not in _NO_FLAGS:
+        t = torch.empty(0, dtype=torch.bool, device=device)
+        _NO_FLAGS[key] = (t, _arr(t))
+    return _NO_FLAGS[key][1]
 
 
 # --- ahead-of-time checks ------------------------------------------------------------------
@@ -306,8 +342,9 @@ def kernel_signatures() -> dict[str, tuple]:
         "_combine_kernel": (i64, i64v, f64m, f64m),
         "_reduce_scales_kernel": (i64, i64, *src, f32v, *rows, i64, i64v, i64v, i64v, i64v, f64m, f64m, i64v, i64, f32m,
                                   i64, i32v, b1),
-        "_encode_kernel": (i64, i64, *src, f32v, i64, i64m, i64v, f32m, i64, u8m),
-        "_decode_kernel": (i64, u8m, f32m, i64, i64, i64m, i64v, f32v, flag, flag),
+        "_encode_kernel": (i64, i64, *src, f32v, i64, i64m, i64v, f32m, i64, u8m, b1),
+        "_decode_kernel": (i64, u8m, f32m, i64, i64, i64m, i64v, f32v, flag, flag, b1, b1, f32v, b1, nt.float64,
+                           f32v),
     }
 
 
@@ -326,5 +363,5 @@ def compile_ptx(cc: tuple[int, int] = (8, 0)) -> dict[str, str]:
     return out
 
 
-__all__ = ["FUSES_SOURCES", "ROWS_MEAN_MAX", "RowsMean", "accepts", "accepts_sink", "compile_ptx", "decode", "encode",
-           "kernel_signatures", "reduce", "reduce_to_scales"]
+__all__ = ["FUSES_SOURCES", "PREDICATES", "ROWS_MEAN_MAX", "RowsMean", "accepts", "accepts_sink", "compile_ptx",
+           "decode", "encode", "kernel_signatures", "reduce", "reduce_to_scales"]

@@ -315,10 +315,13 @@ def _reduce_scales_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonf
 
 @cuda.jit(cache=True)
 def _encode_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, valid, offset, st, seg_len, starts,
-                   ends, scales, col0, codes):
+                   ends, scales, col0, codes, go):
     # One thread per element (loads and state updates coalesced); a tile of THREADS elements of one
     # row per block, so the row is found once per tile. 8-bit codes are written by their thread;
-    # narrower ones (a sign's bits) meet in shared memory and a thread packs each byte.
+    # narrower ones (a sign's bits) meet in shared memory and a thread packs each byte. Nothing is
+    # written unless go[0]: a step the device decided to skip leaves codes and state as they were.
+    if not go[0]:
+        return
     qs = cuda.shared.array(THREADS, int32)
     tid = cuda.threadIdx.x
     tiles = (seg_len + THREADS - 1) // THREADS  # per row; a tile starts on a byte
@@ -374,7 +377,22 @@ def _encode_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, 
 
 
 @cuda.jit(cache=True)
-def _decode_kernel(kind, codes, scales, col0, seg_len, starts, ends, out, accumulate, mean_rows):
+def _decode_kernel(kind, codes, scales, col0, seg_len, starts, ends, out, accumulate, mean_rows, go, and_go, copy,
+                   flags, decay, decay_out):
+    # out[e] (or +=) for the elements it holds (a state buffer may be the result without its padding),
+    # only if go[0] and and_go[0]; ``copy`` (when not empty) gets the values too, and zeros where not:
+    # what an update reads, so that a skipped step adds nothing there. For what comes after it on the
+    # stream the first thread writes ``flags`` [go and and_go, and_go or not go] and ``decay_out`` (the
+    # update's decay, rounded to fp32 as torch does, or 1 where not), when they are not empty
+    write = go[0] and and_go[0]
+    if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+        if flags.size:
+            flags[0] = write
+            flags[1] = and_go[0] or not go[0]
+        if decay_out.size:
+            decay_out[0] = float32(decay) if write else float32(1.0)
+    if not write and copy.size == 0:
+        return
     nrows = 1 if mean_rows else starts.shape[0]
     tiles = (seg_len + THREADS - 1) // THREADS  # as in the encode kernels
     if tiles == 0:
@@ -387,14 +405,17 @@ def _decode_kernel(kind, codes, scales, col0, seg_len, starts, ends, out, accumu
         if i >= seg_len:
             continue
         e = row * seg_len + i
-        b = last_at_most(starts[row], i)
-        if i >= ends[row]:
-            v = float32(0.0)  # padding
-        elif mean_rows:
-            v = _mean_of_rows(kind, codes, scales, col0, i, b)
-        else:
-            v = _decode_one(kind, codes, scales, col0, row, i, b)
-        if accumulate:
-            out[e] += v
-        else:
-            out[e] = v
+        v = float32(0.0)  # padding, or a skipped step's copy
+        if write and i < ends[row]:
+            b = last_at_most(starts[row], i)
+            if mean_rows:
+                v = _mean_of_rows(kind, codes, scales, col0, i, b)
+            else:
+                v = _decode_one(kind, codes, scales, col0, row, i, b)
+        if write and e < out.size:
+            if accumulate:
+                out[e] += v
+            else:
+                out[e] = v
+        if e < copy.size:
+            copy[e] = v
