@@ -15,7 +15,7 @@ from .dense import all_finite, all_finite_many, any_across, any_across_bytes, gr
 from .duplex import duplex_twin, enable_duplex
 from .errors import CollectiveError
 from .hierarchical import HierarchicalAllreduce, SimulatedHierarchicalCluster, node_groups
-from .inflight import check_together
+from .inflight import Verdict, check_together
 from .mean import DenseMean, Flight, Sender, SimulatedDenseMean, ThreadedMean, make_mean, simulated_mean
 from .simulated import SimulatedCluster
 from .sparse import gather_sizes, sparse_mean, sparse_mean_bytes, sparse_row
@@ -25,7 +25,7 @@ from .wire import Wire
 
 __all__ = ["MODES", "ByteCounter", "CollectiveError", "CompressedAllreduce", "CompressionHookState", "DenseMean",
            "Flight", "HierarchicalAllreduce", "NonFiniteInputError", "Sender", "SimulatedCluster", "SimulatedDenseMean",
-           "SimulatedHierarchicalCluster", "StepStats", "ThreadedMean", "Topology", "TwoStageRank", "Wire",
+           "SimulatedHierarchicalCluster", "StepStats", "ThreadedMean", "Topology", "TwoStageRank", "Verdict", "Wire",
            "all_finite", "all_finite_many", "all_ranks", "any_across", "any_across_bytes", "check_together",
            "compression_hook",
            "duplex_twin", "enable_duplex", "gather_objects", "gather_sizes", "group_size", "is_default_group",

@@ -118,6 +118,12 @@ class CompressedAllreduce(TwoStageRank):
         self.any_flag = False  # some rank's flag in the last call was nonzero (see __call__)
         self.flag_values: list[int] = [0]  # every rank's flag in the last call, in rank order
         self._inflight: Call | None = None  # a call between begin() and complete(): its phase and buffers
+        #: at world size 1 on the cuda backend, a call's flags may be decided on the device (see
+        #: :func:`.inflight.check_together`): set by a caller that reads the :class:`~.inflight.Verdict`
+        #: a step later and defers its decode (the decode and its update are then predicated too)
+        self.skip_on_device = False
+        self._decode_flags: tuple | None = None  # a call decided on the device: its decode's flags and views
+        self._sink_in: torch.Tensor | None = None  # what a predicated decode hands its sink
 
     def bind(self, numel: int, device: torch.device | str) -> None:
         super().bind(numel, device)
@@ -134,14 +140,16 @@ class CompressedAllreduce(TwoStageRank):
             self._messages.keep([*self._recv, *self._gathered, *self._fan])
 
     # -- the server-overflow check -------------------------------------------------------
-    def check_gathered(self, piece0: torch.Tensor) -> None:
+    def check_gathered(self, piece0: torch.Tensor, on_device: bool = False) -> torch.Tensor:
         """Before stage 4: the gathered server scales (piece 0, the same bytes on every rank) are
-        finite - raises on the CPU, flags the next agreement on a GPU (see the module docstring)."""
+        finite - raises on the CPU, flags the next agreement on a GPU (see the module docstring), or
+        ``on_device`` (a call decided on the device) with no read on a CPU either. Returns the flag."""
         ok = self.gathered_finite(piece0)
-        if ok.device.type != "cpu":
+        if ok.device.type != "cpu" or on_device:
             self._gathered_ok = ok if self._gathered_ok is None else self._gathered_ok & ok
         elif not bool(ok):
             self._server_overflowed()
+        return ok
 
     def _server_overflowed(self) -> None:
         self.reset_state()  # every rank resets alike, so replicas and Markov estimates stay in step
@@ -301,7 +309,9 @@ class CompressedAllreduce(TwoStageRank):
                 self._agree(x, True)  # ranks that disagree all raise here instead of hanging
             self.bind(x.numel(), x.device)  # every rank made the same mistake: raise the local explanation
         xp, scales, ok = self.prepare(x)
-        self._inflight = Call(x, xp, scales, self._agree_start(x, ok, flag, finite))
+        on_device = (self.skip_on_device and self.world_size == 1 and flag is None and self.num_pieces == 1
+                     and self.mode != "markov" and self.codec.predicates(xp.device))
+        self._inflight = Call(x, xp, scales, self._agree_start(x, ok, flag, finite), on_device)
 
     @property
     def input_finite(self) -> bool | torch.Tensor:
@@ -333,7 +343,7 @@ class CompressedAllreduce(TwoStageRank):
                     call.works.append(dist.all_to_all_single(self._recv[k], send, group=self.group, async_op=True))
         elif self.numel:
             for k in range(self.num_pieces):
-                self.encode_stage(xp, scales, k)
+                self.encode_stage(xp, scales, k, go=call.go)
         call.phase = "sent"
 
     def relay(self) -> None:
@@ -346,7 +356,7 @@ class CompressedAllreduce(TwoStageRank):
             for k in range(self.num_pieces):
                 if remote:
                     a2a[k].wait()
-                self.server_receive(self._recv[k] if remote else self._send[k], k)
+                self.server_receive(self._recv[k] if remote else self._send[k], k, go=call.go)
             for k in range(self.num_pieces):
                 srv = self.server_send(k)
                 if remote:
@@ -368,16 +378,30 @@ class CompressedAllreduce(TwoStageRank):
         dst = self.result_buffer(out, x.dtype)
         gathered = self._gathered if remote else self._srv
         defer = defer and not self.any_flag and self.mode != "markov"
+        if call.go is not None and not defer:
+            raise RuntimeError(f"{type(self).__name__}: a call decided on the device needs defer=True (its "
+                               "decode and the update after it are predicated on its flag)")
         for k in range(self.num_pieces):
             if remote:
                 call.works[k].wait()
             if k == 0:
-                self.check_gathered(gathered[0])
+                srv_ok = self.check_gathered(gathered[0], on_device=call.go is not None)
             if not defer:
                 self.finish_piece(gathered[k], dst, k)
         self.account()
         if defer:
-            self._keep_pending(gathered, dst, out, x.dtype)
+            go = None
+            if call.go is not None:  # the decode needs this call's server scales finite too
+                if self._decode_flags is None or self._decode_flags[0] != srv_ok.data_ptr():
+                    flags = torch.ones(2, dtype=torch.bool, device=call.go.device)
+                    decay = torch.ones(1, dtype=torch.float32, device=call.go.device)
+                    self._decode_flags = (srv_ok.data_ptr(), flags, flags[1:], srv_ok.view(1), decay, decay.view(()))
+                _, flags, prev, srv1, decay, decay0 = self._decode_flags
+                go = (call.go, srv1, flags, decay, decay0)
+                # the decode writes [go and srv_ok, srv_ok or not go]: the second for the next call, since a
+                # skipped call's server read the worker's new scales beside its old codes and says nothing
+                self._gathered_ok = prev
+            self._keep_pending(gathered, dst, out, x.dtype, go=go)
             return None
         return self.finish(dst, out, x.dtype)
 

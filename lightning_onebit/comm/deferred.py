@@ -22,8 +22,8 @@ class DeferredDecode:
         return self._pending is not None
 
     def _keep_pending(self, gathered: list[torch.Tensor], dst: torch.Tensor, out: torch.Tensor | None,
-                      dtype: torch.dtype) -> None:
-        self._pending = (gathered, dst, out, dtype)
+                      dtype: torch.dtype, go: torch.Tensor | None = None) -> None:
+        self._pending = (gathered, dst, out, dtype, go)
 
     def decode_pending(self, sink: Sink | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Stage 4 of the deferred call: decode its gathered rows into its ``out`` (or into ``out``
@@ -31,15 +31,39 @@ class DeferredDecode:
         through), applying ``sink``."""
         if self._pending is None:
             raise RuntimeError(f"{type(self).__name__}: no deferred result to decode")
-        gathered, dst, kept, dtype = self._pending
+        gathered, dst, kept, dtype, go = self._pending
         self._pending = None
         if out is None:
             out = kept
-        else:
+        elif go is None:
             dst = self.result_buffer(out, dtype)
+        if go is not None:
+            return self._decode_predicated(gathered[0], out, sink, go)
         for k in range(self.num_pieces):
             self.finish_piece(gathered[k], dst, k, sink)
         return self.finish(dst, out, dtype, sink)
+
+    def _decode_predicated(self, gathered: torch.Tensor, out: torch.Tensor | None, sink: Sink | None,
+                           go: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """A call decided on the device (:func:`~.inflight.check_together`): its result decoded into ``out``
+        and the ``sink`` applied only where both flags hold (``go``: the step's, the server scales finite,
+        the decode's flags out, its decay out and that as 0-d), with no host read. The sink reads a copy
+        of the values that is zero where they do not, and a decay of 1, so that its update adds nothing."""
+        d = self.numel
+        if out is None or out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != d:
+            raise ValueError(f"{type(self).__name__}: a call decided on the device decodes into a contiguous "
+                             f"fp32 out= of {d} elements")
+        views = self._sink_in
+        if views is None or views[0] is not out:  # the padded result's buffer where there is one, else its own
+            copy = self._outpad[:d] if self._outpad is not None else torch.empty(d, dtype=torch.float32,
+                                                                                  device=out.device)
+            views = self._sink_in = (out, out.view(-1), copy)
+        self.codec.decode_predicated(self._messages(self.layout, gathered), views[1], views[2], go=go[0],
+                                     and_go=go[1], flags=go[2], decay=1.0 if sink is None else sink.decay,
+                                     decay_out=go[3])
+        if sink is not None:
+            sink.apply(views[2], decay=go[4])
+        return out
 
     def discard_pending(self) -> None:
         """Forget a deferred result (its call's state updates stand; the result is never decoded)."""

@@ -3,7 +3,11 @@
 
 A call's agreement is what every rank must see alike before any state is written (sizes, codec, mode,
 flags, every input finite): with several ranks a gather of each rank's signature, at world size 1 the
-local finiteness flags. Each is one host read of the device, the step's waits for it.
+local finiteness flags. Each is one host read of the device, the step's waits for it - except at world
+size 1 on the cuda backend where the caller asked for it (``skip_on_device``): there the flags are
+combined on the device into one ``go`` flag that every write of the step is predicated on, and the host
+learns the outcome a step later through a non-blocking copy (:class:`Verdict`), as fused AdamW's
+``found_inf`` skips a step with no sync.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 if TYPE_CHECKING:
     from .allreduce import CompressedAllreduce
 
-__all__ = ["Agreement", "Call", "check_together"]
+__all__ = ["Agreement", "Call", "Verdict", "check_together"]
 
 
 class Agreement(NamedTuple):
@@ -34,23 +38,72 @@ class Agreement(NamedTuple):
 class Call:
     """A call of :class:`~.allreduce.CompressedAllreduce` in flight: its phase and what the next phase needs."""
 
-    __slots__ = ("x", "xp", "scales", "agreement", "works", "phase")
+    __slots__ = ("x", "xp", "scales", "agreement", "works", "phase", "on_device", "go")
 
-    def __init__(self, x, xp, scales, agreement: Agreement) -> None:
+    def __init__(self, x, xp, scales, agreement: Agreement, on_device: bool = False) -> None:
         self.x, self.xp, self.scales, self.agreement = x, xp, scales, agreement
         self.works: list = []  # the collectives of the last phase, waited for by the next
         self.phase = "begun"
+        self.on_device = on_device  # its agreement may be decided on the device (check_together)
+        self.go: torch.Tensor | None = None  # then: the flag its writes are predicated on
 
 
-def check_together(calls: Sequence[CompressedAllreduce]) -> None:
+class Verdict:
+    """The flags a step's calls were predicated on (:func:`check_together`), on their way to the host: a
+    non-blocking copy into pinned memory, read when it has arrived - a step later, so that nothing waits
+    for the device on the step's path. ``calls``: the collective each flag belongs to and what it says
+    (``"input"``: its input and what it vouched for are finite; ``"server"``: the server scales of its
+    previous call were)."""
+
+    #: pinned buffers reused in turn, by (device, length): a step waits for the verdict two steps back
+    #: before it makes a new one (:meth:`~lightning_onebit.optim.CompressedOptimizer.settle_device_skips`)
+    RING = 4
+    _rings: dict[tuple, list] = {}
+
+    def __init__(self, flags: torch.Tensor, calls: list[tuple[Any, str]]) -> None:
+        self.calls = calls
+        ring = self._rings.get((str(flags.device), flags.numel()))
+        if ring is None:
+            ring = self._rings[(str(flags.device), flags.numel())] = [
+                torch.empty(flags.numel(), dtype=torch.bool, pin_memory=flags.is_cuda) for _ in range(self.RING)]
+        ring.append(ring.pop(0))  # the oldest buffer, now the newest
+        self.host = ring[-1]
+        self.host.copy_(flags, non_blocking=True)  # waits for nothing on a GPU
+        self.event = None
+        if flags.is_cuda:
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def ready(self) -> bool:
+        """The flags have reached the host (no wait)."""
+        return self.event is None or self.event.query()
+
+    def read(self) -> tuple[bool, list]:
+        """(every call's input finite, the collectives whose previous server scales were not); waits for
+        the copy if it has not arrived yet."""
+        if self.event is not None:
+            self.event.synchronize()
+        flags = self.host.numpy()
+        finite = all(bool(f) for f, (_, what) in zip(flags, self.calls, strict=True) if what == "input")
+        overflowed = [c for f, (c, what) in zip(flags, self.calls, strict=True) if what == "server" and not f]
+        return finite, overflowed
+
+
+def check_together(calls: Sequence[CompressedAllreduce]) -> Verdict | None:
     """The agreements of begun calls read from the device once for all of them, where
     :meth:`~.allreduce.CompressedAllreduce.send` reads them one call at a time, a wait for the device
     each: the gathered signatures of the calls with a round (several ranks), in one read; the local flags of those
     without (world size 1, or ``verify="first"`` once verified: input finite, previous server scales
     finite), in one read. When the local flags all hold those calls' checks are done; when one does not,
     nothing is changed and each call raises as it would have. The collectives are the calls' own: every
-    rank still issues the same ones in the same order, and each call still compares its ranks' fields."""
-    begun = [c.in_flight for c in calls if c.in_flight is not None and c.in_flight.phase == "begun"]
+    rank still issues the same ones in the same order, and each call still compares its ranks' fields.
+
+    Where every begun call may be decided on the device (``on_device``: world size 1, the cuda backend,
+    the caller's ``skip_on_device``), nothing is read: the flags are ANDed on the device into ``go``,
+    which every call's encodes and its decode are predicated on, and the returned :class:`Verdict`
+    brings them to the host a step later."""
+    owners = {id(c.in_flight): c for c in calls if c.in_flight is not None and c.in_flight.phase == "begun"}
+    begun = [c.in_flight for c in calls if id(c.in_flight) in owners]
     rounds = [call for call in begun if call.agreement.work is not None and call.agreement.host is None]
     if len(rounds) > 1 and len({(c.agreement.allsig.device, c.agreement.allsig.shape) for c in rounds}) == 1:
         for call in rounds:
@@ -61,10 +114,37 @@ def check_together(calls: Sequence[CompressedAllreduce]) -> None:
     local = [call for call in begun if call.agreement.work is None]
     flags = [f for call in local for f in call.agreement[:2] if f is not None]
     tensors = [f for f in flags if isinstance(f, torch.Tensor)]
-    if len(tensors) < 2 or len({t.device for t in tensors}) > 1 or not all(f for f in flags if isinstance(f, bool)):
-        return  # nothing to save, or a local failure the calls report themselves
+    device_side = bool(local) and len(local) == len(begun) and all(call.on_device for call in local)
+    if (len(tensors) < (1 if device_side else 2) or len({t.device for t in tensors}) > 1
+            or not all(f for f in flags if isinstance(f, bool))):
+        return None  # nothing to save, or a local failure the calls report themselves
     if len({t.shape for t in tensors}) > 1:  # flags of one element, some 0-d
         tensors = [t.reshape(()) for t in tensors]
+    if device_side:
+        return _decide_on_device(calls[0], [(owners[id(call)], call) for call in local], tensors)
     if bool(torch.stack(tensors).all()):
         for call in local:
             call.agreement = Agreement(None, True)
+    return None
+
+
+def _decide_on_device(owner: CompressedAllreduce, local: list[tuple[CompressedAllreduce, Call]],
+                      tensors: list[torch.Tensor]) -> Verdict:
+    """The calls' flags ANDed into ``go`` on the device, every call predicated on it, and their way to the
+    host begun. The buffers are ``owner``'s (the first call's collective), reused every step: the stream
+    orders a step's writes after the last step's reads."""
+    key = (tensors[0].device, len(tensors), tensors[0].shape)
+    bufs = owner.__dict__.get("_step_flags")
+    if bufs is None or bufs[0] != key:
+        stacked = torch.empty((len(tensors), *tensors[0].shape), dtype=torch.bool, device=tensors[0].device)
+        go = torch.empty(1, dtype=torch.bool, device=tensors[0].device)
+        bufs = owner.__dict__["_step_flags"] = (key, stacked, go, go.view(()), stacked.view(-1))
+    _, stacked, go, go0, flat = bufs
+    torch.stack(tensors, out=stacked)
+    torch.all(stacked, out=go0)
+    what = [(call_owner, kind) for call_owner, call in local for kind, f in (("server", call.agreement.prev),
+                                                                          ("input", call.agreement.ok))
+            if isinstance(f, torch.Tensor)]
+    for _, call in local:
+        call.agreement, call.go = Agreement(None, True), go
+    return Verdict(flat, what)

@@ -261,8 +261,11 @@ class TwoStageRank(DeferredDecode, RankState):
         return (xp, *self.codec.compute_scales_unchecked(xp, self.worker, self.mode, layout=self.layout,
                                                          out=out, ok=None if out is None else self._ok))
 
-    def encode_stage(self, xp: torch.Tensor, scales: torch.Tensor, k: int = 0) -> torch.Tensor:
-        """Stage 1 (worker): encode piece ``k`` of every chunk into its send buffer ``[n, rb_k]``."""
+    def encode_stage(self, xp: torch.Tensor, scales: torch.Tensor, k: int = 0, *,
+                     go: torch.Tensor | None = None) -> torch.Tensor:
+        """Stage 1 (worker): encode piece ``k`` of every chunk into its send buffer ``[n, rb_k]``; ``go``: a
+        device flag the encode is predicated on (:meth:`~lightning_onebit.compress.Codec.encode`)."""
+        pred = {} if go is None else {"go": go}
         n, seg, send = self.world_size, self.seg_len, self._send
         if self.num_pieces == 1:
             outs = [(xp, self.worker, self._messages(self.layout, send[0]), scales)]
@@ -279,26 +282,32 @@ class TwoStageRank(DeferredDecode, RankState):
                 outs.append((xp[cols], None if self.worker is None else self.worker[cols], enc, enc.scales))
         for x, state, enc, sc in outs:
             if self.mode == "error_feedback":
-                self.codec.encode_error_feedback(x, state, out=enc, scales=sc, layout=enc.layout)
+                self.codec.encode_error_feedback(x, state, out=enc, scales=sc, layout=enc.layout, **pred)
             elif self.mode == "markov":
-                self.codec.encode_markov(x, state, out=enc, scales=sc, layout=enc.layout)
+                self.codec.encode_markov(x, state, out=enc, scales=sc, layout=enc.layout, **pred)
             else:
-                self.codec.encode(x, out=enc, scales=sc, layout=enc.layout)
+                self.codec.encode(x, out=enc, scales=sc, layout=enc.layout, **pred)
         return send[k]
 
     # -- stage 3 (server) ----------------------------------------------------------------
-    def server_receive(self, recv: torch.Tensor, k: int = 0) -> None:
+    def server_receive(self, recv: torch.Tensor, k: int = 0, *, go: torch.Tensor | None = None) -> None:
         """Stage 3a (server r): take in piece ``k`` of the n workers' chunk r.
 
         With one piece this is the whole server step; otherwise piece k of the workers'
         mean (``markov``: of the server's running mean) is decoded now, and the encode waits
         for the last piece, because the server scales need the whole chunk."""
+        if go is not None and self.num_pieces != 1:
+            raise ValueError(f"{type(self).__name__}: go= needs a call of one piece")
         if self.num_pieces == 1:
             msgs = self._messages(self._recv_layout, recv)
             out = self._messages(self._srv_layout, self._srv[0])
             if self.mode in ("error_feedback", "plain"):
                 self.codec.server_step(msgs, self.server if self.mode == "error_feedback" else None,
-                                       out=out, mean=self._mean, check_finite=False, ok=self._srv_ok)
+                                       out=out, mean=self._mean, check_finite=False, ok=self._srv_ok,
+                                       **({} if go is None else {"go": go}))
+            elif go is not None:
+                raise ValueError(f"{type(self).__name__}: a server step predicated on go= needs error_feedback "
+                                 "or plain mode")
             else:
                 self.codec.decode_mean(msgs, out=self.server, accumulate=True)
                 self.codec.encode_diff(self.server, self._my_tilde(), out=out, layout=self._srv_layout,

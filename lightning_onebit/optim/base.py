@@ -52,7 +52,13 @@ from .checkpointing import OptimizerCheckpoint
 from .conversion import AdamConversion, check_hyperparameters
 from .ddp import DDPHookPath
 from .functional import decoupled_update_
-from .nonfinite import NonFiniteGradientError, NonFinitePolicy, SkippedEverywhere, check_nonfinite_policy
+from .nonfinite import (
+    DeviceStep,
+    NonFiniteGradientError,
+    NonFinitePolicy,
+    SkippedEverywhere,
+    check_nonfinite_policy,
+)
 from .plumbing import SyncPlumbing
 from .sync import CollectiveError, SyncContext, sync_together
 from .warmup_mean import warmup_mean
@@ -113,6 +119,9 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
     #: a NaN/inf gradient always makes the payload non-finite, so the collective's own check (its
     #: scale reduction, on every rank) finds it and no extra pass over the gradient is needed
     payload_shows_nonfinite: ClassVar[bool] = True
+    #: the compressed update of a deferred result is the collective's sink alone, so a compression step may
+    #: be decided on the device at world size 1 on the cuda backend (:mod:`.nonfinite`)
+    skips_on_device: ClassVar[bool] = False
     #: ``(sums, maxima) -> (sums, maxima)`` of per-tensor statistics over every shard of each tensor, for rules
     #: that need whole tensors (1-bit LAMB's norms); ``None``: each tensor is whole on this rank. Set by
     #: :class:`~.sharded.ShardedCompressed` (the node's ranks hold the shards)
@@ -166,6 +175,8 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
         self.on_nonfinite = "raise"  # see set_nonfinite_policy
         self.max_consecutive_skips = 10
         self.skipped_steps = 0  #: steps skipped for a non-finite gradient (policy "skip")
+        self._device_steps: list = []  # steps decided on the device whose verdict the host has not read
+        self._verdict = None  # the last sync's, if it was decided on the device
         self._skip_run: list[int] = []  # optimizer steps of the current run of skips
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -329,6 +340,7 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
         return has
 
     def _run_step(self, worker_grads) -> None:
+        self.settle_device_skips(wait=False)
         buckets = self._build_buckets()
         self._update_phase()
         finite, check = None, None
@@ -339,6 +351,7 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
             elif check is None and self._nonfinite_anywhere(buckets, worker_grads):
                 self._skip_step(buckets)
                 return
+        self._verdict = None
         try:
             plan = self._synchronise(buckets, worker_grads, finite, carry_finite=check == "payloads")
         except SkippedEverywhere:
@@ -348,9 +361,11 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
             for b in buckets:  # the next step starts from scratch (the hook's work included)
                 b.reset_step(discard=True)
             raise
-        self._skip_run = []
+        if self._verdict is None:  # else the device decided, and settle_device_skips learns it a step later
+            self._skip_run = []
         # Pass 2: updates.
         self._step += 1
+        counted = []
         for b, has, grad, saved in plan:
             b.reset_step()
             if not any(has):
@@ -358,12 +373,15 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
             for p, h in zip(b.params, has, strict=True):
                 if h:
                     self.state[p]["step"] = self.state[p].get("step", 0) + 1
+                    counted.append(p)
             group = self.param_groups[b.group_index]
             if b.compressing:
                 self._update_compressed(b, group, has)
             else:
                 self._update_warmup(b, grad, group, has)
             self._restore(saved)
+        if self._verdict is not None:
+            self._device_steps.append(DeviceStep(self._verdict, self._step, counted))
         self.comm_counter.end_step()
         self.intra_node_counter.end_step()
 
@@ -421,7 +439,7 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
                 grad = warmup_mean(s, wflat)
                 self._check_finite(grad, "averaged gradient")
             plan.append((b, has, grad, saved))
-        sync_together(self, calls, carry_finite=carry_finite)
+        self._verdict = sync_together(self, calls, carry_finite=carry_finite)
         return plan
 
     def second_moments(self) -> list[torch.Tensor]:

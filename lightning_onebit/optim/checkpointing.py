@@ -17,6 +17,7 @@ class OptimizerCheckpoint:
     buckets (each with its :class:`~.sync.BucketSync`) and phase attributes."""
 
     def state_dict(self) -> dict:
+        self.settle_device_skips()  # step counts exact: a step the device skipped is taken back first
         self._flush_pending()  # a synchronised momentum left for the update is state too
         sd = super().state_dict()
         buckets = self._buckets
@@ -68,6 +69,7 @@ class OptimizerCheckpoint:
         its dtype (fp32, also for fp16/bf16 parameters, whose dtype would round the moments) and
         goes to the parameter's device, as does the compression state."""
         sd = dict(state_dict)
+        self._device_steps = []  # a verdict of steps before the load says nothing about the loaded state
         extra = sd.pop("onebit", None)
         if extra is None:
             raise ValueError(f"{type(self).__name__}: this state_dict was not written by a lightning_onebit "

@@ -9,16 +9,25 @@ compression phase) that check rides in the first collective's agreement round, w
 fails together before anything is written, and is the calls' own scale reductions (the scales of a
 payload go non-finite exactly when it does), with no pass over the gradients; elsewhere (warm-up,
 simulated workers, buckets synchronised in DDP's hook) it is one tiny OR across ranks first.
+
+At world size 1 on the cuda backend an optimizer whose compressed update is the collective's sink
+(``skips_on_device``: 1-bit Adam) decides a compression step on the device, as fused AdamW's
+``found_inf`` does: the calls' flags are ANDed there, every write of the step (codes, error state,
+momentum, parameters) is predicated on the result, and the host reads it a step later
+(:meth:`NonFinitePolicy.settle_device_skips`), so nothing on the step's path waits for the device. The
+skip count, the ``max_consecutive`` check and "raise" then act at the next ``step()`` (or
+``state_dict()``), and a skipped step's step counts are taken back then.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from ..comm import CompressedAllreduce, all_finite_many, any_across
+from ..comm import CompressedAllreduce, Verdict, all_finite_many, any_across
 from .buckets import Bucket
 
 log = logging.getLogger(__name__)
@@ -45,6 +54,16 @@ class SkippedEverywhere(Exception):
     every rank skips the step (the policy "skip"); nothing was written."""
 
 
+@dataclass
+class DeviceStep:
+    """A step decided on the device, until the host has read its :class:`~lightning_onebit.comm.Verdict`:
+    its number and the parameters whose step count it advanced."""
+
+    verdict: Verdict
+    step: int
+    params: list[torch.Tensor]
+
+
 class NonFinitePolicy:
     """Mixin of :class:`~lightning_onebit.optim.CompressedOptimizer`: what a NaN/inf gradient does."""
 
@@ -66,6 +85,37 @@ class NonFinitePolicy:
         self.nonfinite_policy_set = True
         if policy == "skip":
             self.defer_sync_to_step = True
+
+    def settle_device_skips(self, wait: bool = True) -> None:
+        """Read what the device decided for the steps it decided (see the module docstring): a step that
+        was skipped there is counted and logged (or raises, with the policy "raise" or after
+        ``max_consecutive_skips`` in a row) and its step counts are taken back. ``wait=False`` (what
+        ``step()`` does first): only what has reached the host, and the oldest until one step is left
+        pending, so the host learns a step late, or two when the device runs behind. A server mean that
+        overflowed fp32 raises here, its collective's state reset, as it would at its next call."""
+        pending = self._device_steps
+        if pending and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # a graph capture: querying the device is not allowed, the host learns after it
+        while pending and (wait or len(pending) > 1 or pending[0].verdict.ready()):
+            done = pending.pop(0)
+            finite, overflowed = done.verdict.read()
+            if finite and not overflowed:
+                self._skip_run = []
+                continue
+            self._step -= 1  # the step changed nothing: its counts back, later steps' numbers with them
+            for p in done.params:
+                self.state[p]["step"] -= 1
+            for later in pending:
+                later.step -= 1
+            if overflowed:
+                pending.clear()
+                overflowed[0]._server_overflowed()  # resets its error state and raises
+            if self.on_nonfinite == "raise":
+                pending.clear()
+                raise NonFiniteGradientError(
+                    f"{type(self).__name__}: a gradient of optimizer step {done.step} contained NaN or inf; the "
+                    "device skipped that step (no state changed) and the host learned it at the next step")
+            self._count_skip(done.step)
 
     def _check_finite(self, t: torch.Tensor | Sequence[torch.Tensor], what: str) -> None:
         # a sum is one cheap reduction and is non-finite whenever an element is (or it overflows:
@@ -117,12 +167,15 @@ class NonFinitePolicy:
     def _skip_step(self, buckets: list[Bucket]) -> None:
         for b in buckets:
             b.reset_step()
+        self._count_skip(self._step + 1)
+
+    def _count_skip(self, step: int) -> None:
         self.skipped_steps += 1
-        self._skip_run.append(self._step + 1)
+        self._skip_run.append(step)
         if len(self._skip_run) >= self.max_consecutive_skips:
             steps, self._skip_run = self._skip_run, []
             raise NonFiniteGradientError(
                 f"{type(self).__name__}: {len(steps)} consecutive steps had a NaN/inf gradient on some rank and "
                 f"were skipped (optimizer steps {steps}); lower the learning rate, clip gradients, or check the data")
         log.warning(f"{type(self).__name__}: a gradient contains NaN or inf on some rank; optimizer step "
-                    f"{self._step + 1} skipped on every rank, no state changed ({self.skipped_steps} skipped so far)")
+                    f"{step} skipped on every rank, no state changed ({self.skipped_steps} skipped so far)")

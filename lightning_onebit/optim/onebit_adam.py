@@ -182,6 +182,7 @@ class OnebitAdam(CompressedOptimizer):
         return b.cache["mask"]
 
     payload_reads_grads = True
+    skips_on_device = True  # a compressed update is decode_pending's sink alone (_update_compressed)
 
     def _payload(self, b: Bucket, grad, out: torch.Tensor) -> Source:
         # the momentum this gradient gives, evaluated by the codec where it reads it; frozen-zero

@@ -66,6 +66,8 @@ class OnebitLamb(OnebitAdam):
     Memory per parameter: m, v, v_fresh, m_prev (fp32) + worker error + 1/n server error.
     """
 
+    skips_on_device = False  # its compressed update (trust ratios) runs torch ops after the decode
+
     strategy_name = "onebit_lamb"
     converts_lamb = True
     decodes_in_update = False  # its update needs the synced and the previous momentum

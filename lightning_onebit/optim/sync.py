@@ -26,6 +26,7 @@ from ..comm import (
     CompressedAllreduce,
     NonFiniteInputError,
     Topology,
+    Verdict,
     Wire,
     check_together,
     group_size,
@@ -99,6 +100,10 @@ class Algorithm(Protocol):
     def _sync_target(self, b: Bucket) -> torch.Tensor: ...
     def _absorb(self, b: Bucket, synced: torch.Tensor) -> None: ...
     def _defers(self, b: Bucket) -> bool: ...
+
+    #: its update of a deferred result is the collective's sink alone, so a step may be decided on the
+    #: device (world size 1, cuda backend): every write predicated on one flag, the host told a step later
+    skips_on_device: bool
 
 
 class BucketSync:
@@ -179,6 +184,8 @@ class BucketSync:
         returns the gradient the flag and ``_on_flag`` read."""
         b, comm = self.bucket, self.collective()
         grads = b.grad if grad is None else grad
+        if hasattr(comm, "skip_on_device"):  # its update must then be the deferred decode's sink alone
+            comm.skip_on_device = getattr(algorithm, "skips_on_device", False) and algorithm._defers(b)
         if self.payload is None:
             self.payload = flat_buffer(b.numel, device=b.device, zero=False)
         src = algorithm._payload(b, grads, self.payload)
@@ -224,7 +231,7 @@ class BucketSync:
 
 
 def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequence | None, torch.Tensor | None]],
-                  *, carry_finite: bool = False) -> None:
+                  *, carry_finite: bool = False) -> Verdict | None:
     """The compressed syncs of several buckets on this rank's gradients, ``(sync, grad, finite)`` each, their
     calls' phases interleaved (:meth:`CompressedAllreduce.begin <lightning_onebit.comm.CompressedAllreduce.begin>`):
     every call's agreement goes on the wire, then each call is encoded and sent, relayed by its server, and
@@ -236,12 +243,16 @@ def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequen
     own scale reductions are the finiteness check. They begin last to first, each vouching for the calls
     after it (``finite=`` the later call's :attr:`~lightning_onebit.comm.CompressedAllreduce.input_finite`),
     so the first call's agreement, the first thing waited for, covers every gradient, with no pass over
-    them of its own. A failure raises after every call in flight was given up, on every rank alike."""
+    them of its own. A failure raises after every call in flight was given up, on every rank alike.
+
+    Returns the :class:`~lightning_onebit.comm.Verdict` of calls decided on the device (``skips_on_device``,
+    world size 1, the cuda backend: nothing was read, every write predicated on their flags), else None."""
     begun: list[tuple[BucketSync, Sequence]] = []
     # until the first call's agreement is past, a NaN it found (with ``finite`` or ``carry_finite``: on any
     # rank, in any gradient) has changed no state: the step is skipped everywhere
     agreed = not calls or (calls[0][2] is None and not carry_finite)
     owner = calls[0][0].context.owner if calls else ""
+    verdict = None
     try:
         if carry_finite:
             if any(finite is not None or not isinstance(s.collective(), CompressedAllreduce)
@@ -259,7 +270,7 @@ def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequen
                 agreed = True
         if begun:  # the calls' agreements read from the device once, not once (twice at world size 1) a call
             with begun[0][0].failure():
-                check_together([s.comm for s, _ in begun])
+                verdict = check_together([s.comm for s, _ in begun])
         for phase in ("send", "relay"):
             for s, _ in begun:
                 with nonfinite_is_gradient_error(owner), s.failure():
@@ -275,3 +286,4 @@ def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequen
         if not agreed and isinstance(exc, NonFiniteGradientError) and isinstance(exc.__cause__, NonFiniteInputError):
             raise SkippedEverywhere() from exc
         raise
+    return verdict
