@@ -76,6 +76,7 @@ ROWS = (  # (counter, what the table calls it)
     ("h2d", "blocking host-to-device copies"),
     ("h2d_async", "non-blocking host-to-device copies"),
     ("d2h", "device-to-host reads"),
+    ("d2h_async", "non-blocking device-to-host copies"),
     ("torch_ops", "torch ops outside the kernels"),
     ("torch_views", "of which views and no-ops (no kernel on a GPU)"),
     ("allocations", "allocations on the device"),

@@ -33,7 +33,8 @@ package's host path changes underneath it:
   device tensors (an index, a table: torch copies it). Blocking unless ``non_blocking=True``, which
   is counted apart (pinned memory cannot be had without a GPU).
 * **device-to-host reads**: ``bool``, ``int``, ``float``, ``.item()``, ``.tolist()``, ``.cpu()`` of a
-  device tensor, and a host tensor's ``copy_`` from one. ``.to("cpu")`` cannot be told from
+  device tensor, and a host tensor's ``copy_`` from one; with ``non_blocking=True`` (into pinned memory
+  on a GPU, which waits for nothing) such a copy is counted apart, as a non-blocking one. ``.to("cpu")`` cannot be told from
   ``.to(device)`` when the device is the CPU, so it is not counted.
 * **torch ops**: every call into torch's tensor API outside the kernels, metadata queries (shape,
   dtype, device, strides, ``numel``, ``data_ptr``, attributes), ``no_grad`` and the profiler's marks
@@ -71,7 +72,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 __all__ = ["COUNTERS", "HostPathCounter"]
 
 #: what :meth:`HostPathCounter.take` counts, in the order the tables print them
-COUNTERS = ("launches", "conversions", "h2d", "h2d_async", "d2h", "torch_ops", "torch_views", "allocations",
+COUNTERS = ("launches", "conversions", "h2d", "h2d_async", "d2h", "d2h_async", "torch_ops", "torch_views", "allocations",
             "host_allocations", "cpu_branches")
 
 # Calls that only read a tensor's metadata (no op on a GPU): not counted. Attribute reads and writes
@@ -261,8 +262,8 @@ class HostPathCounter:
             if isinstance(src, torch.Tensor):
                 if self.is_host(src) and not self.is_host(dst):
                     self._count("h2d_async" if non_blocking else "h2d", site=True)
-                elif self.is_host(dst) and not self.is_host(src):
-                    self._count("d2h", site=True)
+                elif self.is_host(dst) and not self.is_host(src):  # into pinned memory a copy waits for nothing
+                    self._count("d2h_async" if non_blocking else "d2h", site=True)
         elif name in _FROM_DATA:
             data = args[0] if args else kwargs.get("data")
             if name == "new_tensor":  # a method: the data follow self, on self's device unless told

@@ -1,0 +1,144 @@
+"""A compression step decided on the device (world size 1, the cuda backend): the kernels' predicates, and
+1-bit Adam / QAdam skipping a step with a NaN gradient with no host read, learnt at the next step.
+
+Runs under numba's CUDA simulator (tests/test_cuda_simulator.py starts it), where CPU tensors stand in for
+device memory: the cuda backend's kernels, flags and predicated writes run as on a GPU.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_onebit as lo
+from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
+from lightning_onebit.optim import NonFiniteGradientError
+
+FLAGS = {True: torch.ones(1, dtype=torch.bool), False: torch.zeros(1, dtype=torch.bool)}
+
+
+@pytest.mark.parametrize("make", [lambda: SignCodec(backend="cuda"), lambda: MinMaxUInt8Codec(backend="cuda")])
+def test_predicated_encode_and_decode_write_only_when_go(make):
+    codec = make()
+    g = torch.Generator().manual_seed(0)
+    x, err = torch.randn(77, generator=g), torch.randn(77, generator=g) * 0.1
+    ref_err = err.clone()
+    ref = codec.encode_error_feedback(x, ref_err)
+    enc = codec.encode_error_feedback(x, err.clone())  # message buffers to write into
+    before_codes, kept_err = enc.codes.clone(), err.clone()
+    codec.encode_error_feedback(x, kept_err, out=enc, go=FLAGS[False])
+    assert torch.equal(kept_err, err) and torch.equal(enc.codes, before_codes)  # nothing written
+    codec.encode_error_feedback(x, kept_err, out=enc, go=FLAGS[True])
+    assert torch.equal(kept_err, ref_err) and torch.equal(enc.codes, ref.codes)
+
+    values = codec.decode(ref)
+    for go, and_go in ((True, True), (True, False), (False, True)):
+        out, copy = torch.full((70,), 7.0), torch.full((77,), 7.0)  # out: the result without padding's worth
+        flags, decay = torch.zeros(2, dtype=torch.bool), torch.zeros(1)
+        codec.decode_predicated(ref, out, copy, go=FLAGS[go], and_go=FLAGS[and_go], flags=flags, decay=0.99,
+                                decay_out=decay)
+        both = go and and_go
+        assert torch.equal(out, values[:70] if both else torch.full((70,), 7.0))
+        assert torch.equal(copy, values if both else torch.zeros(77))
+        assert flags.tolist() == [both, and_go or not go]
+        assert decay.item() == (torch.tensor(0.99).item() if both else 1.0)
+
+
+def test_predicates_need_the_cuda_backend():
+    codec = SignCodec(backend="numba")
+    with pytest.raises(ValueError, match="predicates its kernels"):
+        codec.encode_error_feedback(torch.randn(8), torch.zeros(8), go=FLAGS[True])
+
+
+class Tiny(nn.Module):
+    """Where compression breaks: an embedding, a LayerNorm, attention, biases next to a wider layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.norm = nn.LayerNorm(8)
+        self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.out = nn.Linear(8, 40)
+
+
+def _state(opt) -> dict:
+    sd = opt.state_dict()
+    # the collectives' call counters count a call whose writes the device skipped: left out
+    comm = [{k: v for k, v in c.items() if k != "calls"} for c in sd["onebit"]["comm"]]
+    return {"state": sd["state"], "comm": comm, "step": sd["onebit"]["step"]}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def _run(algorithm: str, *, nan_at: int = -1, omit: int = -1, steps: int = 6, policy: str = "skip",
+         backend: str = "cuda", monkeypatch=None):
+    if monkeypatch is not None:
+        monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", backend)
+    torch.manual_seed(0)
+    net = Tiny()
+    params = list(net.parameters())
+    opt = getattr(lo, algorithm)(params, lr=1e-2, weight_decay=0.01, warmup_steps=2, bucket_cap_mb=0.002)
+    opt.set_nonfinite_policy(policy, max_consecutive=3)
+    g = torch.Generator().manual_seed(1)
+    seen = []  # (step, skipped_steps, optimizer_steps) after each call, as the host saw them then
+    for t in range(steps):
+        grads = [torch.randn(p.shape, generator=g) for p in params]
+        if t == nan_at:
+            grads[3].view(-1)[5] = float("nan")  # the LayerNorm's bias
+        if t == omit:
+            continue
+        for p, gr in zip(params, grads, strict=True):
+            p.grad = gr
+        opt.step()
+        seen.append((t, opt.skipped_steps, opt.optimizer_steps))
+    return params, opt, seen
+
+
+@pytest.mark.parametrize("algorithm", ["OnebitAdam", "QAdam"])
+def test_a_nan_step_decided_on_the_device_changes_nothing(algorithm, monkeypatch):
+    params, opt, seen = _run(algorithm, nan_at=3, monkeypatch=monkeypatch)
+    comms = [b.sync.comm for b in opt._buckets]
+    assert len(comms) > 1 and all(c.skip_on_device for c in comms)
+    # the host learns at the next step: step 3 counted as taken, then taken back when step 4 begins
+    assert seen[3] == (3, 0, 4) and seen[4] == (4, 1, 4), seen
+    ref_params, ref, _ = _run(algorithm, omit=3, monkeypatch=monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
+    assert _same(_state(opt), _state(ref))  # moments, error state, step counts: as if step 3 never came
+    # and the numba CPU backend, which reads the flag on the host, ends with the same bits
+    cpu_params, cpu, cpu_seen = _run(algorithm, nan_at=3, backend="numba", monkeypatch=monkeypatch)
+    assert cpu_seen[3] == (3, 1, 3), cpu_seen  # at once
+    assert all(torch.equal(a, b) for a, b in zip(params, cpu_params, strict=True))
+    assert cpu.skipped_steps == opt.skipped_steps == 1
+
+
+def test_raise_and_consecutive_skips_act_a_step_late(monkeypatch):
+    monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", "cuda")
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(33)), nn.Parameter(torch.randn(5, 7))]
+    opt = lo.OnebitAdam(params, lr=1e-2, warmup_steps=1)
+    opt.set_nonfinite_policy("raise")
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step(), opt.step()  # the warm-up, then a step decided on the device
+    before = [p.detach().clone() for p in params]
+    params[1].grad[2, 3] = float("inf")
+    opt.step()  # no read: nothing raises yet, and nothing is written
+    assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
+    params[1].grad[2, 3] = 1.0
+    with pytest.raises(NonFiniteGradientError, match="optimizer step 3 .* the host learned it at the next step"):
+        opt.step()
+    assert opt.optimizer_steps == 2 and all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
+
+    opt.set_nonfinite_policy("skip", max_consecutive=2)
+    params[0].grad[0] = float("nan")
+    opt.step(), opt.step()  # two skipped; the second is learnt by state_dict(), which settles first
+    with pytest.raises(NonFiniteGradientError, match="2 consecutive steps"):
+        opt.state_dict()
+    assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
