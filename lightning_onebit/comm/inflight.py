@@ -55,17 +55,18 @@ class Verdict:
     (``"input"``: its input and what it vouched for are finite; ``"server"``: the server scales of its
     previous call were)."""
 
-    #: pinned buffers reused in turn, by (device, length): a step waits for the verdict two steps back
-    #: before it makes a new one (:meth:`~lightning_onebit.optim.CompressedOptimizer.settle_device_skips`)
+    #: host buffers a step's flags are copied into, reused in turn: a step has read the verdict two steps
+    #: back before it makes a new one (:meth:`~lightning_onebit.optim.CompressedOptimizer.settle_device_skips`)
     RING = 4
-    _rings: dict[tuple, list] = {}
 
-    def __init__(self, flags: torch.Tensor, calls: list[tuple[Any, str]]) -> None:
+    @classmethod
+    def buffers(cls, flags: torch.Tensor) -> list[torch.Tensor]:
+        """The host buffers of :attr:`RING` verdicts of ``flags`` (pinned on a GPU: a copy into pageable
+        memory would wait for the device)."""
+        return [torch.empty(flags.numel(), dtype=torch.bool, pin_memory=flags.is_cuda) for _ in range(cls.RING)]
+
+    def __init__(self, flags: torch.Tensor, calls: list[tuple[Any, str]], ring: list[torch.Tensor]) -> None:
         self.calls = calls
-        ring = self._rings.get((str(flags.device), flags.numel()))
-        if ring is None:
-            ring = self._rings[(str(flags.device), flags.numel())] = [
-                torch.empty(flags.numel(), dtype=torch.bool, pin_memory=flags.is_cuda) for _ in range(self.RING)]
         ring.append(ring.pop(0))  # the oldest buffer, now the newest
         self.host = ring[-1]
         self.host.copy_(flags, non_blocking=True)  # waits for nothing on a GPU
@@ -138,8 +139,9 @@ def _decide_on_device(owner: CompressedAllreduce, local: list[tuple[CompressedAl
     if bufs is None or bufs[0] != key:
         stacked = torch.empty((len(tensors), *tensors[0].shape), dtype=torch.bool, device=tensors[0].device)
         go = torch.empty(1, dtype=torch.bool, device=tensors[0].device)
-        bufs = owner.__dict__["_step_flags"] = (key, stacked, go, go.view(()), stacked.view(-1))
-    _, stacked, go, go0, flat = bufs
+        flat = stacked.view(-1)
+        bufs = owner.__dict__["_step_flags"] = (key, stacked, go, go.view(()), flat, Verdict.buffers(flat))
+    _, stacked, go, go0, flat, ring = bufs
     torch.stack(tensors, out=stacked)
     torch.all(stacked, out=go0)
     what = [(call_owner, kind) for call_owner, call in local for kind, f in (("server", call.agreement.prev),
@@ -147,4 +149,4 @@ def _decide_on_device(owner: CompressedAllreduce, local: list[tuple[CompressedAl
             if isinstance(f, torch.Tensor)]
     for _, call in local:
         call.agreement, call.go = Agreement(None, True), go
-    return Verdict(flat, what)
+    return Verdict(flat, what, ring)
