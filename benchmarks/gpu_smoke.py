@@ -21,6 +21,9 @@ Checks, each a row of the table it prints:
   instead folds the workers' check into its agreement round);
 * ``SimulatedCluster`` on CUDA tensors with 1 and 3 pieces gives the same result;
 * resume: a compression-phase ``OnebitAdam`` state saved and loaded on the GPU continues bit for bit;
+* a NaN gradient in a compression-phase ``OnebitAdam`` step at world size 1, decided on the device (no
+  host read): parameters and state afterwards bit for bit those of the run without that step, and the
+  skip counted at the next step;
 * throughput: encode + error feedback and decode against the device copy bandwidth, 1M-128M, and at
   64M each kernel's own time (the profiler) against the bytes it must move;
 * the optimizer step alone: the compression-phase steps of ``OnebitAdam`` (world size 1 and 2 simulated
@@ -30,7 +33,7 @@ Checks, each a row of the table it prints:
   from 100M: reported, not failed);
 * the compression-phase ``OnebitAdam`` step at world size 1 under
   ``torch.cuda.set_sync_debug_mode("error")``: where it first waits for the device, if it does (the
-  target is nowhere; reported, not failed);
+  target is nowhere, as the step is decided on the device; reported, not failed);
 * a compression-phase ``OnebitAdam`` step captured with ``torch.cuda.graph`` and replayed 3 times
   against the same steps run eagerly on a copy, bit for bit (reported, not failed: the step is not
   capturable yet, and the line says why);
@@ -158,6 +161,47 @@ def check_sync_debug(device: torch.device) -> None:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
     row("host syncs (encode+EF, decode)", None, f"{len(syncs)} sync(s)" + (f": {syncs[0]}" if syncs else ""))
+
+
+def check_device_skip(device: torch.device, nan_at: int = 3, steps: int = 6) -> None:
+    """A NaN step of ``OnebitAdam`` at world size 1, decided on the device, against the run without it."""
+    def run(nan: bool):
+        g = torch.Generator().manual_seed(3)
+        params = [torch.nn.Parameter(torch.randn(40, 7, generator=g).to(device)),
+                  torch.nn.Parameter(torch.randn(13, generator=g).to(device))]
+        opt = OnebitAdam(params, lr=1e-2, weight_decay=0.01, warmup_steps=2)
+        opt.set_nonfinite_policy("skip")
+        decided = 0
+        for t in range(steps):
+            grads = [torch.randn(p.shape, generator=g).to(device) for p in params]
+            if t == nan_at and nan:
+                grads[1][5] = float("nan")
+            elif t == nan_at:
+                continue
+            for p, gr in zip(params, grads, strict=True):
+                p.grad = gr
+            opt.step()
+            decided += bool(opt._device_steps)
+        opt.settle_device_skips()
+        return params, opt, decided
+
+    backend = os.environ.get("LIGHTNING_ONEBIT_BACKEND")
+    if device.type == "cpu":  # the simulator: CPU tensors run the cuda backend only when it is forced
+        os.environ["LIGHTNING_ONEBIT_BACKEND"] = "cuda"
+    try:
+        params, opt, decided = run(True)
+        ref, ref_opt, _ = run(False)
+    finally:
+        if backend is None:
+            os.environ.pop("LIGHTNING_ONEBIT_BACKEND", None)
+        else:
+            os.environ["LIGHTNING_ONEBIT_BACKEND"] = backend
+    same = all(_same(a, b) for a, b in zip(params, ref, strict=True))
+    state = [opt.state[p]["exp_avg"] for p in params], [ref_opt.state[p]["exp_avg"] for p in ref]
+    same = same and all(_same(a, b) for a, b in zip(*state, strict=True))
+    row("NaN step decided on the device", same and opt.skipped_steps == 1 and decided > 0,
+        f"{decided} steps decided on the device, {opt.skipped_steps} skipped; parameters and momentum "
+        f"{'equal' if same else 'differ from'} the run without that step")
 
 
 def check_cluster_pieces(device: torch.device, n: int) -> None:
@@ -514,6 +558,7 @@ def run_checks(device: torch.device, sizes: list[int], args: argparse.Namespace)
             check_sync_debug(device)
         check_cluster_pieces(device, 120 if args.cudasim else 1 << 20)  # the simulator pays per launch
         check_resume(device)
+        check_device_skip(device)
     if gpu and "throughput" in want:
         check_throughput(device, [1 << 20, 1 << 26] if args.quick else [1 << 20, 1 << 24, 1 << 26, 1 << 27])
         profile_kernels(device)

@@ -34,8 +34,8 @@ package's host path changes underneath it:
   is counted apart (pinned memory cannot be had without a GPU).
 * **device-to-host reads**: ``bool``, ``int``, ``float``, ``.item()``, ``.tolist()``, ``.cpu()`` of a
   device tensor, and a host tensor's ``copy_`` from one; with ``non_blocking=True`` (into pinned memory
-  on a GPU, which waits for nothing) such a copy is counted apart, as a non-blocking one. ``.to("cpu")`` cannot be told from
-  ``.to(device)`` when the device is the CPU, so it is not counted.
+  on a GPU, which waits for nothing) such a copy is counted apart, as a non-blocking one.
+  ``.to("cpu")`` cannot be told from ``.to(device)`` when the device is the CPU, so it is not counted.
 * **torch ops**: every call into torch's tensor API outside the kernels, metadata queries (shape,
   dtype, device, strides, ``numel``, ``data_ptr``, attributes), ``no_grad`` and the profiler's marks
   and the ``.numpy()`` of a conversion left out; the rows above are among them. Of them, **views and
@@ -72,8 +72,8 @@ from torch.utils.weak import WeakTensorKeyDictionary
 __all__ = ["COUNTERS", "HostPathCounter"]
 
 #: what :meth:`HostPathCounter.take` counts, in the order the tables print them
-COUNTERS = ("launches", "conversions", "h2d", "h2d_async", "d2h", "d2h_async", "torch_ops", "torch_views", "allocations",
-            "host_allocations", "cpu_branches")
+COUNTERS = ("launches", "conversions", "h2d", "h2d_async", "d2h", "d2h_async", "torch_ops", "torch_views",
+            "allocations", "host_allocations", "cpu_branches")
 
 # Calls that only read a tensor's metadata (no op on a GPU): not counted. Attribute reads and writes
 # (``.shape``, ``.grad``, ``.data``, ...) reach a mode as ``__get__``/``__set__``.
