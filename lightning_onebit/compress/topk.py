@@ -89,7 +89,9 @@ class TopKCodec(Codec):
                              "nothing was encoded and no error/estimate state was changed")
 
     def _run(self, x, state, mode, lay, dtype=torch.float32, out=None, scales=None, check=True,
-             ok=None) -> Encoded:
+             ok=None, go=None) -> Encoded:
+        if go is not None:
+            raise ValueError("TopKCodec: go= is not supported (its torch ops are not predicated)")
         nseg = lay.nseg
         if state is not None:
             _check_state(state, x.numel(), x.device, "state buffer")
