@@ -265,7 +265,6 @@ class TwoStageRank(DeferredDecode, RankState):
                      go: torch.Tensor | None = None) -> torch.Tensor:
         """Stage 1 (worker): encode piece ``k`` of every chunk into its send buffer ``[n, rb_k]``; ``go``: a
         device flag the encode is predicated on (:meth:`~lightning_onebit.compress.Codec.encode`)."""
-        pred = {} if go is None else {"go": go}
         n, seg, send = self.world_size, self.seg_len, self._send
         if self.num_pieces == 1:
             outs = [(xp, self.worker, self._messages(self.layout, send[0]), scales)]
@@ -282,11 +281,11 @@ class TwoStageRank(DeferredDecode, RankState):
                 outs.append((xp[cols], None if self.worker is None else self.worker[cols], enc, enc.scales))
         for x, state, enc, sc in outs:
             if self.mode == "error_feedback":
-                self.codec.encode_error_feedback(x, state, out=enc, scales=sc, layout=enc.layout, **pred)
+                self.codec.encode_error_feedback(x, state, out=enc, scales=sc, layout=enc.layout, go=go)
             elif self.mode == "markov":
-                self.codec.encode_markov(x, state, out=enc, scales=sc, layout=enc.layout, **pred)
+                self.codec.encode_markov(x, state, out=enc, scales=sc, layout=enc.layout, go=go)
             else:
-                self.codec.encode(x, out=enc, scales=sc, layout=enc.layout, **pred)
+                self.codec.encode(x, out=enc, scales=sc, layout=enc.layout, go=go)
         return send[k]
 
     # -- stage 3 (server) ----------------------------------------------------------------
@@ -303,8 +302,7 @@ class TwoStageRank(DeferredDecode, RankState):
             out = self._messages(self._srv_layout, self._srv[0])
             if self.mode in ("error_feedback", "plain"):
                 self.codec.server_step(msgs, self.server if self.mode == "error_feedback" else None,
-                                       out=out, mean=self._mean, check_finite=False, ok=self._srv_ok,
-                                       **({} if go is None else {"go": go}))
+                                       out=out, mean=self._mean, check_finite=False, ok=self._srv_ok, go=go)
             elif go is not None:
                 raise ValueError(f"{type(self).__name__}: a server step predicated on go= needs error_feedback "
                                  "or plain mode")

@@ -272,10 +272,7 @@ _ALWAYS: dict[str, torch.Tensor] = {}
 def _go(go: torch.Tensor | None, device: torch.device):
     """``go`` as a kernel array, or a True flag made once per device."""
     if go is None:
-        key = str(device)
-        if key not in _ALWAYS:
-            _ALWAYS[key] = torch.ones(1, dtype=torch.bool, device=device)
-        go = _ALWAYS[key]
+        go = memo(_ALWAYS, str(device), lambda: torch.ones(1, dtype=torch.bool, device=device))
     elif go.dtype != torch.bool or go.shape != (1,) or go.device != device:
         raise ValueError(f"go must be a one-element 1-d bool tensor on {device}")
     return _arr(go)
@@ -305,20 +302,8 @@ def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows
             kind, _codes_arr(codes), rows, col0, layout.seg_len, *_starts(layout, device), _arr(out),
             accumulate, mean_rows, _go(go, device), _go(and_go, device),
             empty_arrays(device)[0] if copy is None else _arr(copy),
-            _no_flags(device) if flags is None else _arr(flags), np.float64(decay),
+            empty_arrays(device)[2] if flags is None else _arr(flags), np.float64(decay),
             empty_arrays(device)[0] if decay_out is None else _arr(decay_out))
-
-
-_NO_FLAGS: dict[str, tuple] = {}
-
-
-def _no_flags(device: torch.device):
-    """An empty bool array: the decode writes no flags."""
-    key = str(device)
-    if key not in _NO_FLAGS:
-        t = torch.empty(0, dtype=torch.bool, device=device)
-        _NO_FLAGS[key] = (t, _arr(t))
-    return _NO_FLAGS[key][1]
 
 
 # --- ahead-of-time checks ------------------------------------------------------------------
