@@ -60,6 +60,7 @@ the compression error of the algorithm exists in one process exactly as in many.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -234,6 +235,7 @@ class TwoStageRank(DeferredDecode, RankState):
         # one piece: the server row's scales are finite, written by the server encode's own reduction
         self._srv_ok = torch.ones(1, dtype=torch.bool, device=dev) if len(self.plan) == 1 else None
         self._srv_ok0 = None if self._srv_ok is None else self._srv_ok.view(())
+        self._gathered_check: tuple | None = None  # gathered_finite's buffers, made at its first call
 
     # -- stage 1 (worker) ----------------------------------------------------------------
     def _padded_input(self, x: torch.Tensor | Source) -> torch.Tensor | Source:
@@ -376,7 +378,14 @@ class TwoStageRank(DeferredDecode, RankState):
             scales = self._row_scales(piece0)
         else:
             scales = self._messages(self.layout, piece0).scales
-        return torch.isfinite(scales).all()
+        bufs = self._gathered_check
+        if bufs is None or bufs[0].shape != scales.shape:  # made once: the same flag buffer every call
+            ok = torch.empty((), dtype=torch.bool, device=scales.device)
+            bufs = self._gathered_check = (torch.empty_like(scales), torch.empty(scales.shape, dtype=torch.bool,
+                                                                                 device=scales.device), ok)
+        mag, finite, ok = bufs
+        torch.lt(torch.abs(scales, out=mag), math.inf, out=finite)  # isfinite, written into a buffer
+        return torch.all(finite, out=ok)
 
     def finish_piece(self, gathered: torch.Tensor, dst: torch.Tensor, k: int = 0, sink: Sink | None = None) -> None:
         """Stage 4 (every rank): decode piece ``k`` of the gathered server rows into ``dst``; a ``sink``
