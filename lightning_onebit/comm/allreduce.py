@@ -15,8 +15,8 @@ checks before stage 4 decodes. On the CPU that check is free, and every rank rai
 there with the result untouched and the error state reset; on a GPU reading it would make the
 host wait for the whole call, so the flag stays on the device and the next call's agreement
 (the one host wait per call) raises on every rank - the overflowing call's result then holds
-non-finite values, except in a step decided on the device (world size 1: :mod:`.inflight`), whose
-decode is predicated on that flag. The agreement is :mod:`.verify`'s. That check costs one
+non-finite values, except in a step decided on the device (:mod:`.inflight`), whose decode is
+predicated on that flag. The agreement is :mod:`.verify`'s. That check costs one
 small-message latency
 per call; pass ``verify="first"`` where the caller guarantees agreement (DDP buckets are
 verified by DDP itself), trading it for a process-group timeout if a rank goes astray.
@@ -31,9 +31,9 @@ import torch.distributed as dist
 
 from ..compress import Codec, Source, flat_buffer
 from .accounting import ByteCounter
-from .dense import all_gather_rows, fans_out, launcher_ranks_per_node
+from .dense import all_gather_rows, collective_device, fans_out, launcher_ranks_per_node
 from .duplex import duplex_twin, exchange_rows
-from .inflight import Call
+from .inflight import Call, Predicate
 from .two_stage import TwoStageRank
 from .verify import AgreementRound, NonFiniteInputError
 
@@ -110,9 +110,10 @@ class CompressedAllreduce(AgreementRound, TwoStageRank):
         self.any_flag = False  # some rank's flag in the last call was nonzero (see __call__)
         self.flag_values: list[int] = [0]  # every rank's flag in the last call, in rank order
         self._inflight: Call | None = None  # a call between begin() and complete(): its phase and buffers
-        #: at world size 1 on the cuda backend, a call's flags may be decided on the device (see
-        #: :func:`.inflight.check_together`): set by a caller that reads the :class:`~.inflight.Verdict`
-        #: a step later and defers its decode (the decode and its update are then predicated too)
+        #: on the cuda backend, a call's flags may be decided on the device (see
+        #: :func:`.inflight.check_together`; with several ranks once a call was verified): set by a caller
+        #: that reads the :class:`~.inflight.Verdict` a step later and defers its decode (the decode and
+        #: its update are then predicated too)
         self.skip_on_device = False
         self._decode_flags: tuple | None = None  # a call decided on the device: its decode's flags and views
         self._sink_in: torch.Tensor | None = None  # what a predicated decode hands its sink
@@ -179,9 +180,12 @@ class CompressedAllreduce(AgreementRound, TwoStageRank):
                 self._agree(x, True)  # ranks that disagree all raise here instead of hanging
             self.bind(x.numel(), x.device)  # every rank made the same mistake: raise the local explanation
         xp, scales, ok = self.prepare(x)
-        on_device = (self.skip_on_device and self.world_size == 1 and flag is None and self.num_pieces == 1
-                     and self.mode != "markov" and self.codec.predicates(xp.device))
-        self._inflight = Call(x, xp, scales, self._agree_start(x, ok, flag, finite), on_device)
+        # with several ranks once a call was verified on the host (the collective's geometry cannot change),
+        # and where the signatures are gathered on the data's device (NCCL; not gloo with CUDA tensors)
+        on_device = (self.skip_on_device and flag is None and self.num_pieces == 1 and self.mode != "markov"
+                     and self.codec.predicates(xp.device) and (self.world_size == 1 or (
+                         self._verified and collective_device(self.group, xp.device) == xp.device)))
+        self._inflight = Call(x, xp, scales, self._agree_start(x, ok, flag, finite, on_device=on_device), on_device)
 
     @property
     def input_finite(self) -> bool | torch.Tensor:
@@ -205,7 +209,7 @@ class CompressedAllreduce(AgreementRound, TwoStageRank):
         call.xp = call.scales = call.agreement = None
         if self.numel and self.world_size > 1:
             for k in range(self.num_pieces):
-                send = self.encode_stage(xp, scales, k)
+                send = self.encode_stage(xp, scales, k, go=call.go)
                 if self._twin is not None:
                     call.works.append(exchange_rows(self._recv[k], send, self.group, twin=self._twin, tag=1,
                                                     async_op=True))
@@ -267,7 +271,7 @@ class CompressedAllreduce(AgreementRound, TwoStageRank):
                     decay = torch.ones(1, dtype=torch.float32, device=call.go.device)
                     self._decode_flags = (srv_ok.data_ptr(), flags, flags[1:], srv_ok.view(1), decay, decay.view(()))
                 _, flags, prev, srv1, decay, decay0 = self._decode_flags
-                go = (call.go, srv1, flags, decay, decay0)
+                go = Predicate(call.go, srv1, flags, decay, decay0)
                 # the decode writes [go and srv_ok, srv_ok or not go]: the second for the next call, since a
                 # skipped call's server read the worker's new scales beside its old codes and says nothing
                 self._gathered_ok = prev

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..compress.source import Sink
+from .inflight import Predicate
 
 __all__ = ["DeferredDecode"]
 
@@ -22,7 +23,7 @@ class DeferredDecode:
         return self._pending is not None
 
     def _keep_pending(self, gathered: list[torch.Tensor], dst: torch.Tensor, out: torch.Tensor | None,
-                      dtype: torch.dtype, go: torch.Tensor | None = None) -> None:
+                      dtype: torch.dtype, go: Predicate | None = None) -> None:
         self._pending = (gathered, dst, out, dtype, go)
 
     def decode_pending(self, sink: Sink | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -44,10 +45,9 @@ class DeferredDecode:
         return self.finish(dst, out, dtype, sink)
 
     def _decode_predicated(self, gathered: torch.Tensor, out: torch.Tensor | None, sink: Sink | None,
-                           go: tuple[torch.Tensor, ...]) -> torch.Tensor:
+                           go: Predicate) -> torch.Tensor:
         """A call decided on the device (:func:`~.inflight.check_together`): its result decoded into ``out``
-        and the ``sink`` applied only where both flags hold (``go``: the step's, the server scales finite,
-        the decode's flags out, its decay out and that as 0-d), with no host read. The sink reads a copy
+        and the ``sink`` applied only where both of ``go``'s flags hold, with no host read. The sink reads a copy
         of the values that is zero where they do not, and a decay of 1, so that its update adds nothing."""
         d = self.numel
         if out is None or out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != d:
@@ -58,11 +58,11 @@ class DeferredDecode:
             copy = self._outpad[:d] if self._outpad is not None else torch.empty(d, dtype=torch.float32,
                                                                                   device=out.device)
             views = self._sink_in = (out, out.view(-1), copy)
-        self.codec.decode_predicated(self._messages(self.layout, gathered), views[1], views[2], go=go[0],
-                                     and_go=go[1], flags=go[2], decay=1.0 if sink is None else sink.decay,
-                                     decay_out=go[3])
+        self.codec.decode_predicated(self._messages(self.layout, gathered), views[1], views[2], go=go.go,
+                                     and_go=go.server_ok, flags=go.flags, decay=1.0 if sink is None else sink.decay,
+                                     decay_out=go.decay)
         if sink is not None:
-            sink.apply(views[2], decay=go[4])
+            sink.apply(views[2], decay=go.decay0)
         return out
 
     def discard_pending(self) -> None:

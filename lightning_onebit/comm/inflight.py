@@ -3,11 +3,13 @@
 
 A call's agreement is what every rank must see alike before any state is written (sizes, codec, mode,
 flags, every input finite): with several ranks a gather of each rank's signature, at world size 1 the
-local finiteness flags. Each is one host read of the device, the step's waits for it - except at world
-size 1 on the cuda backend where the caller asked for it (``skip_on_device``): there the flags are
-combined on the device into one ``go`` flag that every write of the step is predicated on, and the host
-learns the outcome a step later through a non-blocking copy (:class:`Verdict`), as fused AdamW's
-``found_inf`` skips a step with no sync.
+local finiteness flags. Each is one host read of the device, the step's waits for it - except on the cuda
+backend where the caller asked for it (``skip_on_device``): there the flags are combined on the device
+into one ``go`` flag that every write of the step is predicated on, and the host learns the outcome a
+step later through a non-blocking copy (:class:`Verdict`), as fused AdamW's ``found_inf`` skips a step
+with no sync. With several ranks the flags are the gathered signatures' (every rank computes the same
+``go`` from the same bytes), once a call of the collective was verified on the host: its sizes, codec,
+mode and groups are fixed for the collective's life, so what is left to agree on is finiteness.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 if TYPE_CHECKING:
     from .allreduce import CompressedAllreduce
 
-__all__ = ["Agreement", "Call", "Verdict", "check_together"]
+__all__ = ["Agreement", "Call", "Predicate", "Verdict", "check_together"]
 
 
 class Agreement(NamedTuple):
@@ -33,6 +35,16 @@ class Agreement(NamedTuple):
     allsig: torch.Tensor | None = None  # every rank's signature, once ``work`` is done
     work: Any = None  # the gather of the signatures, on the wire
     host: np.ndarray | None = None  # ``allsig`` read to the host already (:func:`check_together`)
+
+
+class Predicate(NamedTuple):
+    """What the deferred decode of a call decided on the device is predicated on, and what it writes."""
+
+    go: torch.Tensor  # the step's flag (1 element): every rank's every input finite
+    server_ok: torch.Tensor  # this call's gathered server scales are finite (1 element)
+    flags: torch.Tensor  # written by the decode: [go and server_ok, server_ok or not go]
+    decay: torch.Tensor  # written by the decode: the update's decay, 1 where it was skipped (1 element)
+    decay0: torch.Tensor  # ``decay`` as 0-d, what the sink reads
 
 
 class Call:
@@ -99,13 +111,17 @@ def check_together(calls: Sequence[CompressedAllreduce]) -> Verdict | None:
     nothing is changed and each call raises as it would have. The collectives are the calls' own: every
     rank still issues the same ones in the same order, and each call still compares its ranks' fields.
 
-    Where every begun call may be decided on the device (``on_device``: world size 1, the cuda backend,
-    the caller's ``skip_on_device``), nothing is read: the flags are ANDed on the device into ``go``,
-    which every call's encodes and its decode are predicated on, and the returned :class:`Verdict`
-    brings them to the host a step later."""
+    Where every begun call may be decided on the device (``on_device``: the cuda backend, the caller's
+    ``skip_on_device``, with several ranks a collective verified once), nothing is read: the flags (with
+    several ranks every rank's, from the gathered signatures) are ANDed on the device into ``go``, which
+    every call's encodes and its decode are predicated on, and the returned :class:`Verdict` brings them
+    to the host a step later."""
     owners = {id(c.in_flight): c for c in calls if c.in_flight is not None and c.in_flight.phase == "begun"}
     begun = [c.in_flight for c in calls if id(c.in_flight) in owners]
     rounds = [call for call in begun if call.agreement.work is not None and call.agreement.host is None]
+    if (rounds and len(rounds) == len(begun) and all(call.on_device for call in begun)
+            and len({(c.agreement.allsig.device, c.agreement.allsig.shape) for c in rounds}) == 1):
+        return _decide_gathered_on_device(calls[0], [(owners[id(call)], call) for call in rounds])
     if len(rounds) > 1 and len({(c.agreement.allsig.device, c.agreement.allsig.shape) for c in rounds}) == 1:
         for call in rounds:
             call.agreement.work.wait()
@@ -149,4 +165,30 @@ def _decide_on_device(owner: CompressedAllreduce, local: list[tuple[CompressedAl
             if isinstance(f, torch.Tensor)]
     for _, call in local:
         call.agreement, call.go = Agreement(None, True), go
+    return Verdict(flat, what, ring)
+
+
+def _decide_gathered_on_device(owner: CompressedAllreduce, rounds: list[tuple[CompressedAllreduce, Call]]) -> Verdict:
+    """:func:`_decide_on_device` with several ranks: ``go`` from the gathered signatures' last two fields
+    (every rank's previous server scales finite, its input finite), the same on every rank. Waiting for a
+    gather makes the stream wait for it on NCCL, the host for its bytes on gloo: neither reads the device."""
+    allsig = rounds[0][1].agreement.allsig
+    key = (allsig.device, allsig.shape, *(id(collective) for collective, _ in rounds))
+    bufs = owner.__dict__.get("_step_sigs")
+    if bufs is None or bufs[0] != key:
+        sigs = torch.empty((len(rounds), allsig.shape[0], 2), dtype=allsig.dtype, device=allsig.device)
+        flags = torch.empty((len(rounds), 2), dtype=torch.bool, device=allsig.device)
+        go = torch.empty(1, dtype=torch.bool, device=allsig.device)
+        flat = flags.view(-1)
+        what = [(collective, kind) for collective, _ in rounds for kind in ("server", "input")]
+        bufs = owner.__dict__["_step_sigs"] = (key, sigs, flags, go, go.view(()), flat, Verdict.buffers(flat), what)
+    _, sigs, flags, go, go0, flat, ring, what = bufs
+    for _, call in rounds:
+        call.agreement.work.wait()
+    torch.stack([call.agreement.allsig[:, -2:] for _, call in rounds], out=sigs)
+    torch.all(sigs, dim=1, out=flags)  # per call: every rank's server scales finite, every rank's input finite
+    torch.all(flat, out=go0)
+    for collective, call in rounds:
+        call.agreement, call.go = Agreement(None, True), go
+        collective.any_flag, collective.flag_values = False, [0] * collective.world_size
     return Verdict(flat, what, ring)

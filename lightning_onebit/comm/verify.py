@@ -79,9 +79,11 @@ class AgreementRound:
         self._agree_finish(self._agree_start(x, ok, flag, finite))
 
     def _agree_start(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: int | None = None,
-                     finite: bool | torch.Tensor | None = None) -> Agreement:
+                     finite: bool | torch.Tensor | None = None, *, on_device: bool = False) -> Agreement:
         """:meth:`_agree` up to its round on the wire (not waited for): what :meth:`_agree_finish` takes.
-        Nothing is written but the flag of this rank alone; a local error raises here."""
+        Nothing is written but the flag of this rank alone; a local error raises here. ``on_device`` (a
+        call that may be decided on the device): with several ranks always a round, which carries the
+        flags, and no read of ``ok``."""
         for name, arg in (("flag", flag), ("finite", finite)):
             if arg is not None and self.verify != "always" and self.world_size > 1:
                 raise ValueError(f"{type(self).__name__}: {name}= needs verify='always' (it rides in the "
@@ -97,7 +99,7 @@ class AgreementRound:
             raise ValueError(f"{type(self).__name__}: flag must be a bool or a non-negative int, got {flag}")
         self.any_flag, self.flag_values = bool(mine_flag), [mine_flag]
         prev, self._gathered_ok = self._gathered_ok, None
-        if self.world_size == 1 or (self.verify == "first" and self._verified and bool(ok)):
+        if self.world_size == 1 or (self.verify == "first" and self._verified and not on_device and bool(ok)):
             return Agreement(prev, ok)  # no round: _agree_finish checks locally
         dev = collective_device(self.group, x.device)
         sig = self._signature(x, mine_flag, ok if isinstance(ok, bool) else True)

@@ -120,7 +120,7 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
     #: scale reduction, on every rank) finds it and no extra pass over the gradient is needed
     payload_shows_nonfinite: ClassVar[bool] = True
     #: the compressed update of a deferred result is the collective's sink alone, so a compression step may
-    #: be decided on the device at world size 1 on the cuda backend (:mod:`.nonfinite`)
+    #: be decided on the device on the cuda backend (:mod:`.nonfinite`)
     skips_on_device: ClassVar[bool] = False
     #: ``(sums, maxima) -> (sums, maxima)`` of per-tensor statistics over every shard of each tensor, for rules
     #: that need whole tensors (1-bit LAMB's norms); ``None``: each tensor is whole on this rank. Set by
@@ -439,7 +439,7 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
                 grad = warmup_mean(s, wflat)
                 self._check_finite(grad, "averaged gradient")
             plan.append((b, has, grad, saved))
-        self._verdict = sync_together(self, calls, carry_finite=carry_finite)
+        self._verdict = sync_together(self, calls, carry_finite=carry_finite, on_device=True)
         return plan
 
     def second_moments(self) -> list[torch.Tensor]:

@@ -1,5 +1,6 @@
-"""A compression step decided on the device (world size 1, the cuda backend): the kernels' predicates, and
-1-bit Adam / QAdam skipping a step with a NaN gradient with no host read, learnt at the next step.
+"""A compression step decided on the device (the cuda backend): the kernels' predicates, and 1-bit Adam /
+QAdam skipping a step with a NaN gradient with no host read, learnt at the next step, on one rank and on two
+gloo ranks (the NaN on one of them).
 
 Runs under numba's CUDA simulator (tests/test_cuda_simulator.py starts it), where CPU tensors stand in for
 device memory: the cuda backend's kernels, flags and predicated writes run as on a GPU.
@@ -12,6 +13,8 @@ from torch import nn
 import lightning_onebit as lo
 from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
 from lightning_onebit.optim import NonFiniteGradientError
+
+from dist_utils import run_ranks, values
 
 FLAGS = {True: torch.ones(1, dtype=torch.bool), False: torch.zeros(1, dtype=torch.bool)}
 
@@ -62,8 +65,8 @@ class Tiny(nn.Module):
 
 def _state(opt) -> dict:
     sd = opt.state_dict()
-    # the collectives' call counters count a call whose writes the device skipped: left out
-    comm = [{k: v for k, v in c.items() if k != "calls"} for c in sd["onebit"]["comm"]]
+    # the collectives' call and byte counters count a call whose writes the device skipped: left out
+    comm = [{k: v for k, v in c.items() if k not in ("calls", "bytes_sent")} for c in sd["onebit"]["comm"]]
     return {"state": sd["state"], "comm": comm, "step": sd["onebit"]["step"]}
 
 
@@ -78,7 +81,7 @@ def _same(a, b) -> bool:
 
 
 def _run(algorithm: str, *, nan_at: int = -1, omit: int = -1, steps: int = 5, policy: str = "skip",
-         backend: str = "cuda", monkeypatch=None):
+         backend: str = "cuda", monkeypatch=None, rank: int = 0):
     if monkeypatch is not None:
         monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", backend)
     torch.manual_seed(0)
@@ -86,7 +89,7 @@ def _run(algorithm: str, *, nan_at: int = -1, omit: int = -1, steps: int = 5, po
     params = list(net.parameters())
     opt = getattr(lo, algorithm)(params, lr=1e-2, weight_decay=0.01, warmup_steps=2, bucket_cap_mb=0.002)
     opt.set_nonfinite_policy(policy, max_consecutive=3)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(1 + rank)
     seen = []  # (step, skipped_steps, optimizer_steps) after each call, as the host saw them then
     for t in range(steps):
         grads = [torch.randn(p.shape, generator=g) for p in params]
@@ -117,6 +120,28 @@ def test_a_nan_step_decided_on_the_device_changes_nothing(algorithm, monkeypatch
         assert cpu_seen[3] == (3, 1, 3), cpu_seen  # at once
         assert all(torch.equal(a, b) for a, b in zip(params, cpu_params, strict=True))
         assert cpu.skipped_steps == opt.skipped_steps == 1
+
+
+def _rank_run(rank: int, world: int, nan_rank: int) -> tuple:
+    """A rank of the two-rank test: step 3 with a NaN on ``nan_rank``'s LayerNorm bias, then without step 3."""
+    params, opt, seen = _run("OnebitAdam", nan_at=3 if rank == nan_rank else -1, rank=rank)
+    decided = [b.sync.comm.skip_on_device for b in opt._buckets]
+    ref_params, ref, _ = _run("OnebitAdam", omit=3, rank=rank)
+    return seen, decided, params, _state(opt), ref_params, _state(ref)
+
+
+@pytest.mark.budget(60)  # two ranks of two 5-step runs under the simulator
+def test_two_ranks_skip_a_nan_on_one_of_them_on_the_device(monkeypatch):
+    """With several ranks the flags go in the agreement rounds' gathered signatures: every rank computes the
+    same ``go`` on the device, so a NaN on rank 1 leaves both ranks as if the step never came."""
+    monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", "cuda")
+    ranks = values(run_ranks(_rank_run, 2, 1, timeout_s=120))
+    for seen, decided, params, state, ref_params, ref_state in ranks:
+        assert all(decided), decided
+        assert seen[3] == (3, 0, 4) and seen[4] == (4, 1, 4), seen  # learnt at the next step, on both ranks
+        assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
+        assert _same(state, ref_state)
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0][2], ranks[1][2], strict=True))  # the ranks agree
 
 
 def test_raise_and_consecutive_skips_act_a_step_late(monkeypatch):
