@@ -3,6 +3,7 @@
     python benchmarks/gpu_host_path.py                                  # OnebitAdam: both models, 1 and 2 ranks
     python benchmarks/gpu_host_path.py --algorithm OnebitAdam QAdam OnebitLamb ZeroOneAdam
     python benchmarks/gpu_host_path.py --sites --ops                    # where each copy and read happens
+    python benchmarks/gpu_host_path.py --world 2 --sync hook step       # 2 ranks: DDP's hook, and step()
     python benchmarks/gpu_host_path.py --full --out host_path.md        # the 17M-parameter MLP
 
 A step is fast on a GPU only if the host does little besides queueing kernels: each launch, conversion
@@ -15,7 +16,9 @@ what it counts). Counted: the steps after the warm-up, without the first two of 
 more (the compression phase's first binds its buffers; with DDP's hook a bucket's first compressed
 sync comes a step before its first compressed update); for one rank the optimizer's ``step()`` alone (fixed
 gradients), for two gloo ranks DDP's comm hook calls during backward plus ``step()`` (the model's own
-forward and backward are not counted). Host time: thread CPU time of the same, the stubs' time left
+forward and backward are not counted), with the compressed sync in the hook (``--sync hook``, the default:
+the policy "raise") or in ``step()`` (``--sync step``: the policy "skip", the Lightning strategies'
+default, whose hook hands back the local gradients). Host time: thread CPU time of the same, the stubs' time left
 out, over further steps with the counting off (min / median); on a CPU the torch ops the step makes
 also do their arithmetic, so it is an upper bound of the host's share that shrinks with the model.
 
@@ -170,9 +173,11 @@ def _optimizer(algorithm: str, params: list[nn.Parameter], cap_mb: float) -> tup
     return opt, lambda: "compression" if opt.optimizer_steps >= opt.warmup_steps else "warm-up", 1
 
 
-def measure(model: str, algorithm: str, size: str, world: int, steps: int, timed: int) -> dict[str, Any]:
+def measure(model: str, algorithm: str, size: str, world: int, steps: int, timed: int,
+            sync: str = "hook") -> dict[str, Any]:
     """Counts and host times of ``algorithm``'s steps on ``model`` (this process is one of ``world`` ranks
-    of the default group when ``world > 1``): see the module docstring."""
+    of the default group when ``world > 1``, synchronising in DDP's hook or in ``step()``, ``sync``): see
+    the module docstring."""
     net, loss = build(model, size)
     params = list(net.parameters())
     cap_mb = bucket_cap_mb([p.numel() for p in params], BUCKETS[model])
@@ -186,7 +191,10 @@ def measure(model: str, algorithm: str, size: str, world: int, steps: int, timed
             opt, kind, before = _optimizer(algorithm, params, cap_mb)
             ddp = None
             if world > 1:
-                ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=cap_mb)
+                if sync == "step":
+                    opt.set_nonfinite_policy("skip")
+                # gradients as views of DDP's buckets: memory that stays (as a user of step()'s sync would set)
+                ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=cap_mb, gradient_as_bucket_view=True)
                 with counter.counting_ddp_hooks():
                     opt.attach(ddp)
 
@@ -231,7 +239,8 @@ def measure(model: str, algorithm: str, size: str, world: int, steps: int, timed
         for detail in ("kernels", "ops", "op_sites", "sites"):
             kinds[k][detail] = rows[-1][detail]
         kinds[k]["host_ms"] = times.get(k, [])
-    return {"model": model, "algorithm": algorithm, "world": world, "tensors": len(params), "buckets": nb,
+    return {"model": model, "algorithm": algorithm, "world": world, "sync": "step" if world == 1 else sync,
+            "tensors": len(params), "buckets": nb,
             "params": sum(p.numel() for p in params), "bucket_cap_mb": cap_mb, "kinds": kinds}
 
 
@@ -313,12 +322,14 @@ def _cell(values: list[float], per: int = 1) -> str:
     return _fmt(lo_) if lo_ == hi else f"{_fmt(lo_)}-{_fmt(hi)}"
 
 
-def table(results: list[dict[str, Any]], algorithm: str, world: int, kind: str) -> str:
-    """The counts of one algorithm, world size and kind of step for every model, per step and per bucket."""
-    cols = [r for r in results if r["algorithm"] == algorithm and r["world"] == world and kind in r["kinds"]]
+def table(results: list[dict[str, Any]], algorithm: str, world: int, kind: str, sync: str) -> str:
+    """The counts of one algorithm, world size, sync path and kind of step for every model, per step and per
+    bucket."""
+    cols = [r for r in results if r["algorithm"] == algorithm and r["world"] == world and r["sync"] == sync
+            and kind in r["kinds"]]
     if not cols:
         return ""
-    ranks = "1 rank" if world == 1 else f"{world} ranks"
+    ranks = "1 rank" if world == 1 else f"{world} ranks, " + ("DDP's hook" if sync == "hook" else "step()")
     head = "| per step | " + " | ".join(
         f"{r['model'].upper() if r['model'] == 'mlp' else 'GPT-like'}, {ranks} ({r['tensors']} tensors, "
         f"{r['buckets']} buckets) | per bucket" for r in cols) + " |"
@@ -343,7 +354,7 @@ def details(results: list[dict[str, Any]], what: str) -> str:
     for r in results:
         for k, v in r["kinds"].items():
             items = sorted(v[what].items(), key=lambda kv: (-kv[1], kv[0]))
-            lines.append(f"{r['algorithm']} {r['model']} world {r['world']} {k}: kernels "
+            lines.append(f"{r['algorithm']} {r['model']} world {r['world']} ({r['sync']}) {k}: kernels "
                          f"{dict(sorted(v['kernels'].items()))}")
             lines += [f"    {n:4d}  {name}" for name, n in items]
     return "\n".join(lines) + "\n"
@@ -355,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--algorithm", nargs="+", default=["OnebitAdam"], choices=ALGORITHMS)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     ap.add_argument("--world", type=int, nargs="+", default=[1, 2], choices=[1, 2, 3, 4])
+    ap.add_argument("--sync", nargs="+", default=["hook"], choices=["hook", "step"],
+                    help="with several ranks: the compressed sync in DDP's hook (policy 'raise', the default) "
+                         "and/or in step() (policy 'skip', the strategies' default)")
     ap.add_argument("--steps", type=int, default=4, help="counted steps after the warm-up (default 4; the first "
                                                           "two of each kind are left out where there are more)")
     ap.add_argument("--timed", type=int, default=10, help="steps timed after the counted ones (default 10)")
@@ -383,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
             if world == 1:
                 results += [measure(**job, world=1) for job in jobs]
             else:
-                results += run_ranks([dict(job, world=world) for job in jobs], world, args.timeout)
+                results += run_ranks([dict(job, world=world, sync=sync) for sync in args.sync for job in jobs],
+                                     world, args.timeout)
         for r in {r["model"]: r for r in results}.values():
             print(f"{r['model']}: {r['tensors']} tensors, {r['params']} parameters, {r['buckets']} buckets "
                   f"(bucket_cap_mb={r['bucket_cap_mb']:.4f})")
@@ -391,10 +406,11 @@ def main(argv: list[str] | None = None) -> int:
         for a in args.algorithm:
             kinds = dict.fromkeys(k for r in results if r["algorithm"] == a for k in r["kinds"])
             for world in args.world:
-                for k in kinds:
-                    text = table(results, a, world, k)
-                    if text:
-                        print(text)
+                for sync in ["step"] if world == 1 else args.sync:
+                    for k in kinds:
+                        text = table(results, a, world, k, sync)
+                        if text:
+                            print(text)
         if args.ops:
             print(details(results, "op_sites"))
         if args.sites:

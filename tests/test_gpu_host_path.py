@@ -3,7 +3,8 @@
 ``benchmarks/gpu_host_path.py`` counts it on the CPU, under numba's CUDA simulator with the kernels
 stubbed (in a child process: the simulator must be on before numba is imported), for 1-bit Adam on an
 MLP of 6 tensors in 3 buckets and a GPT-like model of 100 tensors in 13, on 1 rank and on 2 gloo ranks
-with DDP's comm hook. A change that adds a launch, a copy, a host read, a torch op or an allocation
+with DDP's comm hook, the sync in the hook (policy "raise") or in ``step()`` (policy "skip", the strategies'
+default). A change that adds a launch, a copy, a host read, a torch op or an allocation
 per step fails here, long before a GPU shows it in a profile.
 
 The budgets are ceilings per step: today's counts. The targets of the CUDA host path stand beside each
@@ -28,7 +29,9 @@ sys.path.insert(0, str(SCRIPT.parent))
 from host_counters import HostPathCounter  # noqa: E402
 
 BUCKETS = {"mlp": 3, "gpt": 13}
-CASES = (("mlp", 1), ("gpt", 1), ("mlp", 2), ("gpt", 2))  # (model, world size)
+# (model, world size, where the compressed sync runs: DDP's hook or step())
+CASES = (("mlp", 1, "step"), ("gpt", 1, "step"), ("mlp", 2, "hook"), ("gpt", 2, "hook"), ("mlp", 2, "step"),
+         ("gpt", 2, "step"))
 
 
 def per_bucket(n: int) -> dict[tuple[str, int], int]:
@@ -42,14 +45,14 @@ LAUNCHES = per_bucket(5)  # the target
 CONVERSIONS = per_bucket(0)  # the target: kernel arrays made once per memory and geometry
 # blocking: none (at 2 ranks the agreement's signature is staged in a buffer of its own, pinned on a GPU)
 H2D_COPIES = per_bucket(0)  # the target
-# at 1 rank none: the step is decided on the device and its flags go to the host without a wait (a
-# non-blocking copy a step, counted apart); at 2 ranks with DDP's hook a bucket's agreement read and a
-# CPU's only one (the gathered scales' finiteness, which a GPU keeps on the device)
-D2H_READS = {**per_bucket(0), ("mlp", 2): 6, ("gpt", 2): 26}  # target: per_bucket(0)
+# in step() none: the step is decided on the device (at 2 ranks from the gathered signatures) and its flags
+# go to the host without a wait (a non-blocking copy a step, counted apart); in DDP's hook a bucket's
+# agreement read and a CPU's only one (the gathered scales' finiteness, which a GPU keeps on the device)
+D2H_READS = {**per_bucket(0), ("mlp", 2, "hook"): 6, ("gpt", 2, "hook"): 26}  # target: per_bucket(0)
 # at 1 rank 3 foreach ops and a view a bucket, and the step's flags (stacked, ANDed, copied to the host)
-TORCH_OPS = {("mlp", 1): 15, ("gpt", 1): 55, ("mlp", 2): 98, ("gpt", 2): 427}  # target: per_bucket(3)
-# device; at 2 ranks the gathered server scales' finiteness (isfinite, all) a bucket; target: per_bucket(0)
-ALLOCATIONS = {**per_bucket(0), ("mlp", 2): 6, ("gpt", 2): 26}
+TORCH_OPS = {("mlp", 1, "step"): 15, ("gpt", 1, "step"): 55, ("mlp", 2, "hook"): 101, ("gpt", 2, "hook"): 440,
+             ("mlp", 2, "step"): 102, ("gpt", 2, "step"): 432}  # target: per_bucket(3)
+ALLOCATIONS = per_bucket(0)  # the target
 
 BUDGETS = {"launches": LAUNCHES, "conversions": CONVERSIONS, "h2d": H2D_COPIES, "d2h": D2H_READS,
            "torch_ops": TORCH_OPS, "allocations": ALLOCATIONS}
@@ -67,15 +70,15 @@ def counted(tmp_path_factory) -> dict[tuple[str, int], dict[str, list[int]]]:
     out = tmp_path_factory.mktemp("host_path") / "counts.json"
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", LIGHTNING_ONEBIT_BACKEND="cuda")
     proc = proc_run([sys.executable, str(SCRIPT), "--steps", "4", "--timed", "0", "--timeout", "120",
-                     "--json", str(out)], env=env, timeout=240)
+                     "--sync", "hook", "step", "--json", str(out)], env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())
-    assert {(r["model"], r["world"]) for r in results} == set(CASES)
+    assert {(r["model"], r["world"], r["sync"]) for r in results} == set(CASES)
     for r in results:
         assert r["buckets"] == BUCKETS[r["model"]], r
         assert not r.get("ranks_differ"), f"the ranks counted {r['ranks_differ']} otherwise"
         assert list(r["kinds"]) == ["compression"], r["kinds"].keys()
-    return {(r["model"], r["world"]): r["kinds"]["compression"] for r in results}
+    return {(r["model"], r["world"], r["sync"]): r["kinds"]["compression"] for r in results}
 
 
 @pytest.mark.cudasim
@@ -101,10 +104,10 @@ def test_host_work_is_the_same_every_step(counted):
 @pytest.mark.budget(40)  # the benchmark's run, when this test runs first
 def test_host_work_per_bucket_does_not_grow_with_its_tensors(counted):
     for c in SAME_PER_BUCKET:
-        for world in (1, 2):
+        for world, sync in {case[1:] for case in CASES}:
             once = PER_STEP.get((c, world), 0)
-            mlp, gpt = counted[("mlp", world)][c][0] - once, counted[("gpt", world)][c][0] - once
-            assert mlp / BUCKETS["mlp"] == gpt / BUCKETS["gpt"], (c, world, mlp, gpt)
+            mlp, gpt = counted[("mlp", world, sync)][c][0] - once, counted[("gpt", world, sync)][c][0] - once
+            assert mlp / BUCKETS["mlp"] == gpt / BUCKETS["gpt"], (c, world, sync, mlp, gpt)
 
 
 def test_counter_tells_host_from_device_data():
