@@ -23,7 +23,8 @@ Checks, each a row of the table it prints:
 * resume: a compression-phase ``OnebitAdam`` state saved and loaded on the GPU continues bit for bit;
 * a NaN gradient in a compression-phase ``OnebitAdam`` step at world size 1, decided on the device (no
   host read): parameters and state afterwards bit for bit those of the run without that step, and the
-  skip counted at the next step;
+  skip counted at the next step; and the same with 2 gloo ranks sharing the GPU, the NaN on one of them
+  (the decision from the gathered signatures; the ranks alike afterwards);
 * throughput: encode + error feedback and decode against the device copy bandwidth, 1M-128M, and at
   64M each kernel's own time (the profiler) against the bytes it must move;
 * the optimizer step alone: the compression-phase steps of ``OnebitAdam`` (world size 1 and 2 simulated
@@ -163,45 +164,132 @@ def check_sync_debug(device: torch.device) -> None:
     row("host syncs (encode+EF, decode)", None, f"{len(syncs)} sync(s)" + (f": {syncs[0]}" if syncs else ""))
 
 
-def check_device_skip(device: torch.device, nan_at: int = 3, steps: int = 6) -> None:
-    """A NaN step of ``OnebitAdam`` at world size 1, decided on the device, against the run without it."""
-    def run(nan: bool):
-        g = torch.Generator().manual_seed(3)
-        params = [torch.nn.Parameter(torch.randn(40, 7, generator=g).to(device)),
-                  torch.nn.Parameter(torch.randn(13, generator=g).to(device))]
-        opt = OnebitAdam(params, lr=1e-2, weight_decay=0.01, warmup_steps=2)
-        opt.set_nonfinite_policy("skip")
-        decided = 0
-        for t in range(steps):
-            grads = [torch.randn(p.shape, generator=g).to(device) for p in params]
-            if t == nan_at and nan:
-                grads[1][5] = float("nan")
-            elif t == nan_at:
-                continue
-            for p, gr in zip(params, grads, strict=True):
-                p.grad = gr
-            opt.step()
-            decided += bool(opt._device_steps)
-        opt.settle_device_skips()
-        return params, opt, decided
+def _skip_run(device: torch.device, at_nan: str, rank: int = 0, nan_at: int = 3, steps: int = 6) -> tuple:
+    """(params, OnebitAdam, steps decided on the device) of compression-phase steps, at step ``nan_at`` (``at_nan``)
+    one with a NaN gradient (``"nan"``), an ordinary one (``"step"``: another rank's NaN skips it) or none
+    (``"omit"``); the gradients differ by ``rank``, the parameters do not."""
+    g, gg = torch.Generator().manual_seed(3), torch.Generator().manual_seed(10 + rank)
+    params = [torch.nn.Parameter(torch.randn(40, 7, generator=g).to(device)),
+              torch.nn.Parameter(torch.randn(13, generator=g).to(device))]
+    opt = OnebitAdam(params, lr=1e-2, weight_decay=0.01, warmup_steps=2)
+    opt.set_nonfinite_policy("skip")
+    decided = 0
+    for t in range(steps):
+        grads = [torch.randn(p.shape, generator=gg).to(device) for p in params]
+        if t == nan_at and at_nan == "nan":
+            grads[1][5] = float("nan")
+        elif t == nan_at and at_nan == "omit":
+            continue
+        for p, gr in zip(params, grads, strict=True):
+            p.grad = gr
+        opt.step()
+        decided += bool(opt._device_steps)
+    opt.settle_device_skips()
+    return params, opt, decided
 
-    backend = os.environ.get("LIGHTNING_ONEBIT_BACKEND")
-    if device.type == "cpu":  # the simulator: CPU tensors run the cuda backend only when it is forced
-        os.environ["LIGHTNING_ONEBIT_BACKEND"] = "cuda"
-    try:
-        params, opt, decided = run(True)
-        ref, ref_opt, _ = run(False)
-    finally:
-        if backend is None:
-            os.environ.pop("LIGHTNING_ONEBIT_BACKEND", None)
-        else:
-            os.environ["LIGHTNING_ONEBIT_BACKEND"] = backend
+
+def _skip_verdict(device: torch.device, rank: int = 0, nan_rank: int = 0) -> tuple[bool, int, int, list]:
+    """(parameters and momentum equal the run without the NaN step, skipped steps, steps decided on the
+    device, the parameters on the CPU)."""
+    params, opt, decided = _skip_run(device, "nan" if rank == nan_rank else "step", rank)
+    ref, ref_opt, _ = _skip_run(device, "omit", rank)
     same = all(_same(a, b) for a, b in zip(params, ref, strict=True))
     state = [opt.state[p]["exp_avg"] for p in params], [ref_opt.state[p]["exp_avg"] for p in ref]
     same = same and all(_same(a, b) for a, b in zip(*state, strict=True))
-    row("NaN step decided on the device", same and opt.skipped_steps == 1 and decided > 0,
-        f"{decided} steps decided on the device, {opt.skipped_steps} skipped; parameters and momentum "
+    return same, opt.skipped_steps, decided, [p.detach().cpu() for p in params]
+
+
+def _forcing_cuda_backend(device: torch.device):
+    """The simulator: CPU tensors run the cuda backend only when it is forced (a context manager)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def forced():
+        backend = os.environ.get("LIGHTNING_ONEBIT_BACKEND")
+        if device.type == "cpu":
+            os.environ["LIGHTNING_ONEBIT_BACKEND"] = "cuda"
+        try:
+            yield
+        finally:
+            if backend is None:
+                os.environ.pop("LIGHTNING_ONEBIT_BACKEND", None)
+            else:
+                os.environ["LIGHTNING_ONEBIT_BACKEND"] = backend
+    return forced()
+
+
+def check_device_skip(device: torch.device) -> None:
+    """A NaN step of ``OnebitAdam`` at world size 1, decided on the device, against the run without it."""
+    with _forcing_cuda_backend(device):
+        same, skipped, decided, _ = _skip_verdict(device)
+    row("NaN step decided on the device", same and skipped == 1 and decided > 0,
+        f"{decided} steps decided on the device, {skipped} skipped; parameters and momentum "
         f"{'equal' if same else 'differ from'} the run without that step")
+
+
+def _skip_rank(rank: int, world: int, port: int, device_type: str, results) -> None:
+    """A rank of :func:`check_device_skip_ranks` (spawned: CUDA does not survive a fork)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+    try:
+        device = torch.device(device_type)
+        with _forcing_cuda_backend(device):
+            results.put((rank, _skip_verdict(device, rank, nan_rank=1)))
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        results.put((rank, f"{type(exc).__name__}: {exc}"))
+    finally:
+        dist.destroy_process_group()
+
+
+def check_device_skip_ranks(device: torch.device, world: int = 2, timeout_s: float = 240.0) -> None:
+    """A NaN on rank 1 of ``world`` gloo ranks sharing the device, the step decided on the device from the
+    gathered signatures: every rank as if the step never came, and the ranks alike."""
+    import queue
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_skip_rank, args=(r, world, port, device.type, results)) for r in range(world)]
+    got: dict[int, object] = {}
+    try:
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        while len(got) < world and time.monotonic() < deadline:
+            try:
+                rank, res = results.get(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+                got[rank] = res
+            except queue.Empty:
+                if any(proc.exitcode not in (None, 0) for proc in procs):
+                    break
+    finally:
+        for proc in procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(10)
+    failed = {r: res for r, res in got.items() if isinstance(res, str)}
+    if len(got) < world or failed:
+        row(f"NaN step decided on the device, {world} ranks", False,
+            f"ranks {sorted(set(range(world)) - set(got))} gave no result" if len(got) < world else
+            "; ".join(f"rank {r}: {msg}" for r, msg in failed.items()))
+        return
+    verdicts = [got[r] for r in range(world)]
+    alike = all(all(_same(a, b) for a, b in zip(verdicts[0][3], v[3], strict=True)) for v in verdicts[1:])
+    ok = all(same and skipped == 1 and decided > 0 for same, skipped, decided, _ in verdicts) and alike
+    row(f"NaN step decided on the device, {world} ranks", ok,
+        f"gloo; steps decided on the device {[v[2] for v in verdicts]}, skipped {[v[1] for v in verdicts]}; "
+        f"every rank {'as' if all(v[0] for v in verdicts) else 'not as'} without that step, the ranks "
+        f"{'alike' if alike else 'apart'}")
 
 
 def check_cluster_pieces(device: torch.device, n: int) -> None:
@@ -559,6 +647,8 @@ def run_checks(device: torch.device, sizes: list[int], args: argparse.Namespace)
         check_cluster_pieces(device, 120 if args.cudasim else 1 << 20)  # the simulator pays per launch
         check_resume(device)
         check_device_skip(device)
+        if gpu:  # two processes on one device; the simulator's run is the cudasim suite's two-rank test
+            check_device_skip_ranks(device)
     if gpu and "throughput" in want:
         check_throughput(device, [1 << 20, 1 << 26] if args.quick else [1 << 20, 1 << 24, 1 << 26, 1 << 27])
         profile_kernels(device)
