@@ -181,7 +181,7 @@ class CompressedAllreduce(AgreementRound, TwoStageRank):
             self.bind(x.numel(), x.device)  # every rank made the same mistake: raise the local explanation
         xp, scales, ok = self.prepare(x)
         # with several ranks once a call was verified on the host (the collective's geometry cannot change),
-        # and where the signatures are gathered on the data's device (NCCL; not gloo with CUDA tensors)
+        # and where the signatures are gathered on the data's device (not a group with a CPU backend only)
         on_device = (self.skip_on_device and flag is None and self.num_pieces == 1 and self.mode != "markov"
                      and self.codec.predicates(xp.device) and (self.world_size == 1 or (
                          self._verified and collective_device(self.group, xp.device) == xp.device)))
