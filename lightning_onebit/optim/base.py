@@ -361,19 +361,21 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
             for b in buckets:  # the next step starts from scratch (the hook's work included)
                 b.reset_step(discard=True)
             raise
-        if self._verdict is None:  # else the device decided, and settle_device_skips learns it a step later
-            self._skip_run = []
         # Pass 2: updates.
         self._step += 1
-        counted = []
+        counted, decided = [], []  # decided: (verdict of a sync in DDP's hook, its bucket's counted params)
         for b, has, grad, saved in plan:
+            hook_verdict = b.sync.verdict if b.sync is not None else None
             b.reset_step()
             if not any(has):
                 continue
-            for p, h in zip(b.params, has, strict=True):
-                if h:
-                    self.state[p]["step"] = self.state[p].get("step", 0) + 1
-                    counted.append(p)
+            mine = [p for p, h in zip(b.params, has, strict=True) if h]
+            for p in mine:
+                self.state[p]["step"] = self.state[p].get("step", 0) + 1
+            if hook_verdict is not None:
+                decided.append((hook_verdict, mine))
+            else:
+                counted += mine
             group = self.param_groups[b.group_index]
             if b.compressing:
                 self._update_compressed(b, group, has)
@@ -381,7 +383,11 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
                 self._update_warmup(b, grad, group, has)
             self._restore(saved)
         if self._verdict is not None:
-            self._device_steps.append(DeviceStep(self._verdict, self._step, counted))
+            decided.append((self._verdict, counted))
+        if decided:  # settle_device_skips learns a step later what the device decided
+            self._device_steps.append(DeviceStep(decided, self._step))
+        else:
+            self._skip_run = []
         self.comm_counter.end_step()
         self.intra_node_counter.end_step()
 

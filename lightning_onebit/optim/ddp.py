@@ -126,8 +126,8 @@ class DDPHookPath:
                 if self._ddp_find_unused and not bool(g.any()):
                     s.pending += self._snapshot(ob, [i])
                 s.ready += 1
-                if s.ready == len(ob.params):
-                    sync_together(self, [(s, None, None)])
+                if s.ready == len(ob.params):  # decided on the device where it can be: step() reads the verdict
+                    s.verdict = sync_together(self, [(s, None, None)], on_device=True)
         return ready_future(buf)
 
     def _warmup_future(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -11,9 +11,9 @@ payload go non-finite exactly when it does), with no pass over the gradients; el
 simulated workers, buckets synchronised in DDP's hook) it is one tiny OR across ranks first.
 
 On the cuda backend an optimizer whose compressed update is the collective's sink (``skips_on_device``:
-1-bit Adam, QAdam) decides a compression step that ``step()`` synchronises on the device, as fused
-AdamW's ``found_inf`` does: the calls' flags (with several ranks every rank's, gathered in the calls'
-agreement rounds once each collective was verified on the host) are ANDed there, every write of the
+1-bit Adam, QAdam) decides a compression step on the device, as fused AdamW's ``found_inf`` does: the
+calls' flags (with several ranks every rank's, gathered in the calls' agreement rounds once each
+collective was verified on the host; in DDP's hook bucket by bucket) are ANDed there, every write of the
 step (codes, error state, momentum, parameters) is predicated on the result, and the host reads it a
 step later
 (:meth:`NonFinitePolicy.settle_device_skips`), so nothing on the step's path waits for the device. The
@@ -40,7 +40,9 @@ __all__ = ["NonFiniteGradientError", "NonFinitePolicy", "check_nonfinite_policy"
 class NonFiniteGradientError(ValueError):
     """A gradient contained NaN/inf on some rank; every rank raises at the same step. Parameters and
     moments are untouched; in the DDP hook path with the policy "raise", buckets synchronised earlier
-    in that backward have already updated their error state (the policy "skip" checks first)."""
+    in that backward have already updated their error state (the policy "skip" checks first), and where
+    the device decided the step (the cuda backend) the buckets without the NaN took it and the error
+    comes at the next step."""
 
 
 def check_nonfinite_policy(policy: str, max_consecutive: int) -> None:
@@ -58,12 +60,15 @@ class SkippedEverywhere(Exception):
 
 @dataclass
 class DeviceStep:
-    """A step decided on the device, until the host has read its :class:`~lightning_onebit.comm.Verdict`:
-    its number and the parameters whose step count it advanced."""
+    """A step decided on the device, until the host has read its verdicts (:class:`~lightning_onebit.comm.Verdict`):
+    each with the parameters whose step count it advanced (one for ``step()``'s sync, one per bucket for
+    DDP's hook), and its number."""
 
-    verdict: Verdict
+    verdicts: list[tuple[Verdict, list[torch.Tensor]]]
     step: int
-    params: list[torch.Tensor]
+
+    def ready(self) -> bool:
+        return all(verdict.ready() for verdict, _ in self.verdicts)
 
 
 class NonFinitePolicy:
@@ -98,25 +103,32 @@ class NonFinitePolicy:
         pending = self._device_steps
         if pending and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return  # a graph capture: querying the device is not allowed, the host learns after it
-        while pending and (wait or len(pending) > 1 or pending[0].verdict.ready()):
+        while pending and (wait or len(pending) > 1 or pending[0].ready()):
             done = pending.pop(0)
-            finite, overflowed = done.verdict.read()
-            if finite and not overflowed:
+            read = [(verdict.read(), params) for verdict, params in done.verdicts]
+            bad = [params for (finite, over), params in read if not finite or over]
+            if not bad:
                 self._skip_run = []
                 continue
-            self._step -= 1  # the step changed nothing: its counts back, later steps' numbers with them
-            for p in done.params:
-                self.state[p]["step"] -= 1
-            for later in pending:
-                later.step -= 1
+            for params in bad:  # what the device skipped changed nothing: its step counts back
+                for p in params:
+                    self.state[p]["step"] -= 1
+            partial = len(bad) < len(read)  # DDP's hook: the buckets whose gradients were finite took the step
+            if not partial:
+                self._step -= 1  # later steps' numbers with it
+                for later in pending:
+                    later.step -= 1
+            overflowed = [c for (_, over), _ in read for c in over]
             if overflowed:
                 pending.clear()
                 overflowed[0]._server_overflowed()  # resets its error state and raises
-            if self.on_nonfinite == "raise":
+            if self.on_nonfinite == "raise" or partial:
                 pending.clear()
                 raise NonFiniteGradientError(
                     f"{type(self).__name__}: a gradient of optimizer step {done.step} contained NaN or inf; the "
-                    "device skipped that step (no state changed) and the host learned it at the next step")
+                    "device skipped " + ("the buckets that held it in DDP's hook (the others took the step)"
+                                         if partial else "that step (no state changed)")
+                    + " and the host learned it at the next step")
             self._count_skip(done.step)
 
     def _check_finite(self, t: torch.Tensor | Sequence[torch.Tensor], what: str) -> None:

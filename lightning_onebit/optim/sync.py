@@ -136,10 +136,11 @@ class BucketSync:
         self.ready = 0  #: parameters whose local gradient is in the bucket's ``grad``
         self.done = False  #: the compressed sync of this step finished
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  #: state of locally unused parameters
+        self.verdict: Verdict | None = None  #: this step's sync in DDP's hook, if the device decided it
 
     def reset_step(self, discard: bool = False) -> None:
         """Forget this step's progress; ``discard``: also a result left for the update (a failed step)."""
-        self.done, self.ready, self.pending = False, 0, []
+        self.done, self.ready, self.pending, self.verdict = False, 0, [], None
         if discard and self.deferred:
             self.comm.discard_pending()
 
@@ -246,8 +247,8 @@ def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequen
     so the first call's agreement, the first thing waited for, covers every gradient, with no pass over
     them of its own. A failure raises after every call in flight was given up, on every rank alike.
 
-    ``on_device`` (the caller reads the returned verdict a step later: ``step()``, not DDP's hook, whose
-    buckets come one at a time): the calls may be decided on the device. Returns the
+    ``on_device`` (the caller reads the returned verdict a step later): the calls may be decided on the
+    device. Returns the
     :class:`~lightning_onebit.comm.Verdict` of calls decided there (``skips_on_device``, the cuda backend,
     with several ranks once each collective was verified: nothing was read, every write predicated on
     their flags), else None."""

@@ -1,6 +1,6 @@
 """A compression step decided on the device (the cuda backend): the kernels' predicates, and 1-bit Adam /
 QAdam skipping a step with a NaN gradient with no host read, learnt at the next step, on one rank and on two
-gloo ranks (the NaN on one of them).
+gloo ranks (the NaN on one of them), in `step()` and bucket by bucket in DDP's hook.
 
 Runs under numba's CUDA simulator (tests/test_cuda_simulator.py starts it), where CPU tensors stand in for
 device memory: the cuda backend's kernels, flags and predicated writes run as on a GPU.
@@ -61,6 +61,10 @@ class Tiny(nn.Module):
         self.norm = nn.LayerNorm(8)
         self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
         self.out = nn.Linear(8, 40)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.emb(idx))
+        return self.out(self.attn(x, x, x)[0])
 
 
 def _state(opt) -> dict:
@@ -142,6 +146,54 @@ def test_two_ranks_skip_a_nan_on_one_of_them_on_the_device(monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(params, ref_params, strict=True))
         assert _same(state, ref_state)
     assert all(torch.equal(a, b) for a, b in zip(ranks[0][2], ranks[1][2], strict=True))  # the ranks agree
+
+
+def _hook_rank(rank: int, world: int) -> tuple:
+    """A rank of the DDP hook test: 1-bit Adam attached to DDP (the policy "raise": the sync in the hook), a
+    NaN in rank 1's LayerNorm bias gradient at step 3."""
+    torch.manual_seed(0)
+    net = Tiny()
+    opt = lo.OnebitAdam(net.parameters(), lr=1e-2, warmup_steps=2, bucket_cap_mb=0.002)
+    ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.002)
+    opt.attach(ddp)
+    poison = []
+    net.norm.bias.register_hook(lambda g: g.clone().fill_(float("nan")) if poison else g)
+    names = {id(p): n for n, p in net.named_parameters()}
+    nan_bucket = next([names[id(p)] for p in b.params] for b in opt._buckets
+                      if any(p is net.norm.bias for p in b.params))
+    g = torch.Generator().manual_seed(1 + rank)
+    before, raised = None, None
+    for t in range(5):
+        poison[:] = [True] if (t == 3 and rank == 1) else []
+        opt.zero_grad()
+        ddp(torch.randint(0, 16, (2, 5), generator=g)).square().mean().backward()
+        if t == 3:  # the hook's syncs left their decode to step(): the parameters are still step 2's
+            before = {n: p.detach().clone() for n, p in net.named_parameters()}
+        try:
+            opt.step()
+        except NonFiniteGradientError as exc:
+            raised = (t, str(exc))
+            break
+    after = {n: p.detach().clone() for n, p in net.named_parameters()}
+    counts = {n: opt.state[p]["step"] for n, p in net.named_parameters()}
+    return raised, nan_bucket, before, after, counts
+
+
+@pytest.mark.budget(60)  # two ranks of one 5-step run under the simulator
+def test_ddp_hook_decides_each_bucket_on_the_device_and_raise_comes_a_step_late(monkeypatch):
+    """In DDP's hook a bucket's sync is decided on the device as it comes: the bucket holding rank 1's NaN
+    skips step 3 on both ranks, the others take it, and "raise" comes at step 4, on both ranks alike."""
+    monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", "cuda")
+    ranks = values(run_ranks(_hook_rank, 2, timeout_s=120))
+    for raised, nan_bucket, before, after, counts in ranks:
+        assert raised is not None and raised[0] == 4, raised
+        assert "optimizer step 4" in raised[1] and "the others took the step" in raised[1], raised
+        assert 0 < len(nan_bucket) < len(after), nan_bucket
+        for n in after:
+            skipped = n in nan_bucket
+            assert torch.equal(after[n], before[n]) == skipped, n  # the NaN's bucket alone kept its values
+            assert counts[n] == (3 if skipped else 4), (n, counts[n])
+    assert all(torch.equal(ranks[0][3][n], ranks[1][3][n]) for n in ranks[0][3])  # the ranks agree
 
 
 def test_raise_and_consecutive_skips_act_a_step_late(monkeypatch):
