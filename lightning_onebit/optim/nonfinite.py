@@ -70,6 +70,10 @@ class DeviceStep:
     def ready(self) -> bool:
         return all(verdict.ready() for verdict, _ in self.verdicts)
 
+    @property
+    def on_cuda(self) -> bool:
+        return any(verdict.event is not None for verdict, _ in self.verdicts)
+
 
 class NonFinitePolicy:
     """Mixin of :class:`~lightning_onebit.optim.CompressedOptimizer`: what a NaN/inf gradient does."""
@@ -101,7 +105,7 @@ class NonFinitePolicy:
         pending, so the host learns a step late, or two when the device runs behind. A server mean that
         overflowed fp32 raises here, its collective's state reset, as it would at its next call."""
         pending = self._device_steps
-        if pending and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if pending and pending[0].on_cuda and torch.cuda.is_current_stream_capturing():
             return  # a graph capture: querying the device is not allowed, the host learns after it
         while pending and (wait or len(pending) > 1 or pending[0].ready()):
             done = pending.pop(0)
