@@ -78,6 +78,22 @@ def _stream(device: torch.device):
     return stream
 
 
+_LAUNCHERS: dict[tuple, object] = {}
+
+
+def _launcher(kernel, grid: int, block: int, stream):
+    """``kernel[grid, block, stream]``, made once per configuration: numba builds and checks a launch
+    configuration on every subscript, and a step launches the same few configurations every time
+    (the stream is :func:`_stream`'s, kept alive there, so its id names it)."""
+    key = (kernel, grid, block, id(stream))
+    hit = _LAUNCHERS.get(key)
+    if hit is None:
+        if len(_LAUNCHERS) >= 1024:
+            _LAUNCHERS.pop(next(iter(_LAUNCHERS)))
+        hit = _LAUNCHERS[key] = kernel[grid, block, stream]
+    return hit
+
+
 def _grid(work: int, threads: int) -> int:
     # Enough blocks to fill the GPU, grid-stride loops do the rest.
     return max(1, min(-(-work // threads), 65535 if not SIMULATED else 2))
@@ -153,7 +169,7 @@ def _launch_reduce(kind, mode, layout: Layout, x, st, tiles: tuple, partials: to
     """The first pass of the reduction: one partial per tile, into ``partials``."""
     t_row, t_lo, t_hi, _ = tiles
     if t_row.numel():
-        _reduce_kernel[_grid(t_row.numel(), 1), RTHREADS, stream](
+        _launcher(_reduce_kernel, _grid(t_row.numel(), 1), RTHREADS, stream)(
             kind, mode, *_reduce_input(x, st, x.device), layout.seg_len, _arr(t_row), _arr(t_lo), _arr(t_hi),
             _arr(partials))
 
@@ -168,8 +184,8 @@ def reduce(kind, mode, layout: Layout, x, st) -> torch.Tensor:
         stream = _stream(device)
         _launch_reduce(kind, mode, layout, x, st, tiles, partials, stream)
         if layout.nblocks:
-            _combine_kernel[_grid(layout.nblocks, THREADS), THREADS, stream](kind, _arr(tiles[3]), _arr(partials),
-                                                                             _arr(totals))
+            _launcher(_combine_kernel, _grid(layout.nblocks, THREADS), THREADS, stream)(
+                kind, _arr(tiles[3]), _arr(partials), _arr(totals))
         return totals
 
 
@@ -196,7 +212,7 @@ def reduce_to_scales(kind, mode, layout: Layout, x, st, scales: torch.Tensor,
             return flag0 if given is None else given
         target, col0, copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
         t_row, t_lo, t_hi, ptr = tiles
-        _reduce_scales_kernel[_grid(max(t_row.numel(), layout.nblocks), 1), RTHREADS, stream](
+        _launcher(_reduce_scales_kernel, _grid(max(t_row.numel(), layout.nblocks), 1), RTHREADS, stream)(
             kind, mode, *_reduce_input(x, st, device), layout.seg_len, _arr(t_row), _arr(t_lo), _arr(t_hi),
             _arr(ptr), _arr(partials), _arr(totals), _arr(lens), layout.blocks_per_seg, target, col0,
             _arr(count), _arr(ok))
@@ -285,7 +301,7 @@ def encode(kind, mode, layout: Layout, x, st, scales, codes, go: torch.Tensor | 
         rows, col0, _copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
         if isinstance(x, RowsMean):
             x = x.out  # written by the reduction launched before this
-        _encode_kernel[_grid(tiles, 1), THREADS, _stream(device)](
+        _launcher(_encode_kernel, _grid(tiles, 1), THREADS, _stream(device))(
             kind, mode, *kernel_input(x, device), _state(st, device), layout.seg_len, *_starts(layout, device),
             rows, col0, _codes_arr(codes), _go(go, device))
 
@@ -298,7 +314,7 @@ def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows
     with _on(device):
         tiles = (1 if mean_rows else layout.nseg) * -(-layout.seg_len // THREADS)
         rows, col0, _copy = _scales_in(kind, codes.shape[0], layout.seg_len, scales)
-        _decode_kernel[_grid(tiles, 1), THREADS, _stream(device)](
+        _launcher(_decode_kernel, _grid(tiles, 1), THREADS, _stream(device))(
             kind, _codes_arr(codes), rows, col0, layout.seg_len, *_starts(layout, device), _arr(out),
             accumulate, mean_rows, _go(go, device), _go(and_go, device),
             empty_arrays(device)[0] if copy is None else _arr(copy),
