@@ -251,6 +251,14 @@ def _sharded_adam_job(rank, world_size):
     q = build(mesh["shard"])
     steps(q, ShardedCompressed("qadam", q.parameters(), mesh=mesh, lr=3e-3, warmup_steps=2), range(4))
     out["qadam"] = torch.cat([v.reshape(-1) for v in full(q).values()])
+    # CD-Adam on shards: compressed from the first step, its Markov estimates per shard; the nodes stay in step
+    cd = build(mesh["shard"])
+    start = torch.cat([v.reshape(-1) for v in full(cd).values()])
+    cd_opt = ShardedCompressed("cd_adam", cd.parameters(), mesh=mesh, lr=3e-3)
+    steps(cd, cd_opt, range(3))
+    out["cd_adam"] = torch.cat([v.reshape(-1) for v in full(cd).values()])
+    out["cd_adam_moved"] = float((out["cd_adam"] - start).abs().max())
+    out["cd_adam_bytes"] = cd_opt.comm_counter.total.bytes_sent
     # 1-bit LAMB on shards, buckets small enough that the node's uneven shards would cut them differently: its
     # warm-up is LAMB on the world's mean gradient (whole-tensor norms from the shards'), its per-tensor scalars
     # are the whole tensors' on every rank, and its compressed steps keep the nodes in step
@@ -360,5 +368,7 @@ def test_sharded_onebit_adam_warms_up_as_fsdp_adamw_and_keeps_nodes_in_step():
         assert "resumes on the mesh it was saved on" in err["other mesh"]
     assert all(torch.equal(out[0]["onebit"], r["onebit"]) for r in out[1:])
     assert all(torch.equal(out[0]["qadam"], r["qadam"]) for r in out[1:])
+    assert all(torch.equal(out[0]["cd_adam"], r["cd_adam"]) for r in out[1:])
+    assert all(r["cd_adam_moved"] > 1e-3 and r["cd_adam_bytes"] > 0 for r in out)
     assert all(torch.equal(out[0]["lamb"], r["lamb"]) and r["lamb_scalars"] == out[0]["lamb_scalars"]
                and r["lamb_buckets"] == out[0]["lamb_buckets"] for r in out[1:])

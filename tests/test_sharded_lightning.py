@@ -5,7 +5,8 @@ One 4-rank job runs every fit the tests need: a 2-epoch fit of a transformer (em
 attention, biases next to a wider layer) sharded by ``auto_wrap_policy``, with a checkpoint directory after
 each epoch (mid-interval); its resume on the same mesh (bit for bit); resumes on other meshes (1x4 and,
 from a 4x1 save, 2x2) that start every rank from the anchor; a lost rank file; the same for
-``onebit_adam_fsdp`` (exact resume, 2x2 -> 1x4); ``onebit_lamb_fsdp`` (exact resume); and the setup errors.
+``onebit_adam_fsdp`` (exact resume, 2x2 -> 1x4); ``onebit_lamb_fsdp`` and ``cd_adam_fsdp`` (exact resume); and the
+setup errors.
 A 2-rank job resumes the 2x2 checkpoint on 2x1.
 """
 
@@ -50,12 +51,18 @@ def _data():
 
 
 def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs: int = 2, strict: bool = False,
-         policy: bool = True, onebit: bool = False, configure: bool = False, lamb: bool = False):
+         policy: bool = True, onebit: bool = False, configure: bool = False, lamb: bool = False, cd: bool = False):
     """One fit on this rank: (what it saw, its trainer). ``out``: its root dir, checkpoints in ``out/ckpt``."""
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
 
-    from lightning_onebit import CommunicationMonitor, DiLoCoStrategy, OnebitAdamStrategy, OnebitLambStrategy
+    from lightning_onebit import (
+        CDAdamStrategy,
+        CommunicationMonitor,
+        DiLoCoStrategy,
+        OnebitAdamStrategy,
+        OnebitLambStrategy,
+    )
 
     class Configured(_Lit):  # sharded by the user, as the docs show
         def configure_model(self) -> None:
@@ -84,8 +91,9 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
     layout = dict(sharding="fsdp", ranks_per_node=per_node,
                   auto_wrap_policy={Block} if policy and not configure else None,
                   strict_resume=strict)
-    strategy = (OnebitLambStrategy if lamb else OnebitAdamStrategy)(warmup=2, **layout) if onebit else \
-        DiLoCoStrategy(sync_every=3, compression="4bit", **layout)
+    onebit = onebit or cd
+    strategy = CDAdamStrategy(**layout) if cd else (OnebitLambStrategy if lamb else OnebitAdamStrategy)(
+        warmup=2, **layout) if onebit else DiLoCoStrategy(sync_every=3, compression="4bit", **layout)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
                         limit_val_batches=1, num_sanity_val_steps=0, log_every_n_steps=1,
@@ -131,6 +139,8 @@ def _anchor_of(ckpt: str, tmp: str) -> torch.Tensor:
 
 
 def _four_rank_job(rank, world_size, tmp):
+    from lightning_onebit import CDAdamStrategy
+
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world_size), RANK=str(rank))
     out = {}
     a = os.path.join(tmp, "a")
@@ -171,9 +181,15 @@ def _four_rank_job(rank, world_size, tmp):
     out["lamb"] = _fit(lamb, world_size, per_node=2, onebit=True, lamb=True)
     out["lamb resumed"] = _fit(os.path.join(tmp, "lamb_b"), world_size, per_node=2, onebit=True, lamb=True,
                                ckpt=os.path.join(lamb, "ckpt", SAVED))
+    # CD-Adam on the shards (its Markov estimates per shard, compressed from the first step): exact resume on 2x2
+    cd = os.path.join(tmp, "cd")
+    out["cd"] = _fit(cd, world_size, per_node=2, cd=True)
+    out["cd resumed"] = _fit(os.path.join(tmp, "cd_b"), world_size, per_node=2, cd=True,
+                             ckpt=os.path.join(cd, "ckpt", SAVED))
     out["errors"] = {
         "per node": _error(lambda: _fit(os.path.join(tmp, "e1"), world_size, per_node=3)),
         "nothing sharded": _error(lambda: _fit(os.path.join(tmp, "e2"), world_size, per_node=2, policy=False)),
+        "cd warmup": _error(lambda: CDAdamStrategy(sharding="fsdp", warmup=2)),
         "other strategy's": _error(lambda: _fit(os.path.join(tmp, "e4"), world_size, per_node=2, ckpt=ockpt)),
         "a file": _error(lambda: _fit(os.path.join(tmp, "e3"), world_size, per_node=2,
                                       ckpt=os.path.join(ckpt, "meta.pt"))),
@@ -282,6 +298,19 @@ def test_onebit_lamb_fsdp_compresses_and_resumes_exactly(four_ranks):
         assert fit["kind"] == "CompressedFSDPStrategy" and fit["compressing"] and fit["step"] == 8
         assert torch.equal(fit["end"], out[0]["lamb"]["end"]) and not torch.equal(fit["end"], out[0]["onebit"]["end"])
         assert torch.equal(resumed["end"], fit["end"]) and resumed["warnings"] == []
+
+
+@pytest.mark.budget(120)  # (the module's 4-rank job, when run alone)
+def test_cd_adam_fsdp_compresses_from_the_start_and_resumes_exactly(four_ranks):
+    _, out = four_ranks
+    for r in out:
+        fit, resumed = r["cd"], r["cd resumed"]
+        assert fit["kind"] == "CompressedFSDPStrategy" and fit["compressing"] and fit["step"] == 8
+        assert fit["bytes"] > 0 and fit["logged"]["comm/bytes_total"] == fit["bytes"]
+        assert torch.equal(fit["end"], out[0]["cd"]["end"])  # every rank holds the same model after each step
+        assert not torch.equal(fit["end"], out[0]["onebit"]["end"])
+        assert torch.equal(resumed["end"], fit["end"]) and resumed["warnings"] == []
+        assert "has no uncompressed warm-up" in r["errors"]["cd warmup"], r["errors"]["cd warmup"]
 
 
 class _SaveWhole(L.Callback):

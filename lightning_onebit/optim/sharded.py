@@ -13,13 +13,16 @@ instead of replicated: moments, frozen variance and error state take 1/L of a re
     g_{a,k} = \tfrac1L \textstyle\sum_{l} g_{a,l}\big|_{\text{shard } k} \ \text{(FSDP, inside node } a)
     \qquad \theta_k \leftarrow \mathrm{Alg}\big(\theta_k,\ g_{\cdot,k};\ \text{group} = \{(a, k)\}_a\big)
 
-Sound for the algorithms whose update is elementwise given the mean, ``OnebitAdam`` and ``QAdam``, and for
-``OnebitLamb``, whose per-tensor scalars (trust ratio, momentum rms, the layer factor's maximum) come from
-the whole tensors: each rank's shard statistics are summed (maxed) over the node's ranks in one small
-all-gather on the fast link per bucket and step (``SOUND``); the ranks of a node cut the same buckets, by
-the parameters' whole sizes. Not offered: ``ZeroOneAdam`` (its local steps and variance refreshes are not
-built on shards yet) and ``CDAdam`` (not built yet). The scales the compressed mean sends are per piece of a
-shard, not per whole tensor: its bits differ from an unsharded run's, not its bytes.
+Sound for the algorithms whose update is elementwise given the mean, ``OnebitAdam``, ``QAdam`` and ``CDAdam``
+(its Markov estimates, like the error state, are per shard: each replica group runs CD-Adam with the nodes as
+its workers and the node's mean gradient of the shard as each one's gradient; with ``compressor="topk"`` the k
+largest of each row of a shard's bucket, as unsharded of each row of a bucket), and for ``OnebitLamb``, whose
+per-tensor scalars (trust ratio, momentum rms, the layer factor's maximum) come from the whole tensors: each
+rank's shard statistics are summed (maxed) over the node's ranks in one small all-gather on the fast link per
+bucket and step (``SOUND``); the ranks of a node cut the same buckets, by the parameters' whole sizes. Not
+offered: ``ZeroOneAdam`` (its local steps and variance refreshes are not built on shards yet). The scales the
+compressed mean sends are per piece of a shard, not per whole tensor: its bits differ from an unsharded run's,
+not its bytes.
 
 The ranks of a node hold shards of one model, so they take, skip or raise on a step together: every step
 ORs a non-finite flag over the node (one byte on the fast link), and a rank whose node saw one makes its own
@@ -40,18 +43,15 @@ from .base import CompressedOptimizer
 __all__ = ["SOUND", "ShardedCompressed"]
 
 #: the algorithms with a sharded form, and why the others have none
-SOUND = ("onebit_adam", "qadam", "onebit_lamb")
-_WHY_NOT = {
-    "zero_one_adam": "its local steps and variance refreshes are not built on shards",
-    "cd_adam": "not built on shards yet",
-}
+SOUND = ("onebit_adam", "qadam", "onebit_lamb", "cd_adam")
+_WHY_NOT = {"zero_one_adam": "its local steps and variance refreshes are not built on shards"}
 
 
 class ShardedCompressed(torch.optim.Optimizer):
     """``algorithm`` (a strategy name of :data:`SOUND` or its class) on the shards of an FSDP2 model.
 
     Args:
-        algorithm: ``"onebit_adam"``, ``"qadam"``, ``"onebit_lamb"``, or their class.
+        algorithm: ``"onebit_adam"``, ``"qadam"``, ``"onebit_lamb"``, ``"cd_adam"``, or their class.
         params: the sharded model's parameters (every one sharded over ``mesh``'s inner dimension).
         mesh: the 2-D ``DeviceMesh`` of (nodes, ranks per node) FSDP2 sharded over (its inner dimension).
         **kwargs: the algorithm's options (``lr``, ``warmup_steps``, ...), but not ``group`` (the mesh
@@ -156,7 +156,8 @@ class ShardedCompressed(torch.optim.Optimizer):
                              "optimizers do not implement; use torch.optim.AdamW (decoupled)")
         d = opt.defaults
         kw = {mine: d[theirs] for theirs, mine in alg.from_adam.items() if theirs in d}
-        kw["warmup_steps"] = None
+        if alg.has_warmup:
+            kw["warmup_steps"] = None
         kw.update(overrides)
         groups = [{"params": g["params"], **{mine: g[theirs] for theirs, mine in alg.from_adam.items() if theirs in g}}
                   for g in opt.param_groups]

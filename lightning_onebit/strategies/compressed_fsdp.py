@@ -1,5 +1,5 @@
-"""``strategy="onebit_adam_fsdp"`` (and ``"qadam_fsdp"``, ``"onebit_lamb_fsdp"``): FSDP2 inside each node,
-the compressed optimizer on the shards between nodes.
+"""``strategy="onebit_adam_fsdp"`` (and ``"qadam_fsdp"``, ``"onebit_lamb_fsdp"``, ``"cd_adam_fsdp"``): FSDP2 inside
+each node, the compressed optimizer on the shards between nodes.
 
 The mesh, the sharding and the checkpoint directory are :class:`~.fsdp.NodeShardedStrategy`'s. An ``AdamW``
 from ``configure_optimizers`` becomes a :class:`~lightning_onebit.ShardedCompressed` of the algorithm with the
@@ -7,7 +7,8 @@ same hyperparameters and param groups (LR schedulers follow it): FSDP's reduce-s
 gradients inside a node, the warm-up averages each shard over the nodes in fp32 (FSDP + AdamW to rounding),
 and the compression phase sends each shard's momentum through the two-stage compressed all-reduce, between
 the ranks that hold that shard on every node. ``warmup`` is steps or a fraction of the run (``"auto"``,
-which reads the variance, would see a different shard on each rank of a node: not offered).
+which reads the variance, would see a different shard on each rank of a node: not offered; CD-Adam compresses
+from the first step and has none).
 
 Checkpoints: the model, the moments, the frozen variance (one copy, identical on every node) through
 ``torch.distributed.checkpoint``, each rank's error state in its own file. On the same mesh a resume is
@@ -39,8 +40,8 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
     """FSDP2 inside each node + ``algorithm`` on the shards between nodes (see the module docstring).
 
     Args:
-        algorithm: ``"onebit_adam"``, ``"qadam"`` or ``"onebit_lamb"`` (the algorithms with a sound sharded form;
-            the others fail here with the reason).
+        algorithm: ``"onebit_adam"``, ``"qadam"``, ``"onebit_lamb"`` or ``"cd_adam"`` (the algorithms with a sound
+            sharded form; the others fail here with the reason).
         warmup: steps (an int) or a fraction of the run (a float in (0, 1)) of exact, fp32-averaged warm-up;
             default 0.15. A returned ``ShardedCompressed`` with other ``warmup_steps`` fails at setup naming both.
         optimizer_kwargs: the algorithm's further options (``eps_inside_sqrt``, ``bucket_cap_mb``, ...),
@@ -71,6 +72,10 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
             if warmup == "auto":
                 raise ValueError(f"{owner}: warmup='auto' reads the variance, which each rank of a node holds a "
                                  "different shard of; give steps or a fraction of the run")
+            cls = CompressedOptimizer.algorithms()[algorithm]
+            if not cls.has_warmup:  # it would be ignored: say so instead
+                raise ValueError(f"{owner}: warmup={warmup!r}, but {cls.__name__} ({algorithm!r}) has no "
+                                 "uncompressed warm-up; leave warmup unset")
         self.optimizer_kwargs = checked_optimizer_kwargs(owner, CompressedOptimizer.algorithms()[algorithm],
                                                          optimizer_kwargs)
         for k in ("group", "simulate_workers", "warmup_steps"):
@@ -85,7 +90,9 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
         self.algorithm, self.warmup, self.on_nonfinite = algorithm, warmup, on_nonfinite
         self.strategy_name = f"{algorithm}_fsdp"
 
-    def _warmup_steps(self) -> int:
+    def _warmup_steps(self) -> int | None:
+        if not CompressedOptimizer.algorithms()[self.algorithm].has_warmup:
+            return None
         trainer = self.lightning_module.trainer
         return resolve_warmup(DEFAULT_WARMUP if self.warmup is None else self.warmup,
                               trainer.estimated_stepping_batches)
@@ -111,15 +118,17 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
                 out.append(opt)
                 continue
             try:
+                warmup = self._warmup_steps()
                 new = ShardedCompressed.from_optimizer(self.algorithm, opt, mesh=self.device_mesh,
-                                                       warmup_steps=self._warmup_steps(), **self.optimizer_kwargs)
+                                                       **({} if warmup is None else {"warmup_steps": warmup}),
+                                                       **self.optimizer_kwargs)
             except ValueError as exc:
                 raise ValueError(f"strategy '{self.strategy_name}': {exc}. Return torch.optim.AdamW from "
                                  "configure_optimizers") from exc
             for cfg in self.lr_scheduler_configs:
                 repoint_scheduler(cfg.scheduler, opt, new)
             rank_zero_info(f"lightning_onebit: converted {type(opt).__name__} to {self.algorithm} on FSDP2 shards "
-                           f"(warm-up {new.warmup_steps} steps) for strategy '{self.strategy_name}'")
+                           f"(warm-up {new.warmup_steps or 0} steps) for strategy '{self.strategy_name}'")
             out.append(new)
         for opt in out:
             opt.set_nonfinite_policy(self.on_nonfinite or "skip")
