@@ -114,6 +114,8 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
     seen["model_numel"] = sum(p.numel() for p in model.parameters())
     seen["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
     seen["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("comm/", "mem/"))}
+    seen["intra_steps"] = opt.intra_node_counter.steps
+    seen["intra_total"] = opt.intra_node_counter.total.bytes_sent  # FSDP's all-gathers and reduce-scatters
     return seen
 
 
@@ -218,6 +220,7 @@ def test_diloco_fsdp_fits_validates_the_anchor_and_resumes_bit_for_bit(four_rank
         # CommunicationMonitor: the outer all-reduces' bytes, and state bytes of this rank's shards
         assert full["logged"]["comm/bytes_total"] > 0 and full["logged"]["comm/rounds"] == 3
         assert 16 * full["local_numel"] <= full["logged"]["mem/optimizer_state_bytes"] <= 64 * full["local_numel"]
+        _fsdp_bytes_inside_the_node(full)
         # validation at step 4 (mid-interval) sees the anchor on every rank; the fit ends on one model
         assert torch.equal(full["validated"], out[0]["full"]["validated"])
         assert torch.equal(full["end"], out[0]["full"]["end"])
@@ -234,6 +237,17 @@ def test_diloco_fsdp_fits_validates_the_anchor_and_resumes_bit_for_bit(four_rank
                                                                       for r in range(4)]
     sizes = [s for n, s in out[0]["file_sizes"].items() if n.endswith(".distcp")]
     assert max(sizes) < 0.5 * sum(sizes)  # nothing gathered: no rank wrote most of it
+
+
+def _fsdp_bytes_inside_the_node(fit: dict) -> None:
+    """CommunicationMonitor's ``comm/intra_node_bytes_step``: FSDP's own all-gathers and reduce-scatters inside the
+    node, counted as a rank sends them (2 ranks a node: its shard once per all-gather, half its reduce-scatter's
+    input): every step the same, between one all-gather and reduce-scatter of the model's shard and three passes
+    (forward's all-gather, backward's, the reduce-scatter; FSDP2 keeps the root's gathered into backward)."""
+    per_step = fit["logged"]["comm/intra_node_bytes_step"]
+    assert fit["intra_total"] == per_step * fit["intra_steps"] and fit["intra_steps"] == fit["step"], fit
+    shard = 4 * fit["model_numel"] / 2
+    assert 2 * shard <= per_step <= 3 * shard * 1.1, (per_step, shard)
 
 
 @pytest.mark.budget(120)  # and a 2-rank fit
@@ -280,6 +294,8 @@ def test_onebit_adam_fsdp_compresses_resumes_exactly_and_reshards(four_ranks):
         assert fit["kind"] == "CompressedFSDPStrategy" and fit["mesh"] == (2, 2) and fit["compressing"]
         assert fit["step"] == 8 and fit["bytes"] > 0 and fit["logged"]["comm/bytes_total"] == fit["bytes"]
         assert fit["logged"]["comm/compressing"] == 1.0
+        _fsdp_bytes_inside_the_node(fit)
+        assert fit["intra_total"] == r["full"]["intra_total"]  # the same model, the same FSDP traffic
         assert 8 * fit["local_numel"] <= fit["logged"]["mem/optimizer_state_bytes"] <= 64 * fit["local_numel"]
         assert torch.equal(fit["end"], out[0]["onebit"]["end"])  # every rank holds the same model after each step
         resumed = r["onebit resumed"]

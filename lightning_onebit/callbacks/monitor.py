@@ -27,8 +27,9 @@ class CommunicationMonitor(Callback):
     With the two-level collective the compressed bytes are those between nodes, and
     ``comm/intra_node_bytes_step`` adds the fp32 bytes inside the node. With several optimizers
     the figures are their sums (``comm/compressing``: all of them compress). DiLoCo's figures are its outer
-    all-reduces' (``compressing`` is always 1); of a sharded model, the package's mean between nodes (FSDP's
-    own collectives inside the node are torch's and not counted). ``mem/optimizer_state_bytes``:
+    all-reduces' (``compressing`` is always 1); of a sharded model (the ``*_fsdp`` strategies), the package's
+    mean between nodes, and ``comm/intra_node_bytes_step`` FSDP's own all-gathers and reduce-scatters inside
+    the node, as this rank sends them. ``mem/optimizer_state_bytes``:
     what the optimizers keep on this rank between steps beyond the parameters and gradients
     (:func:`~lightning_onebit.optim.state_size.state_bytes`: moments, buckets, error state, DiLoCo's outer
     state; of a sharded model this rank's shards), counted again every ``log_every_n_steps`` steps and at

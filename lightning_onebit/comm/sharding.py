@@ -18,11 +18,12 @@ from collections.abc import Sequence
 
 import torch
 
+from .accounting import ByteCounter
 from .agree import gather_objects
 from .dense import all_gather_rows, any_across
 
-__all__ = ["ShardedLayout", "full_state_dict", "is_sharded", "like", "load_sharded", "local", "node_index",
-           "node_mesh", "reshard", "save_sharded", "saved_keys", "shard_modules", "sharded_kind"]
+__all__ = ["ShardedLayout", "count_fsdp_bytes", "full_state_dict", "is_sharded", "like", "load_sharded", "local",
+           "node_index", "node_mesh", "reshard", "save_sharded", "saved_keys", "shard_modules", "sharded_kind"]
 
 
 def _dtensor_type():
@@ -215,4 +216,56 @@ def reshard(module: torch.nn.Module) -> int:
     mods = [m for m in module.modules() if isinstance(m, FSDPModule)]
     for m in mods:
         m.reshard()
+    return len(mods)
+
+
+def _counting_comms():
+    """FSDP2's default all-gather and reduce-scatter, subclassed to count what a rank sends (None where this
+    torch has no custom-comm API: then FSDP's bytes go uncounted)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+    except ImportError:
+        return None
+
+    class CountingAllGather(DefaultAllGather):
+        """A ring all-gather: a rank sends its shard to each of the other ``L - 1``."""
+
+        def __init__(self, counter: ByteCounter) -> None:
+            self.counter = counter
+
+        def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
+            n = group.size()
+            self.counter.add(input_tensor.numel() * input_tensor.element_size() * (n - 1), 0, n)
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    class CountingReduceScatter(DefaultReduceScatter):
+        """A ring reduce-scatter: a rank sends ``L - 1`` of the ``L`` chunks of its input."""
+
+        def __init__(self, counter: ByteCounter) -> None:
+            self.counter = counter
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
+            n = group.size()
+            self.counter.add(input_tensor.numel() * input_tensor.element_size() * (n - 1) // n, 0, n)
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    return CountingAllGather, CountingReduceScatter
+
+
+def count_fsdp_bytes(module: torch.nn.Module, counter_of) -> int:
+    """Count the bytes FSDP2's all-gathers and reduce-scatters send from this rank (inside the node) in
+    ``counter_of(fsdp_module)``'s :class:`~.accounting.ByteCounter`, through FSDP2's custom-comm hooks (the
+    default collectives, counted: the same calls and bits). Returns how many FSDP modules count (0 on a torch
+    without those hooks)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    comms = _counting_comms()
+    mods = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    if comms is None or not hasattr(FSDPModule, "set_custom_all_gather"):
+        return 0
+    gather, scatter = comms
+    for m in mods:
+        counter = counter_of(m)
+        m.set_custom_all_gather(gather(counter))
+        m.set_custom_reduce_scatter(scatter(counter))
     return len(mods)

@@ -251,6 +251,7 @@ class DiLoCo(DiLoCoLayout, ShardedDiLoCoCheckpoint, DiLoCoCheckpoint, torch.opti
         if due:
             self.outer_step(due, _in_step=True)
         self.comm_counter.end_step()
+        self.intra_node_counter.end_step()
         return loss
 
     def _inner_step(self) -> None:

@@ -42,6 +42,7 @@ from ..comm.agree import gather_objects, is_distributed
 from ..comm.duplex import enable_duplex
 from ..comm.process_group import init_for_attempt
 from ..comm.sharding import (
+    count_fsdp_bytes,
     full_state_dict,
     is_sharded,
     load_sharded,
@@ -177,12 +178,25 @@ class NodeShardedStrategy(ModelParallelStrategy):
         if fitting:
             self.setup_optimizers(trainer)
             self._convert_optimizers()
+            self._count_fsdp_bytes()
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def _convert_optimizers(self) -> None:
         raise NotImplementedError
+
+    def _count_fsdp_bytes(self) -> None:
+        """FSDP's own traffic inside the node (its all-gathers and reduce-scatters) counted in the optimizers'
+        ``intra_node_counter``, each FSDP module's in the one that owns its parameters: what
+        ``CommunicationMonitor`` logs as ``comm/intra_node_bytes_step``."""
+        owners = {id(p): opt.intra_node_counter for opt in self.optimizers if hasattr(opt, "intra_node_counter")
+                  for g in opt.param_groups for p in g["params"]}
+        if not owners:
+            return
+        first = next(iter(owners.values()))
+        count_fsdp_bytes(self.lightning_module,
+                         lambda m: next((owners[id(p)] for p in m.parameters() if id(p) in owners), first))
 
     def _shard_model(self) -> None:
         module = self.lightning_module
