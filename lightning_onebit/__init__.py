@@ -8,7 +8,7 @@ baselines), and DiLoCo takes local steps and averages a compressed pseudo-gradie
 ``import lightning_onebit`` registers the strategies ``onebit_adam``, ``zero_one_adam``, ``onebit_lamb``,
 ``qadam``, ``cd_adam``, ``ef21``, ``ef_amsgrad``, ``naive_amsgrad`` and ``diloco`` (plus ``*_spawn`` and
 ``*_forkserver`` variants), and ``diloco_fsdp``, ``onebit_adam_fsdp``, ``qadam_fsdp``, ``onebit_lamb_fsdp``,
-``cd_adam_fsdp`` (FSDP2 inside each node), with Lightning's ``StrategyRegistry``.
+``cd_adam_fsdp``, ``zero_one_adam_fsdp`` (FSDP2 inside each node), with Lightning's ``StrategyRegistry``.
 """
 
 from .callbacks import CommunicationMonitor, PhaseSwitch, ReplicaSync

@@ -259,6 +259,22 @@ def _sharded_adam_job(rank, world_size):
     out["cd_adam"] = torch.cat([v.reshape(-1) for v in full(cd).values()])
     out["cd_adam_moved"] = float((out["cd_adam"] - start).abs().max())
     out["cd_adam_bytes"] = cd_opt.comm_counter.total.bytes_sent
+    # 0/1 Adam on shards: variance refreshes, 1-bit rounds and local steps; an inf in one rank's shard in a local
+    # step (step 6) is dropped on both ranks of its node, which stay one model; the nodes meet at every round
+    zo = build(mesh["shard"])
+    zo_opt = ShardedCompressed("zero_one_adam", zo.parameters(), mesh=mesh, lr=3e-3, var_freeze_step=3,
+                               var_update_scaler=1, local_step_scaler=2, local_step_clipper=2)
+    zo_opt.set_nonfinite_policy("skip")
+    kinds = []
+    for t in range(9):
+        kinds.append(zo_opt.schedule().kind(zo_opt.optimizer_steps + 1))
+        steps(zo, zo_opt, [t], nan_at=6)
+        if t == 6:  # after the local step: both ranks of a node hold one model, the nodes apart
+            out["zero_one_local"] = torch.cat([v.reshape(-1) for v in full(zo).values()])
+    out["zero_one_kinds"] = kinds
+    out["zero_one_flushed"] = zo_opt.sync_replicas()  # the nodes meet (a round out of schedule, if any is due)
+    out["zero_one"] = torch.cat([v.reshape(-1) for v in full(zo).values()])
+    out["zero_one_dropped"] = zo_opt.dropped_gradients
     # 1-bit LAMB on shards, buckets small enough that the node's uneven shards would cut them differently: its
     # warm-up is LAMB on the world's mean gradient (whole-tensor norms from the shards'), its per-tensor scalars
     # are the whole tensors' on every rank, and its compressed steps keep the nodes in step
@@ -332,7 +348,7 @@ def _sharded_adam_job(rank, world_size):
     for name, make in {
         "fsdp1 views": lambda: OnebitAdam(fsdp1(True).parameters()),
         "fsdp1 flat": lambda: DiLoCo(fsdp1(False).parameters()),
-        "0/1 adam": lambda: ShardedCompressed("zero_one_adam", build(mesh["shard"]).parameters(), mesh=mesh),
+        "not ours": lambda: ShardedCompressed("adamw", build(mesh["shard"]).parameters(), mesh=mesh),
         "group": lambda: ShardedCompressed("onebit_adam", build(mesh["shard"]).parameters(), mesh=mesh, group=None),
         "other mesh": lambda: opt2.load_state_dict(dict(back["opt"], mesh=(1, 4))),
     }.items():
@@ -355,7 +371,8 @@ def test_sharded_onebit_adam_warms_up_as_fsdp_adamw_and_keeps_nodes_in_step():
         assert r["state_numel"] <= r["model_numel"] / 2 + 2 * D * 4  # its state is of this rank's shards
         assert r["resumed_exactly"]
         err = r["errors"]
-        assert "local steps" in err["0/1 adam"] and "drop ['group']" in err["group"]
+        assert "not one of the package's compressed optimizers" in err["not ours"], err["not ours"]
+        assert "drop ['group']" in err["group"]
         assert r["lamb_warmup_max_diff"] < 1e-6, r["lamb_warmup_max_diff"]
         assert max(r["lamb_scalars_vs_whole"].values()) < 1e-5, r["lamb_scalars_vs_whole"]  # not one shard's norms
         assert len(r["lamb_buckets"]) > 2
@@ -370,5 +387,12 @@ def test_sharded_onebit_adam_warms_up_as_fsdp_adamw_and_keeps_nodes_in_step():
     assert all(torch.equal(out[0]["qadam"], r["qadam"]) for r in out[1:])
     assert all(torch.equal(out[0]["cd_adam"], r["cd_adam"]) for r in out[1:])
     assert all(r["cd_adam_moved"] > 1e-3 and r["cd_adam_bytes"] > 0 for r in out)
+    kinds = out[0]["zero_one_kinds"]
+    assert kinds[6] == "local" and "refresh" in kinds and "sync" in kinds, kinds
+    assert all(torch.equal(out[0]["zero_one"], r["zero_one"]) for r in out[1:])  # every rank after the round
+    for a, b in ((0, 1), (2, 3)):  # a node's ranks alike after the local step with the inf, the nodes apart
+        assert torch.equal(out[a]["zero_one_local"], out[b]["zero_one_local"])
+    assert not torch.equal(out[0]["zero_one_local"], out[2]["zero_one_local"])
+    assert [r["zero_one_dropped"] for r in out] == [1, 1, 0, 0]  # rank 1's node dropped that step's gradient
     assert all(torch.equal(out[0]["lamb"], r["lamb"]) and r["lamb_scalars"] == out[0]["lamb_scalars"]
                and r["lamb_buckets"] == out[0]["lamb_buckets"] for r in out[1:])

@@ -5,8 +5,8 @@ One 4-rank job runs every fit the tests need: a 2-epoch fit of a transformer (em
 attention, biases next to a wider layer) sharded by ``auto_wrap_policy``, with a checkpoint directory after
 each epoch (mid-interval); its resume on the same mesh (bit for bit); resumes on other meshes (1x4 and,
 from a 4x1 save, 2x2) that start every rank from the anchor; a lost rank file; the same for
-``onebit_adam_fsdp`` (exact resume, 2x2 -> 1x4); ``onebit_lamb_fsdp`` and ``cd_adam_fsdp`` (exact resume); and the
-setup errors.
+``onebit_adam_fsdp`` (exact resume, 2x2 -> 1x4); ``onebit_lamb_fsdp``, ``cd_adam_fsdp`` and ``zero_one_adam_fsdp``
+(exact resume); and the setup errors.
 A 2-rank job resumes the 2x2 checkpoint on 2x1.
 """
 
@@ -51,7 +51,8 @@ def _data():
 
 
 def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs: int = 2, strict: bool = False,
-         policy: bool = True, onebit: bool = False, configure: bool = False, lamb: bool = False, cd: bool = False):
+         policy: bool = True, onebit: bool = False, configure: bool = False, lamb: bool = False, cd: bool = False,
+         zero_one: bool = False):
     """One fit on this rank: (what it saw, its trainer). ``out``: its root dir, checkpoints in ``out/ckpt``."""
     from lightning.pytorch.callbacks import ModelCheckpoint
     from torch.utils.data import DataLoader
@@ -62,6 +63,7 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
         DiLoCoStrategy,
         OnebitAdamStrategy,
         OnebitLambStrategy,
+        ZeroOneAdamStrategy,
     )
 
     class Configured(_Lit):  # sharded by the user, as the docs show
@@ -91,9 +93,11 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
     layout = dict(sharding="fsdp", ranks_per_node=per_node,
                   auto_wrap_policy={Block} if policy and not configure else None,
                   strict_resume=strict)
-    onebit = onebit or cd
-    strategy = CDAdamStrategy(**layout) if cd else (OnebitLambStrategy if lamb else OnebitAdamStrategy)(
-        warmup=2, **layout) if onebit else DiLoCoStrategy(sync_every=3, compression="4bit", **layout)
+    onebit = onebit or cd or zero_one
+    schedule = dict(var_freeze_step=3, var_update_scaler=1, local_step_scaler=2, local_step_clipper=2)
+    strategy = CDAdamStrategy(**layout) if cd else ZeroOneAdamStrategy(optimizer_kwargs=schedule, **layout) \
+        if zero_one else (OnebitLambStrategy if lamb else OnebitAdamStrategy)(warmup=2, **layout) if onebit else \
+        DiLoCoStrategy(sync_every=3, compression="4bit", **layout)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_epochs=epochs, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
                         limit_val_batches=1, num_sanity_val_steps=0, log_every_n_steps=1,
@@ -111,6 +115,7 @@ def _fit(out: str, world: int, *, per_node: int, ckpt: str | None = None, epochs
         seen["state_numel"] = opt._outer["anchor"].numel()
     else:
         seen["compressing"], seen["bytes"] = opt.compressing, opt.comm_counter.total.bytes_sent
+        seen["rounds"], seen["local_steps"] = opt.comm_counter.rounds, getattr(opt, "step_counts", {}).get("local")
     seen["model_numel"] = sum(p.numel() for p in model.parameters())
     seen["local_numel"] = sum(p.to_local().numel() for p in model.parameters())
     seen["logged"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("comm/", "mem/"))}
@@ -188,6 +193,12 @@ def _four_rank_job(rank, world_size, tmp):
     out["cd"] = _fit(cd, world_size, per_node=2, cd=True)
     out["cd resumed"] = _fit(os.path.join(tmp, "cd_b"), world_size, per_node=2, cd=True,
                              ckpt=os.path.join(cd, "ckpt", SAVED))
+    # 0/1 Adam on the shards: local steps between rounds, the nodes synchronised before validation, a checkpoint
+    # and the end; exact resume on 2x2
+    zo = os.path.join(tmp, "zero_one")
+    out["zero_one"] = _fit(zo, world_size, per_node=2, zero_one=True)
+    out["zero_one resumed"] = _fit(os.path.join(tmp, "zero_one_b"), world_size, per_node=2, zero_one=True,
+                                   ckpt=os.path.join(zo, "ckpt", SAVED))
     out["errors"] = {
         "per node": _error(lambda: _fit(os.path.join(tmp, "e1"), world_size, per_node=3)),
         "nothing sharded": _error(lambda: _fit(os.path.join(tmp, "e2"), world_size, per_node=2, policy=False)),
@@ -327,6 +338,18 @@ def test_cd_adam_fsdp_compresses_from_the_start_and_resumes_exactly(four_ranks):
         assert not torch.equal(fit["end"], out[0]["onebit"]["end"])
         assert torch.equal(resumed["end"], fit["end"]) and resumed["warnings"] == []
         assert "has no uncompressed warm-up" in r["errors"]["cd warmup"], r["errors"]["cd warmup"]
+
+
+@pytest.mark.budget(120)  # (the module's 4-rank job, when run alone)
+def test_zero_one_adam_fsdp_takes_local_steps_and_resumes_exactly(four_ranks):
+    _, out = four_ranks
+    for r in out:
+        fit, resumed = r["zero_one"], r["zero_one resumed"]
+        assert fit["kind"] == "CompressedFSDPStrategy" and fit["step"] == 8
+        assert fit["local_steps"] and fit["rounds"] < fit["step"], fit  # local steps sent nothing
+        # the nodes meet before a checkpoint, validation and the end: one model on every rank
+        assert torch.equal(fit["end"], out[0]["zero_one"]["end"])
+        assert torch.equal(resumed["end"], fit["end"]) and resumed["warnings"] == []
 
 
 class _SaveWhole(L.Callback):

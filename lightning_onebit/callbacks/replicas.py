@@ -5,6 +5,7 @@ from __future__ import annotations
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
+from ..optim import ShardedCompressed
 from .phase import find_compressed_optimizers
 
 __all__ = ["ReplicaSync"]
@@ -30,5 +31,7 @@ class ReplicaSync(Callback):
 
     def _sync(self, trainer) -> None:
         """Subclasses may catch what the synchronisation raises (e.g. NonFiniteGradientError)."""
-        for opt in find_compressed_optimizers(trainer):
+        sharded = [o.inner for o in (getattr(o, "_optimizer", o) for o in trainer.optimizers)
+                   if isinstance(o, ShardedCompressed)]  # the optimizer on a sharded model's shards
+        for opt in [*find_compressed_optimizers(trainer), *sharded]:
             opt.sync_replicas()

@@ -19,10 +19,12 @@ its workers and the node's mean gradient of the shard as each one's gradient; wi
 largest of each row of a shard's bucket, as unsharded of each row of a bucket), and for ``OnebitLamb``, whose
 per-tensor scalars (trust ratio, momentum rms, the layer factor's maximum) come from the whole tensors: each
 rank's shard statistics are summed (maxed) over the node's ranks in one small all-gather on the fast link per
-bucket and step (``SOUND``); the ranks of a node cut the same buckets, by the parameters' whole sizes. Not
-offered: ``ZeroOneAdam`` (its local steps and variance refreshes are not built on shards yet). The scales the
-compressed mean sends are per piece of a shard, not per whole tensor: its bits differ from an unsharded run's,
-not its bytes.
+bucket and step (``SOUND``); the ranks of a node cut the same buckets, by the parameters' whole sizes. And for
+``ZeroOneAdam``: its variance refreshes and rounds run over the replica groups, and between rounds the ranks
+of a node take the same local steps on their shards (a NaN/inf in any rank's shard drops that step's gradient
+on every rank of the node), so a node stays one model and the nodes meet at each round (``sync_replicas()``,
+collective, brings them together in between). The scales the compressed mean sends are per piece of a shard,
+not per whole tensor: its bits differ from an unsharded run's, not its bytes.
 
 The ranks of a node hold shards of one model, so they take, skip or raise on a step together: every step
 ORs a non-finite flag over the node (one byte on the fast link), and a rank whose node saw one makes its own
@@ -43,15 +45,16 @@ from .base import CompressedOptimizer
 __all__ = ["SOUND", "ShardedCompressed"]
 
 #: the algorithms with a sharded form, and why the others have none
-SOUND = ("onebit_adam", "qadam", "onebit_lamb", "cd_adam")
-_WHY_NOT = {"zero_one_adam": "its local steps and variance refreshes are not built on shards"}
+SOUND = ("onebit_adam", "qadam", "onebit_lamb", "cd_adam", "zero_one_adam")
+_WHY_NOT: dict[str, str] = {}
 
 
 class ShardedCompressed(torch.optim.Optimizer):
     """``algorithm`` (a strategy name of :data:`SOUND` or its class) on the shards of an FSDP2 model.
 
     Args:
-        algorithm: ``"onebit_adam"``, ``"qadam"``, ``"onebit_lamb"``, ``"cd_adam"``, or their class.
+        algorithm: ``"onebit_adam"``, ``"qadam"``, ``"onebit_lamb"``, ``"cd_adam"``, ``"zero_one_adam"``, or
+            their class.
         params: the sharded model's parameters (every one sharded over ``mesh``'s inner dimension).
         mesh: the 2-D ``DeviceMesh`` of (nodes, ranks per node) FSDP2 sharded over (its inner dimension).
         **kwargs: the algorithm's options (``lr``, ``warmup_steps``, ...), but not ``group`` (the mesh

@@ -1,5 +1,5 @@
-"""``strategy="onebit_adam_fsdp"`` (and ``"qadam_fsdp"``, ``"onebit_lamb_fsdp"``, ``"cd_adam_fsdp"``): FSDP2 inside
-each node, the compressed optimizer on the shards between nodes.
+"""``strategy="onebit_adam_fsdp"`` (and ``"qadam_fsdp"``, ``"onebit_lamb_fsdp"``, ``"cd_adam_fsdp"``,
+``"zero_one_adam_fsdp"``): FSDP2 inside each node, the compressed optimizer on the shards between nodes.
 
 The mesh, the sharding and the checkpoint directory are :class:`~.fsdp.NodeShardedStrategy`'s. An ``AdamW``
 from ``configure_optimizers`` becomes a :class:`~lightning_onebit.ShardedCompressed` of the algorithm with the
@@ -8,7 +8,9 @@ gradients inside a node, the warm-up averages each shard over the nodes in fp32 
 and the compression phase sends each shard's momentum through the two-stage compressed all-reduce, between
 the ranks that hold that shard on every node. ``warmup`` is steps or a fraction of the run (``"auto"``,
 which reads the variance, would see a different shard on each rank of a node: not offered; CD-Adam compresses
-from the first step and has none).
+from the first step and has none, 0/1 Adam follows its own schedule). With 0/1 Adam's local steps the nodes'
+models part between rounds: the strategy synchronises them before validation, at the end of fit
+(:class:`~lightning_onebit.ReplicaSync`) and before a checkpoint, as the unsharded strategy does.
 
 Checkpoints: the model, the moments, the frozen variance (one copy, identical on every node) through
 ``torch.distributed.checkpoint``, each rank's error state in its own file. On the same mesh a resume is
@@ -40,8 +42,8 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
     """FSDP2 inside each node + ``algorithm`` on the shards between nodes (see the module docstring).
 
     Args:
-        algorithm: ``"onebit_adam"``, ``"qadam"``, ``"onebit_lamb"`` or ``"cd_adam"`` (the algorithms with a sound
-            sharded form; the others fail here with the reason).
+        algorithm: ``"onebit_adam"``, ``"qadam"``, ``"onebit_lamb"``, ``"cd_adam"`` or ``"zero_one_adam"`` (the
+            algorithms with a sound sharded form; the others fail here with the reason).
         warmup: steps (an int) or a fraction of the run (a float in (0, 1)) of exact, fp32-averaged warm-up;
             default 0.15. A returned ``ShardedCompressed`` with other ``warmup_steps`` fails at setup naming both.
         optimizer_kwargs: the algorithm's further options (``eps_inside_sqrt``, ``bucket_cap_mb``, ...),
@@ -89,6 +91,28 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         self.algorithm, self.warmup, self.on_nonfinite = algorithm, warmup, on_nonfinite
         self.strategy_name = f"{algorithm}_fsdp"
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)
+        from ..callbacks import ReplicaSync
+
+        if (any(getattr(opt, "has_local_steps", False) for opt in self.optimizers)
+                and not any(isinstance(cb, ReplicaSync) for cb in trainer.callbacks)):
+            trainer.callbacks.insert(0, ReplicaSync())  # first: others' on_train_end must see one model
+
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        total = self.lightning_module.trainer.estimated_stepping_batches
+        if isinstance(total, int) or (isinstance(total, float) and total.is_integer()):
+            for opt in self.optimizers:  # fractions of the run (0/1 Adam's schedule) resolve against it
+                opt.set_total_steps(int(total))
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model as this rank's shards; with local steps pending, the nodes synchronise first (the
+        checkpoint is then one model, and a resume continues from it exactly)."""
+        for opt in self.optimizers:
+            opt.sync_replicas()
+        return super().lightning_module_state_dict()
 
     def _warmup_steps(self) -> int | None:
         if not CompressedOptimizer.algorithms()[self.algorithm].has_warmup:
