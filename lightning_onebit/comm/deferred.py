@@ -3,12 +3,23 @@ gathered rows kept, decoded once the caller knows the call went through, or forg
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..compress.source import Sink
-from .inflight import Predicate
 
-__all__ = ["DeferredDecode"]
+__all__ = ["DeferredDecode", "Predicate"]
+
+
+class Predicate(NamedTuple):
+    """What the deferred decode of a call decided on the device is predicated on, and what it writes."""
+
+    go: torch.Tensor  # the step's flag (1 element): every rank's every input finite
+    server_ok: torch.Tensor  # this call's gathered server scales are finite (1 element)
+    flags: torch.Tensor  # written by the decode: [go and server_ok, server_ok or not go]
+    decay: torch.Tensor  # written by the decode: the update's decay, 1 where it was skipped (1 element)
+    decay0: torch.Tensor  # ``decay`` as 0-d, what the sink reads
 
 
 class DeferredDecode:

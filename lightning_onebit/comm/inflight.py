@@ -23,7 +23,7 @@ import torch
 if TYPE_CHECKING:
     from .allreduce import CompressedAllreduce
 
-__all__ = ["Agreement", "Call", "Predicate", "Verdict", "check_together"]
+__all__ = ["Agreement", "Call", "Verdict", "check_together"]
 
 
 class Agreement(NamedTuple):
@@ -35,16 +35,6 @@ class Agreement(NamedTuple):
     allsig: torch.Tensor | None = None  # every rank's signature, once ``work`` is done
     work: Any = None  # the gather of the signatures, on the wire
     host: np.ndarray | None = None  # ``allsig`` read to the host already (:func:`check_together`)
-
-
-class Predicate(NamedTuple):
-    """What the deferred decode of a call decided on the device is predicated on, and what it writes."""
-
-    go: torch.Tensor  # the step's flag (1 element): every rank's every input finite
-    server_ok: torch.Tensor  # this call's gathered server scales are finite (1 element)
-    flags: torch.Tensor  # written by the decode: [go and server_ok, server_ok or not go]
-    decay: torch.Tensor  # written by the decode: the update's decay, 1 where it was skipped (1 element)
-    decay0: torch.Tensor  # ``decay`` as 0-d, what the sink reads
 
 
 class Call:
