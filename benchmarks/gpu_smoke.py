@@ -25,6 +25,8 @@ Checks, each a row of the table it prints:
   host read): parameters and state afterwards bit for bit those of the run without that step, and the
   skip counted at the next step; and the same with 2 gloo ranks sharing the GPU, the NaN on one of them
   (the decision from the gathered signatures; the ranks alike afterwards);
+* ``DiLoCo(offload=True)``: the outer state in pinned CPU memory, the same parameters as without offload
+  after 2 outer steps, fp32 and 4-bit;
 * throughput: encode + error feedback and decode against the device copy bandwidth, 1M-128M, and at
   64M each kernel's own time (the profiler) against the bytes it must move;
 * the optimizer step alone: the compression-phase steps of ``OnebitAdam`` (world size 1 and 2 simulated
@@ -61,7 +63,7 @@ import torch
 from _common import add_out_argument, header, repo_on_path, tee_stdout
 
 repo_on_path()
-from lightning_onebit import OnebitAdam, OnebitLamb, QAdam, ZeroOneAdam  # noqa: E402
+from lightning_onebit import DiLoCo, OnebitAdam, OnebitLamb, QAdam, ZeroOneAdam  # noqa: E402
 from lightning_onebit.comm import SimulatedCluster  # noqa: E402
 from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec  # noqa: E402
 from lightning_onebit.compress.kernels import cuda_compiler_available  # noqa: E402
@@ -290,6 +292,33 @@ def check_device_skip_ranks(device: torch.device, world: int = 2, timeout_s: flo
         f"gloo; steps decided on the device {[v[2] for v in verdicts]}, skipped {[v[1] for v in verdicts]}; "
         f"every rank {'as' if all(v[0] for v in verdicts) else 'not as'} without that step, the ranks "
         f"{'alike' if alike else 'apart'}")
+
+
+def check_diloco_offload(device: torch.device) -> None:
+    """``DiLoCo(offload=True)`` against ``offload=False``: the outer state in pinned CPU memory, the outer steps
+    on the CPU (the compressed mode by the numba kernels, which the cuda backend's match bit for bit), the same
+    parameters after 2 outer steps."""
+    def run(offload: bool, compression: str):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(32, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 8))
+        model = model.to(device)
+        opt = DiLoCo(model.parameters(), lr=1e-2, sync_every=2, compression=compression, offload=offload)
+        g = torch.Generator().manual_seed(5)
+        for _ in range(4):
+            loss = model(torch.randint(0, 32, (4, 6), generator=g).to(device)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return [p.detach().cpu() for p in model.parameters()], opt._outer["anchor"]
+
+    out = []
+    for compression in ("fp32", "4bit"):
+        (mine, anchor), (ref, _) = run(True, compression), run(False, compression)
+        same = all(_same(a, b) for a, b in zip(mine, ref, strict=True))
+        out.append((compression, same, anchor.device.type == "cpu" and anchor.is_pinned()))
+    row("DiLoCo offload (outer state in pinned CPU memory)", all(s and p for _, s, p in out),
+        "; ".join(f"{c}: parameters {'equal' if s else 'differ'}, anchor {'pinned on the CPU' if p else 'elsewhere'}"
+                  for c, s, p in out) + " (against offload=False, 2 outer steps)")
 
 
 def check_cluster_pieces(device: torch.device, n: int) -> None:
@@ -649,6 +678,7 @@ def run_checks(device: torch.device, sizes: list[int], args: argparse.Namespace)
         check_device_skip(device)
         if gpu:  # two processes on one device; the simulator's run is the cudasim suite's two-rank test
             check_device_skip_ranks(device)
+            check_diloco_offload(device)  # (on CPU tensors offload changes nothing)
     if gpu and "throughput" in want:
         check_throughput(device, [1 << 20, 1 << 26] if args.quick else [1 << 20, 1 << 24, 1 << 26, 1 << 27])
         profile_kernels(device)

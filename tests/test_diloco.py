@@ -314,7 +314,8 @@ def test_bad_input_is_named_and_a_nonfinite_gradient_follows_the_policy():
                     ({"overlap": 3, "sync_every": 3}, "overlap must be"), ({"mixing": 1.0}, "mixing must be"),
                     ({"keep_local": True, "mixing": 0.5}, "keep_local must be"),
                     ({"outer_momentum": 1.0}, "outer_momentum"), ({"outer_lr": 0}, "outer_lr"),
-                    ({"on_nonfinite": "ignore"}, "on_nonfinite"), ({"lr": -1.0}, "learning rate")):
+                    ({"on_nonfinite": "ignore"}, "on_nonfinite"), ({"lr": -1.0}, "learning rate"),
+                    ({"offload": "yes"}, "offload must be True or False")):
         with pytest.raises(ValueError, match=msg):
             DiLoCo(params, **kw)
     net = _model()

@@ -61,6 +61,7 @@ DILOCO_CONFLICTS = {  # option: (the strategy's value, the returned DiLoCo's)
     "sync_every": (8, 4), "outer_lr": (0.5, 0.7), "outer_momentum": (0.5, 0.9), "nesterov": (False, True),
     "compression": ("4bit", "fp32"), "fragments": (2, 1), "on_nonfinite": ("skip", "raise"),
     "hierarchical": (False, None), "overlap": (1, 0), "mixing": (0.5, 0.0), "keep_local": (True, False),
+    "offload": (True, False),
 }
 
 
@@ -191,7 +192,7 @@ BAD_OPTIONS = [
     (DiLoCoStrategy, {"outer_lr": -1.0}), (DiLoCoStrategy, {"outer_momentum": 1.0}), (DiLoCoStrategy, {"nesterov": 1}),
     (DiLoCoStrategy, {"compression": "3bit"}), (DiLoCoStrategy, {"fragments": 32}), (DiLoCoStrategy, {"overlap": -1}),
     (DiLoCoStrategy, {"mixing": 1.5}), (DiLoCoStrategy, {"keep_local": "no"}), (DiLoCoStrategy, {"on_nonfinite": "x"}),
-    (DiLoCoStrategy, {"hierarchical": "auto"}),
+    (DiLoCoStrategy, {"hierarchical": "auto"}), (DiLoCoStrategy, {"offload": "yes"}),
     (HookDDPStrategy, {"kind": "powersgd", "rank": 0}), (HookDDPStrategy, {"kind": "powersgd", "start_iter": 1}),
     (HookDDPStrategy, {"kind": "powersgd", "start_iter": 1.5}),
     (HookDDPStrategy, {"kind": "fp16", "min_compression_rate": -1}),

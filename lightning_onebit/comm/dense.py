@@ -222,12 +222,17 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     return bits.view(-1)[:numel]
 
 
+def dist_backend(group) -> str:
+    """``group``'s backend as torch.distributed names it ("nccl", "gloo", "cpu:gloo,cuda:nccl", ...)."""
+    return str(dist.get_backend(group)).lower()
+
+
 def backend_for(group, device: torch.device) -> str | None:
     """The backend that carries ``device``'s tensors in ``group`` ("gloo", "nccl", ...), or None.
 
     A group made as ``"nccl"`` serves CUDA tensors only; ``"gloo"`` (and ``"mpi"``) serve both;
     ``"cpu:gloo,cuda:nccl"`` names one per device type."""
-    spec = str(dist.get_backend(group)).lower()
+    spec = dist_backend(group)
     if ":" not in spec:
         return None if spec in ("nccl", "xccl") and device.type == "cpu" else spec
     table = dict(item.split(":", 1) for item in spec.split(",") if ":" in item)

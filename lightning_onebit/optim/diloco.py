@@ -55,7 +55,7 @@ parameter); those steps then count in the next pseudo-gradient instead of being 
 Memory per parameter beyond AdamW's (8 B): the anchor, the outer momentum and a scratch for the
 pseudo-gradients (4 + 4 + 4 B, fp32), and for the compressed modes the error state (4 B, plus 4/n B on
 the server side, or 4/N B with the two-level layout's N nodes, which also keeps fp32 buffers of a shard
-inside the node).
+inside the node); with ``offload=True`` all of it in CPU memory instead of the device's.
 Non-finite gradients: an inner step with a NaN/inf gradient raises :class:`NonFiniteGradientError`
 on its rank (``on_nonfinite="raise"``, the default) or is skipped there (``"skip"``; counted in
 ``skipped_steps``); nothing is exchanged in inner steps, so the ranks need not agree. A non-finite
@@ -141,6 +141,12 @@ class DiLoCo(DiLoCoLayout, ShardedDiLoCoCheckpoint, DiLoCoCheckpoint, torch.opti
     is kept for this rank's shards, the outer all-reduce runs over the ranks holding the same shard on every
     node (instead of ``process_group``, ``ranks_per_node`` and ``hierarchical``), and the ranks of a node skip
     or raise on a non-finite step together (``docs/design/sharding.md``).
+
+    ``offload=True`` keeps the outer state (the anchor, the outer momentum, the pseudo-gradients' scratch and
+    the compressed modes' error state: 12-16 B per parameter) in CPU memory, pinned beside CUDA parameters,
+    as INTELLECT-1 does: at an outer step the replica is copied off the device, the pseudo-gradient, the
+    all-reduce (on the CPU, so the group must carry CPU tensors: gloo, or ``"cpu:gloo,cuda:nccl"``) and the
+    Nesterov step run on the CPU, and the new anchor is copied back; the bits are those without offload.
     """
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] | None = None,
@@ -150,7 +156,7 @@ class DiLoCo(DiLoCoLayout, ShardedDiLoCoCheckpoint, DiLoCoCheckpoint, torch.opti
                  outer_momentum: float = 0.9, nesterov: bool = True, compression: str = "fp32",
                  fragments: int = 1, on_nonfinite: str = "raise", process_group=None,
                  ranks_per_node: int | None = None, hierarchical: bool | None = None, overlap: int = 0,
-                 mixing: float = 0.0, keep_local: bool = False, mesh=None) -> None:
+                 mixing: float = 0.0, keep_local: bool = False, mesh=None, offload: bool = False) -> None:
         if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
         if not outer_lr > 0:
@@ -172,6 +178,8 @@ class DiLoCo(DiLoCoLayout, ShardedDiLoCoCheckpoint, DiLoCoCheckpoint, torch.opti
         if keep_local not in (True, False) or (keep_local and mixing):
             raise ValueError(f"keep_local must be True or False, and mixing 0 with it; got keep_local={keep_local!r}, "
                              f"mixing={mixing!r}")
+        if offload not in (True, False):
+            raise ValueError(f"offload must be True or False, got {offload!r}")
         self.sharding = None if mesh is None else ShardedLayout(mesh, who="DiLoCo")
         if self.sharding is not None:
             given = {k: v for k, v in (("process_group", process_group), ("ranks_per_node", ranks_per_node))
@@ -195,6 +203,7 @@ class DiLoCo(DiLoCoLayout, ShardedDiLoCoCheckpoint, DiLoCoCheckpoint, torch.opti
         self.nesterov, self.compression, self.on_nonfinite = bool(nesterov), str(wire), on_nonfinite
         self.wire, self.process_group, self.topology = wire, process_group, topology
         self.overlap, self.mixing, self.keep_local = overlap, float(mixing), bool(keep_local)
+        self.offload = bool(offload)
         # outer steps in flight (overlap > 0): per fragment, the clock at which it lands, the all-reduce's
         # handle (None once done) and its result
         self._pending: dict[int, tuple[int, object, torch.Tensor]] = {}

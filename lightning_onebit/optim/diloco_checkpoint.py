@@ -173,7 +173,7 @@ class DiLoCoCheckpoint:
         self.inner_steps, self.skipped_steps = counts["inner_steps"], counts["skipped_steps"]
         self.outer_steps = mine["outer_steps"]
         self.comm_counter.load_state_dict(counts.get("comm_counter", mine["comm_counter"]))
-        device = self._tensors()[0].device  # the flat state lives where the parameters do (a shard loads on CPU)
+        device = self._state_device()  # beside the parameters (a shard loads on CPU), or offloaded
         outer = {**mine["outer"], **(own["outer"] if own is not None else {})}
         self._outer = {k: v.to(device, copy=True) for k, v in outer.items()}
         self._pending = {int(f): (at, None, r.to(device, copy=True)) for f, (at, r) in mine.get("pending", {}).items()}
@@ -253,11 +253,13 @@ class ShardedDiLoCoCheckpoint:
         for f in list(self._pending):  # the sender thread is done with the results and the error state
             self._wait(f)
         self._ensure_anchor()
-        params = self._params()
-        momentum = {f: self._outer[f"momentum{f}"] for f in range(self.fragments) if f"momentum{f}" in self._outer}
-        pending = {f: r for f, (_, _, r) in self._pending.items()}
+        params, dev = self._params(), self._tensors()[0].device
+        # on the parameters' device, as their mesh is (offloaded state copied there for the write; else the same)
+        momentum = {f: self._outer[f"momentum{f}"].to(dev) for f in range(self.fragments)
+                    if f"momentum{f}" in self._outer}
+        pending = {f: r.to(dev) for f, (_, _, r) in self._pending.items()}
         inner = {names[i]: dict(self.state[p]) for i, p in enumerate(params) if self.state.get(p)}
-        tensors = self._named(names, self._outer["anchor"], momentum, pending, inner,
+        tensors = self._named(names, self._outer["anchor"].to(dev), momentum, pending, inner,
                               node_index(self.sharding.mesh))
         section = {k: v for k, v in self._shared_section().items() if k != "pending"}
         section.update(pending_at={f: at for f, (at, _, _) in self._pending.items()}, momentum=sorted(momentum),
@@ -283,8 +285,9 @@ class ShardedDiLoCoCheckpoint:
                              f"optimizer has {here}: this rank's own part does not fit (load without it)")
         node = node_index(self.sharding.mesh) if own is not None else (node or 0)
         self._ensure_anchor()
-        spans, device, params = self._fragment_spans(), self._outer["anchor"].device, self._params()
-        anchor = torch.empty_like(self._outer["anchor"])
+        # read on the parameters' device, as their mesh is (_load moves an offloaded state to the CPU)
+        spans, device, params = self._fragment_spans(), self._tensors()[0].device, self._params()
+        anchor = torch.empty(self._outer["anchor"].shape, dtype=torch.float32, device=device)
 
         def zeros(f: int) -> torch.Tensor:
             return torch.zeros(spans[f][1] - spans[f][0], device=device)

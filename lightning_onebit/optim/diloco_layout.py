@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from ..comm.agree import is_distributed
+from ..comm.dense import backend_for, dist_backend
 from ..comm.sharding import local
 
 __all__ = ["DiLoCoLayout"]
@@ -17,6 +19,19 @@ class DiLoCoLayout:
     DiLoCo's ``param_groups``, settings (``fragments``, ``sync_every``, ``keep_local``) and outer state."""
 
     sharding = None  #: DiLoCo's ShardedLayout where its parameters are sharded (mesh=)
+    offload = False  #: the outer state on the CPU (pinned beside CUDA parameters), not where the parameters are
+
+    def _state_device(self) -> torch.device:
+        """Where the flat outer state lives: the CPU when offloaded, else beside the parameters."""
+        return torch.device("cpu") if self.offload else self._tensors()[0].device
+
+    def _to_state(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat`` (the parameters' flat view, made on their device) where the outer state lives: a copy in
+        pinned CPU memory when offloaded beside CUDA parameters (the copies to and from the device go faster)."""
+        if not self.offload or flat.device.type == "cpu":
+            return flat
+        out = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        return out.copy_(flat)
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -27,7 +42,8 @@ class DiLoCoLayout:
             return [local(p).detach() for p in self._params()]
 
     def _flat(self) -> torch.Tensor:
-        return torch.cat([t.reshape(-1).float() for t in self._tensors()])
+        """The parameters (this rank's shards) as one fp32 vector where the outer state lives."""
+        return self._to_state(torch.cat([t.reshape(-1).float() for t in self._tensors()]))
 
     def _unflatten_into_params(self, flat: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
         """Copy ``flat`` into the parameters whose span lies in ``[lo, hi)`` of the flat vector."""
@@ -77,6 +93,12 @@ class DiLoCoLayout:
 
     def _ensure_anchor(self) -> None:
         if "anchor" not in self._outer:
+            device = self._tensors()[0].device
+            if (self.offload and device.type != "cpu" and is_distributed()
+                    and backend_for(self.process_group, torch.device("cpu")) is None):
+                raise ValueError(f"DiLoCo(offload=True) runs the outer all-reduce on CPU tensors, which the process "
+                                 f"group's backend ({dist_backend(self.process_group)}) does not carry; initialise it "
+                                 "with a CPU backend too, e.g. init_process_group('cpu:gloo,cuda:nccl')")
             flat = self._flat()
             if self.sharding is not None:  # once: the outer all-reduce's ranks must hold shards of one size
                 self.sharding.check_sizes(flat.numel())
@@ -85,8 +107,10 @@ class DiLoCoLayout:
     def _span_of_scratch(self, f: int) -> torch.Tensor:
         """Fragment f's slice of a flat fp32 buffer kept across outer steps: its pseudo-gradient, then its
         Nesterov sum (until the fragment's outer step lands, nothing else writes there)."""
-        if self._scratch is None:
-            self._scratch = torch.empty_like(self._outer["anchor"])
+        if self._scratch is None:  # (pinned where the anchor is: the replica is copied in from the device)
+            anchor = self._outer["anchor"]
+            self._scratch = torch.empty(anchor.shape, dtype=anchor.dtype, device=anchor.device,
+                                        pin_memory=anchor.is_pinned())
         lo, hi, _ = self._fragment_spans()[f]
         return self._scratch[lo:hi]
 
@@ -95,7 +119,14 @@ class DiLoCoLayout:
         costs as much as the arithmetic here: fresh pages)."""
         lo, hi, _ = self._fragment_spans()[f]
         out, params = self._span_of_scratch(f), self._tensors()
-        torch.cat([params[i].reshape(-1).float() for i in self.fragment_tensors()[f]], out=out)
+        if out.device == params[0].device:
+            torch.cat([params[i].reshape(-1).float() for i in self.fragment_tensors()[f]], out=out)
+        else:  # offloaded: each tensor copied off the device into its span (the same fp32 values as cat's)
+            o = 0
+            for i in self.fragment_tensors()[f]:
+                n = params[i].numel()
+                out[o:o + n].copy_(params[i].reshape(-1))
+                o += n
         if self.keep_local:  # the replica this outer step starts from
             if f"sent{f}" not in self._outer:
                 self._outer[f"sent{f}"] = torch.empty_like(out)

@@ -57,7 +57,7 @@ def check_diloco_options(options: dict[str, Any], owner: str = "DiLoCoStrategy")
     for k in ("outer_lr", "outer_momentum", "mixing"):
         if k in options:
             check_real(owner, k, options[k])
-    for k in ("nesterov", "keep_local", "hierarchical"):
+    for k in ("nesterov", "keep_local", "hierarchical", "offload"):
         if k in options:
             check_bool(owner, k, options[k])
     if "compression" in options:
@@ -251,13 +251,14 @@ class DiLoCoStrategy(RankShards, DiLoCoFit, BaseDDPStrategy):
 
     Args:
         sync_every, outer_lr, outer_momentum, nesterov, compression, fragments, on_nonfinite, hierarchical,
-        overlap, mixing, keep_local:
+        overlap, mixing, keep_local, offload:
             DiLoCo's (checked here, before any rank starts). ``None``, the default, is "not set": a
             ``DiLoCo`` returned by ``configure_optimizers`` keeps its own value, and an ``AdamW`` the strategy
             converts gets DiLoCo's default (16, 0.7, 0.9, True, ``"fp32"``, 1, ``"raise"``, automatic, 0, 0.0,
-            False: the paper's outer step). An option set here must equal the returned DiLoCo's, else setup
-            fails naming both. The ranks per node are the trainer's devices (unless the DiLoCo has its own),
-            so a compressed outer all-reduce over several nodes of several devices runs two-level.
+            False, False: the paper's outer step, its state beside the parameters). An option set here must
+            equal the returned DiLoCo's, else setup fails naming both. The ranks per node are the trainer's
+            devices (unless the DiLoCo has its own), so a compressed outer all-reduce over several nodes of
+            several devices runs two-level.
         strict_resume: raise instead of warning when a resume cannot continue each rank's own state exactly:
             another world size or layout, or this rank's shard missing, unreadable or of another save.
         sharding: ``None`` (every rank holds the whole model: DDP) or ``"fsdp"``, which builds a
@@ -277,14 +278,15 @@ class DiLoCoStrategy(RankShards, DiLoCoFit, BaseDDPStrategy):
                  outer_momentum: float | None = None, nesterov: bool | None = None, compression: str | None = None,
                  fragments: int | None = None, on_nonfinite: str | None = None, hierarchical: bool | None = None,
                  overlap: int | None = None, mixing: float | None = None, keep_local: bool | None = None,
-                 strict_resume: bool = False, sharding: None = None, **kwargs: Any) -> None:
+                 offload: bool | None = None, strict_resume: bool = False, sharding: None = None,
+                 **kwargs: Any) -> None:
         check_bool("DiLoCoStrategy", "strict_resume", strict_resume)
         if kwargs.get("ddp_comm_hook") is not None:
             raise ValueError("DiLoCoStrategy installs its own DDP comm hook; ddp_comm_hook cannot be set")
         given = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
                  "nesterov": nesterov, "compression": compression, "fragments": fragments,
                  "on_nonfinite": on_nonfinite, "hierarchical": hierarchical, "overlap": overlap,
-                 "mixing": mixing, "keep_local": keep_local}
+                 "mixing": mixing, "keep_local": keep_local, "offload": offload}
         #: the options set here (the others are the returned DiLoCo's, or DiLoCo's defaults)
         self.diloco_kwargs = {k: v for k, v in given.items() if v is not None}
         check_diloco_options(self.diloco_kwargs)

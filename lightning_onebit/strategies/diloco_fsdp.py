@@ -50,7 +50,7 @@ class DiLoCoFSDPStrategy(DiLoCoFit, NodeShardedStrategy):
 
     Args:
         sync_every, outer_lr, outer_momentum, nesterov, compression, fragments, on_nonfinite, overlap, mixing,
-        keep_local: DiLoCo's, as for :class:`~lightning_onebit.DiLoCoStrategy` (``None``: not set; an option
+        keep_local, offload: DiLoCo's, as for :class:`~lightning_onebit.DiLoCoStrategy` (``None``: not set; an option
             set here must equal a returned DiLoCo's, else setup fails naming both).
         ranks_per_node, auto_wrap_policy, strict_resume, start_method, process_group_backend, timeout:
             :class:`~lightning_onebit.strategies.fsdp.NodeShardedStrategy`'s.
@@ -65,13 +65,15 @@ class DiLoCoFSDPStrategy(DiLoCoFit, NodeShardedStrategy):
     def __init__(self, sync_every: int | None = None, outer_lr: float | None = None,
                  outer_momentum: float | None = None, nesterov: bool | None = None, compression: str | None = None,
                  fragments: int | None = None, on_nonfinite: str | None = None, overlap: int | None = None,
-                 mixing: float | None = None, keep_local: bool | None = None, *, ranks_per_node: int | None = None,
+                 mixing: float | None = None, keep_local: bool | None = None, offload: bool | None = None, *,
+                 ranks_per_node: int | None = None,
                  auto_wrap_policy: Iterable[type[nn.Module]] | None = None, strict_resume: bool = False,
                  start_method: str = "popen", process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout) -> None:
         given = {"sync_every": sync_every, "outer_lr": outer_lr, "outer_momentum": outer_momentum,
                  "nesterov": nesterov, "compression": compression, "fragments": fragments,
-                 "on_nonfinite": on_nonfinite, "overlap": overlap, "mixing": mixing, "keep_local": keep_local}
+                 "on_nonfinite": on_nonfinite, "overlap": overlap, "mixing": mixing, "keep_local": keep_local,
+                 "offload": offload}
         #: the options set here (the others are the returned DiLoCo's, or DiLoCo's defaults)
         self.diloco_kwargs = {k: v for k, v in given.items() if v is not None}
         check_diloco_options(self.diloco_kwargs, _OWNER)
