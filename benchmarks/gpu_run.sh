@@ -18,7 +18,7 @@ echo "gpu_smoke rc=$? in $(( $(date +%s) - t0 )) s"
 t1=$(date +%s)
 timeout "${FIT_TIMEOUT:-150}" python3 benchmarks/gpu_fit.py --out "$OUT/gpu_fit.md" >"$OUT/fit.log" 2>&1
 echo "gpu_fit rc=$? in $(( $(date +%s) - t1 )) s"
-grep -E "^  (FAIL|ok   environment|info (step|profile|OnebitAdam|graph|host|throughput))" "$OUT/smoke.log" | cut -c1-300
+grep -E "^  (FAIL|ok   (environment|NaN|DiLoCo)|info (step|profile|OnebitAdam|graph|host|throughput))" "$OUT/smoke.log" | cut -c1-300
 grep -E "failed check" "$OUT/smoke.log"
 tail -n 4 "$OUT/smoke.log" | cut -c1-300
 grep -E "^  (ok|FAIL|info)" "$OUT/fit.log" | cut -c1-220
