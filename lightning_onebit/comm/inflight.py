@@ -109,10 +109,10 @@ def check_together(calls: Sequence[CompressedAllreduce]) -> Verdict | None:
     owners = {id(c.in_flight): c for c in calls if c.in_flight is not None and c.in_flight.phase == "begun"}
     begun = [c.in_flight for c in calls if id(c.in_flight) in owners]
     rounds = [call for call in begun if call.agreement.work is not None and call.agreement.host is None]
-    if (rounds and len(rounds) == len(begun) and all(call.on_device for call in begun)
-            and len({(c.agreement.allsig.device, c.agreement.allsig.shape) for c in rounds}) == 1):
+    alike = len({(c.agreement.allsig.device, c.agreement.allsig.shape) for c in rounds}) == 1  # stack as one
+    if rounds and alike and len(rounds) == len(begun) and all(call.on_device for call in begun):
         return _decide_gathered_on_device(calls[0], [(owners[id(call)], call) for call in rounds])
-    if len(rounds) > 1 and len({(c.agreement.allsig.device, c.agreement.allsig.shape) for c in rounds}) == 1:
+    if len(rounds) > 1 and alike:
         for call in rounds:
             call.agreement.work.wait()
         host = torch.stack([call.agreement.allsig for call in rounds]).cpu().numpy()  # one read

@@ -445,7 +445,7 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
                 grad = warmup_mean(s, wflat)
                 self._check_finite(grad, "averaged gradient")
             plan.append((b, has, grad, saved))
-        self._verdict = sync_together(self, calls, carry_finite=carry_finite, on_device=True)
+        self._verdict = sync_together(self, calls, carry_finite=carry_finite)
         return plan
 
     def second_moments(self) -> list[torch.Tensor]:

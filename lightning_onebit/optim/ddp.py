@@ -127,7 +127,7 @@ class DDPHookPath:
                     s.pending += self._snapshot(ob, [i])
                 s.ready += 1
                 if s.ready == len(ob.params):  # decided on the device where it can be: step() reads the verdict
-                    s.verdict = sync_together(self, [(s, None, None)], on_device=True)
+                    s.verdict = sync_together(self, [(s, None, None)])
         return ready_future(buf)
 
     def _warmup_future(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:

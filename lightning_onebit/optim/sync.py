@@ -179,15 +179,14 @@ class BucketSync:
         return {"defer": True} if algorithm._defers(self.bucket) and hasattr(self.comm, "decode_pending") else {}
 
     # -- a compressed sync ------------------------------------------------------------------------
-    def begin(self, algorithm: Algorithm, grad, finite: torch.Tensor | None, *, on_device: bool = False):
+    def begin(self, algorithm: Algorithm, grad, finite: torch.Tensor | None):
         """The payload and flag of this bucket from this rank's gradient (``grad``: one tensor per parameter,
         or ``None``: the bucket's own ``grad``), and its call begun (the two-level collective's run whole);
-        returns the gradient the flag and ``_on_flag`` read. ``on_device``: the call may be decided on the
-        device, where the algorithm and the collective can."""
+        returns the gradient the flag and ``_on_flag`` read."""
         b, comm = self.bucket, self.collective()
         grads = b.grad if grad is None else grad
         if hasattr(comm, "skip_on_device"):  # its update must then be the deferred decode's sink alone
-            comm.skip_on_device = on_device and getattr(algorithm, "skips_on_device", False) and algorithm._defers(b)
+            comm.skip_on_device = getattr(algorithm, "skips_on_device", False) and algorithm._defers(b)
         if self.payload is None:
             self.payload = flat_buffer(b.numel, device=b.device, zero=False)
         src = algorithm._payload(b, grads, self.payload)
@@ -233,7 +232,7 @@ class BucketSync:
 
 
 def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequence | None, torch.Tensor | None]],
-                  *, carry_finite: bool = False, on_device: bool = False) -> Verdict | None:
+                  *, carry_finite: bool = False) -> Verdict | None:
     """The compressed syncs of several buckets on this rank's gradients, ``(sync, grad, finite)`` each, their
     calls' phases interleaved (:meth:`CompressedAllreduce.begin <lightning_onebit.comm.CompressedAllreduce.begin>`):
     every call's agreement goes on the wire, then each call is encoded and sent, relayed by its server, and
@@ -247,11 +246,10 @@ def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequen
     so the first call's agreement, the first thing waited for, covers every gradient, with no pass over
     them of its own. A failure raises after every call in flight was given up, on every rank alike.
 
-    ``on_device`` (the caller reads the returned verdict a step later): the calls may be decided on the
-    device. Returns the
-    :class:`~lightning_onebit.comm.Verdict` of calls decided there (``skips_on_device``, the cuda backend,
-    with several ranks once each collective was verified: nothing was read, every write predicated on
-    their flags), else None."""
+    Returns the :class:`~lightning_onebit.comm.Verdict` of calls decided on the device (``skips_on_device``,
+    the cuda backend, with several ranks once each collective was verified: nothing was read, every write
+    predicated on their flags), else None; the caller keeps it for ``settle_device_skips``, which reads it a
+    step later."""
     begun: list[tuple[BucketSync, Sequence]] = []
     # until the first call's agreement is past, a NaN it found (with ``finite`` or ``carry_finite``: on any
     # rank, in any gradient) has changed no state: the step is skipped everywhere
@@ -265,11 +263,11 @@ def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequen
                 raise ValueError("sync_together: carry_finite needs phased calls and no finite= of their own")
             later = None
             for s, grad, _ in reversed(calls):
-                begun.append((s, s.begin(algorithm, grad, later, on_device=on_device)))
+                begun.append((s, s.begin(algorithm, grad, later)))
                 later = s.comm.input_finite
             begun.reverse()
         for s, grad, finite in () if carry_finite else calls:
-            begun.append((s, s.begin(algorithm, grad, finite, on_device=on_device)))
+            begun.append((s, s.begin(algorithm, grad, finite)))
             if not s.phased:
                 s.finish(algorithm, begun.pop()[1])  # ran whole in begin
                 agreed = True
