@@ -9,9 +9,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from ..comm.agree import all_ranks
 from ..optim.base import CompressedOptimizer
 from ..optim.fractions import check_steps, steps_of_run
+from ..optim.sharded import ShardedCompressed
 
 __all__ = ["DEFAULT_WARMUP", "PhaseSwitch", "check_warmup", "find_compressed_optimizer", "find_compressed_optimizers",
-           "resolve_warmup"]
+           "resolve_warmup", "set_run_length"]
 
 #: the warm-up when nothing else sets one: 15% of the run, the 1-bit Adam paper's advice (15-25%)
 DEFAULT_WARMUP = 0.15
@@ -41,10 +42,22 @@ def resolve_warmup(value: int | float | str, total_steps: int | float | None, na
     return steps_of_run(name, value, total_steps)
 
 
-def find_compressed_optimizers(trainer) -> list[CompressedOptimizer]:
-    """The trainer's lightning_onebit optimizers (unwrapped from LightningOptimizer), in order."""
-    opts = (getattr(opt, "_optimizer", opt) for opt in trainer.optimizers)
-    return [opt for opt in opts if isinstance(opt, CompressedOptimizer)]
+def find_compressed_optimizers(trainer, *, sharded: bool = False) -> list[CompressedOptimizer]:
+    """The trainer's lightning_onebit optimizers (unwrapped from LightningOptimizer), in order; ``sharded``:
+    also the optimizer on the shards of each :class:`~lightning_onebit.ShardedCompressed`."""
+    opts = [getattr(opt, "_optimizer", opt) for opt in trainer.optimizers]
+    return [opt.inner if isinstance(opt, ShardedCompressed) else opt for opt in opts
+            if isinstance(opt, CompressedOptimizer) or (sharded and isinstance(opt, ShardedCompressed))]
+
+
+def set_run_length(trainer, opts) -> int | float:
+    """Tell ``opts`` the fit's length in optimizer steps (``estimated_stepping_batches``) where it is a whole
+    number, so that schedules given as fractions of the run resolve against it; returns it."""
+    total = trainer.estimated_stepping_batches
+    if isinstance(total, int) or (isinstance(total, float) and total.is_integer()):
+        for opt in opts:
+            opt.set_total_steps(int(total))
+    return total
 
 
 def find_compressed_optimizer(trainer) -> CompressedOptimizer | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from lightning.pytorch import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ..optim import ShardedCompressed
 from .phase import find_compressed_optimizers
 
 __all__ = ["ReplicaSync"]
@@ -29,9 +28,15 @@ class ReplicaSync(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
         self._sync(trainer)
 
+    @staticmethod
+    def ensure(trainer, opts) -> None:
+        """Put one first in ``trainer``'s callbacks (others' ``on_train_end`` must see one model) if some
+        optimizer of ``opts`` takes local steps and none is there yet: what the strategies do at setup."""
+        if (any(getattr(opt, "has_local_steps", False) for opt in opts)
+                and not any(isinstance(cb, ReplicaSync) for cb in trainer.callbacks)):
+            trainer.callbacks.insert(0, ReplicaSync())
+
     def _sync(self, trainer) -> None:
         """Subclasses may catch what the synchronisation raises (e.g. NonFiniteGradientError)."""
-        sharded = [o.inner for o in (getattr(o, "_optimizer", o) for o in trainer.optimizers)
-                   if isinstance(o, ShardedCompressed)]  # the optimizer on a sharded model's shards
-        for opt in [*find_compressed_optimizers(trainer), *sharded]:
+        for opt in find_compressed_optimizers(trainer, sharded=True):
             opt.sync_replicas()

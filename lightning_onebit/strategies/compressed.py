@@ -56,7 +56,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
-from ..callbacks.phase import DEFAULT_WARMUP, PhaseSwitch, check_warmup
+from ..callbacks.phase import DEFAULT_WARMUP, PhaseSwitch, check_warmup, set_run_length
+from ..callbacks.replicas import ReplicaSync
 from ..comm.agree import gather_objects, is_distributed, max_across_
 from ..compress import compile_kernels
 from ..compress.kernels import apply_thread_budget
@@ -68,6 +69,7 @@ from .options import (
     check_bool,
     check_choice,
     check_int,
+    check_warmup_kept,
     checked_optimizer_kwargs,
     compressed_conflicts,
     sharded_variant,
@@ -187,9 +189,7 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
                 check_warmup(warmup)
             except ValueError as exc:
                 raise ValueError(f"{owner}: {exc}") from None
-            if not ALGORITHMS[algorithm].has_warmup:  # it would be ignored: say so instead
-                raise ValueError(f"{owner}: warmup={warmup!r}, but {ALGORITHMS[algorithm].__name__} ({algorithm!r}) "
-                                 "has no uncompressed warm-up; leave warmup unset")
+            check_warmup_kept(owner, algorithm, warmup)
         optimizer_kwargs = checked_optimizer_kwargs(owner, ALGORITHMS[algorithm], optimizer_kwargs)
         check_bool(owner, "hierarchical", hierarchical, none=True)
         check_bool(owner, "strict_resume", strict_resume)
@@ -260,7 +260,7 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
         else:
             attach_several(self.model, opts)
         self._ensure_phase_switch(trainer, opts)
-        self._ensure_replica_sync(trainer, opts)
+        ReplicaSync.ensure(trainer, opts)
         self._place_clipping(trainer, opts)
 
     def _place_clipping(self, trainer, opts: list[CompressedOptimizer]) -> None:
@@ -376,22 +376,11 @@ class CompressedDDPStrategy(ErrorStateShards, BaseDDPStrategy):
             return
         self._add_phase_switch(trainer)
 
-    def _ensure_replica_sync(self, trainer, opts: list[CompressedOptimizer]) -> None:
-        from ..callbacks import ReplicaSync
-
-        present = any(isinstance(cb, ReplicaSync) for cb in trainer.callbacks)
-        if any(opt.has_local_steps for opt in opts) and not present:
-            trainer.callbacks.insert(0, ReplicaSync())  # first: others' on_train_end must see one model
-
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self.lightning_module.trainer
-        total = trainer.estimated_stepping_batches
         opts = [o for o in self.optimizers if isinstance(o, CompressedOptimizer)]
-        if isinstance(total, int) or (isinstance(total, float) and total.is_integer()):
-            for opt in opts:
-                opt.set_total_steps(int(total))
-        self._warn_about_waste(trainer, opts, total)
+        self._warn_about_waste(trainer, opts, set_run_length(trainer, opts))
 
     def _warn_about_waste(self, trainer, opts: list[CompressedOptimizer], total: float) -> None:
         """Say once (rank 0) when a run's compression cannot save anything."""

@@ -28,11 +28,12 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from ..callbacks.phase import DEFAULT_WARMUP, check_warmup, resolve_warmup
+from ..callbacks.phase import DEFAULT_WARMUP, check_warmup, resolve_warmup, set_run_length
+from ..callbacks.replicas import ReplicaSync
 from ..optim import CompressedOptimizer, ShardedCompressed
 from ..optim.sharded import SOUND
 from .fsdp import NodeShardedStrategy
-from .options import check_choice, checked_optimizer_kwargs, conflict
+from .options import check_choice, check_warmup_kept, checked_optimizer_kwargs, conflict
 from .schedulers import repoint_scheduler
 
 __all__ = ["CompressedFSDPStrategy"]
@@ -74,10 +75,7 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
             if warmup == "auto":
                 raise ValueError(f"{owner}: warmup='auto' reads the variance, which each rank of a node holds a "
                                  "different shard of; give steps or a fraction of the run")
-            cls = CompressedOptimizer.algorithms()[algorithm]
-            if not cls.has_warmup:  # it would be ignored: say so instead
-                raise ValueError(f"{owner}: warmup={warmup!r}, but {cls.__name__} ({algorithm!r}) has no "
-                                 "uncompressed warm-up; leave warmup unset")
+            check_warmup_kept(owner, algorithm, warmup)
         self.optimizer_kwargs = checked_optimizer_kwargs(owner, CompressedOptimizer.algorithms()[algorithm],
                                                          optimizer_kwargs)
         for k in ("group", "simulate_workers", "warmup_steps"):
@@ -94,18 +92,11 @@ class CompressedFSDPStrategy(NodeShardedStrategy):
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
-        from ..callbacks import ReplicaSync
-
-        if (any(getattr(opt, "has_local_steps", False) for opt in self.optimizers)
-                and not any(isinstance(cb, ReplicaSync) for cb in trainer.callbacks)):
-            trainer.callbacks.insert(0, ReplicaSync())  # first: others' on_train_end must see one model
+        ReplicaSync.ensure(trainer, self.optimizers)  # 0/1 Adam's nodes meet before validation and at the end
 
     def on_train_start(self) -> None:
         super().on_train_start()
-        total = self.lightning_module.trainer.estimated_stepping_batches
-        if isinstance(total, int) or (isinstance(total, float) and total.is_integer()):
-            for opt in self.optimizers:  # fractions of the run (0/1 Adam's schedule) resolve against it
-                opt.set_total_steps(int(total))
+        set_run_length(self.lightning_module.trainer, self.optimizers)  # (0/1 Adam's schedule in fractions)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model as this rank's shards; with local steps pending, the nodes synchronise first (the

@@ -19,8 +19,17 @@ import torch
 from ..callbacks.phase import PhaseSwitch, resolve_warmup
 from ..optim import CompressedOptimizer
 
-__all__ = ["NOT_IN_OPTIMIZER_KWARGS", "check_bool", "check_choice", "check_int", "check_real",
+__all__ = ["NOT_IN_OPTIMIZER_KWARGS", "check_bool", "check_choice", "check_int", "check_real", "check_warmup_kept",
            "checked_optimizer_kwargs", "compressed_conflicts", "conflict", "keyword_arguments", "option_value"]
+
+
+def check_warmup_kept(owner: str, algorithm: str, warmup: object) -> None:
+    """A ``warmup`` set for an algorithm without an uncompressed warm-up would be ignored: a ValueError
+    saying so instead."""
+    cls = CompressedOptimizer.algorithms()[algorithm]
+    if warmup is not None and not cls.has_warmup:
+        raise ValueError(f"{owner}: warmup={warmup!r}, but {cls.__name__} ({algorithm!r}) has no uncompressed "
+                         "warm-up; leave warmup unset")
 
 
 def check_bool(owner: str, name: str, value: object, *, none: bool = False) -> None:
