@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from ..comm import Topology, Wire, any_across
+from ..comm import Topology, Wire
 from ..comm.sharding import sharded_kind
 from ..compress.kernels import apply_thread_budget
 from .buckets import Bucket, BucketState
@@ -60,8 +60,7 @@ from .nonfinite import (
     check_nonfinite_policy,
 )
 from .plumbing import SyncPlumbing
-from .sync import CollectiveError, SyncContext, sync_together
-from .warmup_mean import warmup_mean
+from .sync import CollectiveError, SyncContext
 
 log = logging.getLogger(__name__)
 
@@ -324,21 +323,6 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
             raise ValueError(f"expected gradients of {self.simulate_workers} workers, got {len(grads)}")
         self._run_step(grads)
 
-    def _has_grad(self, buckets: list[Bucket], worker_grads) -> list[list[bool]]:
-        """Which parameters of each bucket have a gradient on some rank (or simulated worker)."""
-        if worker_grads is not None:
-            return [[any(wg[i] is not None for wg in worker_grads) for i in b.ids] for b in buckets]
-        has = [[p.grad is not None for p in b.params] for b in buckets]
-        # DDP leaves grad None on every rank for a parameter no rank used; others must agree here
-        local = [i for i, b in enumerate(buckets) if not b.via_ddp]
-        if local and self.world_size > 1:
-            flags = torch.tensor([h for i in local for h in has[i]], dtype=torch.bool)
-            with self.sync_context.failure("agreement on which parameters have gradients"):
-                agreed = any_across(flags, self.process_group).tolist()
-            for i in local:
-                has[i], agreed = agreed[: len(has[i])], agreed[len(has[i]) :]
-        return has
-
     def _run_step(self, worker_grads) -> None:
         self.settle_device_skips(wait=False)
         buckets = self._build_buckets()
@@ -390,63 +374,6 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
             self._skip_run = []
         self.comm_counter.end_step()
         self.intra_node_counter.end_step()
-
-    def _synchronise(self, buckets: list[Bucket], worker_grads, finite: torch.Tensor | None = None, *,
-                     carry_finite: bool = False) -> list[tuple]:
-        """Pass 1 of a step: every bucket's gradient synchronised (a NaN anywhere raises before any
-        update); returns (bucket, has_grad, averaged warm-up gradient, state to put back) per bucket.
-        ``finite`` (the policy "skip"): this rank's gradients are all finite, sent with the first
-        compressed call's agreement, which raises :class:`SkippedEverywhere` on every rank if not;
-        ``carry_finite``: the calls' own scale reductions check it instead (:func:`.sync.sync_together`)."""
-        has_all = self._has_grad(buckets, worker_grads)
-        plan, calls = [], []
-        for b, has in zip(buckets, has_all, strict=True):
-            # a compressed sync whose payload reads the gradients where they are copies none of them
-            s = b.sync
-            in_place = (b.compressing and self.payload_reads_grads and not s.done
-                        and not (b.via_ddp and s.ready))
-            wflat = None
-            if worker_grads is not None:
-                wflat = ([[wg[i] for i in b.ids] for wg in worker_grads] if in_place
-                         else self._worker_flat(b, worker_grads))
-            own = self._own_grads(b) if in_place and wflat is None else None
-            # a warm-up whose gradient is averaged already (one rank, or DDP's allreduce) may run on
-            # the parameters' own gradients: no copy into the bucket
-            direct = None
-            averaged = self.world_size == 1 or b.via_ddp  # DDP's hook averaged it (dense, or as codes)
-            if wflat is None and not b.compressing and averaged and any(has):
-                direct = self._warmup_on_own_grads(b, has)
-            if (wflat is None and direct is None and own is None and not s.done
-                    and not (b.via_ddp and b.compressing and s.ready)):
-                self._gather_grads(b)
-            skipped = [i for i, h in enumerate(has) if not h]
-            grad, saved = None, []
-            if not any(has):
-                pass
-            elif b.compressing:
-                if s.done:  # synchronised in the DDP hook, which kept the state of locally unused params
-                    saved = [k for k in s.pending if not has[k[0]]]
-                else:
-                    if wflat is None and self.world_size == 1 and not self.payload_shows_nonfinite:
-                        # else the collective's scale check sees it
-                        self._check_finite([g for g in own if g is not None] if own is not None else b.grad,
-                                           "gradient")
-                    saved = self._snapshot(b, skipped)
-                    if wflat is None:  # synchronised below, the calls' phases interleaved
-                        calls.append((s, own, finite))
-                    else:
-                        s.run_simulated(self, wflat)
-                    finite = None  # the first call carries it: later calls need not
-            elif direct is not None:
-                self._check_finite(direct, "averaged gradient")
-                grad = direct
-            else:
-                saved = self._snapshot(b, skipped)
-                grad = warmup_mean(s, wflat)
-                self._check_finite(grad, "averaged gradient")
-            plan.append((b, has, grad, saved))
-        self._verdict = sync_together(self, calls, carry_finite=carry_finite)
-        return plan
 
     def second_moments(self) -> list[torch.Tensor]:
         """The flat fp32 second-moment buffers (``exp_avg_sq``) of the buckets, in bucket order, as

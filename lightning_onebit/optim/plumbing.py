@@ -1,11 +1,13 @@
-"""The optimizer's side of its buckets' synchronisation: what they share, and what an algorithm defines.
+"""The optimizer's side of its buckets' synchronisation: what they share, what an algorithm defines, and pass 1
+of a step (every bucket's gradient synchronised, :meth:`SyncPlumbing._synchronise`).
 
 :class:`SyncPlumbing` is a base of :class:`~lightning_onebit.optim.CompressedOptimizer`. Its only state is
 ``self.sync_context`` (:class:`~.sync.SyncContext`: the group, topology and byte counters every bucket's
 :class:`~.sync.BucketSync` shares), which it exposes under the optimizer's public names, and the hooks of
 the :class:`~.sync.Algorithm` protocol with their defaults, which each algorithm overrides: the payload,
 where the result goes, how it is absorbed, the flag the collective agrees on, and whether the update
-decodes the result itself.
+decodes the result itself. Pass 1 leaves the verdict of a step decided on the device in the optimizer's
+``_verdict``.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..comm import any_across
 from ..compress import Source
 from .buckets import Bucket
-from .sync import BucketSync, SyncContext
+from .sync import BucketSync, SyncContext, sync_together
+from .warmup_mean import warmup_mean
 
 __all__ = ["SyncPlumbing"]
 
@@ -139,3 +143,76 @@ class SyncPlumbing:
         """Decode every result a bucket left for its update (before anything reads the state)."""
         for b in self._buckets:
             b.sync.decode(self)
+
+    # -- pass 1 of a step: every bucket synchronised ---------------------------------------------
+    def _has_grad(self, buckets: list[Bucket], worker_grads) -> list[list[bool]]:
+        """Which parameters of each bucket have a gradient on some rank (or simulated worker)."""
+        if worker_grads is not None:
+            return [[any(wg[i] is not None for wg in worker_grads) for i in b.ids] for b in buckets]
+        has = [[p.grad is not None for p in b.params] for b in buckets]
+        # DDP leaves grad None on every rank for a parameter no rank used; others must agree here
+        local = [i for i, b in enumerate(buckets) if not b.via_ddp]
+        if local and self.world_size > 1:
+            flags = torch.tensor([h for i in local for h in has[i]], dtype=torch.bool)
+            with self.sync_context.failure("agreement on which parameters have gradients"):
+                agreed = any_across(flags, self.process_group).tolist()
+            for i in local:
+                has[i], agreed = agreed[: len(has[i])], agreed[len(has[i]) :]
+        return has
+
+    def _synchronise(self, buckets: list[Bucket], worker_grads, finite: torch.Tensor | None = None, *,
+                     carry_finite: bool = False) -> list[tuple]:
+        """Pass 1 of a step: every bucket's gradient synchronised (a NaN anywhere raises before any
+        update); returns (bucket, has_grad, averaged warm-up gradient, state to put back) per bucket.
+        ``finite`` (the policy "skip"): this rank's gradients are all finite, sent with the first
+        compressed call's agreement, which raises :class:`SkippedEverywhere` on every rank if not;
+        ``carry_finite``: the calls' own scale reductions check it instead (:func:`.sync.sync_together`)."""
+        has_all = self._has_grad(buckets, worker_grads)
+        plan, calls = [], []
+        for b, has in zip(buckets, has_all, strict=True):
+            # a compressed sync whose payload reads the gradients where they are copies none of them
+            s = b.sync
+            in_place = (b.compressing and self.payload_reads_grads and not s.done
+                        and not (b.via_ddp and s.ready))
+            wflat = None
+            if worker_grads is not None:
+                wflat = ([[wg[i] for i in b.ids] for wg in worker_grads] if in_place
+                         else self._worker_flat(b, worker_grads))
+            own = self._own_grads(b) if in_place and wflat is None else None
+            # a warm-up whose gradient is averaged already (one rank, or DDP's allreduce) may run on
+            # the parameters' own gradients: no copy into the bucket
+            direct = None
+            averaged = self.world_size == 1 or b.via_ddp  # DDP's hook averaged it (dense, or as codes)
+            if wflat is None and not b.compressing and averaged and any(has):
+                direct = self._warmup_on_own_grads(b, has)
+            if (wflat is None and direct is None and own is None and not s.done
+                    and not (b.via_ddp and b.compressing and s.ready)):
+                self._gather_grads(b)
+            skipped = [i for i, h in enumerate(has) if not h]
+            grad, saved = None, []
+            if not any(has):
+                pass
+            elif b.compressing:
+                if s.done:  # synchronised in the DDP hook, which kept the state of locally unused params
+                    saved = [k for k in s.pending if not has[k[0]]]
+                else:
+                    if wflat is None and self.world_size == 1 and not self.payload_shows_nonfinite:
+                        # else the collective's scale check sees it
+                        self._check_finite([g for g in own if g is not None] if own is not None else b.grad,
+                                           "gradient")
+                    saved = self._snapshot(b, skipped)
+                    if wflat is None:  # synchronised below, the calls' phases interleaved
+                        calls.append((s, own, finite))
+                    else:
+                        s.run_simulated(self, wflat)
+                    finite = None  # the first call carries it: later calls need not
+            elif direct is not None:
+                self._check_finite(direct, "averaged gradient")
+                grad = direct
+            else:
+                saved = self._snapshot(b, skipped)
+                grad = warmup_mean(s, wflat)
+                self._check_finite(grad, "averaged gradient")
+            plan.append((b, has, grad, saved))
+        self._verdict = sync_together(self, calls, carry_finite=carry_finite)
+        return plan
