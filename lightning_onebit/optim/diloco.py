@@ -66,8 +66,7 @@ after the process group's timeout), where it lands; that fragment's outer step i
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -413,32 +412,7 @@ class DiLoCo(DiLoCoLayout, ShardedDiLoCoCheckpoint, DiLoCoCheckpoint, torch.opti
             new.state[p] = dict(st)
         return new
 
-    @contextlib.contextmanager
-    def anchor_in_params(self) -> Iterator[None]:
-        """Inside: the parameters hold the anchor, the model every rank shares (what validation
-        evaluates); on exit this rank's replica comes back. Of an FSDP2 model, call
-        ``lightning_onebit.comm.sharding.reshard(model)`` before entering and before leaving: FSDP2's root keeps
-        the parameters it gathered for a forward without backward, and would not see the swap."""
-        local = self._replica_aside = self._flat()  # local_state() inside saves the replica, not the anchor
-        self._unflatten_into_params(self._outer["anchor"] if "anchor" in self._outer else local)
-        try:
-            yield
-        finally:
-            self._replica_aside = None
-            self._unflatten_into_params(local)
-
     @property
     def compressing(self) -> bool:
         """Always: DiLoCo has no uncompressed warm-up (``CommunicationMonitor``'s phase)."""
         return True
-
-    @property
-    def since_sync(self) -> int:
-        """Inner steps since the oldest fragment's last outer step (the same on every rank)."""
-        return self._t - min(self._last_sync)
-
-    @property
-    def synced(self) -> bool:
-        """Whether every rank holds the anchor's values: no inner step since an outer step and none in
-        flight (else ``outer_step()`` ends the interval: the strategy calls it when a fit ends)."""
-        return self.since_sync == 0 and not self._pending

@@ -1,9 +1,13 @@
 """The flat view of :class:`~lightning_onebit.optim.DiLoCo`'s parameters: the fp32 vector the anchor, the
 outer momentum and the pseudo-gradients live in (every parameter in ``param_groups`` order), its fragments
-(Streaming DiLoCo's slices) and their schedule, and the scratch the pseudo-gradients are taken in. Of sharded
-parameters (FSDP2's DTensors, DiLoCo's ``mesh``) the flat view holds this rank's shards only."""
+(Streaming DiLoCo's slices) and their schedule (where the ranks stand in it: ``since_sync``, ``synced``),
+the scratch the pseudo-gradients are taken in, and the anchor swapped into the parameters for validation.
+Of sharded parameters (FSDP2's DTensors, DiLoCo's ``mesh``) the flat view holds this rank's shards only."""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -15,8 +19,9 @@ __all__ = ["DiLoCoLayout"]
 
 
 class DiLoCoLayout:
-    """Mixin of :class:`~lightning_onebit.optim.DiLoCo`: the flat view, the fragments and the scratch. Uses
-    DiLoCo's ``param_groups``, settings (``fragments``, ``sync_every``, ``keep_local``) and outer state."""
+    """Mixin of :class:`~lightning_onebit.optim.DiLoCo`: the flat view, the fragments, the scratch and the
+    anchor in the parameters. Uses DiLoCo's ``param_groups``, settings (``fragments``, ``sync_every``,
+    ``keep_local``, ``offload``), clock and outer state."""
 
     sharding = None  #: DiLoCo's ShardedLayout where its parameters are sharded (mesh=)
     offload = False  #: the outer state on the CPU (pinned beside CUDA parameters), not where the parameters are
@@ -142,3 +147,28 @@ class DiLoCoLayout:
             out[id(p)] = a[o:o + t.numel()].view(t.shape)
             o += t.numel()
         return out
+
+    @contextlib.contextmanager
+    def anchor_in_params(self) -> Iterator[None]:
+        """Inside: the parameters hold the anchor, the model every rank shares (what validation
+        evaluates); on exit this rank's replica comes back. Of an FSDP2 model, call
+        ``lightning_onebit.comm.sharding.reshard(model)`` before entering and before leaving: FSDP2's root keeps
+        the parameters it gathered for a forward without backward, and would not see the swap."""
+        local = self._replica_aside = self._flat()  # local_state() inside saves the replica, not the anchor
+        self._unflatten_into_params(self._outer["anchor"] if "anchor" in self._outer else local)
+        try:
+            yield
+        finally:
+            self._replica_aside = None
+            self._unflatten_into_params(local)
+
+    @property
+    def since_sync(self) -> int:
+        """Inner steps since the oldest fragment's last outer step (the same on every rank)."""
+        return self._t - min(self._last_sync)
+
+    @property
+    def synced(self) -> bool:
+        """Whether every rank holds the anchor's values: no inner step since an outer step and none in
+        flight (else ``outer_step()`` ends the interval: the strategy calls it when a fit ends)."""
+        return self.since_sync == 0 and not self._pending
