@@ -31,10 +31,10 @@ import torch.distributed as dist
 
 from ..compress import Codec, Source, flat_buffer
 from .accounting import ByteCounter
-from .deferred import Predicate
 from .dense import all_gather_rows, collective_device, fans_out, launcher_ranks_per_node
 from .duplex import duplex_twin, exchange_rows
 from .inflight import Call
+from .stage4 import Predicate
 from .two_stage import TwoStageRank
 from .verify import AgreementRound, NonFiniteInputError
 

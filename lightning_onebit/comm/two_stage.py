@@ -9,7 +9,7 @@ World size n; rank r is the "server" for chunk r of the (padded) flat input:
    (``markov``: fold the workers' deltas into the server's running mean, then encode
    its difference to the shared estimate g_tilde);
 4. exchange: every rank receives every server row and decodes the same bytes, so replicas
-   stay bit-identical.
+   stay bit-identical (:mod:`.stage4`: the decode, at once or deferred).
 
 :class:`TwoStageRank` is one rank's part of this: the geometry (padding, chunks, scale blocks,
 pipeline pieces), the error / Markov state, the packed message buffers, and the local work of
@@ -60,26 +60,25 @@ the compression error of the algorithm exists in one process exactly as in many.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 
 from ..compress import Codec, Encoded, flat_buffer
 from ..compress.kernels.layout import Layout, is_sign, scale_shape
-from ..compress.source import Sink, Source
+from ..compress.source import Source
 from .accounting import ByteCounter
-from .deferred import DeferredDecode
 from .messages import MessageViews
 from .pipeline import MAX_PIECES, MIN_PIECE, Piece, plan_pieces
 from .rank_state import RankState
+from .stage4 import Stage4
 
 __all__ = ["MAX_PIECES", "MIN_PIECE", "MODES", "TwoStageRank"]
 
 MODES = ("plain", "error_feedback", "markov")
 
 
-class TwoStageRank(DeferredDecode, RankState):
+class TwoStageRank(Stage4, RankState):
     """Rank ``rank`` of ``world_size`` in the two-stage compressed mean of a 1-D tensor, without
     the exchanges (see the module docstring).
 
@@ -351,76 +350,6 @@ class TwoStageRank(DeferredDecode, RankState):
         else:
             self.codec.encode(self._mean[cols], out=enc, scales=sc, layout=lay)
         return self._srv[k]
-
-    # -- stage 4 (every rank) ------------------------------------------------------------
-    def result_buffer(self, out: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """The fp32 buffer of ``padded_numel`` elements that stage 4 decodes into.
-
-        ``out`` itself when it is fp32, contiguous and padded already (no copy), the Markov
-        estimate g_tilde in ``markov`` mode, else a reused (or, for an unpadded fp32 result
-        without ``out``, a fresh) buffer."""
-        d, D, dev = self.numel, self.padded_numel(self.numel), self.worker_device
-        if self.mode == "markov":
-            return self.tilde
-        if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == D:
-            return out.view(-1)
-        if out is None and D == d and dtype == torch.float32:
-            return torch.empty(d, dtype=torch.float32, device=dev)
-        return self._outpad if self._outpad is not None else torch.empty(D, dtype=torch.float32, device=dev)
-
-    def gathered_finite(self, piece0: torch.Tensor) -> torch.Tensor:
-        """0-d bool device tensor: the server scales in gathered piece 0 are all finite. At world size 1
-        with one piece the one gathered row is this rank's server row, whose encode wrote the flag
-        already (no torch op)."""
-        if self.world_size == 1 and self._srv_ok0 is not None and piece0.data_ptr() == self._srv[0].data_ptr():
-            return self._srv_ok0
-        if self.num_pieces > 1:
-            scales = self._row_scales(piece0)
-        else:
-            scales = self._messages(self.layout, piece0).scales
-        bufs = self._gathered_check
-        if bufs is None or bufs[0].shape != scales.shape:  # made once: the same flag buffer every call
-            ok = torch.empty((), dtype=torch.bool, device=scales.device)
-            bufs = self._gathered_check = (torch.empty_like(scales), torch.empty(scales.shape, dtype=torch.bool,
-                                                                                 device=scales.device), ok)
-        mag, finite, ok = bufs
-        torch.lt(torch.abs(scales, out=mag), math.inf, out=finite)  # isfinite, written into a buffer
-        return torch.all(finite, out=ok)
-
-    def finish_piece(self, gathered: torch.Tensor, dst: torch.Tensor, k: int = 0, sink: Sink | None = None) -> None:
-        """Stage 4 (every rank): decode piece ``k`` of the gathered server rows into ``dst``; a ``sink``
-        the codec applies while decoding (:meth:`Codec.fuses_sink`) is applied here, piece by piece."""
-        n, seg, acc = self.world_size, self.seg_len, self.mode == "markov"
-        if sink is not None and not self.codec.fuses_sink(sink):
-            sink = None  # applied by finish() after the whole result is decoded
-        if self.num_pieces == 1:
-            self.codec.decode(self._messages(self.layout, gathered), out=dst,
-                              accumulate=acc, sink=sink)
-            return
-        if k == 0:
-            self._gathered_scales = self._row_scales(gathered)
-        p = self.plan[k]
-        for r in range(n):
-            enc = self._piece(gathered, k, slice(r, r + 1), self._gathered_scales, self._win_rows[k][r])
-            lo, hi = r * seg + p.lo, r * seg + p.hi
-            self.codec.decode(enc, out=dst[lo:hi], accumulate=acc, sink=None if sink is None else sink[lo:hi])
-
-    def finish(self, dst: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype,
-               sink: Sink | None = None) -> torch.Tensor:
-        """The result from the decoded buffer: padding dropped, cast to ``dtype`` or into ``out``
-        (and a ``sink`` the codec did not apply while decoding applied now)."""
-        d = self.numel
-        if sink is not None and not self.codec.fuses_sink(sink):
-            sink.apply(dst[:d])
-        if out is not None and dst.data_ptr() == out.data_ptr():
-            return out  # decoded in place
-        if (out is None and dtype == torch.float32 and dst.numel() == d
-                and dst is not self.tilde and dst is not self._outpad):
-            return dst  # a fresh buffer of exactly the result
-        if out is None:
-            return dst[:d].to(dtype=dtype, copy=True)
-        out.view(-1)[:d].copy_(dst[:d])
-        return out
 
     def account(self) -> None:
         """Count one call's bytes (what this rank sent in both exchanges) here and in ``counter``."""
