@@ -14,6 +14,9 @@ Checks, each a row of the table it prints:
 * parity: codes and scales of the ``cuda`` backend equal the numba CPU backend's bit for bit, and the
   decoded floats too, for every codec (sign-l2, sign-l1, min-max u8), modes (plain, error feedback,
   markov), block sizes and tensor groups, sizes 0 .. 2^24 + 1000, one and several rows;
+* the update a compression-phase step makes (a ``Sink``), applied by the predicated decode kernel: the
+  CPU's bits, with tensors without a target and masked coordinates (and whether torch's own foreach update
+  on the device gives them too, reported);
 * stream ordering: input written on a side stream after a long ``torch.cuda._sleep`` is encoded on
   that stream correctly (the kernels run on torch's current stream);
 * host syncs: one error-feedback encode + decode under ``torch.cuda.set_sync_debug_mode("warn")``
@@ -67,6 +70,7 @@ from lightning_onebit import DiLoCo, OnebitAdam, OnebitLamb, QAdam, ZeroOneAdam 
 from lightning_onebit.comm import SimulatedCluster  # noqa: E402
 from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec  # noqa: E402
 from lightning_onebit.compress.kernels import cuda_compiler_available  # noqa: E402
+from lightning_onebit.compress.source import Sink  # noqa: E402
 
 ROWS: list[tuple[str, str, str]] = []
 FAILED: list[str] = []
@@ -661,6 +665,40 @@ def main(argv: list[str] | None = None) -> int:
 GROUPS = ("parity", "device", "throughput", "step", "profile", "capture")
 
 
+def check_sink_parity(device: torch.device, n: int) -> None:
+    """The update a predicated decode applies in its kernel (a Sink: a compression-phase step's last line) against
+    the CPU's bits (the numba CPU backend's decode with the Sink fused), and, reported, torch's own on the device."""
+    g = torch.Generator().manual_seed(7)
+    cuts = sorted({0, *torch.randint(1, max(n, 2), (40,), generator=g).tolist()}) if n > 1 else [0]
+    sizes = [b - a for a, b in zip(cuts, (*cuts[1:], n), strict=True)]
+    codec_g, codec_c = SignCodec(backend="cuda"), SignCodec(backend="numba")
+    x = torch.randn(n, generator=g)
+    denom, mask = torch.rand(n, generator=g) + 1e-3, torch.randperm(n, generator=g)[: n // 50].sort().values
+    targets = [torch.randn(k, generator=g) if i % 7 != 3 else None for i, k in enumerate(sizes)]
+
+    def sink(ts, dev):
+        return Sink(numel=n, groups=cuts, targets=ts, denom=denom.to(dev), values=[-1e-3] * len(cuts), decay=0.99,
+                    mask=mask.to(dev))
+
+    def on(dev):
+        return [None if t is None else t.clone().to(dev) for t in targets]
+
+    cpu = on("cpu")
+    enc_c = codec_c.encode_error_feedback(x, torch.zeros(n))
+    codec_c.decode(enc_c, out=torch.empty(n), sink=sink(cpu, "cpu"))
+    gpu, by_torch = on(device), on(device)
+    enc_g = codec_g.encode_error_feedback(x.to(device), torch.zeros(n, device=device))
+    go = torch.ones(1, dtype=torch.bool, device=device)
+    fused = codec_g.fuses_predicated_sink(sink(gpu, device))
+    codec_g.decode_predicated(enc_g, torch.empty(n, device=device), None, go=go, sink=sink(gpu, device))
+    sink(by_torch, device).apply(codec_g.decode(enc_g))
+    same = fused and all(t is None or _same(a, t) for a, t in zip(gpu, cpu, strict=True))
+    torch_same = all(t is None or _same(a, t) for a, t in zip(by_torch, cpu, strict=True))
+    row(f"update in the decode kernel, n={n}", same,
+        f"{len(cuts)} tensors, {mask.numel()} masked: {'equal to' if same else 'differs from'} the CPU's bits "
+        f"(torch's foreach update on {device.type}: {'the same' if torch_same else 'other'} bits)")
+
+
 def run_checks(device: torch.device, sizes: list[int], args: argparse.Namespace) -> None:
     """Every check of the module docstring that ``device`` and ``--only`` allow, then the table of their rows."""
     t0 = time.time()
@@ -669,6 +707,7 @@ def run_checks(device: torch.device, sizes: list[int], args: argparse.Namespace)
     environment(device)
     if "parity" in want:
         check_parity(device, sizes)
+        check_sink_parity(device, 100 if args.cudasim else (1 << 20) + 3)
     if "device" in want:
         if gpu:
             check_stream_order(device)

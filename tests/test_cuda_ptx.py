@@ -35,6 +35,9 @@ def test_every_kernel_compiles_to_ptx(cc):
         assert ".visible .entry" in text and name in text, name
     for name in ("_encode_kernel", "_decode_kernel"):  # lo + code * step rounds twice, as on the CPU
         assert "fma.rn.f64" not in ptx[name] and "mul.rn.f64" in ptx[name], name
+    # the decode's update (a Sink): t * decay and v * u rounded alone (never contracted), the quotient correctly
+    assert "fma.rn.f32" not in ptx["_decode_kernel"] and ptx["_decode_kernel"].count("mul.rn.f32") >= 2
+    assert "div.rn.f32" in ptx["_decode_kernel"]
     # the scales: torch's fp64 quotient and square root, correctly rounded, then one rounding to fp32
     assert "div.rn.f64" in ptx["_reduce_scales_kernel"] and "sqrt.rn.f64" in ptx["_reduce_scales_kernel"]
 

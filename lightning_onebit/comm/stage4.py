@@ -133,8 +133,9 @@ class Stage4:
     def _decode_predicated(self, gathered: torch.Tensor, out: torch.Tensor | None, sink: Sink | None,
                            go: Predicate) -> torch.Tensor:
         """A call decided on the device (:func:`~.inflight.check_together`): its result decoded into ``out``
-        and the ``sink`` applied only where both of ``go``'s flags hold, with no host read. The sink reads a copy
-        of the values that is zero where they do not, and a decay of 1, so that its update adds nothing."""
+        and the ``sink`` applied only where both of ``go``'s flags hold, with no host read: by the decode kernel
+        where the codec fuses it (it then writes nothing where they do not), else by torch, reading a copy of the
+        values that is zero where they do not, and a decay of 1, so that its update adds nothing."""
         d = self.numel
         if out is None or out.dtype != torch.float32 or not out.is_contiguous() or out.numel() != d:
             raise ValueError(f"{type(self).__name__}: a call decided on the device decodes into a contiguous "
@@ -144,10 +145,12 @@ class Stage4:
             copy = self._outpad[:d] if self._outpad is not None else torch.empty(d, dtype=torch.float32,
                                                                                   device=out.device)
             views = self._sink_in = (out, out.view(-1), copy)
-        self.codec.decode_predicated(self._messages(self.layout, gathered), views[1], views[2], go=go.go,
-                                     and_go=go.server_ok, flags=go.flags, decay=1.0 if sink is None else sink.decay,
-                                     decay_out=go.decay)
-        if sink is not None:
+        fused = sink is not None and self.codec.fuses_predicated_sink(sink)  # the update in the kernel: no copy
+        self.codec.decode_predicated(self._messages(self.layout, gathered), views[1], None if fused else views[2],
+                                     go=go.go, and_go=go.server_ok, flags=go.flags,
+                                     decay=1.0 if sink is None else sink.decay, decay_out=go.decay,
+                                     sink=sink if fused else None)
+        if sink is not None and not fused:
             sink.apply(views[2], decay=go.decay0)
         return out
 

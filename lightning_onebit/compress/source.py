@@ -249,7 +249,9 @@ class Sink:
     ``addcdiv`` rounds ``(v * out) / d`` and then the sum), on fp32 targets of the groups' shapes
     (``None``: the group is left alone, e.g. a parameter without gradient). The numba CPU backend
     applies it tile by tile right after decoding, while the values are in the cache (one pass
-    instead of a decode and an update); every other backend decodes and then calls :meth:`apply`.
+    instead of a decode and an update), and the cuda backend's predicated decode element by element
+    with the same roundings (one step size for the groups); otherwise the caller decodes and then
+    calls :meth:`apply`.
     """
 
     def __init__(self, *, numel: int, groups: Sequence[int], targets: Sequence[torch.Tensor | None],

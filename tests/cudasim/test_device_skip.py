@@ -12,6 +12,7 @@ from torch import nn
 
 import lightning_onebit as lo
 from lightning_onebit.compress import MinMaxUInt8Codec, SignCodec
+from lightning_onebit.compress.source import Sink
 from lightning_onebit.optim import NonFiniteGradientError
 
 from dist_utils import run_ranks, values
@@ -44,6 +45,36 @@ def test_predicated_encode_and_decode_write_only_when_go(make):
         assert torch.equal(copy, values if both else torch.zeros(77))
         assert flags.tolist() == [both, and_go or not go]
         assert decay.item() == (torch.tensor(0.99).item() if both else 1.0)
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.99])
+def test_the_decode_kernel_applies_a_sink_with_the_cpu_bits(decay):
+    # the update of a step decided on the device, applied by the decode kernel: the bits of Sink.apply on the
+    # CPU (the numba CPU kernel's too), a group without a target and masked coordinates left alone
+    codec, n = SignCodec(backend="cuda"), 77
+    g = torch.Generator().manual_seed(2)
+    enc = codec.encode_error_feedback(torch.randn(n, generator=g), torch.zeros(n))
+    values = codec.decode(enc)
+    targets = [torch.randn(30, generator=g), None, torch.randn(27, generator=g)]
+    denom, mask = torch.rand(n, generator=g) + 0.5, torch.tensor([3, 31, 60])
+
+    def sink(ts, sizes=(-0.01, -0.02, -0.01)):
+        return Sink(numel=n, groups=[0, 30, 50], targets=ts, denom=denom, values=sizes, decay=decay, mask=mask)
+
+    ref = [None if t is None else t.clone() for t in targets]
+    sink(ref).apply(values.clone())
+    got = [None if t is None else t.clone() for t in targets]
+    assert codec.fuses_predicated_sink(sink(got))  # one step size where there are targets
+    out = torch.full((n,), 7.0)
+    codec.decode_predicated(enc, out, None, go=FLAGS[False], sink=sink(got))
+    assert all(torch.equal(a, b) for a, b in zip(got[::2], targets[::2], strict=True))  # skipped: untouched
+    assert torch.equal(out, torch.full((n,), 7.0))
+    codec.decode_predicated(enc, out, None, go=FLAGS[True], sink=sink(got))
+    assert torch.equal(out, values)  # the state gets the values unmasked, as without the sink
+    assert all(torch.equal(a, b) for a, b in zip(got[::2], ref[::2], strict=True))
+    assert not codec.fuses_predicated_sink(sink(got, sizes=(-0.01, -0.01, -0.02)))  # torch applies it then
+    with pytest.raises(ValueError, match="fusable"):
+        codec.decode_predicated(enc, out, None, go=FLAGS[True], sink=sink(got, sizes=(-0.01, -0.01, -0.02)))
 
 
 def test_predicates_need_the_cuda_backend():

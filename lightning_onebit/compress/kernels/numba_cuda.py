@@ -28,6 +28,7 @@ from .numba_cuda_kernels import (
     _reduce_kernel,
     _reduce_scales_kernel,
 )
+from .numba_cuda_sink import fusable, sink_args
 from .numba_cuda_source import ROWS_MEAN, SIMULATED, accepts, empty_arrays, empty_tensors, kernel_input, memo
 from .numba_cuda_source import arr as _arr
 
@@ -107,6 +108,11 @@ def _state(st, device):
 def accepts_sink(sink) -> bool:
     """``decode`` applies no :class:`~..source.Sink`: the caller applies it to the decoded values."""
     return False
+
+
+def fuses_predicated_sink(sink) -> bool:
+    """Whether a predicated ``decode`` (``go=``) applies ``sink`` in its kernel (see :mod:`.numba_cuda_sink`)."""
+    return fusable(sink, sink.denom.device)
 
 
 def _tiles(layout: Layout, device: torch.device) -> tuple:
@@ -309,8 +315,12 @@ def encode(kind, mode, layout: Layout, x, st, scales, codes, go: torch.Tensor | 
 def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False, *,
            go: torch.Tensor | None = None, and_go: torch.Tensor | None = None,
            copy: torch.Tensor | None = None, flags: torch.Tensor | None = None, decay: float = 1.0,
-           decay_out: torch.Tensor | None = None) -> None:
+           decay_out: torch.Tensor | None = None, sink=None) -> None:
+    """``sink``: a :class:`~..source.Sink` the kernel applies where it writes (:func:`fuses_predicated_sink`),
+    on a predicated decode (``go`` given) of a whole result."""
     device = codes.device
+    if sink is not None and (go is None or not fusable(sink, device)):
+        raise ValueError("decode applies a sink only when predicated (go=) and fusable (see fuses_predicated_sink)")
     with _on(device):
         tiles = (1 if mean_rows else layout.nseg) * -(-layout.seg_len // THREADS)
         rows, col0, _copy = _scales_in(kind, codes.shape[0], layout.seg_len, scales)
@@ -319,7 +329,7 @@ def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows
             accumulate, mean_rows, _go(go, device), _go(and_go, device),
             empty_arrays(device)[0] if copy is None else _arr(copy),
             empty_arrays(device)[2] if flags is None else _arr(flags), np.float64(decay),
-            empty_arrays(device)[0] if decay_out is None else _arr(decay_out))
+            empty_arrays(device)[0] if decay_out is None else _arr(decay_out), *sink_args(sink, device))
 
 
 # --- ahead-of-time checks ------------------------------------------------------------------
@@ -345,7 +355,7 @@ def kernel_signatures() -> dict[str, tuple]:
                                   i64, i32v, b1),
         "_encode_kernel": (i64, i64, *src, f32v, i64, i64m, i64v, f32m, i64, u8m, b1),
         "_decode_kernel": (i64, u8m, f32m, i64, i64, i64m, i64v, f32v, flag, flag, b1, b1, f32v, b1, nt.float64,
-                           f32v),
+                           f32v, i64v, i64v, nt.float32, nt.float32, f32v, i64v, i64),
     }
 
 
@@ -365,4 +375,4 @@ def compile_ptx(cc: tuple[int, int] = (8, 0)) -> dict[str, str]:
 
 
 __all__ = ["FUSES_SOURCES", "PREDICATES", "ROWS_MEAN_MAX", "RowsMean", "accepts", "accepts_sink", "compile_ptx",
-           "decode", "encode", "kernel_signatures", "reduce", "reduce_to_scales"]
+           "decode", "encode", "fuses_predicated_sink", "kernel_signatures", "reduce", "reduce_to_scales"]

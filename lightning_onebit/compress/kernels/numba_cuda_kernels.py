@@ -27,6 +27,7 @@ from numba import cuda, float32, float64, int32
 
 from .layout import DIFF, ERROR_FEEDBACK, KIND_BITS, KIND_PER_BYTE, KIND_TOP, MARKOV, MINMAX_U8, REDUCE_LANES, SIGN_L2
 from .numba_common import combine_block
+from .numba_cuda_sink import sink_at
 from .numba_cuda_source import ROWS_MEAN, SIMULATED, _mul64, last_at_most, source_at
 
 __all__ = ["LANES", "RTHREADS", "THREADS"]
@@ -378,12 +379,13 @@ def _encode_kernel(kind, mode, op, x, end, bounds, w, factors, mask, nonfinite, 
 
 @cuda.jit(cache=True)
 def _decode_kernel(kind, codes, scales, col0, seg_len, starts, ends, out, accumulate, mean_rows, go, and_go, copy,
-                   flags, decay, decay_out):
+                   flags, decay, decay_out, s_addr, s_bounds, s_value, s_decay, s_denom, s_mask, s_valid):
     # out[e] (or +=) for the elements it holds (a state buffer may be the result without its padding),
     # only if go[0] and and_go[0]; ``copy`` (when not empty) gets the values too, and zeros where not:
     # what an update reads, so that a skipped step adds nothing there. For what comes after it on the
     # stream the first thread writes ``flags`` [go and and_go, and_go or not go] and ``decay_out`` (the
     # update's decay, rounded to fp32 as torch does, or 1 where not), when they are not empty
+    # s_*: a Sink applied to the values where they are written (numba_cuda_sink; s_valid 0: none)
     write = go[0] and and_go[0]
     if cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
         if flags.size:
@@ -419,3 +421,5 @@ def _decode_kernel(kind, codes, scales, col0, seg_len, starts, ends, out, accumu
                 out[e] = v
         if e < copy.size:
             copy[e] = v
+        if write and e < s_valid:
+            sink_at(s_addr, s_bounds, s_value, s_decay, s_denom, s_mask, s_valid, e, v)
