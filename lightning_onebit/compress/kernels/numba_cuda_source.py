@@ -181,6 +181,9 @@ def empty_arrays(device: torch.device) -> tuple:
 
 
 _BOUNDS: dict[tuple, torch.Tensor] = {}
+# A Source's group factors on the device by value: 1-bit LAMB's are fixed from its switch on, so a bucket's
+# expression, rebuilt every step, finds them there instead of copying them every step
+_FACTORS: dict[tuple, torch.Tensor] = {}
 
 
 def _group_bounds(groups: tuple, valid: int, device: torch.device) -> torch.Tensor:
@@ -243,7 +246,7 @@ def _expression(src: Source) -> tuple:
                 op = RECIPROCAL
                 with np.errstate(divide="ignore"):
                     fs = np.float32(1.0) / fs  # torch's fp32 reciprocal of float32(divisor)
-            factors = torch.from_numpy(fs).to(device)
+            factors = memo(_FACTORS, (fs.tobytes(), str(device)), lambda: torch.from_numpy(fs).to(device), 256)
         bounds = _group_bounds(tuple(root.groups), root.valid, device)
         mask = arr(root.mask) if root.mask is not None and root.mask.numel() else empty_arrays(device)[1]
         tensors = root.__dict__["_kernel_tensors"] = (start, end, bounds, factors)  # the arrays own no memory
