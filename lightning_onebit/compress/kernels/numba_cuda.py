@@ -120,6 +120,16 @@ def _tiles(layout: Layout, device: torch.device) -> tuple:
     return layout.device_arrays("tiles", device, lambda: layout.reduce_tiles(REDUCE_TILE))
 
 
+def _layout_arrays(layout: Layout, what: str, device: torch.device, make) -> tuple:
+    """A layout's device tables (:meth:`~.layout.Layout.device_arrays`) as kernel arrays, made once per
+    layout, table and device: the tensors they describe live as long as the layout."""
+    cache = layout.__dict__.setdefault("_kernel_arrays", {})
+    hit = cache.get((what, device))
+    if hit is None:
+        hit = cache[(what, device)] = tuple(_arr(t) for t in layout.device_arrays(what, device, make))
+    return hit
+
+
 class RowsMean:
     """The server stage's input: the mean over the rows of ``messages`` (an Encoded whose rows are cut
     alike). :func:`reduce_to_scales` decodes it while it reduces and writes it into ``out`` (its tiles
@@ -205,7 +215,8 @@ def reduce_to_scales(kind, mode, layout: Layout, x, st, scales: torch.Tensor,
     device = x.device
     with _on(device):
         tiles = _tiles(layout, device)
-        (lens,) = layout.device_arrays("scale_lengths_i64", device, lambda: (layout.scale_lengths.reshape(-1),))
+        tile_args = _layout_arrays(layout, "tiles", device, lambda: layout.reduce_tiles(REDUCE_TILE))
+        (lens,) = _layout_arrays(layout, "scale_lengths_i64", device, lambda: (layout.scale_lengths.reshape(-1),))
         stream = _stream(device)
         partials, totals, flag, flag0, count = _scratch(kind, layout, device, tiles[0].numel(), stream)
         given = ok
@@ -217,11 +228,9 @@ def reduce_to_scales(kind, mode, layout: Layout, x, st, scales: torch.Tensor,
             ok.fill_(True)
             return flag0 if given is None else given
         target, col0, copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
-        t_row, t_lo, t_hi, ptr = tiles
-        _launcher(_reduce_scales_kernel, _grid(max(t_row.numel(), layout.nblocks), 1), RTHREADS, stream)(
-            kind, mode, *_reduce_input(x, st, device), layout.seg_len, _arr(t_row), _arr(t_lo), _arr(t_hi),
-            _arr(ptr), _arr(partials), _arr(totals), _arr(lens), layout.blocks_per_seg, target, col0,
-            _arr(count), _arr(ok))
+        _launcher(_reduce_scales_kernel, _grid(max(tiles[0].numel(), layout.nblocks), 1), RTHREADS, stream)(
+            kind, mode, *_reduce_input(x, st, device), layout.seg_len, *tile_args, _arr(partials), _arr(totals),
+            lens, layout.blocks_per_seg, target, col0, _arr(count), _arr(ok))
         if copy is not None:  # scales laid out otherwise: written, then copied
             scales.copy_(copy.view(scales.shape))
         return flag0 if given is None else given
@@ -282,7 +291,7 @@ def _scales_in(kind, nrows: int, seg_len: int, scales: torch.Tensor) -> tuple[ob
 
 def _starts(layout: Layout, device: torch.device):
     """(block starts, data ends) of the layout's rows as device arrays."""
-    return tuple(_arr(a) for a in layout.device_arrays("starts", device, lambda: (layout.starts, layout.data_ends)))
+    return _layout_arrays(layout, "starts", device, lambda: (layout.starts, layout.data_ends))
 
 
 #: ``encode`` and ``decode`` take ``go`` (see :meth:`~..base.Codec.decode_predicated`)

@@ -175,9 +175,15 @@ def empty_tensors(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, tor
     return _EMPTY[key]
 
 
+_EMPTY_ARRAYS: dict[torch.device, tuple] = {}
+
+
 def empty_arrays(device: torch.device) -> tuple:
-    """:func:`empty_tensors` as kernel arrays."""
-    return tuple(arr(t) for t in empty_tensors(device))
+    """:func:`empty_tensors` as kernel arrays (a few launch arguments a call: looked up by device alone)."""
+    hit = _EMPTY_ARRAYS.get(device)
+    if hit is None:
+        hit = _EMPTY_ARRAYS[device] = tuple(arr(t) for t in empty_tensors(device))
+    return hit
 
 
 _BOUNDS: dict[tuple, torch.Tensor] = {}
@@ -225,32 +231,55 @@ def _reciprocal_division(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _ptr(t: torch.Tensor | None) -> tuple:
+    return (0, 0) if t is None else (t.data_ptr(), t.numel())
+
+
 def _expression(src: Source) -> tuple:
     """(op, start, end, group bounds, factors, mask) of ``src``'s expression as kernel arrays, made once per
     expression (its windows share them, as they share its materialised value): per-group ``end`` tensors
-    gathered into one flat buffer, the groups' bounds and factors copied to the device."""
+    gathered into one flat buffer, the groups' bounds and factors copied to the device. A bucket's expression
+    is rebuilt every step on the same memory: its arrays are kept in the cache it was given (the bucket's)
+    while that memory stays, and a step then only gathers the ``end`` tensors again."""
     root = src._root
     arrays = root.__dict__.get("_kernel_arrays")
-    if arrays is None:
-        device = root.device
-        f32 = empty_tensors(device)[0]
-        op = _OP[root.op]
-        start = f32 if root.start is None else root.start if root.start.dim() == 1 else root.start.reshape(-1)
-        # per-group tensors gathered here, once per expression: into the buffer the expression would be
-        # materialised in, which the kernels never read (they evaluate it), so no allocation per step
-        end = f32 if root.end is None else root.flat_end(_spare(root))
-        factors = f32
-        if root.factors is not None:
-            fs = np.array(root.factors, np.float32)
-            if op == QUOTIENT and _reciprocal_division(device):
-                op = RECIPROCAL
-                with np.errstate(divide="ignore"):
-                    fs = np.float32(1.0) / fs  # torch's fp32 reciprocal of float32(divisor)
-            factors = memo(_FACTORS, (fs.tobytes(), str(device)), lambda: torch.from_numpy(fs).to(device), 256)
-        bounds = _group_bounds(tuple(root.groups), root.valid, device)
-        mask = arr(root.mask) if root.mask is not None and root.mask.numel() else empty_arrays(device)[1]
-        tensors = root.__dict__["_kernel_tensors"] = (start, end, bounds, factors)  # the arrays own no memory
-        arrays = root.__dict__["_kernel_arrays"] = (op, *(arr(t) for t in tensors), mask)
+    if arrays is not None:
+        return arrays
+    spare = _spare(root)
+    gathered = root.end is not None and not isinstance(root.end, torch.Tensor)
+    key = None
+    if root._cache is not None and not (gathered and spare is None):  # else the gathered end is a new tensor
+        end = spare if gathered else root.end
+        key = (root.op, _ptr(root.start), _ptr(end), _ptr(root.mask), root.groups, root.valid, root.factors,
+               root.device)
+        hit = root._cache.get("kernel_expression")
+        if hit is not None and hit[0] == key:
+            if gathered:
+                root.flat_end(spare)  # the step's values, into the memory the arrays describe
+            root.__dict__["_kernel_tensors"] = hit[2]
+            arrays = root.__dict__["_kernel_arrays"] = hit[1]
+            return arrays
+    device = root.device
+    f32 = empty_tensors(device)[0]
+    op = _OP[root.op]
+    start = f32 if root.start is None else root.start if root.start.dim() == 1 else root.start.reshape(-1)
+    # per-group tensors gathered here, once per expression: into the buffer the expression would be
+    # materialised in, which the kernels never read (they evaluate it), so no allocation per step
+    end = f32 if root.end is None else root.flat_end(spare)
+    factors = f32
+    if root.factors is not None:
+        fs = np.array(root.factors, np.float32)
+        if op == QUOTIENT and _reciprocal_division(device):
+            op = RECIPROCAL
+            with np.errstate(divide="ignore"):
+                fs = np.float32(1.0) / fs  # torch's fp32 reciprocal of float32(divisor)
+        factors = memo(_FACTORS, (fs.tobytes(), str(device)), lambda: torch.from_numpy(fs).to(device), 256)
+    bounds = _group_bounds(tuple(root.groups), root.valid, device)
+    mask = arr(root.mask) if root.mask is not None and root.mask.numel() else empty_arrays(device)[1]
+    tensors = root.__dict__["_kernel_tensors"] = (start, end, bounds, factors)  # the arrays own no memory
+    arrays = root.__dict__["_kernel_arrays"] = (op, *(arr(t) for t in tensors), mask)
+    if key is not None:
+        root._cache["kernel_expression"] = (key, arrays, tensors)
     return arrays
 
 
