@@ -118,5 +118,16 @@ def _warn_once(msg: str) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
+_RESOLVED: dict[tuple, ModuleType] = {}
+
+
 def get_backend(device: torch.device, forced: str | None = None) -> ModuleType:
-    return _load(resolve_backend_name(device, forced))
+    """The backend module for ``device``, resolved once per device type, ``forced`` and value of ``ENV_VAR``: a
+    codec asks several times per bucket and step (numba's simulator switch is fixed once numba is imported)."""
+    key = (device.type, forced, os.environ.get(ENV_VAR))
+    hit = _RESOLVED.get(key)
+    if hit is None:
+        hit = _load(resolve_backend_name(device, forced))
+        if len(_RESOLVED) < 64:
+            _RESOLVED[key] = hit
+    return hit

@@ -56,11 +56,14 @@ def _codes_arr(codes: torch.Tensor):
 _CODES: dict[tuple, object] = {}
 
 
+_NO_CONTEXT = contextlib.nullcontext()  # reusable
+
+
 def _on(device: torch.device):
     """Launch in ``device``'s context (numba would use the thread's current one: with several GPUs
     per process, or no ``torch.cuda.set_device``, that is another device)."""
     if device.type != "cuda":
-        return contextlib.nullcontext()
+        return _NO_CONTEXT
     return cuda.gpus[device.index if device.index is not None else torch.cuda.current_device()]
 
 
