@@ -4,6 +4,7 @@
     python benchmarks/gpu_host_path.py --algorithm OnebitAdam QAdam OnebitLamb ZeroOneAdam
     python benchmarks/gpu_host_path.py --sites --ops                    # where each copy and read happens
     python benchmarks/gpu_host_path.py --world 2 --sync hook step       # 2 ranks: DDP's hook, and step()
+    python benchmarks/gpu_host_path.py --world 2 --exchange gloo nccl   # 2 ranks: gloo's path, and NCCL's
     python benchmarks/gpu_host_path.py --full --out host_path.md        # the 17M-parameter MLP
 
 A step is fast on a GPU only if the host does little besides queueing kernels: each launch, conversion
@@ -18,8 +19,11 @@ sync comes a step before its first compressed update); for one rank the optimize
 gradients), for two gloo ranks DDP's comm hook calls during backward plus ``step()`` (the model's own
 forward and backward are not counted), with the compressed sync in the hook (``--sync hook``, the default:
 the policy "raise") or in ``step()`` (``--sync step``: the policy "skip", the Lightning strategies'
-default, whose hook hands back the local gradients). Host time: thread CPU time of the same, the stubs' time left
-out, over further steps with the counting off (min / median); on a CPU the torch ops the step makes
+default, whose hook hands back the local gradients). With several ranks the exchanges take gloo's path for CPU
+tensors (``--exchange gloo``, the default: each direction of a rank pair on its own connection, gathers fanned
+out, see ``comm/duplex.py``), or the path a GPU's NCCL group takes (``--exchange nccl``: those switched off, the
+plain ``all_to_all_single`` and ``all_gather``, still on gloo here). Host time: thread CPU time of the same,
+the stubs' time left out, over further steps with the counting off (min / median); on a CPU the torch ops the step makes
 also do their arithmetic, so it is an upper bound of the host's share that shrinks with the model.
 
 Models, sized so that the counts (which depend on tensors and buckets, not sizes) come quickly: an
@@ -43,6 +47,7 @@ if __name__ == "__main__":  # before numba is imported (the package imports it)
     os.environ["LIGHTNING_ONEBIT_BACKEND"] = "cuda"
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import multiprocessing  # noqa: E402
 import shutil  # noqa: E402
@@ -173,11 +178,37 @@ def _optimizer(algorithm: str, params: list[nn.Parameter], cap_mb: float) -> tup
     return opt, lambda: "compression" if opt.optimizer_steps >= opt.warmup_steps else "warm-up", 1
 
 
+@contextlib.contextmanager
+def exchanges_as(exchange: str):
+    """``"nccl"``: the package's choices for gloo with CPU tensors (the duplex twin, gathers fanned out) switched
+    off while it runs, so that a step takes the collectives a GPU's NCCL group would; ``"gloo"``: as they are."""
+    if exchange == "gloo":
+        yield
+        return
+    import lightning_onebit.comm.allreduce as allreduce
+    import lightning_onebit.comm.dense as dense
+    import lightning_onebit.optim.ddp as ddp
+
+    saved = ddp.enable_duplex, dense.fans_out, allreduce.fans_out
+    ddp.enable_duplex = lambda group=None: False  # what it answers for a group that is not gloo's
+    dense.fans_out = allreduce.fans_out = lambda group, device: False  # its answer for CUDA tensors
+    try:
+        yield
+    finally:
+        ddp.enable_duplex, dense.fans_out, allreduce.fans_out = saved
+
+
 def measure(model: str, algorithm: str, size: str, world: int, steps: int, timed: int,
-            sync: str = "hook") -> dict[str, Any]:
+            sync: str = "hook", exchange: str = "gloo") -> dict[str, Any]:
     """Counts and host times of ``algorithm``'s steps on ``model`` (this process is one of ``world`` ranks
-    of the default group when ``world > 1``, synchronising in DDP's hook or in ``step()``, ``sync``): see
-    the module docstring."""
+    of the default group when ``world > 1``, synchronising in DDP's hook or in ``step()``, ``sync``, through
+    the exchanges of ``exchange``'s path): see the module docstring."""
+    exchange = exchange if world > 1 else "gloo"
+    with exchanges_as(exchange):
+        return dict(_measure(model, algorithm, size, world, steps, timed, sync), exchange=exchange)
+
+
+def _measure(model: str, algorithm: str, size: str, world: int, steps: int, timed: int, sync: str) -> dict[str, Any]:
     net, loss = build(model, size)
     params = list(net.parameters())
     cap_mb = bucket_cap_mb([p.numel() for p in params], BUCKETS[model])
@@ -322,14 +353,16 @@ def _cell(values: list[float], per: int = 1) -> str:
     return _fmt(lo_) if lo_ == hi else f"{_fmt(lo_)}-{_fmt(hi)}"
 
 
-def table(results: list[dict[str, Any]], algorithm: str, world: int, kind: str, sync: str) -> str:
-    """The counts of one algorithm, world size, sync path and kind of step for every model, per step and per
-    bucket."""
+def table(results: list[dict[str, Any]], algorithm: str, world: int, kind: str, sync: str,
+          exchange: str = "gloo") -> str:
+    """The counts of one algorithm, world size, sync path, exchanges' path and kind of step for every model, per
+    step and per bucket."""
     cols = [r for r in results if r["algorithm"] == algorithm and r["world"] == world and r["sync"] == sync
-            and kind in r["kinds"]]
+            and r.get("exchange", "gloo") == exchange and kind in r["kinds"]]
     if not cols:
         return ""
-    ranks = "1 rank" if world == 1 else f"{world} ranks, " + ("DDP's hook" if sync == "hook" else "step()")
+    ranks = "1 rank" if world == 1 else f"{world} ranks, " + ("DDP's hook" if sync == "hook" else "step()") + (
+        ", NCCL's path" if exchange == "nccl" else "")
     head = "| per step | " + " | ".join(
         f"{r['model'].upper() if r['model'] == 'mlp' else 'GPT-like'}, {ranks} ({r['tensors']} tensors, "
         f"{r['buckets']} buckets) | per bucket" for r in cols) + " |"
@@ -354,7 +387,8 @@ def details(results: list[dict[str, Any]], what: str) -> str:
     for r in results:
         for k, v in r["kinds"].items():
             items = sorted(v[what].items(), key=lambda kv: (-kv[1], kv[0]))
-            lines.append(f"{r['algorithm']} {r['model']} world {r['world']} ({r['sync']}) {k}: kernels "
+            path = ", NCCL's path" if r.get("exchange") == "nccl" else ""
+            lines.append(f"{r['algorithm']} {r['model']} world {r['world']} ({r['sync']}{path}) {k}: kernels "
                          f"{dict(sorted(v['kernels'].items()))}")
             lines += [f"    {n:4d}  {name}" for name, n in items]
     return "\n".join(lines) + "\n"
@@ -369,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sync", nargs="+", default=["hook"], choices=["hook", "step"],
                     help="with several ranks: the compressed sync in DDP's hook (policy 'raise', the default) "
                          "and/or in step() (policy 'skip', the strategies' default)")
+    ap.add_argument("--exchange", nargs="+", default=["gloo"], choices=["gloo", "nccl"],
+                    help="with several ranks: the exchanges' path for CPU tensors on gloo (the default) and/or the "
+                         "one a GPU's NCCL group takes (see the module docstring)")
     ap.add_argument("--steps", type=int, default=4, help="counted steps after the warm-up (default 4; the first "
                                                           "two of each kind are left out where there are more)")
     ap.add_argument("--timed", type=int, default=10, help="steps timed after the counted ones (default 10)")
@@ -397,8 +434,8 @@ def main(argv: list[str] | None = None) -> int:
             if world == 1:
                 results += [measure(**job, world=1) for job in jobs]
             else:
-                results += run_ranks([dict(job, world=world, sync=sync) for sync in args.sync for job in jobs],
-                                     world, args.timeout)
+                results += run_ranks([dict(job, world=world, sync=sync, exchange=exchange) for exchange in args.exchange
+                                      for sync in args.sync for job in jobs], world, args.timeout)
         for r in {r["model"]: r for r in results}.values():
             print(f"{r['model']}: {r['tensors']} tensors, {r['params']} parameters, {r['buckets']} buckets "
                   f"(bucket_cap_mb={r['bucket_cap_mb']:.4f})")
@@ -406,11 +443,12 @@ def main(argv: list[str] | None = None) -> int:
         for a in args.algorithm:
             kinds = dict.fromkeys(k for r in results if r["algorithm"] == a for k in r["kinds"])
             for world in args.world:
-                for sync in ["step"] if world == 1 else args.sync:
-                    for k in kinds:
-                        text = table(results, a, world, k, sync)
-                        if text:
-                            print(text)
+                for exchange in ["gloo"] if world == 1 else args.exchange:
+                    for sync in ["step"] if world == 1 else args.sync:
+                        for k in kinds:
+                            text = table(results, a, world, k, sync, exchange)
+                            if text:
+                                print(text)
         if args.ops:
             print(details(results, "op_sites"))
         if args.sites:

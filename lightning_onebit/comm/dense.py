@@ -138,7 +138,8 @@ def fans_out(group, device: torch.device) -> bool:
 
 def all_gather_rows(out: torch.Tensor, row: torch.Tensor, group=None, async_op: bool = False, *,
                     fanout: bool | None = None, send: torch.Tensor | None = None, twin=None):
-    """Gather one 1-D ``row`` per rank into the rows of ``out`` ``[n, len]`` (rank order).
+    """Gather one ``row`` per rank into the rows of ``out`` ``[n, len]`` (rank order): 1-D, or ``[1, len]``
+    (a buffer's row as it is kept), which an ``all_gather`` takes with ``out`` as they are, no view made.
 
     ``fanout``: send the row to every rank in one ``all_to_all_single`` instead of an ``all_gather``: the
     same (n - 1) rows per rank, one round trip instead of gloo's n - 1. ``None``: :func:`fans_out`. ``send``:
@@ -148,6 +149,8 @@ def all_gather_rows(out: torch.Tensor, row: torch.Tensor, group=None, async_op: 
     if fanout is None:
         fanout = fans_out(group, row.device)
     if not fanout:
+        if row.dim() == 2 and out.dim() == 2:  # [1, len] into [n, len]: the shapes gloo and NCCL take
+            return _all_gather_single(out, row, group=group, async_op=async_op)
         return _all_gather_single(out.view(-1), row.reshape(-1), group=group, async_op=async_op)
     if twin is not None:
         return exchange_rows(out, [row] * out.shape[0], group, twin=twin, tag=2, async_op=async_op)

@@ -163,7 +163,8 @@ def _decide_gathered_on_device(owner: CompressedAllreduce, rounds: list[tuple[Co
     (every rank's previous server scales finite, its input finite), the same on every rank. Waiting for a
     gather makes the stream wait for it on NCCL, the host for its bytes on gloo: neither reads the device."""
     allsig = rounds[0][1].agreement.allsig
-    key = (allsig.device, allsig.shape, *(id(collective) for collective, _ in rounds))
+    # a collective's gathered signatures stay in one buffer (its _sig_buffers), so their views are made once
+    key = (allsig.device, allsig.shape, *(id(c) for c, _ in rounds), *(id(call.agreement.allsig) for _, call in rounds))
     bufs = owner.__dict__.get("_step_sigs")
     if bufs is None or bufs[0] != key:
         sigs = torch.empty((len(rounds), allsig.shape[0], 2), dtype=allsig.dtype, device=allsig.device)
@@ -171,12 +172,18 @@ def _decide_gathered_on_device(owner: CompressedAllreduce, rounds: list[tuple[Co
         go = torch.empty(1, dtype=torch.bool, device=allsig.device)
         flat = flags.view(-1)
         what = [(collective, kind) for collective, _ in rounds for kind in ("server", "input")]
-        bufs = owner.__dict__["_step_sigs"] = (key, sigs, flags, go, go.view(()), flat, Verdict.buffers(flat), what)
-    _, sigs, flags, go, go0, flat, ring, what = bufs
+        fields = [call.agreement.allsig[:, -2:] for _, call in rounds]
+        bufs = owner.__dict__["_step_sigs"] = (key, sigs, flags, go, go.view(()), flat, Verdict.buffers(flat), what,
+                                               fields, flags[0])
+    _, sigs, flags, go, go0, flat, ring, what, fields, flags0 = bufs
     for _, call in rounds:
         call.agreement.work.wait()
-    torch.stack([call.agreement.allsig[:, -2:] for _, call in rounds], out=sigs)
-    torch.all(sigs, dim=1, out=flags)  # per call: every rank's server scales finite, every rank's input finite
+    # per call: every rank's server scales finite, every rank's input finite
+    if len(fields) == 1:  # DDP's hook decides bucket by bucket: nothing to stack
+        torch.all(fields[0], dim=0, out=flags0)
+    else:
+        torch.stack(fields, out=sigs)
+        torch.all(sigs, dim=1, out=flags)
     torch.all(flat, out=go0)
     for collective, call in rounds:
         call.agreement, call.go = Agreement(None, True), go

@@ -42,7 +42,7 @@ class Stage4:
         if self.mode == "markov":
             return self.tilde
         if out is not None and out.dtype == torch.float32 and out.is_contiguous() and out.numel() == D:
-            return out.view(-1)
+            return out if out.dim() == 1 else out.view(-1)  # a view is a torch call on the step's path
         if out is None and D == d and dtype == torch.float32:
             return torch.empty(d, dtype=torch.float32, device=dev)
         return self._outpad if self._outpad is not None else torch.empty(D, dtype=torch.float32, device=dev)
