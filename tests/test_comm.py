@@ -10,6 +10,7 @@ from lightning_onebit.comm import (
     NonFiniteInputError,
     SimulatedCluster,
     TwoStageRank,
+    Verdict,
     check_together,
     duplex_twin,
     enable_duplex,
@@ -311,6 +312,23 @@ def test_state_dict_round_trip_continues_exactly():
         assert all(torch.equal(u, v) for u, v in zip(ya, yb, strict=True))
     with pytest.raises(ValueError, match="mode"):
         SimulatedCluster(SignCodec(), "error_feedback", 3).load_state_dict(a.state_dict())
+
+
+def test_a_verdict_of_gathered_signatures_ands_each_call_over_the_ranks():
+    """With several ranks the host is sent the gathered signatures (one call's ``[ranks, len]``, or the last
+    two fields of several calls', ``[calls, ranks, 2]``) and ANDs each call's (server, input) fields over the
+    ranks when it reads them; what the device held is copied when the verdict is made."""
+    a, b = object(), object()
+    sig = torch.ones(3, 10, dtype=torch.int64)
+    sig[1, -1] = 0  # rank 1's input was not finite
+    verdict = Verdict(sig, [(a, "server"), (a, "input")], Verdict.buffers(sig), gathered=True)
+    sig[1, -1] = 1  # the next call's gather reuses the buffer
+    assert verdict.ready() and verdict.read() == (False, [])
+    sigs = torch.ones(2, 3, 2, dtype=torch.int64)
+    sigs[1, 2, 0] = 0  # call b: rank 2's previous server scales were not finite
+    what = [(a, "server"), (a, "input"), (b, "server"), (b, "input")]
+    finite, overflowed = Verdict(sigs, what, Verdict.buffers(sigs), gathered=True).read()
+    assert finite and overflowed == [b]
 
 
 def test_object_is_bound_to_one_size():

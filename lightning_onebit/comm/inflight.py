@@ -55,7 +55,9 @@ class Verdict:
     non-blocking copy into pinned memory, read when it has arrived - a step later, so that nothing waits
     for the device on the step's path. ``calls``: the collective each flag belongs to and what it says
     (``"input"``: its input and what it vouched for are finite; ``"server"``: the server scales of its
-    previous call were)."""
+    previous call were). ``flags``: one per call and kind (bool), or with several ranks the gathered
+    signatures (``[calls, ranks, 2]`` of their last two fields, or one call's ``[ranks, len]``), whose
+    fields the host ANDs over the ranks when it reads them, so that the device makes no flags of its own."""
 
     #: host buffers a step's flags are copied into, reused in turn: a step has read the verdict two steps
     #: back before it makes a new one (:meth:`~lightning_onebit.optim.CompressedOptimizer.settle_device_skips`)
@@ -65,10 +67,12 @@ class Verdict:
     def buffers(cls, flags: torch.Tensor) -> list[torch.Tensor]:
         """The host buffers of :attr:`RING` verdicts of ``flags`` (pinned on a GPU: a copy into pageable
         memory would wait for the device)."""
-        return [torch.empty(flags.numel(), dtype=torch.bool, pin_memory=flags.is_cuda) for _ in range(cls.RING)]
+        return [torch.empty(flags.shape, dtype=flags.dtype, pin_memory=flags.is_cuda) for _ in range(cls.RING)]
 
-    def __init__(self, flags: torch.Tensor, calls: list[tuple[Any, str]], ring: list[torch.Tensor]) -> None:
+    def __init__(self, flags: torch.Tensor, calls: list[tuple[Any, str]], ring: list[torch.Tensor], *,
+                 gathered: bool = False) -> None:
         self.calls = calls
+        self.gathered = gathered
         ring.append(ring.pop(0))  # the oldest buffer, now the newest
         self.host = ring[-1]
         self.host.copy_(flags, non_blocking=True)  # waits for nothing on a GPU
@@ -87,6 +91,8 @@ class Verdict:
         if self.event is not None:
             self.event.synchronize()
         flags = self.host.numpy()
+        if self.gathered:  # each call's (server, input) fields, ANDed over the ranks
+            flags = flags[..., -2:].astype(bool).all(axis=-2).reshape(-1)
         finite = all(bool(f) for f, (_, what) in zip(flags, self.calls, strict=True) if what == "input")
         overflowed = [c for f, (c, what) in zip(flags, self.calls, strict=True) if what == "server" and not f]
         return finite, overflowed
@@ -168,24 +174,22 @@ def _decide_gathered_on_device(owner: CompressedAllreduce, rounds: list[tuple[Co
     bufs = owner.__dict__.get("_step_sigs")
     if bufs is None or bufs[0] != key:
         sigs = torch.empty((len(rounds), allsig.shape[0], 2), dtype=allsig.dtype, device=allsig.device)
-        flags = torch.empty((len(rounds), 2), dtype=torch.bool, device=allsig.device)
         go = torch.empty(1, dtype=torch.bool, device=allsig.device)
-        flat = flags.view(-1)
         what = [(collective, kind) for collective, _ in rounds for kind in ("server", "input")]
         fields = [call.agreement.allsig[:, -2:] for _, call in rounds]
-        bufs = owner.__dict__["_step_sigs"] = (key, sigs, flags, go, go.view(()), flat, Verdict.buffers(flat), what,
-                                               fields, flags[0])
-    _, sigs, flags, go, go0, flat, ring, what, fields, flags0 = bufs
+        # what reaches the host: the one call's signatures as they were gathered, or the calls' fields stacked
+        shown = allsig if len(rounds) == 1 else sigs
+        bufs = owner.__dict__["_step_sigs"] = (key, sigs, go, go.view(()), shown, Verdict.buffers(shown), what,
+                                               fields)
+    _, sigs, go, go0, shown, ring, what, fields = bufs
     for _, call in rounds:
         call.agreement.work.wait()
-    # per call: every rank's server scales finite, every rank's input finite
+    # go: every rank's server scales finite and every rank's input finite, for every call
     if len(fields) == 1:  # DDP's hook decides bucket by bucket: nothing to stack
-        torch.all(fields[0], dim=0, out=flags0)
+        torch.all(fields[0], out=go0)
     else:
-        torch.stack(fields, out=sigs)
-        torch.all(sigs, dim=1, out=flags)
-    torch.all(flat, out=go0)
+        torch.all(torch.stack(fields, out=sigs), out=go0)
     for collective, call in rounds:
         call.agreement, call.go = Agreement(None, True), go
         collective.any_flag, collective.flag_values = False, [0] * collective.world_size
-    return Verdict(flat, what, ring)
+    return Verdict(shown, what, ring, gathered=True)

@@ -58,13 +58,16 @@ class Stage4:
         else:
             scales = self._messages(self.layout, piece0).scales
         bufs = self._gathered_check
-        if bufs is None or bufs[0].shape != scales.shape:  # made once: the same flag buffer every call
-            ok = torch.empty((), dtype=torch.bool, device=scales.device)
-            bufs = self._gathered_check = (torch.empty_like(scales), torch.empty(scales.shape, dtype=torch.bool,
-                                                                                 device=scales.device), ok)
-        mag, finite, ok = bufs
-        torch.lt(torch.abs(scales, out=mag), math.inf, out=finite)  # isfinite, written into a buffer
-        return torch.all(finite, out=ok)
+        if bufs is None or bufs[0] != (scales.shape, scales.dtype):  # made once: the same flag buffer every call
+            bufs = self._gathered_check = ((scales.shape, scales.dtype),
+                                           torch.empty((), dtype=scales.dtype, device=scales.device),
+                                           torch.empty((), dtype=torch.bool, device=scales.device))
+        _, top, ok = bufs
+        if scales.numel() == 0:
+            return ok.fill_(True)
+        # the largest magnitude, NaN where one is (the inf-norm propagates NaN): finite exactly when it is < inf
+        torch.linalg.vector_norm(scales, math.inf, out=top)
+        return torch.lt(top, math.inf, out=ok)
 
     def finish_piece(self, gathered: torch.Tensor, dst: torch.Tensor, k: int = 0, sink: Sink | None = None) -> None:
         """Stage 4 (every rank): decode piece ``k`` of the gathered server rows into ``dst``; a ``sink``
