@@ -325,6 +325,7 @@ def test_vgg16_two_processes_compresses_and_follows_the_lr_schedule(cifar_root, 
 
 
 @pytest.mark.slow
+@pytest.mark.budget(40)  # a recipe CLI process (torch, Lightning, torchvision, Hydra) and 2 epochs: 18-22 s alone
 @pytest.mark.parametrize("experiment", ["resnet18_cifar10", "vgg16_bn_cifar10"])
 def test_one_process(cifar_root, tmp_path, experiment):
     """The batch-norm networks on one process (2 processes: above). popen (the gpu preset's
