@@ -1,6 +1,7 @@
 """0/1 Adam: the schedules against a hand-computed table, the reductions to Adam, DDP == simulation
 (local steps send nothing), non-finite gradients in local steps, checkpoints."""
 
+import contextlib
 import copy
 import logging
 
@@ -321,6 +322,75 @@ def test_nonfinite_gradient_in_a_local_step(policy, caplog):
     assert opt.dropped_gradients == 1 and "dropped a NaN/inf gradient" in caplog.text
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+
+
+def _run_with_a_nan_and_a_missing_gradient(opt, model, steps: int, reads: list | None = None) -> None:
+    """``steps`` steps of two simulated workers: worker 1's gradient NaN at step 21, worker 0 without the
+    head's bias gradient at step 15; ``reads``: the host reads of tensors in the local steps after the first."""
+    kinds = ZeroOneSchedule(**SMALL).kinds(steps)
+    for t in range(1, steps + 1):
+        grads = _grads(opt, model, t, nan={(21, 1)})
+        if t == 15:
+            grads[0][-1] = None
+        counting = reads is not None and kinds[t - 1] == L and kinds[t - 2] == L
+        with _counting_reads(reads if counting else None):
+            opt.step_workers(grads)
+
+
+@contextlib.contextmanager
+def _counting_reads(reads: list | None):
+    if reads is None:
+        yield
+        return
+    saved = {name: getattr(torch.Tensor, name) for name in ("__bool__", "item", "tolist")}
+
+    def counted(name):
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return saved[name](self, *args, **kwargs)
+        return read
+
+    for name in saved:
+        setattr(torch.Tensor, name, counted(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def test_a_local_step_on_a_device_reads_nothing_and_takes_the_cpus_bits(monkeypatch):
+    """The local step a GPU takes, on the CPU: finiteness flags kept on the device (a flagged worker's
+    gradients zeroed by its flag: a product by it would keep the NaN), each bucket's gradients in one flat
+    buffer and its moments in one torch op each, the torch ops instead of the CPU's kernels. No host read in
+    a local step, and bit for bit the CPU's path through a NaN, a missing gradient and the synchronisation."""
+    import lightning_onebit.optim.functional as functional
+    import lightning_onebit.optim.local_steps as local_steps
+
+    runs = {}
+    for path in ("cpu", "device"):
+        if path == "device":
+            monkeypatch.setattr(local_steps, "flags_stay_on_device", lambda device: True)
+            monkeypatch.setattr(functional, "_fusable", lambda *tensors: False)  # a GPU runs the torch ops
+        model = _model()
+        opt = ZeroOneAdam(model.parameters(), lr=3e-3, weight_decay=0.01, simulate_workers=2, **SMALL)
+        opt.set_nonfinite_policy("skip")
+        reads: list[str] = []
+        _run_with_a_nan_and_a_missing_gradient(opt, model, 26, reads)
+        replicas = []
+        for w in range(2):
+            with opt.worker_parameters(w):
+                replicas.append([p.detach().clone() for p in model.parameters()])
+        runs[path] = (replicas, [{k: v.clone() for k, v in b.flat.items()} for b in opt._buckets],
+                      opt.dropped_gradients, reads)
+    (cpu, cpu_flat, cpu_dropped, _), (dev, dev_flat, dev_dropped, dev_reads) = runs["cpu"], runs["device"]
+    assert cpu_dropped == dev_dropped == 1 and dev_reads == []
+    assert all(torch.isfinite(p).all() for r in dev for p in r)
+    for a, b in zip(cpu, dev, strict=True):
+        for p, q in zip(a, b, strict=True):
+            assert torch.equal(p, q)
+    for a, b in zip(cpu_flat, dev_flat, strict=True):
+        assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
 # -- checkpoints, arguments ---------------------------------------------------------------------

@@ -120,9 +120,15 @@ class Bucket:
     def grad_views(self) -> list[torch.Tensor]:
         """:meth:`views` of the local gradient buffer, made once per buffer (DDP's hook copies into them
         every step)."""
-        hit = self.cache.get("grad_views")
-        if hit is None or hit[0] != self.grad.data_ptr():
-            hit = self.cache["grad_views"] = (self.grad.data_ptr(), self.views(self.grad))
+        return self.kept_views("grad", self.grad)
+
+    def kept_views(self, name: str, flat: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`views` of ``flat``, a buffer this bucket keeps under ``name``, made again only when the
+        buffer under that name changes (a step then builds no view per parameter)."""
+        key = ("views", name)
+        hit = self.cache.get(key)
+        if hit is None or hit[0] is not flat:
+            hit = self.cache[key] = (flat, self.views(flat))
         return hit[1]
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:

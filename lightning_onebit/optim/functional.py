@@ -152,7 +152,7 @@ _EMPTY_BOOL = np.zeros(0, np.bool_)
 
 
 @torch.no_grad()
-def local_adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+def local_adam_step_(params: Sequence[torch.Tensor] | None, grads: Sequence[torch.Tensor | None],
                      exp_avgs: Sequence[torch.Tensor], update_sums: Sequence[torch.Tensor],
                      denoms: Sequence[torch.Tensor], masks: Sequence[torch.Tensor | None] | None,
                      step_sizes: Sequence[float], *, beta1: float, lr: float, weight_decay: float,
@@ -168,11 +168,16 @@ def local_adam_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tenso
     ``masks`` is set (coordinates without variance) and ``g = 0`` for a ``None`` gradient. The bits
     of ``m.lerp_(g, 1 - beta1)``, ``masked_fill_``, ``u.add_(m, alpha=s)`` and
     :func:`decoupled_update_`, in that order. ``move_params=False`` leaves the parameters alone
-    (a synchronising step rebuilds them from the anchor right after). The caller checks
+    (a synchronising step rebuilds them from the anchor right after; ``params`` may then be None, and
+    the other lists may be flat buffers holding many parameters' values). The caller checks
     :func:`local_fusable`; other tensors take the torch ops.
     """
     decay, w = 1 - lr * weight_decay, 1 - beta1
     f32 = np.float32
+    if params is None:
+        if move_params:
+            raise ValueError("local_adam_step_: params=None needs move_params=False")
+        params = exp_avgs  # their sizes only: the kernel does not touch params without move_params
     if not local_fusable(params, grads):
         for j, (m, u, g, s) in enumerate(zip(exp_avgs, update_sums, grads, step_sizes, strict=True)):
             m.lerp_(torch.zeros_like(m) if g is None else g, w)

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..comm import all_finite, rank
+from ..comm import all_finite, all_finite_many, rank
 from ..compress import Source, flat_buffer
 from ..compress.source import Sink
 from .buckets import Bucket
@@ -26,6 +26,12 @@ from .sync import nonfinite_is_gradient_error
 log = logging.getLogger(__name__)
 
 __all__ = ["LocalSteps"]
+
+
+def flags_stay_on_device(device: torch.device) -> bool:
+    """Whether a local step keeps its finiteness flags on ``device`` rather than reading them: anywhere but
+    the CPU, where the read waits for the device's queue; there the flags are free to read."""
+    return device.type != "cpu"
 
 
 class LocalSteps:
@@ -84,24 +90,24 @@ class LocalSteps:
                   for w in range(n)] for b in buckets]
         if any(g is not None and g.is_sparse for ws in grads for gs in ws for g in gs):
             raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-        finite = [[all_finite(g) for ws in grads for g in ws[w] if g is not None] for w in range(n)]
-        dev = buckets[0].device if buckets else "cpu"
-        bad = torch.stack([~torch.stack(f).all() if f else torch.zeros((), dtype=torch.bool, device=dev)
-                           for f in finite])
+        dev = buckets[0].device if buckets else torch.device("cpu")
+        flats = None
+        if flags_stay_on_device(dev):
+            flats, bad = self._flat_gradients(buckets, grads)
+        else:  # reading the flags is free and spares a pass over the gradients
+            finite = [[all_finite(g) for ws in grads for g in ws[w] if g is not None] for w in range(n)]
+            bad = torch.stack([~torch.stack(f).all() if f else torch.zeros((), dtype=torch.bool, device=dev)
+                               for f in finite])
+            if bool(bad.any()):
+                drop = bad.tolist()
+                for ws in grads:
+                    for w, gs in enumerate(ws):
+                        if drop[w]:
+                            gs[:] = [None] * len(gs)
         self._bad += bad
-        # on a GPU without a host sync (the counts are read at the next synchronisation); on the
-        # CPU reading the flag is free and spares a pass over the gradients
-        if bad.device.type != "cpu" or bool(bad.any()):
-            keep = (~bad).tolist() if bad.device.type == "cpu" else None
-            for ws in grads:
-                for w, gs in enumerate(ws):
-                    if keep is None:  # zero where bad, without reading the flag
-                        gs[:] = [None if g is None else g * (~bad[w]).to(g.dtype) for g in gs]
-                    elif not keep[w]:
-                        gs[:] = [None] * len(gs)
         self._step += 1
         sync = self._kind == "sync"
-        for b, ws in zip(buckets, grads, strict=True):
+        for i, (b, ws) in enumerate(zip(buckets, grads, strict=True)):
             group = self.param_groups[b.group_index]
             for p in b.params:  # every parameter steps (a missing gradient is zero): counts stay equal on all ranks
                 self.state[p]["step"] = self.state[p].get("step", 0) + 1
@@ -111,12 +117,24 @@ class LocalSteps:
             acc[1] *= 1 - group["lr"] * group["weight_decay"]
             mask = self._mask(b)
             d = self._denominator(b, group)
+            hp = dict(beta1=group["betas"][0], lr=group["lr"], weight_decay=group["weight_decay"])
             for w, gs in enumerate(ws):
                 params, m, u = self._worker_state(b, w)
+                if flats is not None and len(set(sizes)) == 1:
+                    # the bucket's moments in one op each, whatever its number of tensors; then the parameters
+                    # (foreach), unless a synchronising step rebuilds them from the anchor right after
+                    local_adam_step_(None, [flats[i][w]], [m], [u], [d], None if mask is None else [mask],
+                                     sizes[:1], **hp, move_params=False)
+                    if not sync:
+                        decoupled_update_(params, b.kept_views("exp_avg", m) if w == 0 else b.views(m),
+                                          b.kept_views("denom", d), sizes, lr=hp["lr"],
+                                          weight_decay=hp["weight_decay"])
+                    continue
+                if flats is not None:
+                    gs = b.views(flats[i][w])
                 # a synchronising step rebuilds the parameters from the anchor: moving them first is wasted
                 local_adam_step_(params, gs, b.views(m), b.views(u), b.views(d),
-                                 None if mask is None else b.views(mask), sizes, beta1=group["betas"][0],
-                                 lr=group["lr"], weight_decay=group["weight_decay"], move_params=not sync)
+                                 None if mask is None else b.views(mask), sizes, **hp, move_params=not sync)
             b.reset_step()
         self._since_sync += 1
         if sync:
@@ -127,6 +145,29 @@ class LocalSteps:
                 raise
         self.comm_counter.end_step()
         self.intra_node_counter.end_step()
+
+    def _flat_gradients(self, buckets: list[Bucket], grads) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
+        """Where a read of a flag would wait for the device: each worker's gradients of each bucket copied
+        into one fp32 buffer of the bucket's (zeros for a missing gradient; one foreach copy), and the
+        workers' flags (a NaN/inf anywhere in a worker's gradients), decided in one check per worker; a
+        flagged worker's buffers are then zeroed on the device, by the flag, with no read."""
+        flats = []
+        for b, ws in zip(buckets, grads, strict=True):
+            bufs = [b.grad] if len(ws) == 1 else b.worker_buffers("local gradient", len(ws))
+            for flat, gs in zip(bufs, ws, strict=True):
+                views = b.kept_views("grad", flat) if flat is b.grad else b.views(flat)
+                have = [j for j, g in enumerate(gs) if g is not None]
+                if len(have) < len(gs):
+                    torch._foreach_zero_([views[j] for j in range(len(gs)) if gs[j] is None])
+                if have:
+                    torch._foreach_copy_([views[j] for j in have], [gs[j] for j in have])
+            flats.append(bufs)
+        bad = torch.stack([~all_finite_many([bufs[w] for bufs in flats]) for w in range(len(grads[0]))])
+        flags = bad.unbind()
+        for bufs in flats:
+            for flag, flat in zip(flags, bufs, strict=True):
+                flat.masked_fill_(flag, 0.0)  # NaN * 0 is NaN: a product by the flag would keep them
+        return flats, bad
 
     def _move_unsynced(self, buckets: list[Bucket]) -> None:
         """The parameter half of this step's local update, for the buckets that were not synchronised."""
@@ -179,8 +220,8 @@ class LocalSteps:
             d = self._denominator(b, group)
             if getattr(comm, "pending", False):
                 # m <- the synced momentum and the anchor's update in one pass
-                comm.decode_pending(Sink(numel=b.numel, groups=b.offsets, targets=b.views(anchor), denom=d,
-                                         values=[-s for s in sums], decay=decay, mask=idx), out=m)
+                comm.decode_pending(Sink(numel=b.numel, groups=b.offsets, targets=b.kept_views("anchor", anchor),
+                                         denom=d, values=[-s for s in sums], decay=decay, mask=idx), out=m)
             else:
                 m.copy_(synced)
                 if mask is not None:
@@ -194,8 +235,7 @@ class LocalSteps:
             with torch.no_grad():
                 for w in range(self.simulate_workers or 1):
                     params, wm, u = self._worker_state(b, w)
-                    for p, view in zip(params, b.views(anchor), strict=True):
-                        p.copy_(view)
+                    torch._foreach_copy_(list(params), b.kept_views("anchor", anchor))
                     if wm is not m:
                         wm.copy_(m)
                     u.zero_()
