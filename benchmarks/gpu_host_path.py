@@ -198,13 +198,30 @@ def exchanges_as(exchange: str):
         ddp.enable_duplex, dense.fans_out, allreduce.fans_out = saved
 
 
+@contextlib.contextmanager
+def updates_as_on_a_gpu():
+    """The optimizers' own choices by device made as on a GPU while it runs: their updates take the torch ops
+    instead of the CPU's numba kernels (``optim.functional``), and 0/1 Adam's local steps keep their finiteness
+    flags on the device instead of reading them (``optim.local_steps``)."""
+    import lightning_onebit.optim.functional as functional
+    import lightning_onebit.optim.local_steps as local_steps
+
+    saved = functional._fusable, local_steps.flags_stay_on_device
+    functional._fusable = lambda *tensors: False
+    local_steps.flags_stay_on_device = lambda device: True
+    try:
+        yield
+    finally:
+        functional._fusable, local_steps.flags_stay_on_device = saved
+
+
 def measure(model: str, algorithm: str, size: str, world: int, steps: int, timed: int,
             sync: str = "hook", exchange: str = "gloo") -> dict[str, Any]:
     """Counts and host times of ``algorithm``'s steps on ``model`` (this process is one of ``world`` ranks
     of the default group when ``world > 1``, synchronising in DDP's hook or in ``step()``, ``sync``, through
     the exchanges of ``exchange``'s path): see the module docstring."""
     exchange = exchange if world > 1 else "gloo"
-    with exchanges_as(exchange):
+    with exchanges_as(exchange), updates_as_on_a_gpu():
         return dict(_measure(model, algorithm, size, world, steps, timed, sync), exchange=exchange)
 
 

@@ -28,6 +28,9 @@ Checks, each a row of the table it prints:
   host read): parameters and state afterwards bit for bit those of the run without that step, and the
   skip counted at the next step; and the same with 2 gloo ranks sharing the GPU, the NaN on one of them
   (the decision from the gathered signatures; the ranks alike afterwards);
+* 0/1 Adam's local steps: a NaN gradient of one of 2 simulated workers dropped on the device (its flag
+  zeroes its gradients, no host wait under ``set_sync_debug_mode("error")``) equals the run where that
+  gradient was zeros, bit for bit, through the next synchronisation;
 * ``DiLoCo(offload=True)``: the outer state in pinned CPU memory, the same parameters as without offload
   after 2 outer steps, fp32 and 4-bit;
 * throughput: encode + error feedback and decode against the device copy bandwidth, 1M-128M, and at
@@ -203,6 +206,54 @@ def _skip_verdict(device: torch.device, rank: int = 0, nan_rank: int = 0) -> tup
     state = [opt.state[p]["exp_avg"] for p in params], [ref_opt.state[p]["exp_avg"] for p in ref]
     same = same and all(_same(a, b) for a, b in zip(*state, strict=True))
     return same, opt.skipped_steps, decided, [p.detach().cpu() for p in params]
+
+
+def _local_run(device: torch.device, worker1_at_21: str) -> tuple[list[torch.Tensor], ZeroOneAdam]:
+    """(both workers' parameters, the optimizer) of 24 steps of ``ZeroOneAdam`` with 2 simulated workers (local
+    steps from 13 on, a sync at 24), worker 1's gradients at local step 21 NaN (``"nan"``) or zeros (``"zeros"``);
+    on a GPU its local steps after the first under ``set_sync_debug_mode("error")`` (a host wait raises)."""
+    g = torch.Generator().manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(40, 7, generator=g).to(device)),
+              torch.nn.Parameter(torch.randn(13, generator=g).to(device))]
+    opt = ZeroOneAdam(params, lr=1e-2, weight_decay=0.01, simulate_workers=2, var_freeze_step=12,
+                      var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+    opt.set_nonfinite_policy("skip")
+    kinds = opt.schedule().kinds(24)
+    for t in range(1, 25):
+        grads = [[torch.randn(p.shape, generator=g).to(device) for p in params] for _ in range(2)]
+        if t == 21:
+            grads[1] = [x * float("nan") if worker1_at_21 == "nan" else torch.zeros_like(x) for x in grads[1]]
+        strict = device.type == "cuda" and kinds[t - 1] == kinds[t - 2] == "local"
+        if strict:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step_workers(grads)
+        finally:
+            if strict:
+                torch.cuda.set_sync_debug_mode("default")
+    replicas = []
+    for w in range(2):
+        with opt.worker_parameters(w):
+            replicas += [p.detach().clone() for p in params]
+    return replicas, opt
+
+
+def check_local_step_drop(device: torch.device) -> None:
+    """0/1 Adam's local steps on the device: a worker's NaN gradients dropped by its flag, with no host wait,
+    are the run where they were zeros, bit for bit, through the next synchronisation."""
+    what = "0/1 Adam local step drops a NaN gradient on the device"
+    try:
+        nan, opt = _local_run(device, "nan")
+        zeros, _ = _local_run(device, "zeros")
+    except RuntimeError as e:  # under the sync debug mode: the first host wait
+        e, where = _origin(e)
+        row(what, False, f"a local step waits for the device{where}: {str(e).splitlines()[0]}")
+        return
+    same = all(_same(a, b) for a, b in zip(nan, zeros, strict=True))
+    row(what, same and opt.dropped_gradients == 1,
+        f"{opt.dropped_gradients} dropped; both workers' parameters after the sync {'equal' if same else 'differ from'}"
+        " the run with zeros there" + ("; no host wait in its local steps" if device.type == "cuda" else ""))
 
 
 def _forcing_cuda_backend(device: torch.device):
@@ -715,6 +766,7 @@ def run_checks(device: torch.device, sizes: list[int], args: argparse.Namespace)
         check_cluster_pieces(device, 120 if args.cudasim else 1 << 20)  # the simulator pays per launch
         check_resume(device)
         check_device_skip(device)
+        check_local_step_drop(device)
         if gpu:  # two processes on one device; the simulator's run is the cudasim suite's two-rank test
             check_device_skip_ranks(device)
             check_diloco_offload(device)  # (on CPU tensors offload changes nothing)
