@@ -221,7 +221,8 @@ class LocalSteps:
             if getattr(comm, "pending", False):
                 # m <- the synced momentum and the anchor's update in one pass
                 comm.decode_pending(Sink(numel=b.numel, groups=b.offsets, targets=b.kept_views("anchor", anchor),
-                                         denom=d, values=[-s for s in sums], decay=decay, mask=idx), out=m)
+                                         denom=d, values=[-s for s in sums], decay=decay, mask=idx,
+                                         cache=b.cache), out=m)
             else:
                 m.copy_(synced)
                 if mask is not None:
