@@ -141,3 +141,33 @@ def test_counter_tells_host_from_device_data():
     assert counts["d2h_async"] == 1, counts
     assert counts["launches"] == counts["conversions"] == 0
     assert counts["ops"]["copy_"] == 3 and "numel" not in counts["ops"], counts["ops"]
+
+
+# 0/1 Adam's local steps, as a GPU takes them (its flags kept on the device, the torch ops of its updates):
+# per bucket the gradients' copy and the flag's zeroing, the moments' two ops, the parameters' two foreach ops
+# and the finiteness check's view of its buffer, whatever its tensors; per step the workers' finiteness check and
+# flags (their 7 allocations, of a few bytes each)
+LOCAL_PER_BUCKET, LOCAL_PER_STEP, LOCAL_ALLOCATIONS = 7, 11, 7
+
+
+@pytest.fixture(scope="module")
+def local_counted(tmp_path_factory) -> dict[str, dict[str, list[int]]]:
+    """{model: {counter: its count in each counted local step}} of ``ZeroOneAdam`` on 1 rank."""
+    out = tmp_path_factory.mktemp("host_path_local") / "counts.json"
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", LIGHTNING_ONEBIT_BACKEND="cuda")
+    proc = proc_run([sys.executable, str(SCRIPT), "--algorithm", "ZeroOneAdam", "--world", "1", "--timed", "0",
+                     "--json", str(out)], env=env, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {r["model"]: r["kinds"]["local"] for r in json.loads(out.read_text())}
+
+
+@pytest.mark.cudasim
+@pytest.mark.budget(40)  # the benchmark in a child process, 1 rank (about 10 s)
+def test_a_local_step_reads_nothing_and_its_work_per_bucket_does_not_grow_with_its_tensors(local_counted):
+    for model, counts in local_counted.items():
+        assert {c: max(counts[c]) for c in ("launches", "conversions", "h2d", "d2h")} == dict.fromkeys(
+            ("launches", "conversions", "h2d", "d2h"), 0), (model, counts)
+        ops = max(counts["torch_ops"])
+        assert ops <= LOCAL_PER_STEP + LOCAL_PER_BUCKET * BUCKETS[model], (model, ops)
+        assert max(counts["allocations"]) <= LOCAL_ALLOCATIONS, (model, counts["allocations"])
+    assert len({(max(c["torch_ops"]) - LOCAL_PER_STEP) / BUCKETS[m] for m, c in local_counted.items()}) == 1
