@@ -173,7 +173,9 @@ def _decide_gathered_on_device(owner: CompressedAllreduce, rounds: list[tuple[Co
     key = (allsig.device, allsig.shape, *(id(c) for c, _ in rounds), *(id(call.agreement.allsig) for _, call in rounds))
     bufs = owner.__dict__.get("_step_sigs")
     if bufs is None or bufs[0] != key:
-        sigs = torch.empty((len(rounds), allsig.shape[0], 2), dtype=allsig.dtype, device=allsig.device)
+        # one call's fields are ANDed where they were gathered; several calls' are stacked first
+        sigs = None if len(rounds) == 1 else torch.empty((len(rounds), allsig.shape[0], 2), dtype=allsig.dtype,
+                                                        device=allsig.device)
         go = torch.empty(1, dtype=torch.bool, device=allsig.device)
         what = [(collective, kind) for collective, _ in rounds for kind in ("server", "input")]
         fields = [call.agreement.allsig[:, -2:] for _, call in rounds]
