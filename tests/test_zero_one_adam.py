@@ -393,6 +393,33 @@ def test_a_local_step_on_a_device_reads_nothing_and_takes_the_cpus_bits(monkeypa
         assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
+def test_bf16_parameters_take_the_local_steps_of_their_fp32_values():
+    """bf16 parameters (``bf16-true``): their gradients reach the fp32 moments through the bucket's fp32
+    buffers, so m and u are bit for bit those of fp32 parameters fed the same gradients, through local steps
+    and synchronisations; the parameters stay bf16, within its rounding of the fp32 run."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(20, 8), (8,), (4, 8), (4,)]
+    values = [torch.randn(s, generator=g).bfloat16() for s in shapes]
+    runs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        params = [nn.Parameter(v.to(dtype)) for v in values]
+        opt = ZeroOneAdam(params, lr=1e-2, weight_decay=0.01, **SMALL)
+        gg = torch.Generator().manual_seed(4)
+        for _ in range(26):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gg).bfloat16().to(dtype)
+            opt.step()
+        runs.append((params, opt))
+    (p32, o32), (p16, o16) = runs
+    assert o16.step_counts == o32.step_counts and o16.step_counts[L] > 0 and o16.step_counts[S] > 0
+    for a, b in zip(o32._buckets, o16._buckets, strict=True):
+        for name in ("exp_avg", "update_sum"):
+            assert torch.equal(a.flat[name], b.flat[name]), name
+    for a, b in zip(p32, p16, strict=True):
+        assert b.dtype == torch.bfloat16
+        torch.testing.assert_close(b.float(), a, rtol=2e-2, atol=2e-2)
+
+
 # -- checkpoints, arguments ---------------------------------------------------------------------
 def test_state_dict_mid_local_interval_resumes_exactly():
     """One process: a state_dict taken between two synchronisations (anchor, u, step-size sums, the

@@ -19,7 +19,7 @@ from ..comm import all_finite, all_finite_many, rank
 from ..compress import Source, flat_buffer
 from ..compress.source import Sink
 from .buckets import Bucket
-from .functional import decoupled_update_, local_adam_step_
+from .functional import decoupled_update_, local_adam_step_, local_fusable
 from .nonfinite import NonFiniteGradientError
 from .sync import nonfinite_is_gradient_error
 
@@ -92,7 +92,9 @@ class LocalSteps:
             raise ValueError(f"{type(self).__name__} does not support sparse gradients")
         dev = buckets[0].device if buckets else torch.device("cpu")
         flats = None
-        if flags_stay_on_device(dev):
+        # fp32 buffers also where the CPU's kernels do not take the tensors (bf16 parameters and gradients)
+        if flags_stay_on_device(dev) or not all(local_fusable(b.params, [g for gs in ws for g in gs])
+                                                for b, ws in zip(buckets, grads, strict=True)):
             flats, bad = self._flat_gradients(buckets, grads)
         else:  # reading the flags is free and spares a pass over the gradients
             finite = [[all_finite(g) for ws in grads for g in ws[w] if g is not None] for w in range(n)]
