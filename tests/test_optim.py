@@ -461,6 +461,24 @@ def test_onebit_lamb_compression_step_matches_the_formulas(wd, inside):
         assert opts[0].state[p]["last_factor"] == pytest.approx(opts[1].state[q]["last_factor"], rel=1e-5)
 
 
+def test_onebit_lamb_reads_its_layer_statistics_once_a_step(monkeypatch):
+    """The per-layer statistics (max ratio, dot products) of every bucket reach the host in one read at the
+    end of a compression step, not one a bucket: on a GPU each read waits for the device's queue."""
+    m = _mlp()
+    opt = OnebitLamb(m.parameters(), lr=1e-2, warmup_steps=2, weight_decay=0.1, bucket_cap_mb=0.002)
+    x, y = _data()
+    reads = []
+    real = torch.Tensor.tolist
+    for _ in range(5):
+        m.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        reads.clear()
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda self, *a, **k: reads.append(1) or real(self, *a, **k))
+        opt.step()
+        monkeypatch.setattr(torch.Tensor, "tolist", real)
+    assert opt.compressing and len(opt._buckets) >= 3 and len(reads) == 1, (len(opt._buckets), reads)
+
+
 @pytest.mark.parametrize("cls,kw", [(OnebitAdam, dict(warmup_steps=3)), (CDAdam, {})])
 def test_skip_policy_leaves_every_state_alone_and_raises_after_a_run(cls, kw):
     """on_nonfinite="skip": a NaN step changes no parameter, moment or error state and is counted;

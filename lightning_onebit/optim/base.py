@@ -281,6 +281,10 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
     def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
         raise NotImplementedError
 
+    def _finish_updates(self) -> None:
+        """Hook for subclasses: called once a step after every bucket's update, for what an update left to
+        do with all of the step's buckets at once (1-bit LAMB reads its per-layer statistics here, once)."""
+
     def _apply(self, b: Bucket, update: torch.Tensor, group: dict, has_grad: list[bool],
                decoupled_wd: float = 0.0, step_size: float | Sequence[float] | None = None,
                denom: torch.Tensor | None = None, params: Sequence[torch.Tensor] | None = None) -> None:
@@ -366,6 +370,7 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
             else:
                 self._update_warmup(b, grad, group, has)
             self._restore(saved)
+        self._finish_updates()
         if self._verdict is not None:
             decided.append((self._verdict, counted))
         if decided:  # settle_device_skips learns a step later what the device decided

@@ -85,6 +85,9 @@ class OnebitLamb(OnebitAdam):
                       factor_min=factor_min, factor_threshold=factor_threshold)
         _check_bounds(bounds)
         self._united_scale: float | None = None
+        #: (step, bucket, group, its parameters with a gradient, their u views, their statistics on the device)
+        #: of this step's compressed updates, finished by _finish_updates
+        self._lamb_pending: list[tuple] = []
         super().__init__(params, lr, betas, eps, weight_decay, warmup_steps, eps_inside_sqrt=eps_inside_sqrt,
                          block_size=block_size, bucket_cap_mb=bucket_cap_mb, group=group,
                          simulate_workers=simulate_workers, warmup_comm_dtype=warmup_comm_dtype, _defaults=bounds)
@@ -211,7 +214,7 @@ class OnebitLamb(OnebitAdam):
 
     def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
         beta1, beta2 = group["betas"]
-        eps, wd, lr = group["eps"], group["weight_decay"], group["lr"]
+        eps, wd = group["eps"], group["weight_decay"]
         m = b.flat["exp_avg"]
         fresh, prev = b.flat["exp_avg_sq_fresh"], b.flat["exp_avg_prev"]
         prelim = self._scratch(b)
@@ -224,7 +227,7 @@ class OnebitLamb(OnebitAdam):
         idx = self._mask(b)
         if idx is not None:
             prelim.index_fill_(0, idx, 0.0)
-        # every per-layer scalar in one device->host transfer: max ratio, ||u||^2, <u, p>, ||p||^2
+        # every per-layer scalar: max ratio, ||u||^2, <u, p>, ||p||^2
         keep = [i for i, h in enumerate(has_grad) if h]
         if not keep:
             return
@@ -238,7 +241,32 @@ class OnebitLamb(OnebitAdam):
         if self.whole_tensor_stats is not None:  # the whole tensors' maxima and dot products, from the shards'
             sums, top = self.whole_tensor_stats(torch.cat(stats[1:]) if wd else stats[0][:0], stats[0])
             stats = [top, *sums.view(len(stats) - 1, -1)]
-        rows = torch.stack(stats).tolist()
+        # read with every other bucket's at the end of the step (_finish_updates): one wait for the device a step
+        pending = self._lamb_pending
+        if pending and pending[0][0] != self._step:
+            pending.clear()  # left by a step that raised before its end
+        pending.append((self._step, b, group, keep, ups, torch.stack(stats)))
+
+    def _finish_updates(self) -> None:
+        pending, self._lamb_pending = self._lamb_pending, []
+        pending = [entry for entry in pending if entry[0] == self._step]
+        if not pending:
+            return
+        # every per-layer scalar of the step's buckets in one device->host transfer: max ratio, ||u||^2, <u, p>,
+        # ||p||^2
+        flat = torch.cat([stats.reshape(-1) for *_, stats in pending]).tolist()
+        at = 0
+        for _, b, group, keep, ups, stats in pending:
+            n = stats.numel()
+            rows = [flat[at + r * stats.shape[1]:at + (r + 1) * stats.shape[1]] for r in range(stats.shape[0])]
+            at += n
+            self._scaled_update(b, group, keep, ups, rows)
+
+    def _scaled_update(self, b: Bucket, group: dict, keep: list[int], ups: list[torch.Tensor],
+                       rows: list[list[float]]) -> None:
+        """The layer factors from the statistics ``rows`` (host arithmetic, clipped against each layer's last),
+        and the update of the parameters ``keep`` of bucket ``b`` with them."""
+        wd, lr = group["weight_decay"], group["lr"]
         steps, decays = [], []
         for j, i in enumerate(keep):
             st = self.state[b.params[i]]
