@@ -192,6 +192,16 @@ _BOUNDS: dict[tuple, torch.Tensor] = {}
 _FACTORS: dict[tuple, torch.Tensor] = {}
 
 
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` without waiting for it: from pinned memory on a GPU (torch's host allocator
+    keeps the block until the copy is done), so factors that change (0/1 Adam's sums of step sizes, a new value
+    each synchronisation) cost no stream synchronisation."""
+    host = torch.from_numpy(values)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def _group_bounds(groups: tuple, valid: int, device: torch.device) -> torch.Tensor:
     """A Source's group bounds (its groups' starts, then ``valid``) on the device, copied there once per
     geometry: a bucket's Source is rebuilt every step, its geometry is not."""
@@ -273,7 +283,7 @@ def _expression(src: Source) -> tuple:
             op = RECIPROCAL
             with np.errstate(divide="ignore"):
                 fs = np.float32(1.0) / fs  # torch's fp32 reciprocal of float32(divisor)
-        factors = memo(_FACTORS, (fs.tobytes(), str(device)), lambda: torch.from_numpy(fs).to(device), 256)
+        factors = memo(_FACTORS, (fs.tobytes(), str(device)), lambda: _to_device(fs, device), 256)
     bounds = _group_bounds(tuple(root.groups), root.valid, device)
     mask = arr(root.mask) if root.mask is not None and root.mask.numel() else empty_arrays(device)[1]
     tensors = root.__dict__["_kernel_tensors"] = (start, end, bounds, factors)  # the arrays own no memory
