@@ -156,8 +156,8 @@ class LocalSteps:
         flats = []
         for b, ws in zip(buckets, grads, strict=True):
             bufs = [b.grad] if len(ws) == 1 else b.worker_buffers("local gradient", len(ws))
-            for flat, gs in zip(bufs, ws, strict=True):
-                views = b.kept_views("grad", flat) if flat is b.grad else b.views(flat)
+            for w, (flat, gs) in enumerate(zip(bufs, ws, strict=True)):
+                views = b.kept_views("grad" if flat is b.grad else f"local gradient {w}", flat)
                 have = [j for j, g in enumerate(gs) if g is not None]
                 if len(have) < len(gs):
                     torch._foreach_zero_([views[j] for j in range(len(gs)) if gs[j] is None])

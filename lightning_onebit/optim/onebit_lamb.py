@@ -242,14 +242,11 @@ class OnebitLamb(OnebitAdam):
             sums, top = self.whole_tensor_stats(torch.cat(stats[1:]) if wd else stats[0][:0], stats[0])
             stats = [top, *sums.view(len(stats) - 1, -1)]
         # read with every other bucket's at the end of the step (_finish_updates): one wait for the device a step
-        pending = self._lamb_pending
-        if pending and pending[0][0] != self._step:
-            pending.clear()  # left by a step that raised before its end
-        pending.append((self._step, b, group, keep, ups, torch.stack(stats)))
+        self._lamb_pending.append((self._step, b, group, keep, ups, torch.stack(stats)))
 
     def _finish_updates(self) -> None:
         pending, self._lamb_pending = self._lamb_pending, []
-        pending = [entry for entry in pending if entry[0] == self._step]
+        pending = [entry for entry in pending if entry[0] == self._step]  # not those of a step that raised
         if not pending:
             return
         # every per-layer scalar of the step's buckets in one device->host transfer: max ratio, ||u||^2, <u, p>,
