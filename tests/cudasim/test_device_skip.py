@@ -77,6 +77,57 @@ def test_the_decode_kernel_applies_a_sink_with_the_cpu_bits(decay):
         codec.decode_predicated(enc, out, None, go=FLAGS[True], sink=sink(got, sizes=(-0.01, -0.01, -0.02)))
 
 
+def test_a_planned_launch_follows_its_tensors_memory_and_the_steps_numbers():
+    # a launch's arguments are planned once per layout and tensors and replayed: a new step size is used, a
+    # tensor whose memory was swapped (as `p.data = ...` does) is written where it points now, and a plan keeps
+    # no tensor alive
+    import gc
+    import weakref
+
+    codec, n = SignCodec(backend="cuda"), 77
+    g = torch.Generator().manual_seed(3)
+    x, err = torch.randn(n, generator=g), torch.zeros(n)
+    enc = codec.encode_error_feedback(x, err.clone())
+    values = codec.decode(enc)
+    target, denom = torch.randn(n, generator=g), torch.rand(n, generator=g) + 0.5
+
+    def sink(t, size):
+        return Sink(numel=n, groups=[0], targets=[t], denom=denom, values=[size], decay=0.99)
+
+    def expect(t, size):
+        ref = t.clone()
+        sink(ref, size).apply(values.clone())
+        return ref
+
+    out = torch.empty(n)
+    for size in (-0.01, -0.03):  # the second call replays the first's plan with its own step size
+        want = expect(target, size)
+        codec.decode_predicated(enc, out, None, go=FLAGS[True], sink=sink(target, size))
+        assert torch.equal(target, want)
+    old = target.clone()
+    moved = target.clone()
+    target.set_(moved)  # the same tensor object on new memory
+    want = expect(target, -0.02)
+    kept = old.clone()
+    codec.decode_predicated(enc, out, None, go=FLAGS[True], sink=sink(target, -0.02))
+    assert torch.equal(target, want) and torch.equal(old, kept)
+
+    st = torch.zeros(n)
+    codec.encode_error_feedback(x, st, out=enc, go=FLAGS[True])
+    old_st = st[:]  # the first memory, through a view
+    first = old_st.clone()
+    fresh, ref = torch.zeros(n), torch.zeros(n)
+    codec.encode_error_feedback(x, ref)
+    st.set_(fresh)  # the error state on new memory: written there
+    codec.encode_error_feedback(x, st, out=enc, go=FLAGS[True])
+    assert torch.equal(fresh, ref) and torch.equal(old_st, first)
+
+    gone = weakref.ref(out)
+    del out
+    gc.collect()
+    assert gone() is None
+
+
 def test_predicates_need_the_cuda_backend():
     codec = SignCodec(backend="numba")
     with pytest.raises(ValueError, match="predicates its kernels"):

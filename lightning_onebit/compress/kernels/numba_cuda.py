@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from numba import cuda
 
+from ..source import Source
 from .layout import FORMATS, REDUCE_TILE, Layout, code_bytes_padded
 from .numba_cuda_kernels import LANES as LANES  # the kernels moved there; their constants stay importable
 from .numba_cuda_kernels import (
@@ -28,7 +29,8 @@ from .numba_cuda_kernels import (
     _reduce_kernel,
     _reduce_scales_kernel,
 )
-from .numba_cuda_sink import fusable, sink_args
+from .numba_cuda_plan import planned
+from .numba_cuda_sink import fusable, sink_args, sink_numbers
 from .numba_cuda_source import ROWS_MEAN, SIMULATED, accepts, empty_arrays, empty_tensors, kernel_input, memo
 from .numba_cuda_source import arr as _arr
 
@@ -214,29 +216,68 @@ def reduce_to_scales(kind, mode, layout: Layout, x, st, scales: torch.Tensor,
     (``_reduce_scales_kernel``): the scales written into ``scales`` (the message's, a view into its
     packed row), and returned: ``ok``, a 0-d bool tensor on the device, False when the input was not
     finite (nothing waits for it). Written into ``ok`` (one bool element) where given, else into this
-    layout's flag, valid until the next call on the layout in this thread."""
+    layout's flag, valid until the next call on the layout in this thread. Its arguments are planned once
+    per layout and call (:mod:`.numba_cuda_plan`); a :class:`~..source.Source`'s are its expression's."""
     device = x.device
+    if ok is not None and ok.dim() != 1:
+        raise ValueError("reduce_to_scales: ok must be a one-element 1-d bool tensor")
     with _on(device):
-        tiles = _tiles(layout, device)
-        tile_args = _layout_arrays(layout, "tiles", device, lambda: layout.reduce_tiles(REDUCE_TILE))
-        (lens,) = _layout_arrays(layout, "scale_lengths_i64", device, lambda: (layout.scale_lengths.reshape(-1),))
         stream = _stream(device)
-        partials, totals, flag, flag0, count = _scratch(kind, layout, device, tiles[0].numel(), stream)
-        given = ok
-        if ok is None:
-            ok = flag
-        elif ok.dim() != 1:
-            raise ValueError("reduce_to_scales: ok must be a one-element 1-d bool tensor")
-        if not layout.nblocks:
-            ok.fill_(True)
-            return flag0 if given is None else given
-        target, col0, copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
-        _launcher(_reduce_scales_kernel, _grid(max(tiles[0].numel(), layout.nblocks), 1), RTHREADS, stream)(
-            kind, mode, *_reduce_input(x, st, device), layout.seg_len, *tile_args, _arr(partials), _arr(totals),
-            lens, layout.blocks_per_seg, target, col0, _arr(count), _arr(ok))
-        if copy is not None:  # scales laid out otherwise: written, then copied
-            scales.copy_(copy.view(scales.shape))
+        src = kernel_input(x, device) if isinstance(x, Source) else ()
+        held = (x.out, x.messages.codes, x.messages.scales) if isinstance(x, RowsMean) else (
+            () if src else (x,))
+        plan = planned(layout, ("reduce_to_scales", kind, mode, id(stream), threading.get_ident(), len(src)),
+                       (*held, st, scales, ok), lambda: _plan_reduce_to_scales(kind, mode, layout, x, st, scales, ok,
+                                                                               device, stream, bool(src)))
+        if plan is None:  # nothing to reduce, or scales the kernel cannot write in place
+            return _reduce_to_scales_unplanned(kind, mode, layout, x, st, scales, ok, device, stream)
+        launch, head, tail, result = plan
+        launch(*head, *src, *tail)
+        return result
+
+
+def _plan_reduce_to_scales(kind, mode, layout: Layout, x, st, scales, ok, device, stream, src: bool) -> tuple | None:
+    """(launcher, the arguments before the input's, after it, the flag returned), or None."""
+    tiles = _tiles(layout, device)
+    partials, totals, flag, flag0, count = _scratch(kind, layout, device, tiles[0].numel(), stream)
+    target, col0, copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
+    if not layout.nblocks or copy is not None:
+        return None
+    args = _reduce_scales_args(kind, mode, layout, x, st, device, target, col0, partials, totals, count,
+                               flag if ok is None else ok, src)
+    if getattr(x, "_copy", None) is not None:  # a RowsMean's scales copied for this launch alone
+        return None
+    launch = _launcher(_reduce_scales_kernel, _grid(max(tiles[0].numel(), layout.nblocks), 1), RTHREADS, stream)
+    return (launch, *args, flag0 if ok is None else ok)
+
+
+def _reduce_scales_args(kind, mode, layout: Layout, x, st, device, target, col0, partials, totals, count, ok,
+                        src: bool) -> tuple[tuple, tuple]:
+    """The reduce-and-scales launch's arguments before and after the input's (all of them in the first
+    where the input is not a Source's, whose arguments the caller gives)."""
+    tile_args = _layout_arrays(layout, "tiles", device, lambda: layout.reduce_tiles(REDUCE_TILE))
+    (lens,) = _layout_arrays(layout, "scale_lengths_i64", device, lambda: (layout.scale_lengths.reshape(-1),))
+    inp = _reduce_input(x, st, device)
+    tail = (*inp[10:], layout.seg_len, *tile_args, _arr(partials), _arr(totals), lens, layout.blocks_per_seg,
+            target, col0, _arr(count), _arr(ok))
+    return ((kind, mode), tail) if src else ((kind, mode, *inp[:10], *tail), ())
+
+
+def _reduce_to_scales_unplanned(kind, mode, layout: Layout, x, st, scales, ok, device, stream) -> torch.Tensor:
+    tiles = _tiles(layout, device)
+    partials, totals, flag, flag0, count = _scratch(kind, layout, device, tiles[0].numel(), stream)
+    given = ok
+    ok = flag if ok is None else ok
+    if not layout.nblocks:
+        ok.fill_(True)
         return flag0 if given is None else given
+    target, col0, copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
+    head, tail = _reduce_scales_args(kind, mode, layout, x, st, device, target, col0, partials, totals, count, ok,
+                                     False)
+    _launcher(_reduce_scales_kernel, _grid(max(tiles[0].numel(), layout.nblocks), 1), RTHREADS, stream)(*head)
+    if copy is not None:  # scales laid out otherwise: written, then copied
+        scales.copy_(copy.view(scales.shape))
+    return flag0 if given is None else given
 
 
 def _scratch(kind, layout: Layout, device: torch.device, tiles: int, stream) -> tuple[torch.Tensor, ...]:
@@ -313,15 +354,37 @@ def _go(go: torch.Tensor | None, device: torch.device):
 
 
 def encode(kind, mode, layout: Layout, x, st, scales, codes, go: torch.Tensor | None = None) -> None:
+    """Planned like :func:`reduce_to_scales`."""
     device = codes.device
+    if isinstance(x, RowsMean):
+        x = x.out  # written by the reduction launched before this
     with _on(device):
-        tiles = layout.nseg * -(-layout.seg_len // THREADS)
-        rows, col0, _copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
-        if isinstance(x, RowsMean):
-            x = x.out  # written by the reduction launched before this
-        _launcher(_encode_kernel, _grid(tiles, 1), THREADS, _stream(device))(
-            kind, mode, *kernel_input(x, device), _state(st, device), layout.seg_len, *_starts(layout, device),
-            rows, col0, _codes_arr(codes), _go(go, device))
+        stream = _stream(device)
+        src = kernel_input(x, device) if isinstance(x, Source) else ()
+        plan = planned(layout, ("encode", kind, mode, id(stream), len(src)), (*(() if src else (x,)), st, scales, codes,
+                                                                            go),
+                       lambda: _plan_encode(kind, mode, layout, x, st, scales, codes, go, device, stream, bool(src)))
+        if plan is None:
+            rows, col0, _copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)  # _copy: held until the launch
+            _launcher(_encode_kernel, _grid(layout.nseg * -(-layout.seg_len // THREADS), 1), THREADS, stream)(
+                kind, mode, *kernel_input(x, device), *_encode_tail(layout, st, rows, col0, codes, go, device))
+            return
+        launch, head, tail = plan
+        launch(*head, *src, *tail)
+
+
+def _encode_tail(layout: Layout, st, rows, col0, codes, go, device) -> tuple:
+    return (_state(st, device), layout.seg_len, *_starts(layout, device), rows, col0, _codes_arr(codes),
+            _go(go, device))
+
+
+def _plan_encode(kind, mode, layout: Layout, x, st, scales, codes, go, device, stream, src: bool) -> tuple | None:
+    rows, col0, copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
+    if copy is not None:
+        return None
+    launch = _launcher(_encode_kernel, _grid(layout.nseg * -(-layout.seg_len // THREADS), 1), THREADS, stream)
+    tail = _encode_tail(layout, st, rows, col0, codes, go, device)
+    return (launch, (kind, mode), tail) if src else (launch, (kind, mode, *kernel_input(x, device), *tail), ())
 
 
 def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False, *,
@@ -329,19 +392,43 @@ def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows
            copy: torch.Tensor | None = None, flags: torch.Tensor | None = None, decay: float = 1.0,
            decay_out: torch.Tensor | None = None, sink=None) -> None:
     """``sink``: a :class:`~..source.Sink` the kernel applies where it writes (:func:`fuses_predicated_sink`),
-    on a predicated decode (``go`` given) of a whole result."""
+    on a predicated decode (``go`` given) of a whole result. Planned like :func:`reduce_to_scales`: the
+    step's numbers (``decay``, the sink's value and decay) are this call's."""
     device = codes.device
     if sink is not None and (go is None or not fusable(sink, device)):
         raise ValueError("decode applies a sink only when predicated (go=) and fusable (see fuses_predicated_sink)")
     with _on(device):
-        tiles = (1 if mean_rows else layout.nseg) * -(-layout.seg_len // THREADS)
-        rows, col0, _copy = _scales_in(kind, codes.shape[0], layout.seg_len, scales)
-        _launcher(_decode_kernel, _grid(tiles, 1), THREADS, _stream(device))(
-            kind, _codes_arr(codes), rows, col0, layout.seg_len, *_starts(layout, device), _arr(out),
-            accumulate, mean_rows, _go(go, device), _go(and_go, device),
-            empty_arrays(device)[0] if copy is None else _arr(copy),
-            empty_arrays(device)[2] if flags is None else _arr(flags), np.float64(decay),
-            empty_arrays(device)[0] if decay_out is None else _arr(decay_out), *sink_args(sink, device))
+        stream = _stream(device)
+        held = (codes, scales, out, go, and_go, copy, flags, decay_out)
+        if sink is not None:
+            held = (*held, sink.denom, sink.mask, *sink.targets)
+        key = ("decode", kind, accumulate, mean_rows, id(stream), sink is not None and (sink.groups, sink.valid))
+        plan = planned(layout, key, held, lambda: _plan_decode(kind, layout, codes, scales, out, accumulate, mean_rows,
+                                                               go, and_go, copy, flags, decay_out, sink, device,
+                                                               stream))
+        if plan is None:
+            plan = _plan_decode(kind, layout, codes, scales, out, accumulate, mean_rows, go, and_go, copy, flags,
+                                decay_out, sink, device, stream, keep=False)
+        launch, head, mid, tail, _copy = plan  # _copy: held until the launch
+        value, sink_decay = sink_numbers(sink)
+        launch(*head, np.float64(decay), *mid, np.float32(value), np.float32(sink_decay), *tail)
+
+
+def _plan_decode(kind, layout: Layout, codes, scales, out, accumulate, mean_rows, go, and_go, copy, flags, decay_out,
+                 sink, device, stream, keep: bool = True) -> tuple | None:
+    """(launcher, the arguments before ``decay``, between it and the sink's numbers, after them, a copy of the
+    scales or None), or None where the scales are copied for this launch (``keep=False``: made anyway)."""
+    rows, col0, scales_copy = _scales_in(kind, codes.shape[0], layout.seg_len, scales)
+    if scales_copy is not None and keep:
+        return None
+    tiles = (1 if mean_rows else layout.nseg) * -(-layout.seg_len // THREADS)
+    f32, i64, b1 = empty_arrays(device)
+    head = (kind, _codes_arr(codes), rows, col0, layout.seg_len, *_starts(layout, device), _arr(out), accumulate,
+            mean_rows, _go(go, device), _go(and_go, device), f32 if copy is None else _arr(copy),
+            b1 if flags is None else _arr(flags))
+    addr, bounds, _, _, denom, mask, valid = sink_args(sink, device)
+    return (_launcher(_decode_kernel, _grid(tiles, 1), THREADS, stream), head,
+            (f32 if decay_out is None else _arr(decay_out), addr, bounds), (denom, mask, valid), scales_copy)
 
 
 # --- ahead-of-time checks ------------------------------------------------------------------

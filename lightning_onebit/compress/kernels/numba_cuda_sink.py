@@ -117,14 +117,21 @@ def _tables(sink: Sink, device: torch.device) -> tuple:
     return memo(_TABLES, key, make, 256)[2:]
 
 
+def sink_numbers(sink: Sink | None) -> tuple[float, float]:
+    """(value, decay) of ``sink``, the numbers that change between steps: (0, 1) for none."""
+    if sink is None:
+        return 0.0, 1.0
+    return next((v for v, t in zip(sink.values, sink.targets, strict=True) if t is not None), 0.0), sink.decay
+
+
 def sink_args(sink: Sink | None, device: torch.device) -> tuple:
     """The decode kernel's sink arguments ``(addr, bounds, value, decay, denom, mask, valid)`` (``valid`` 0:
     none); ``sink`` must be :func:`fusable`."""
     f32, i64, _ = empty_arrays(device)
+    value, decay = sink_numbers(sink)
     if sink is None:
-        return (i64, i64, np.float32(0.0), np.float32(1.0), f32, i64, 0)
+        return (i64, i64, np.float32(value), np.float32(decay), f32, i64, 0)
     addr, bounds = _tables(sink, device)
-    value = next((v for v, t in zip(sink.values, sink.targets, strict=True) if t is not None), 0.0)
     denom = sink.denom if sink.denom.dim() == 1 else sink.denom.reshape(-1)
-    return (addr, bounds, np.float32(value), np.float32(sink.decay), arr(denom),
+    return (addr, bounds, np.float32(value), np.float32(decay), arr(denom),
             i64 if sink.mask is None else arr(sink.mask), sink.valid)
