@@ -13,8 +13,7 @@ and updates the parameters). The optimizer never calls torch.distributed; the co
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -66,29 +65,50 @@ class SyncContext:
                          intra_counter=self.intra_counter, groups=b.offsets, block_size=block_size,
                          simulate=self.simulate_workers, numel=b.numel, device=b.device)
 
-    @contextlib.contextmanager
-    def failure(self, what: str, b: Bucket | None = None) -> Iterator[None]:
-        """Name the collective, bucket and step in a failure of the process group (a rank that died fails
-        its peers' next collective at once, one that stalls after the group's timeout)."""
-        try:
-            yield
-        except (ValueError, CollectiveError):  # agreement mismatches and non-finite inputs say it already
-            raise
-        except RuntimeError as exc:
-            where = "" if b is None else f" of bucket {b.index} ({b.numel} elements)"
-            raise CollectiveError.lost(f"{self.owner}: the {what}{where} failed at optimizer step {self.step()}",
-                                       exc) from exc
+    def failure(self, what: str | Callable[[], str], b: Bucket | None = None) -> _Failure:
+        """Name the collective (``what``, or a function that names it), bucket and step in a failure of the
+        process group (a rank that died fails its peers' next collective at once, one that stalls after the
+        group's timeout)."""
+        return _Failure(self, what, b)
 
 
-@contextlib.contextmanager
-def nonfinite_is_gradient_error(owner: str) -> Iterator[None]:
+class _Failure:
+    """:meth:`SyncContext.failure`'s context: a class, not a generator, as a step enters several a bucket
+    (the name is made only when something failed)."""
+
+    __slots__ = ("context", "what", "bucket")
+
+    def __init__(self, context: SyncContext, what: str | Callable[[], str], bucket: Bucket | None) -> None:
+        self.context, self.what, self.bucket = context, what, bucket
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        # agreement mismatches and non-finite inputs (ValueError) and CollectiveErrors say it already
+        if typ is None or not issubclass(typ, RuntimeError) or issubclass(typ, (ValueError, CollectiveError)):
+            return False
+        b, what = self.bucket, self.what if isinstance(self.what, str) else self.what()
+        where = "" if b is None else f" of bucket {b.index} ({b.numel} elements)"
+        c = self.context
+        raise CollectiveError.lost(f"{c.owner}: the {what}{where} failed at optimizer step {c.step()}", exc) from exc
+
+
+class nonfinite_is_gradient_error:  # lower case: used as a function, ``with nonfinite_is_gradient_error(owner):``
     """A collective that found a non-finite input on some rank raises :class:`NonFiniteGradientError`."""
-    try:
-        yield
-    except ValueError as exc:
-        if "not finite" in str(exc):
-            raise NonFiniteGradientError(f"{owner}: {exc}. Lower the learning rate or clip gradients.") from exc
-        raise
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        if typ is not None and issubclass(typ, ValueError) and "not finite" in str(exc):
+            raise NonFiniteGradientError(f"{self.owner}: {exc}. Lower the learning rate or clip gradients.") from exc
+        return False
 
 
 class Algorithm(Protocol):
@@ -170,8 +190,11 @@ class BucketSync:
         """The collective runs in phases (``begin``, ``send``, ``relay``, ``complete``); else whole."""
         return isinstance(self.comm, CompressedAllreduce)
 
-    def failure(self, what: str | None = None) -> contextlib.AbstractContextManager:
-        return self.context.failure(what or f"compressed allreduce ({type(self.comm).__name__})", self.bucket)
+    def failure(self, what: str | None = None) -> _Failure:
+        return self.context.failure(what or self._name, self.bucket)
+
+    def _name(self) -> str:
+        return f"compressed allreduce ({type(self.comm).__name__})"
 
     def defer_kw(self, algorithm: Algorithm) -> dict:
         """Ask the collective to leave its decode to the update, where the algorithm does that and the

@@ -92,11 +92,16 @@ def fusable(sink: Sink | None, device: torch.device) -> bool:
     :class:`Sink`; the denominator fp32, the mask int64)."""
     if sink is None or sink.base != 0:
         return False
+    known = sink.__dict__.get("_fusable")  # asked before the decode and by it: answered once a sink
+    if known is not None and known[0] == device:
+        return known[1]
     values = {v for v, t in zip(sink.values, sink.targets, strict=True) if t is not None}
-    return (len(values) <= 1 and all(t.device == device for t in sink.targets if t is not None)
+    fits = (len(values) <= 1 and all(t.device == device for t in sink.targets if t is not None)
             and sink.denom.device == device and sink.denom.dtype == torch.float32 and sink.denom.is_contiguous()
             and (sink.mask is None or (sink.mask.device == device and sink.mask.dtype == torch.int64
                                        and sink.mask.dim() == 1)))
+    sink.__dict__["_fusable"] = (device, fits)
+    return fits
 
 
 _TABLES: dict[tuple, tuple] = {}
