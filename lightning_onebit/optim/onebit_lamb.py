@@ -199,7 +199,8 @@ class OnebitLamb(OnebitAdam):
 
     def _absorb(self, b: Bucket, synced: torch.Tensor) -> None:
         m = b.flat["exp_avg"]
-        shift_in_(b.views(b.flat["exp_avg_prev"]), b.views(m), b.views(synced), self._scaling(b))
+        shift_in_(b.kept_views("exp_avg_prev", b.flat["exp_avg_prev"]), b.kept_views("exp_avg", m),
+                  b.kept_views("synced", synced), self._scaling(b))
         super()._absorb(b, m)
 
     def _activate(self, b: Bucket, pos: torch.Tensor, g: torch.Tensor, v: torch.Tensor, beta1: float) -> None:
@@ -221,7 +222,10 @@ class OnebitLamb(OnebitAdam):
         denom = self._denominator(b, group)  # v is frozen: computed once per switch
         # the fresh variance of the rebuilt gradient (m - beta1 m_prev) / (1 - beta1), u = m_hat / d and
         # each layer's max d / d_fresh, in one pass
-        maxima = lamb_moments_(b.views(m), b.views(prev), b.views(fresh), b.views(denom), b.views(prelim),
+        # the bucket's buffers stay from step to step: their per-parameter views are made once
+        ups = b.kept_views("scratch", prelim)
+        maxima = lamb_moments_(b.kept_views("exp_avg", m), b.kept_views("exp_avg_prev", prev),
+                               b.kept_views("exp_avg_sq_fresh", fresh), b.kept_views("denom", denom), ups,
                                [_bias_correction(beta1, t) for t in self._steps(b)], beta1=beta1, beta2=beta2,
                                eps=eps, eps_inside_sqrt=group["eps_inside_sqrt"])
         idx = self._mask(b)
@@ -231,10 +235,13 @@ class OnebitLamb(OnebitAdam):
         keep = [i for i, h in enumerate(has_grad) if h]
         if not keep:
             return
-        ups, ps = b.views(prelim), [b.params[i].detach() for i in keep]
-        us = [ups[i].reshape(-1) for i in keep]
-        pf = [p.reshape(-1).float() for p in ps]
-        stats = [maxima[keep]]
+        everyone = len(keep) == len(has_grad)
+        ps = self._detached(b)
+        us = self._flat_views(b, "scratch", ups)
+        pf = [p if p.dtype == torch.float32 else p.float() for p in self._flat_views(b, "params", ps)]
+        if not everyone:
+            us, pf = [us[i] for i in keep], [pf[i] for i in keep]
+        stats = [maxima if everyone else maxima[keep]]
         if wd:
             stats += [torch.stack([u.dot(u) for u in us]), torch.stack([u.dot(q) for u, q in zip(us, pf, strict=True)]),
                       torch.stack([q.dot(q) for q in pf])]
@@ -280,4 +287,15 @@ class OnebitLamb(OnebitAdam):
             steps.append(lr * st["lamb_coeff_freeze"] * factor)
             decays.append(1 - steps[-1] * wd if wd else 1.0)
         # p <- p - step (u + wd p): p * (1 - step wd) - step u
-        scaled_step_([b.params[i].detach() for i in keep], [ups[i] for i in keep], steps, decays)
+        ps = self._detached(b)
+        scaled_step_([ps[i] for i in keep], [ups[i] for i in keep], steps, decays)
+
+    @staticmethod
+    def _flat_views(b: Bucket, name: str, views: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``views`` (a list the bucket keeps: its kept views, its detached parameters) flattened, made again
+        only when it is another list."""
+        key = ("flat views", name)
+        hit = b.cache.get(key)
+        if hit is None or hit[0] is not views:
+            hit = b.cache[key] = (views, [v.reshape(-1) for v in views])
+        return hit[1]

@@ -132,12 +132,18 @@ class SyncPlumbing:
     @staticmethod
     def _sink_targets(b: Bucket) -> list[torch.Tensor] | None:
         """The bucket's parameters as a decode sink updates them (contiguous fp32), else None."""
-        key = tuple((id(p), p.data_ptr()) for p in b.params)  # made once per bucket and parameter memory
-        if b.cache.get("sink_key") != key:
+        ps = SyncPlumbing._detached(b)
+        return ps if b.cache["params_fp32"] else None
+
+    @staticmethod
+    def _detached(b: Bucket) -> list[torch.Tensor]:
+        """The bucket's parameters detached, made once per bucket and parameter memory (a step makes none)."""
+        key = tuple((id(p), p.data_ptr()) for p in b.params)
+        if b.cache.get("params_key") != key:
             ps = [p.detach() for p in b.params]
-            b.cache["sink_key"] = key
-            b.cache["sink_targets"] = ps if all(p.dtype == torch.float32 and p.is_contiguous() for p in ps) else None
-        return b.cache["sink_targets"]
+            b.cache["params_key"], b.cache["params_detached"] = key, ps
+            b.cache["params_fp32"] = all(p.dtype == torch.float32 and p.is_contiguous() for p in ps)
+        return b.cache["params_detached"]
 
     def _flush_pending(self) -> None:
         """Decode every result a bucket left for its update (before anything reads the state)."""
