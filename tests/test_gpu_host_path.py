@@ -151,14 +151,40 @@ LOCAL_PER_BUCKET, LOCAL_PER_STEP, LOCAL_ALLOCATIONS = 7, 11, 7
 
 
 @pytest.fixture(scope="module")
-def local_counted(tmp_path_factory) -> dict[str, dict[str, list[int]]]:
-    """{model: {counter: its count in each counted local step}} of ``ZeroOneAdam`` on 1 rank."""
-    out = tmp_path_factory.mktemp("host_path_local") / "counts.json"
+def one_rank_counted(tmp_path_factory) -> dict[tuple[str, str], dict]:
+    """{(algorithm, model): {kind of step: {counter: its count in each counted step}}} of ``ZeroOneAdam`` and
+    ``OnebitLamb`` on 1 rank, from one run of the benchmark."""
+    out = tmp_path_factory.mktemp("host_path_one_rank") / "counts.json"
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", LIGHTNING_ONEBIT_BACKEND="cuda")
-    proc = proc_run([sys.executable, str(SCRIPT), "--algorithm", "ZeroOneAdam", "--world", "1", "--timed", "0",
-                     "--json", str(out)], env=env, timeout=120)
+    proc = proc_run([sys.executable, str(SCRIPT), "--algorithm", "ZeroOneAdam", "OnebitLamb", "--world", "1",
+                     "--timed", "0", "--json", str(out)], env=env, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {r["model"]: r["kinds"]["local"] for r in json.loads(out.read_text())}
+    return {(r["algorithm"], r["model"]): r["kinds"] for r in json.loads(out.read_text())}
+
+
+@pytest.fixture(scope="module")
+def local_counted(one_rank_counted) -> dict[str, dict[str, list[int]]]:
+    """{model: {counter: its count in each counted local step}} of ``ZeroOneAdam`` on 1 rank."""
+    return {m: kinds["local"] for (a, m), kinds in one_rank_counted.items() if a == "ZeroOneAdam"}
+
+
+# 1-bit LAMB's compressed step as a GPU takes it (its update is torch ops per tensor there: the moments, the
+# layer statistics, the scaled step): ceilings, today's counts; its views and detached parameters are kept, so
+# a step makes none. Its reads: the layer statistics and the calls' finiteness flags once a step each, and here
+# the CPU's read of the gathered server scales a bucket (a GPU folds that into the next agreement)
+LAMB_TORCH_OPS = {"mlp": 131, "gpt": 1809}
+LAMB_READS = {"mlp": 1 + BUCKETS["mlp"] + 1, "gpt": 1 + BUCKETS["gpt"] + 1}
+
+
+@pytest.mark.cudasim
+@pytest.mark.budget(60)  # the benchmark in a child process, 1 rank (about 20 s), when this test runs first
+def test_onebit_lamb_step_within_budget(one_rank_counted):
+    for model in BUCKETS:
+        counts = one_rank_counted[("OnebitLamb", model)]["compression"]
+        assert {c: max(counts[c]) for c in ("conversions", "h2d")} == {"conversions": 0, "h2d": 0}, (model, counts)
+        assert max(counts["launches"]) <= 5 * BUCKETS[model], (model, counts["launches"])
+        assert max(counts["torch_ops"]) <= LAMB_TORCH_OPS[model], (model, counts["torch_ops"])
+        assert max(counts["d2h"]) <= LAMB_READS[model], (model, counts["d2h"])
 
 
 @pytest.mark.cudasim
