@@ -109,6 +109,19 @@ def test_server_stage_reads_the_mean_from_the_codes(world, numba_path):
     assert all(torch.equal(a, b) for a, b in zip(out[0][1], out[1][1], strict=True))
 
 
+def test_a_source_rejects_bad_groups_every_time_and_a_sinks_geometry_does_not_vouch_for_one():
+    # the offsets are checked once per geometry (a bucket's Source is made every step): bad ones raise on every
+    # call, and a Sink's (which need no order) are not taken as a Source's check
+    m, g = torch.zeros(8), torch.ones(8)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="sorted offsets"):
+            Source.lerp(m, g, 0.1, groups=[0, 6, 3])
+    Sink(numel=8, groups=[0, 6, 3], targets=[None] * 3, denom=torch.ones(8), values=[0.0] * 3, decay=1.0)
+    with pytest.raises(ValueError, match="sorted offsets"):
+        Source.lerp(m, g, 0.1, groups=[0, 6, 3])
+    assert Source.lerp(m, g, 0.5, groups=[0, 3]).materialize().tolist() == [0.5] * 8
+
+
 @pytest.mark.parametrize("pieces", [1, 3])
 def test_a_deferred_decode_with_a_sink_is_the_decode_then_adamws_update(pieces, numba_path):
     """decode_pending(sink): the result as the call would have returned it, the masked coordinates

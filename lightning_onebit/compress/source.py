@@ -33,6 +33,23 @@ __all__ = ["OPS", "Sink", "Source"]
 
 OPS = ("lerp", "gradient", "quotient")
 
+_GROUPS: dict[tuple, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+
+def _checked_groups(groups: Sequence[int], numel: int, who: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(``groups`` as ints, each group's size), checked once per geometry: a bucket's Source and Sink are
+    made every step with the same offsets."""
+    key = (tuple(groups), numel, who)  # a Source's are checked for order, a Sink's not
+    hit = _GROUPS.get(key)
+    if hit is None:
+        gs = tuple(int(g) for g in groups)
+        if who == "Source" and (not gs or gs[0] != 0 or list(gs) != sorted(gs) or gs[-1] > numel):
+            raise ValueError(f"groups must be sorted offsets from 0 within [0, {numel}], got {gs[:4]}...")
+        if len(_GROUPS) >= 1024:
+            _GROUPS.pop(next(iter(_GROUPS)))
+        hit = _GROUPS[key] = (gs, tuple(b - a for a, b in zip(gs, (*gs[1:], numel), strict=True)))
+    return hit
+
 
 class Source:
     """A flat fp32 vector of ``numel`` elements (``len`` with padding) given by an expression.
@@ -49,9 +66,7 @@ class Source:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
         if masked not in ("nonfinite", "zero"):
             raise ValueError(f"masked must be 'nonfinite' or 'zero', got {masked!r}")
-        groups = tuple(int(g) for g in groups)
-        if not groups or groups[0] != 0 or list(groups) != sorted(groups) or groups[-1] > numel:
-            raise ValueError(f"groups must be sorted offsets from 0 within [0, {numel}], got {groups[:4]}...")
+        groups, sizes = _checked_groups(groups, numel, "Source")
         if op in ("lerp", "quotient") and (start is None or start.numel() != numel):
             raise ValueError(f"{op} needs a flat start tensor of {numel} elements")
         if op in ("lerp", "gradient") and end is None:
@@ -65,7 +80,6 @@ class Source:
                 raise ValueError(f"end has {end.numel()} elements, expected {numel}")
         elif end is not None:
             end = tuple(end)
-            sizes = [b - a for a, b in zip(groups, (*groups[1:], numel), strict=True)]
             if len(end) != len(groups) or any(t is not None and t.numel() != n for t, n in zip(end, sizes,
                                                                                                    strict=True)):
                 raise ValueError("end must hold one tensor (or None) per group, of the group's size")
@@ -257,10 +271,9 @@ class Sink:
     def __init__(self, *, numel: int, groups: Sequence[int], targets: Sequence[torch.Tensor | None],
                  denom: torch.Tensor, values: Sequence[float], decay: float,
                  mask: torch.Tensor | None = None, cache: dict | None = None) -> None:
-        groups = tuple(int(g) for g in groups)
+        groups, sizes = _checked_groups(groups, numel, "Sink")
         if len(targets) != len(groups) or len(values) != len(groups):
             raise ValueError("a Sink needs one target (or None) and one value per group")
-        sizes = [b - a for a, b in zip(groups, (*groups[1:], numel), strict=True)]
         for t, n in zip(targets, sizes, strict=True):
             if t is not None and (t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != n):
                 raise ValueError("Sink targets must be contiguous fp32 tensors of their group's size")
