@@ -167,7 +167,7 @@ def _same(a, b) -> bool:
 
 
 def _run(algorithm: str, *, nan_at: int = -1, omit: int = -1, steps: int = 5, policy: str = "skip",
-         backend: str = "cuda", monkeypatch=None, rank: int = 0):
+         backend: str = "cuda", monkeypatch=None, rank: int = 0, after_step=None):
     if monkeypatch is not None:
         monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", backend)
     torch.manual_seed(0)
@@ -187,13 +187,30 @@ def _run(algorithm: str, *, nan_at: int = -1, omit: int = -1, steps: int = 5, po
             p.grad = gr
         opt.step()
         seen.append((t, opt.skipped_steps, opt.optimizer_steps))
+        if after_step is not None:
+            after_step()
     return params, opt, seen
 
 
 @pytest.mark.budget(40)  # three 5-step runs under the simulator, which pays per launch (a thread per CUDA thread)
 @pytest.mark.parametrize("algorithm", ["OnebitAdam", "QAdam"])
 def test_a_nan_step_decided_on_the_device_changes_nothing(algorithm, monkeypatch):
-    params, opt, seen = _run(algorithm, nan_at=3, monkeypatch=monkeypatch)
+    from lightning_onebit.compress.kernels import numba_cuda
+
+    made, planned = [0], numba_cuda.planned
+
+    def counting(layout, key, tensors, make):
+        def counted():
+            made[0] += 1
+            return make()
+        return planned(layout, key, tensors, counted)
+
+    monkeypatch.setattr(numba_cuda, "planned", counting)
+    marks = []
+    params, opt, seen = _run(algorithm, nan_at=3, monkeypatch=monkeypatch, after_step=lambda: marks.append(made[0]))
+    # the launches' arguments are planned by the first compressed steps and replayed after them, the skipped
+    # step's included
+    assert marks[2] > 0 and marks[4] == marks[3], marks
     comms = [b.sync.comm for b in opt._buckets]
     assert len(comms) > 1 and all(c.skip_on_device for c in comms)
     # the host learns at the next step: step 3 counted as taken, then taken back when step 4 begins

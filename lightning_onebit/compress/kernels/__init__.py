@@ -122,9 +122,10 @@ _RESOLVED: dict[tuple, ModuleType] = {}
 
 
 def get_backend(device: torch.device, forced: str | None = None) -> ModuleType:
-    """The backend module for ``device``, resolved once per device type, ``forced`` and value of ``ENV_VAR``: a
-    codec asks several times per bucket and step (numba's simulator switch is fixed once numba is imported)."""
-    key = (device.type, forced, os.environ.get(ENV_VAR))
+    """The backend module for ``device``, resolved once per device, ``forced`` and value of ``ENV_VAR``: a
+    codec asks several times per bucket and step (numba's simulator switch is fixed once numba is imported).
+    Keyed by the device itself, which hashes faster than its ``type`` is read."""
+    key = (device, forced, os.environ.get(ENV_VAR))
     hit = _RESOLVED.get(key)
     if hit is None:
         hit = _load(resolve_backend_name(device, forced))

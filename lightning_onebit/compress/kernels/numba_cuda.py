@@ -10,12 +10,10 @@ numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``) CPU tensors stand in for dev
 
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import numpy as np
 import torch
-from numba import cuda
 
 from ..source import Source
 from .layout import FORMATS, REDUCE_TILE, Layout, code_bytes_padded
@@ -29,7 +27,7 @@ from .numba_cuda_kernels import (
     _reduce_kernel,
     _reduce_scales_kernel,
 )
-from .numba_cuda_plan import planned
+from .numba_cuda_launch import _grid, _launcher, _on, _stream, planned
 from .numba_cuda_sink import fusable, sink_args, sink_numbers
 from .numba_cuda_source import ROWS_MEAN, SIMULATED, accepts, empty_arrays, empty_tensors, kernel_input, memo
 from .numba_cuda_source import arr as _arr
@@ -56,53 +54,6 @@ def _codes_arr(codes: torch.Tensor):
 
 
 _CODES: dict[tuple, object] = {}
-
-
-_NO_CONTEXT = contextlib.nullcontext()  # reusable
-
-
-def _on(device: torch.device):
-    """Launch in ``device``'s context (numba would use the thread's current one: with several GPUs
-    per process, or no ``torch.cuda.set_device``, that is another device)."""
-    if device.type != "cuda":
-        return _NO_CONTEXT
-    return cuda.gpus[device.index if device.index is not None else torch.cuda.current_device()]
-
-
-_STREAMS: dict[int, object] = {}
-
-
-def _stream(device: torch.device):
-    """torch's current stream of ``device`` as numba's, one object per stream: numba caches a kernel's
-    launch configuration per stream object, so a new one per launch would miss that cache every time."""
-    if device.type != "cuda":
-        return 0
-    handle = torch.cuda.current_stream(device).cuda_stream
-    stream = _STREAMS.get(handle)
-    if stream is None:
-        stream = _STREAMS[handle] = cuda.external_stream(handle)
-    return stream
-
-
-_LAUNCHERS: dict[tuple, object] = {}
-
-
-def _launcher(kernel, grid: int, block: int, stream):
-    """``kernel[grid, block, stream]``, made once per configuration: numba builds and checks a launch
-    configuration on every subscript, and a step launches the same few configurations every time
-    (the stream is :func:`_stream`'s, kept alive there, so its id names it)."""
-    key = (kernel, grid, block, id(stream))
-    hit = _LAUNCHERS.get(key)
-    if hit is None:
-        if len(_LAUNCHERS) >= 1024:
-            _LAUNCHERS.pop(next(iter(_LAUNCHERS)))
-        hit = _LAUNCHERS[key] = kernel[grid, block, stream]
-    return hit
-
-
-def _grid(work: int, threads: int) -> int:
-    # Enough blocks to fill the GPU, grid-stride loops do the rest.
-    return max(1, min(-(-work // threads), 65535 if not SIMULATED else 2))
 
 
 def _state(st, device):
@@ -217,67 +168,48 @@ def reduce_to_scales(kind, mode, layout: Layout, x, st, scales: torch.Tensor,
     packed row), and returned: ``ok``, a 0-d bool tensor on the device, False when the input was not
     finite (nothing waits for it). Written into ``ok`` (one bool element) where given, else into this
     layout's flag, valid until the next call on the layout in this thread. Its arguments are planned once
-    per layout and call (:mod:`.numba_cuda_plan`); a :class:`~..source.Source`'s are its expression's."""
+    per layout and call (:mod:`.numba_cuda_launch`); a :class:`~..source.Source`'s are its expression's."""
     device = x.device
     if ok is not None and ok.dim() != 1:
         raise ValueError("reduce_to_scales: ok must be a one-element 1-d bool tensor")
     with _on(device):
         stream = _stream(device)
+        if not layout.nblocks:  # nothing to reduce: finite
+            _, _, flag, flag0, _ = _scratch(kind, layout, device, _tiles(layout, device)[0].numel(), stream)
+            (flag if ok is None else ok).fill_(True)
+            return flag0 if ok is None else ok
         src = kernel_input(x, device) if isinstance(x, Source) else ()
-        held = (x.out, x.messages.codes, x.messages.scales) if isinstance(x, RowsMean) else (
-            () if src else (x,))
+        held = (x.out, x.messages.codes, x.messages.scales) if isinstance(x, RowsMean) else (() if src else (x,))
         plan = planned(layout, ("reduce_to_scales", kind, mode, id(stream), threading.get_ident(), len(src)),
-                       (*held, st, scales, ok), lambda: _plan_reduce_to_scales(kind, mode, layout, x, st, scales, ok,
-                                                                               device, stream, bool(src)))
-        if plan is None:  # nothing to reduce, or scales the kernel cannot write in place
-            return _reduce_to_scales_unplanned(kind, mode, layout, x, st, scales, ok, device, stream)
-        launch, head, tail, result = plan
+                       (*held, st, scales, ok),
+                       lambda: _plan_reduce_to_scales(kind, mode, layout, x, st, scales, ok, device, stream, src))
+        if plan is None:  # scales the kernel cannot write in place: made for this launch, then copied
+            plan = _plan_reduce_to_scales(kind, mode, layout, x, st, scales, ok, device, stream, src, keep=False)
+        launch, head, tail, result, copy = plan
         launch(*head, *src, *tail)
+        if copy is not None:
+            scales.copy_(copy.view(scales.shape))
         return result
 
 
-def _plan_reduce_to_scales(kind, mode, layout: Layout, x, st, scales, ok, device, stream, src: bool) -> tuple | None:
-    """(launcher, the arguments before the input's, after it, the flag returned), or None."""
+def _plan_reduce_to_scales(kind, mode, layout: Layout, x, st, scales, ok, device, stream, src: tuple,
+                           keep: bool = True) -> tuple | None:
+    """(launcher, the arguments before the input's, after it, the flag returned, a copy of the scales or
+    None), or None where scales are copied for this launch alone (``keep=False``: made anyway). The input's
+    arguments are in the first where it is not a Source's, whose arguments the caller gives."""
     tiles = _tiles(layout, device)
     partials, totals, flag, flag0, count = _scratch(kind, layout, device, tiles[0].numel(), stream)
     target, col0, copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
-    if not layout.nblocks or copy is not None:
-        return None
-    args = _reduce_scales_args(kind, mode, layout, x, st, device, target, col0, partials, totals, count,
-                               flag if ok is None else ok, src)
-    if getattr(x, "_copy", None) is not None:  # a RowsMean's scales copied for this launch alone
-        return None
-    launch = _launcher(_reduce_scales_kernel, _grid(max(tiles[0].numel(), layout.nblocks), 1), RTHREADS, stream)
-    return (launch, *args, flag0 if ok is None else ok)
-
-
-def _reduce_scales_args(kind, mode, layout: Layout, x, st, device, target, col0, partials, totals, count, ok,
-                        src: bool) -> tuple[tuple, tuple]:
-    """The reduce-and-scales launch's arguments before and after the input's (all of them in the first
-    where the input is not a Source's, whose arguments the caller gives)."""
     tile_args = _layout_arrays(layout, "tiles", device, lambda: layout.reduce_tiles(REDUCE_TILE))
     (lens,) = _layout_arrays(layout, "scale_lengths_i64", device, lambda: (layout.scale_lengths.reshape(-1),))
     inp = _reduce_input(x, st, device)
+    if keep and (copy is not None or getattr(x, "_copy", None) is not None):  # a RowsMean's scales, copied
+        return None
     tail = (*inp[10:], layout.seg_len, *tile_args, _arr(partials), _arr(totals), lens, layout.blocks_per_seg,
-            target, col0, _arr(count), _arr(ok))
-    return ((kind, mode), tail) if src else ((kind, mode, *inp[:10], *tail), ())
-
-
-def _reduce_to_scales_unplanned(kind, mode, layout: Layout, x, st, scales, ok, device, stream) -> torch.Tensor:
-    tiles = _tiles(layout, device)
-    partials, totals, flag, flag0, count = _scratch(kind, layout, device, tiles[0].numel(), stream)
-    given = ok
-    ok = flag if ok is None else ok
-    if not layout.nblocks:
-        ok.fill_(True)
-        return flag0 if given is None else given
-    target, col0, copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
-    head, tail = _reduce_scales_args(kind, mode, layout, x, st, device, target, col0, partials, totals, count, ok,
-                                     False)
-    _launcher(_reduce_scales_kernel, _grid(max(tiles[0].numel(), layout.nblocks), 1), RTHREADS, stream)(*head)
-    if copy is not None:  # scales laid out otherwise: written, then copied
-        scales.copy_(copy.view(scales.shape))
-    return flag0 if given is None else given
+            target, col0, _arr(count), _arr(flag if ok is None else ok))
+    head, tail = ((kind, mode), tail) if src else ((kind, mode, *inp[:10], *tail), ())
+    launch = _launcher(_reduce_scales_kernel, _grid(max(tiles[0].numel(), layout.nblocks), 1), RTHREADS, stream)
+    return launch, head, tail, flag0 if ok is None else ok, copy
 
 
 def _scratch(kind, layout: Layout, device: torch.device, tiles: int, stream) -> tuple[torch.Tensor, ...]:
