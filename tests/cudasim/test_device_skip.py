@@ -122,10 +122,13 @@ def test_a_planned_launch_follows_its_tensors_memory_and_the_steps_numbers():
     codec.encode_error_feedback(x, st, out=enc, go=FLAGS[True])
     assert torch.equal(fresh, ref) and torch.equal(old_st, first)
 
-    gone = weakref.ref(out)
-    del out
+    ok = torch.empty(1, dtype=torch.bool)  # a caller's flag, written by the planned reduction
+    scales, flag = codec.compute_scales_unchecked(x, ok=ok)
+    assert flag is ok and bool(ok)
+    gone = [weakref.ref(out), weakref.ref(ok)]
+    del out, ok, flag, scales
     gc.collect()
-    assert gone() is None
+    assert all(r() is None for r in gone)
 
 
 def test_predicates_need_the_cuda_backend():

@@ -185,18 +185,19 @@ def reduce_to_scales(kind, mode, layout: Layout, x, st, scales: torch.Tensor,
                        lambda: _plan_reduce_to_scales(kind, mode, layout, x, st, scales, ok, device, stream, src))
         if plan is None:  # scales the kernel cannot write in place: made for this launch, then copied
             plan = _plan_reduce_to_scales(kind, mode, layout, x, st, scales, ok, device, stream, src, keep=False)
-        launch, head, tail, result, copy = plan
+        launch, head, tail, flag0, copy = plan
         launch(*head, *src, *tail)
         if copy is not None:
             scales.copy_(copy.view(scales.shape))
-        return result
+        return flag0 if ok is None else ok
 
 
 def _plan_reduce_to_scales(kind, mode, layout: Layout, x, st, scales, ok, device, stream, src: tuple,
                            keep: bool = True) -> tuple | None:
-    """(launcher, the arguments before the input's, after it, the flag returned, a copy of the scales or
+    """(launcher, the arguments before the input's, after it, the layout's flag 0-d, a copy of the scales or
     None), or None where scales are copied for this launch alone (``keep=False``: made anyway). The input's
-    arguments are in the first where it is not a Source's, whose arguments the caller gives."""
+    arguments are in the first where it is not a Source's, whose arguments the caller gives. It holds no
+    tensor of the caller's: kernel arrays own no memory."""
     tiles = _tiles(layout, device)
     partials, totals, flag, flag0, count = _scratch(kind, layout, device, tiles[0].numel(), stream)
     target, col0, copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
@@ -209,7 +210,7 @@ def _plan_reduce_to_scales(kind, mode, layout: Layout, x, st, scales, ok, device
             target, col0, _arr(count), _arr(flag if ok is None else ok))
     head, tail = ((kind, mode), tail) if src else ((kind, mode, *inp[:10], *tail), ())
     launch = _launcher(_reduce_scales_kernel, _grid(max(tiles[0].numel(), layout.nblocks), 1), RTHREADS, stream)
-    return launch, head, tail, flag0 if ok is None else ok, copy
+    return launch, head, tail, flag0, copy
 
 
 def _scratch(kind, layout: Layout, device: torch.device, tiles: int, stream) -> tuple[torch.Tensor, ...]:

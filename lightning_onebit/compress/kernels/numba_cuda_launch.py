@@ -49,7 +49,7 @@ def planned(layout: Any, key: tuple, tensors: tuple[torch.Tensor | None, ...], m
     value = make()
     if value is not None:
         if len(plans) >= _PER_LAYOUT:
-            plans.pop(next(iter(plans)))
+            plans.pop(next(iter(plans)), None)
         plans[full] = (tuple(None if t is None else weakref.ref(t) for t in tensors),
                        tuple(0 if t is None else t.data_ptr() for t in tensors), value)
     return value
