@@ -296,28 +296,25 @@ def encode(kind, mode, layout: Layout, x, st, scales, codes, go: torch.Tensor | 
         src = kernel_input(x, device) if isinstance(x, Source) else ()
         plan = planned(layout, ("encode", kind, mode, id(stream), len(src)), (*(() if src else (x,)), st, scales, codes,
                                                                             go),
-                       lambda: _plan_encode(kind, mode, layout, x, st, scales, codes, go, device, stream, bool(src)))
-        if plan is None:
-            rows, col0, _copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)  # _copy: held until the launch
-            _launcher(_encode_kernel, _grid(layout.nseg * -(-layout.seg_len // THREADS), 1), THREADS, stream)(
-                kind, mode, *kernel_input(x, device), *_encode_tail(layout, st, rows, col0, codes, go, device))
-            return
-        launch, head, tail = plan
+                       lambda: _plan_encode(kind, mode, layout, x, st, scales, codes, go, device, stream, src))
+        if plan is None:  # scales the kernel cannot read in place: a copy for this launch
+            plan = _plan_encode(kind, mode, layout, x, st, scales, codes, go, device, stream, src, keep=False)
+        launch, head, tail, _copy = plan  # _copy: held until the launch
         launch(*head, *src, *tail)
 
 
-def _encode_tail(layout: Layout, st, rows, col0, codes, go, device) -> tuple:
-    return (_state(st, device), layout.seg_len, *_starts(layout, device), rows, col0, _codes_arr(codes),
-            _go(go, device))
-
-
-def _plan_encode(kind, mode, layout: Layout, x, st, scales, codes, go, device, stream, src: bool) -> tuple | None:
+def _plan_encode(kind, mode, layout: Layout, x, st, scales, codes, go, device, stream, src: tuple,
+                 keep: bool = True) -> tuple | None:
+    """(launcher, the arguments before the input's, after it, a copy of the scales or None), or None where the
+    scales are copied for this launch (``keep=False``: made anyway)."""
     rows, col0, copy = _scales_in(kind, layout.nseg, layout.seg_len, scales)
-    if copy is not None:
+    if copy is not None and keep:
         return None
     launch = _launcher(_encode_kernel, _grid(layout.nseg * -(-layout.seg_len // THREADS), 1), THREADS, stream)
-    tail = _encode_tail(layout, st, rows, col0, codes, go, device)
-    return (launch, (kind, mode), tail) if src else (launch, (kind, mode, *kernel_input(x, device), *tail), ())
+    tail = (_state(st, device), layout.seg_len, *_starts(layout, device), rows, col0, _codes_arr(codes),
+            _go(go, device))
+    head, tail = ((kind, mode), tail) if src else ((kind, mode, *kernel_input(x, device), *tail), ())
+    return launch, head, tail, copy
 
 
 def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows: bool = False, *,
