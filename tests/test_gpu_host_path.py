@@ -197,3 +197,16 @@ def test_a_local_step_reads_nothing_and_its_work_per_bucket_does_not_grow_with_i
         assert ops <= LOCAL_PER_STEP + LOCAL_PER_BUCKET * BUCKETS[model], (model, ops)
         assert max(counts["allocations"]) <= LOCAL_ALLOCATIONS, (model, counts["allocations"])
     assert len({(max(c["torch_ops"]) - LOCAL_PER_STEP) / BUCKETS[m] for m, c in local_counted.items()}) == 1
+
+
+@pytest.mark.cudasim
+@pytest.mark.budget(60)  # the benchmark in a child process, 1 rank (about 20 s), when this test runs first
+def test_a_synchronisation_makes_no_kernel_array_and_copies_without_waiting(one_rank_counted):
+    """0/1 Adam's interval synchronisation sends ``u / sums`` with new sums each time: they go into its
+    expression's own factor buffer by a copy that does not wait (one a bucket), not into a new tensor that each
+    launch would describe to numba again."""
+    for model in BUCKETS:
+        counts = one_rank_counted[("ZeroOneAdam", model)]["sync"]
+        assert max(counts["conversions"]) == max(counts["h2d"]) == 0, (model, counts)
+        assert max(counts["h2d_async"]) <= BUCKETS[model], (model, counts["h2d_async"])
+        assert max(counts["launches"]) <= 5 * BUCKETS[model], (model, counts["launches"])

@@ -89,7 +89,7 @@ class Source:
         self.groups, self.valid = groups, numel
         self.base, self.length = 0, numel  # the window of the expression this object stands for
         self._out = out  # where materialize() writes (e.g. a bucket's payload buffer)
-        self._cache = cache  # where flat_end() keeps its per-group views between steps (e.g. a bucket's)
+        self._cache = cache  # where flat_end() and the CUDA kernels keep what they make once (e.g. a bucket's)
         self._root: Source = self
         self._value: torch.Tensor | None = None  # the root's materialised expression, once made
         ref = start if start is not None else (end if isinstance(end, torch.Tensor) else
@@ -112,10 +112,11 @@ class Source:
 
     @classmethod
     def quotient(cls, start: torch.Tensor, divisors: Sequence[float], *, groups: Sequence[int],
-                 mask: torch.Tensor | None = None, masked: str = "zero", out: torch.Tensor | None = None) -> Source:
+                 mask: torch.Tensor | None = None, masked: str = "zero", out: torch.Tensor | None = None,
+                 cache: dict | None = None) -> Source:
         """``start / divisors[k]`` (0/1 Adam's lr-weighted mean momentum of an interval)."""
         return cls("quotient", numel=start.numel(), groups=groups, start=start, factors=divisors, mask=mask,
-                   masked=masked, out=out)
+                   masked=masked, out=out, cache=cache)
 
     # -- the tensor protocol the collectives use -------------------------------------------
     dtype = torch.float32

@@ -207,7 +207,9 @@ class LocalSteps:
                 else:
                     out = b.worker_buffers("payload", self.simulate_workers)[w]
                 # the lr-weighted mean momentum of the interval, read by the codec where it is
-                payloads.append(Source.quotient(u, sums, groups=b.offsets, mask=idx, masked="zero", out=out))
+                # this rank's expression keeps its kernel arguments in the bucket's cache (a new sums each time)
+                payloads.append(Source.quotient(u, sums, groups=b.offsets, mask=idx, masked="zero", out=out,
+                                                cache=b.cache if w == 0 else None))
             synced = b.synced
             defer = {"defer": True} if hasattr(comm, "decode_pending") else {}
             with nonfinite_is_gradient_error(type(self).__name__):

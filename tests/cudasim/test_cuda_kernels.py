@@ -257,6 +257,47 @@ def test_cuda_quotient_divides_as_torch_does_on_a_gpu(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("reciprocal", [False, True])
+def test_a_cached_expression_takes_new_factors_into_its_own_buffer(reciprocal, monkeypatch):
+    """0/1 Adam's synchronisation sends ``u / sums`` with new sums each time, its expression cached in the
+    bucket's cache: the kernels read the new factors (the GPU's reciprocals too) from the same kernel array,
+    and a buffer of another expression with the old values, shared by value, is left as it was."""
+    from lightning_onebit.compress.kernels import numba_cuda_source as kcs
+
+    monkeypatch.setattr(kcs, "_reciprocal_division", lambda device: reciprocal)
+    m, _ = _tensors()
+    lay = make_codec("l2", None, "torch").layout(N_SRC, 2, groups=[0, 37, 101])
+    state = torch.randn(N_SRC, generator=torch.Generator().manual_seed(9))
+    cache, out, mask = {}, torch.empty(N_SRC), torch.tensor(MASK)
+    shared = Source.quotient(m, FACTORS, groups=GROUPS, mask=mask)  # no cache: its factors are shared by value
+    shared_factors = kcs._expression(shared)[4].copy()
+    arrays = None
+    for factors in (FACTORS, (2.0, 0.25, 9.0, 3e-2), (2.0, 0.25, 9.0, 3e-2)):  # new values, then the same
+        def make(factors=factors):
+            return Source.quotient(m, factors, groups=GROUPS, mask=mask, out=out, cache=cache)
+        src = make()
+        got = _run("l2", "cuda", "error_feedback", lay, src, state)
+        # the same expression written out as it would be on that device, the same kernels on it
+        want = _run("l2", "cuda", "error_feedback", lay, _materialised(make(), reciprocal), state)
+        for a, b, what in zip(got, want, ("totals", "scales", "codes", "state"), strict=True):
+            assert torch.equal(a, b), (factors, what)
+        now = kcs._expression(src)
+        assert arrays is None or now[4] is arrays[4], "the factors' kernel array was made again"
+        arrays = now
+    assert (kcs._expression(shared)[4] == shared_factors).all()
+
+
+def _materialised(src: Source, reciprocal: bool) -> torch.Tensor:
+    """A quotient Source's values: torch's division on the CPU, its multiply by the fp32 reciprocal on a GPU."""
+    if not reciprocal:
+        return src.materialize().clone()
+    bounds = (*src.groups, src.valid)
+    x = torch.cat([src.start[a:b] * (torch.tensor(1.0) / torch.tensor(f))
+                   for a, b, f in zip(bounds[:-1], bounds[1:], src.factors, strict=True)])
+    x[src.mask] = 0.0
+    return x
+
+
 def test_cuda_backend_materialises_the_sources_it_cannot_read():
     from lightning_onebit.compress.codecs import Codec
     from lightning_onebit.compress.kernels import numba_cuda as kc

@@ -322,3 +322,30 @@ def test_raise_and_consecutive_skips_act_a_step_late(monkeypatch):
     with pytest.raises(NonFiniteGradientError, match="2 consecutive steps"):
         opt.state_dict()
     assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
+
+
+def _zero_one_run(backend: str, monkeypatch) -> tuple:
+    monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", backend)
+    torch.manual_seed(0)
+    net = Tiny()
+    params = list(net.parameters())
+    opt = lo.ZeroOneAdam(params, lr=1e-2, weight_decay=0.01, var_freeze_step=2, var_update_scaler=1,
+                         local_step_scaler=1, local_step_clipper=2, bucket_cap_mb=0.002)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):  # 2 variance refreshes, then synchronisations at steps 3 and 5
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return params, opt
+
+
+@pytest.mark.budget(30)  # two 5-step runs, one under the simulator's kernels
+def test_zero_one_adams_synchronisations_on_the_cuda_backend_have_the_cpus_bits(monkeypatch):
+    """0/1 Adam's interval synchronisations (``u / sums``, new sums each time, read in place by the kernels
+    from an expression kept in the bucket's cache) give the numba CPU backend's bits."""
+    params, opt = _zero_one_run("cuda", monkeypatch)
+    assert opt.step_counts["sync"] >= 2 and len(opt._buckets) > 1, opt.step_counts
+    assert all("kernel_expression" in b.cache for b in opt._buckets)
+    cpu_params, cpu = _zero_one_run("numba", monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(params, cpu_params, strict=True))
+    assert _same(opt.state_dict()["state"], cpu.state_dict()["state"])

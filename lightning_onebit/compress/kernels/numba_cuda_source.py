@@ -187,8 +187,8 @@ def empty_arrays(device: torch.device) -> tuple:
 
 
 _BOUNDS: dict[tuple, torch.Tensor] = {}
-# A Source's group factors on the device by value: 1-bit LAMB's are fixed from its switch on, so a bucket's
-# expression, rebuilt every step, finds them there instead of copying them every step
+# The group factors of a Source without a cache, on the device by value (a simulated worker's expression,
+# rebuilt every step, finds equal ones there); a cached expression keeps a buffer of its own (see _expression)
 _FACTORS: dict[tuple, torch.Tensor] = {}
 
 
@@ -196,10 +196,13 @@ def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
     """``values`` on ``device`` without waiting for it: from pinned memory on a GPU (torch's host allocator
     keeps the block until the copy is done), so factors that change (0/1 Adam's sums of step sizes, a new value
     each synchronisation) cost no stream synchronisation."""
+    return _host(values, device).to(device, non_blocking=True)
+
+
+def _host(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``values`` as a host tensor a copy to ``device`` does not wait for (pinned for a GPU)."""
     host = torch.from_numpy(values)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return host.pin_memory() if device.type == "cuda" else host
 
 
 def _group_bounds(groups: tuple, valid: int, device: torch.device) -> torch.Tensor:
@@ -260,12 +263,18 @@ def _expression(src: Source) -> tuple:
     key = None
     if root._cache is not None and not (gathered and spare is None):  # else the gathered end is a new tensor
         end = spare if gathered else root.end
-        key = (root.op, _ptr(root.start), _ptr(end), _ptr(root.mask), root.groups, root.valid, root.factors,
-               root.device)
+        # the factors' count, not their values: new values (0/1 Adam's sums, every synchronisation) are
+        # written into the entry's own factor buffer, whose kernel array stays
+        key = (root.op, _ptr(root.start), _ptr(end), _ptr(root.mask), root.groups, root.valid,
+               None if root.factors is None else len(root.factors), root.device)
         hit = root._cache.get("kernel_expression")
         if hit is not None and hit[0] == key:
             if gathered:
                 root.flat_end(spare)  # the step's values, into the memory the arrays describe
+            if root.factors is not None and hit[3] != root.factors:
+                _, fs = _factor_values(root, device=root.device)
+                hit[2][3].copy_(_host(fs, root.device), non_blocking=True)  # in stream order after the last reader
+                hit = root._cache["kernel_expression"] = (*hit[:3], root.factors)
             root.__dict__["_kernel_tensors"] = hit[2]
             arrays = root.__dict__["_kernel_arrays"] = hit[1]
             return arrays
@@ -278,19 +287,28 @@ def _expression(src: Source) -> tuple:
     end = f32 if root.end is None else root.flat_end(spare)
     factors = f32
     if root.factors is not None:
-        fs = np.array(root.factors, np.float32)
-        if op == QUOTIENT and _reciprocal_division(device):
-            op = RECIPROCAL
-            with np.errstate(divide="ignore"):
-                fs = np.float32(1.0) / fs  # torch's fp32 reciprocal of float32(divisor)
-        factors = memo(_FACTORS, (fs.tobytes(), str(device)), lambda: _to_device(fs, device), 256)
+        op, fs = _factor_values(root, device)
+        # a cached expression owns its factor buffer (rewritten in place when the values change); others
+        # share one by value
+        factors = _to_device(fs, device) if key is not None else memo(
+            _FACTORS, (fs.tobytes(), str(device)), lambda: _to_device(fs, device), 256)
     bounds = _group_bounds(tuple(root.groups), root.valid, device)
     mask = arr(root.mask) if root.mask is not None and root.mask.numel() else empty_arrays(device)[1]
     tensors = root.__dict__["_kernel_tensors"] = (start, end, bounds, factors)  # the arrays own no memory
     arrays = root.__dict__["_kernel_arrays"] = (op, *(arr(t) for t in tensors), mask)
     if key is not None:
-        root._cache["kernel_expression"] = (key, arrays, tensors)
+        root._cache["kernel_expression"] = (key, arrays, tensors, root.factors)
     return arrays
+
+
+def _factor_values(root: Source, device: torch.device) -> tuple[int, np.ndarray]:
+    """(op, factors) as the kernels take them: a quotient on a device that multiplies by the reciprocal
+    becomes RECIPROCAL with the reciprocals."""
+    op, fs = _OP[root.op], np.array(root.factors, np.float32)
+    if op == QUOTIENT and _reciprocal_division(device):
+        with np.errstate(divide="ignore"):
+            return RECIPROCAL, np.float32(1.0) / fs  # torch's fp32 reciprocal of float32(divisor)
+    return op, fs
 
 
 def _spare(root: Source) -> torch.Tensor | None:
