@@ -44,6 +44,9 @@ FUSED = {"fused": True}
 SKIP = {"on_nonfinite": "skip"}
 FLAT = {**SKIP, "hierarchical": False}
 TWO_LEVEL = {**SKIP, "hierarchical": True}
+# the compressed sync in DDP's backward hook, bucket by bucket as the gradients are ready (the policy "raise":
+# nothing to agree before the first bucket's state changes): what the skip policy's sync in step() costs
+IN_HOOK = {"on_nonfinite": "raise", "hierarchical": False}
 
 # -- e2e.py --------------------------------------------------------------------------------------------------
 
@@ -67,6 +70,7 @@ E2E_METHODS: dict[str, Method] = {
     "cd_adam": Method("cd_adam", FLAT),
     "zero_one_adam": Method("zero_one_adam", {**E2E_ZERO_ONE, **FLAT}),
     "onebit_adam_hier": Method("onebit_adam", {**FUSED, **TWO_LEVEL}),
+    "onebit_adam_hook": Method("onebit_adam", {**FUSED, **IN_HOOK}),
     "onebit_lamb_hier": Method("onebit_lamb", TWO_LEVEL),
     "qadam_hier": Method("qadam", {**FUSED, **TWO_LEVEL}),
     "cd_adam_hier": Method("cd_adam", TWO_LEVEL),
@@ -90,6 +94,7 @@ E2E_LABEL = {
     "cd_adam": "cd_adam",
     "zero_one_adam": "zero_one_adam (mean over intervals)",
     **{hier: f"{flat} two-level" for hier, flat in E2E_TWO_LEVEL.items()},
+    "onebit_adam_hook": "onebit_adam, sync in DDP's hook",
     "diloco": f"diloco H={E2E_DILOCO_H}, fp32 (mean over intervals)",
     "diloco_4bit": f"diloco H={E2E_DILOCO_H}, 4-bit (mean over intervals)",
     "diloco_1bit": f"diloco H={E2E_DILOCO_H}, 1-bit (mean over intervals)",
