@@ -11,7 +11,16 @@ from .ddp_hook import (
     register_compression_hook,
     register_local_hook,
 )
-from .dense import all_finite, all_finite_many, any_across, any_across_bytes, group_size, mean_allreduce, ready_future
+from .dense import (
+    all_finite,
+    all_finite_many,
+    any_across,
+    any_across_bytes,
+    group_size,
+    mean_allreduce,
+    nonfinite_flags_,
+    ready_future,
+)
 from .duplex import duplex_twin, enable_duplex
 from .errors import CollectiveError
 from .hierarchical import HierarchicalAllreduce, SimulatedHierarchicalCluster, node_groups
@@ -30,5 +39,6 @@ __all__ = ["MODES", "ByteCounter", "CollectiveError", "CompressedAllreduce", "Co
            "compression_hook",
            "duplex_twin", "enable_duplex", "gather_objects", "gather_sizes", "group_size", "is_default_group",
            "is_distributed", "local_gradients_hook", "make_mean", "max_across_", "mean_allreduce", "node_groups",
+           "nonfinite_flags_",
            "rank", "ready_future", "register_compression_hook", "register_local_hook", "ring_allreduce_bytes",
            "simulated_mean", "sparse_mean", "sparse_mean_bytes", "sparse_row", "spans_the_world", "sum_across_"]

@@ -27,7 +27,7 @@ from .duplex import exchange_rows
 
 __all__ = ["FANOUT_MAX_BYTES", "all_finite", "all_finite_many", "all_gather_rows", "any_across", "any_across_bytes",
            "backend_for", "collective_device", "fans_out", "group_size", "launcher_ranks_per_node", "mean_allreduce",
-           "mean_allreduce_future", "pack_bits", "ready_future", "to_wire", "unpack_bits"]
+           "mean_allreduce_future", "nonfinite_flags_", "pack_bits", "ready_future", "to_wire", "unpack_bits"]
 
 FANOUT_MAX_BYTES = 1 << 16
 """The most bytes a rank sends in a fanned-out :func:`any_across` ((n - 1) copies of its packed flags);
@@ -128,6 +128,18 @@ def all_finite_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         check(ts, found, torch.ones((), dtype=torch.float32, device=dev))
         rest.append((found == 0).to(device))
     return torch.stack(rest).all()
+
+
+def nonfinite_flags_(flags: torch.Tensor, groups: Sequence[Sequence[torch.Tensor]], found: torch.Tensor,
+                     one: torch.Tensor) -> torch.Tensor:
+    """``flags[i]`` (bool) <- some element of ``groups[i]`` (fp32 tensors on ``flags``' device) is NaN or inf,
+    with no allocation: :func:`all_finite_many`'s foreach check per group, into ``found[i]`` (fp32 scratch, one
+    per group) with ``one`` (an fp32 1) as its scale, buffers the caller keeps. Returns ``flags``."""
+    found.zero_()
+    for i, ts in enumerate(groups):
+        if ts:
+            torch._amp_foreach_non_finite_check_and_unscale_(list(ts), found[i], one)
+    return torch.gt(found, 0, out=flags)
 
 
 def fans_out(group, device: torch.device) -> bool:

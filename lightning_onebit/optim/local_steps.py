@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..comm import all_finite, all_finite_many, rank
+from ..comm import all_finite, nonfinite_flags_, rank
 from ..compress import Source, flat_buffer
 from ..compress.source import Sink
 from .buckets import Bucket
@@ -164,7 +164,13 @@ class LocalSteps:
                 if have:
                     torch._foreach_copy_([views[j] for j in have], [gs[j] for j in have])
             flats.append(bufs)
-        bad = torch.stack([~all_finite_many([bufs[w] for bufs in flats]) for w in range(len(grads[0]))])
+        n, dev = len(grads[0]), flats[0][0].device
+        fb = self.__dict__.get("_flag_buffers")
+        if fb is None or fb[0].device != dev or fb[0].numel() != n:  # made once: no allocation a local step
+            fb = self._flag_buffers = (torch.empty(n, dtype=torch.bool, device=dev),
+                                       torch.empty(n, dtype=torch.float32, device=dev),
+                                       torch.ones((), dtype=torch.float32, device=dev))
+        bad = nonfinite_flags_(fb[0], [[f[w] for f in flats] for w in range(n)], fb[1], fb[2])
         flags = bad.unbind()
         for bufs in flats:
             for flag, flat in zip(flags, bufs, strict=True):
