@@ -1,6 +1,7 @@
 """A compression step decided on the device (the cuda backend): the kernels' predicates, and 1-bit Adam /
 QAdam skipping a step with a NaN gradient with no host read, learnt at the next step, on one rank and on two
-gloo ranks (the NaN on one of them), in `step()` and bucket by bucket in DDP's hook.
+gloo ranks (the NaN on one of them), in `step()` and bucket by bucket in DDP's hook; and 0/1 Adam's
+synchronisations on the cuda backend against the CPU's bits.
 
 Runs under numba's CUDA simulator (tests/test_cuda_simulator.py starts it), where CPU tensors stand in for
 device memory: the cuda backend's kernels, flags and predicated writes run as on a GPU.
