@@ -36,7 +36,7 @@ def flags_stay_on_device(device: torch.device) -> bool:
 
 class LocalSteps:
     """Mixin: the local steps, synchronisations and replicas of phase B (see the module docstring).
-    Expects :class:`~lightning_onebit.optim.ZeroOneAdam`'s state (``_acc``, ``_bad``, ``_local``,
+    Expects :class:`~lightning_onebit.optim.ZeroOneAdam`'s state (``_acc``, ``_bad``, ``_flag_buffers``, ``_local``,
     ``_replicas``, ``_since_sync``, ``_kind``, ``local_state``) and its ``_mask``/``_denominator``."""
 
     # -- phase B: local steps and synchronisations -------------------------------------------
@@ -165,7 +165,7 @@ class LocalSteps:
                     torch._foreach_copy_([views[j] for j in have], [gs[j] for j in have])
             flats.append(bufs)
         n, dev = len(grads[0]), flats[0][0].device
-        fb = self.__dict__.get("_flag_buffers")
+        fb = self._flag_buffers
         if fb is None or fb[0].device != dev or fb[0].numel() != n:  # made once: no allocation a local step
             fb = self._flag_buffers = (torch.empty(n, dtype=torch.bool, device=dev),
                                        torch.empty(n, dtype=torch.float32, device=dev),

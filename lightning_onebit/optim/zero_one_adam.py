@@ -135,6 +135,7 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
         self._since_sync = 0  # local steps since the last synchronisation (the same on every rank)
         self._acc: dict[int, list] = {}  # bucket index -> [per-parameter sum of step sizes, weight-decay product]
         self._bad: torch.Tensor | None = None  # per (simulated) worker: gradients dropped since the last sync
+        self._flag_buffers: tuple[torch.Tensor, ...] | None = None  # a local step's finiteness flags and scratch
         self._replicas: list[dict[int, dict[str, torch.Tensor]]] = []  # simulation: workers 1.. (0 is the model)
 
     @property
