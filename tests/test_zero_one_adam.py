@@ -212,36 +212,76 @@ def test_without_compression_it_is_adam_with_the_variance_frozen(clipper, wd, mo
 
 
 # -- DDP == simulation --------------------------------------------------------------------------
+CAP = 0.004  # MB: the optimizer's buckets of TinyTransformer, 4 (a synchronisation's calls run together)
+
+
 def _ddp_rank(rank, world_size, steps, wires):
+    from lightning_onebit.comm import CompressedAllreduce
+
     from dist_utils import counting_collectives
 
     out = {}
-    for wire in wires:
-        calls: list[str] = []
-        with counting_collectives(calls.append):  # every collective this process starts
-            out[wire] = _ddp_steps(rank, steps, calls, wire)
+    phases: list[str] = []
+    real = {name: getattr(CompressedAllreduce, name) for name in ("begin", "complete")}
+
+    def logged(name):
+        def phase(self, *args, **kwargs):
+            phases.append(name)
+            return real[name](self, *args, **kwargs)
+        return phase
+
+    for name in real:  # the order of the calls' phases in each step
+        setattr(CompressedAllreduce, name, logged(name))
+    try:
+        for wire in wires:
+            calls: list[str] = []
+            with counting_collectives(calls.append):  # every collective this process starts
+                out[wire] = _ddp_steps(rank, steps, calls, phases, wire)
+        out["raise"] = _ddp_raises(rank)
+    finally:
+        for name, f in real.items():
+            setattr(CompressedAllreduce, name, f)
     return out
 
 
-def _ddp_steps(rank, steps, calls: list, wire):
+def _ddp_steps(rank, steps, calls: list, phases: list, wire, policy: str = "skip", nan_at: int | None = None,
+               record: list | None = None):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = _model()
     ddp = DDP(model)
-    opt = ZeroOneAdam(model.parameters(), lr=3e-3, warmup_comm_dtype=wire, **SMALL)
+    opt = ZeroOneAdam(model.parameters(), lr=3e-3, warmup_comm_dtype=wire, bucket_cap_mb=CAP, **SMALL)
+    opt.set_nonfinite_policy(policy)
     opt.attach(ddp)
-    record = []
+    record = [] if record is None else record
+    record.append(opt)  # the caller's list: the optimizer first, then a step each
     for t in range(1, steps + 1):
         x, y = _batch(t, rank)
         before = [p.detach().clone() for p in model.parameters()]
         local = torch.autograd.grad(nn.functional.cross_entropy(model(x), y), list(model.parameters()))
-        start = len(calls)
+        start, first = len(calls), len(phases)
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
+        if t == nan_at:
+            next(model.parameters()).grad.view(-1)[0] = float("nan")
+        record.append({"before": before, "grads": [g.clone() for g in local],
+                       "anchors": [b.flat["anchor"].clone() for b in opt._buckets if "anchor" in b.flat]})
         opt.step()
-        record.append({"before": before, "grads": [g.clone() for g in local], "calls": len(calls) - start,
-                       "bytes": opt.comm_counter.last.bytes_sent})
-    return record, [p.detach().clone() for p in model.parameters()], opt.comm_counter.rounds
+        record[-1].update(calls=len(calls) - start, phases=phases[first:], buckets=len(opt._buckets),
+                          bytes=opt.comm_counter.last.bytes_sent)
+    return record[1:], [p.detach().clone() for p in model.parameters()], opt.comm_counter.rounds
+
+
+def _ddp_raises(rank) -> tuple[str, bool]:
+    """Policy "raise", rank 1's gradient NaN at local step 21: (what step 24, a synchronisation, raised, whether
+    every anchor was left as it was)."""
+    record: list = []
+    try:
+        _ddp_steps(rank, 24, [], [], None, policy="raise", nan_at=21 if rank == 1 else None, record=record)
+    except NonFiniteGradientError as exc:
+        return f"step {len(record) - 1}: {exc}", all(torch.equal(b.flat["anchor"], a) for b, a in zip(
+            record[0]._buckets, record[-1]["anchors"], strict=True))
+    return "nothing", False
 
 
 def test_ddp_hook_equals_the_simulation_and_local_steps_send_nothing():
@@ -249,17 +289,26 @@ def test_ddp_hook_equals_the_simulation_and_local_steps_send_nothing():
     every worker's replica equals its rank's before every step, bit for bit, through refresh, 1-bit,
     local and synchronising steps; the local steps start no collective at all, DDP's included. The
     same with the refreshes' mean sent in fp16 (half their bytes) and as 8-bit codes sent by ``step()``
-    (fewer still): equal to the simulation too."""
+    (fewer still): equal to the simulation too. A synchronisation begins every bucket's call before it
+    completes any (their round trips overlap). With the policy "raise" and a NaN dropped by rank 1 in a local
+    step, both ranks raise at the next synchronisation and leave the anchor as it was."""
     steps, wires = 28, (None, "fp16", "uint8")
     runs = values(run_ranks(_ddp_rank, 2, steps, wires, timeout_s=120))
     kinds = ZeroOneSchedule(**SMALL).kinds(steps)
+    for rank in (0, 1):
+        said, kept = runs[rank]["raise"]
+        assert said.startswith("step 24: ") and "dropped a NaN/inf gradient in a local step" in said and kept, said
     for wire in wires:
         (r0, p0, rounds0), (r1, p1, _) = runs[0][wire], runs[1][wire]
         assert [s["calls"] for s, k in zip(r0, kinds, strict=True) if k == L] == [0] * kinds.count(L)
         assert all(s["calls"] > 0 for s, k in zip(r0, kinds, strict=True) if k != L)
+        n = r0[-1]["buckets"]
+        assert n >= 3 and all(s["phases"] == ["begin"] * n + ["complete"] * n
+                              for s, k in zip(r0, kinds, strict=True) if k == S), (wire, n)
         assert [s["bytes"] for s in r0] == [s["bytes"] for s in r1] and rounds0 == steps - kinds.count(L)
         model = _model()
-        sim = ZeroOneAdam(model.parameters(), lr=3e-3, simulate_workers=2, warmup_comm_dtype=wire, **SMALL)
+        sim = ZeroOneAdam(model.parameters(), lr=3e-3, simulate_workers=2, warmup_comm_dtype=wire,
+                          bucket_cap_mb=CAP, **SMALL)
         parted = False
         for t, (s0, s1) in enumerate(zip(r0, r1, strict=True), 1):
             for w, rec in enumerate((s0, s1)):

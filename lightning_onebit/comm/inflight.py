@@ -121,7 +121,9 @@ def check_together(calls: Sequence[CompressedAllreduce]) -> Verdict | None:
     if len(rounds) > 1 and alike:
         for call in rounds:
             call.agreement.work.wait()
-        host = torch.stack([call.agreement.allsig for call in rounds]).cpu().numpy()  # one read
+        stacked, read = _kept(calls[0], "_read_sigs", rounds[0].agreement.allsig, len(rounds), host=True)
+        torch.stack([call.agreement.allsig for call in rounds], out=stacked)
+        host = read.copy_(stacked).numpy()  # one read
         for call, sig in zip(rounds, host, strict=True):
             call.agreement = call.agreement._replace(host=sig)
     local = [call for call in begun if call.agreement.work is None]
@@ -135,10 +137,26 @@ def check_together(calls: Sequence[CompressedAllreduce]) -> Verdict | None:
         tensors = [t.reshape(()) for t in tensors]
     if device_side:
         return _decide_on_device(calls[0], [(owners[id(call)], call) for call in local], tensors)
-    if bool(torch.stack(tensors).all()):
+    stacked, every = _kept(calls[0], "_read_flags", tensors[0], len(tensors))
+    torch.stack(tensors, out=stacked)
+    if bool(torch.all(stacked, out=every)):  # one read
         for call in local:
             call.agreement = Agreement(None, True)
     return None
+
+
+def _kept(owner: CompressedAllreduce, name: str, like: torch.Tensor, n: int,
+          host: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` tensors like ``like`` stacked, and their host copy (``host``) or their AND: buffers ``owner``
+    keeps under ``name``, made again only for other flags, so that reading the agreements allocates nothing."""
+    key = (like.device, like.dtype, n, like.shape)
+    bufs = owner.__dict__.get(name)
+    if bufs is None or bufs[0] != key:
+        stacked = torch.empty((n, *like.shape), dtype=like.dtype, device=like.device)
+        other = (torch.empty(stacked.shape, dtype=like.dtype, pin_memory=like.is_cuda) if host
+                 else torch.empty((), dtype=torch.bool, device=like.device))
+        bufs = owner.__dict__[name] = (key, stacked, other)
+    return bufs[1], bufs[2]
 
 
 def _decide_on_device(owner: CompressedAllreduce, local: list[tuple[CompressedAllreduce, Call]],

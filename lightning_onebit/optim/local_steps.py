@@ -21,7 +21,7 @@ from ..compress.source import Sink
 from .buckets import Bucket
 from .functional import decoupled_update_, local_adam_step_, local_fusable
 from .nonfinite import NonFiniteGradientError
-from .sync import nonfinite_is_gradient_error
+from .sync import nonfinite_is_gradient_error, sync_together
 
 log = logging.getLogger(__name__)
 
@@ -191,71 +191,79 @@ class LocalSteps:
 
     def _synchronise_local(self, buckets: list[Bucket]) -> None:
         """The 1-bit synchronisation that ends a local interval: every rank gets the same momentum and
-        rebuilds the same model from the anchor."""
+        rebuilds the same model from the anchor. The buckets' calls run together (:func:`~.sync.sync_together`):
+        their agreements read once, their round trips overlapped (about 3 a synchronisation, not 3 a bucket)."""
         counts = self._bad.tolist()  # the one host read of the dropped-gradient counts per interval
         self.dropped_gradients += sum(counts)
         bad = [c > 0 for c in counts]
-        for i, b in enumerate(buckets):
-            group = self.param_groups[b.group_index]
-            sums, decay = self._acc[b.index]
-            comm = b.sync.collective()
+        for b in buckets:
             mask = self._mask(b)
             if mask is not None and "mask_idx" not in b.cache:
                 b.cache["mask_idx"] = mask.nonzero().view(-1)
-            idx = None if mask is None else b.cache["mask_idx"]
-            payloads = []
-            for w in range(self.simulate_workers or 1):
-                _, _, u = self._worker_state(b, w)
-                if w == 0:
-                    if b.sync.payload is None:
-                        b.sync.payload = flat_buffer(b.numel, device=b.device, zero=False)
-                    out = b.sync.payload
-                else:
-                    out = b.worker_buffers("payload", self.simulate_workers)[w]
-                # the lr-weighted mean momentum of the interval, read by the codec where it is
-                # this rank's expression keeps its kernel arguments in the bucket's cache (a new sums each time)
-                payloads.append(Source.quotient(u, sums, groups=b.offsets, mask=idx, masked="zero", out=out,
-                                                cache=b.cache if w == 0 else None))
-            synced = b.synced
-            defer = {"defer": True} if hasattr(comm, "decode_pending") else {}
-            with nonfinite_is_gradient_error(type(self).__name__):
-                if self.simulate_workers is not None:
-                    comm.allreduce_into(payloads, synced, flags=bad, **defer)
-                else:
-                    with b.sync.failure("compressed allreduce (local-step synchronisation)"):
-                        comm(payloads[0], out=synced, flag=bad[0], **defer)
-            if i == 0 and comm.any_flag:
-                self._report_dropped()  # a raise leaves the deferred result undecoded: nothing changed yet
-            m, anchor = b.flat["exp_avg"], b.flat["anchor"]
-            d = self._denominator(b, group)
-            if getattr(comm, "pending", False):
-                # m <- the synced momentum and the anchor's update in one pass
-                comm.decode_pending(Sink(numel=b.numel, groups=b.offsets, targets=b.kept_views("anchor", anchor),
-                                         denom=d, values=[-s for s in sums], decay=decay, mask=idx,
-                                         cache=b.cache), out=m)
-            else:
-                m.copy_(synced)
-                if mask is not None:
-                    m.masked_fill_(mask, 0.0)
-                anchor.mul_(decay)
-                if len(set(sums)) == 1:
-                    anchor.addcdiv_(m, d, value=-sums[0])
-                else:
-                    for av, mv, dv, s in zip(b.views(anchor), b.views(m), b.views(d), sums, strict=True):
-                        av.addcdiv_(mv, dv, value=-s)
-            with torch.no_grad():
-                for w in range(self.simulate_workers or 1):
-                    params, wm, u = self._worker_state(b, w)
-                    torch._foreach_copy_(list(params), b.kept_views("anchor", anchor))
-                    if wm is not m:
-                        wm.copy_(m)
-                    u.zero_()
-            b.cache["synced"] = True
-            self._acc[b.index] = [[0.0] * len(b.params), 1.0]
+        if self.simulate_workers is None:
+            # the flag rides in the first bucket's agreement: every rank learns there that one dropped a gradient
+            sync_together(_Interval(self, bad[0], buckets[0] if buckets else None), [(b.sync, None, None)
+                                                                                     for b in buckets])
+        for i, b in enumerate(buckets):
+            comm = b.sync.collective()
+            if self.simulate_workers is not None:
+                if b.sync.payload is None:
+                    b.sync.payload = flat_buffer(b.numel, device=b.device, zero=False)
+                outs = [b.sync.payload, *b.worker_buffers("payload", self.simulate_workers)[1:]]
+                payloads = [self._interval_payload(b, w, out) for w, out in enumerate(outs)]
+                defer = {"defer": True} if hasattr(comm, "decode_pending") else {}
+                with nonfinite_is_gradient_error(type(self).__name__):
+                    comm.allreduce_into(payloads, b.synced, flags=bad, **defer)
+                if i == 0 and comm.any_flag:
+                    self._report_dropped()  # a raise leaves the deferred result undecoded: nothing changed yet
+            self._rebuild(b)
         for b in buckets:
             b.cache.pop("synced", None)
+            b.reset_step()  # sync_together marked its calls done: the next step's sync is its own
         self._bad.zero_()
         self._since_sync = 0
+
+    def _interval_payload(self, b: Bucket, w: int, out: torch.Tensor) -> Source:
+        """Worker ``w``'s lr-weighted mean momentum of the interval, ``u / sum(s)``, read by the codec where it
+        is; this rank's expression keeps its kernel arguments in the bucket's cache (a new sum each time)."""
+        _, _, u = self._worker_state(b, w)
+        idx = None if self._mask(b) is None else b.cache["mask_idx"]
+        return Source.quotient(u, self._acc[b.index][0], groups=b.offsets, mask=idx, masked="zero", out=out,
+                               cache=b.cache if w == 0 else None)
+
+    def _rebuild(self, b: Bucket) -> None:
+        """After bucket ``b``'s call: m <- the synced momentum, the anchor moved by the interval, and every
+        worker's parameters, momentum and u rebuilt from them."""
+        group = self.param_groups[b.group_index]
+        sums, decay = self._acc[b.index]
+        comm, mask = b.sync.collective(), self._mask(b)
+        idx = None if mask is None else b.cache["mask_idx"]
+        m, anchor, synced = b.flat["exp_avg"], b.flat["anchor"], b.synced
+        d = self._denominator(b, group)
+        if getattr(comm, "pending", False):
+            # m <- the synced momentum and the anchor's update in one pass
+            comm.decode_pending(Sink(numel=b.numel, groups=b.offsets, targets=b.kept_views("anchor", anchor),
+                                     denom=d, values=[-s for s in sums], decay=decay, mask=idx, cache=b.cache),
+                                out=m)
+        else:
+            m.copy_(synced)
+            if mask is not None:
+                m.masked_fill_(mask, 0.0)
+            anchor.mul_(decay)
+            if len(set(sums)) == 1:
+                anchor.addcdiv_(m, d, value=-sums[0])
+            else:
+                for av, mv, dv, s in zip(b.views(anchor), b.views(m), b.views(d), sums, strict=True):
+                    av.addcdiv_(mv, dv, value=-s)
+        with torch.no_grad():
+            for w in range(self.simulate_workers or 1):
+                params, wm, u = self._worker_state(b, w)
+                torch._foreach_copy_(list(params), b.kept_views("anchor", anchor))
+                if wm is not m:
+                    wm.copy_(m)
+                u.zero_()
+        b.cache["synced"] = True
+        self._acc[b.index] = [[0.0] * len(b.params), 1.0]
 
     def _report_dropped(self) -> None:
         msg = (f"ZeroOneAdam: a rank dropped a NaN/inf gradient in a local step before optimizer step {self._step} "
@@ -298,3 +306,34 @@ class LocalSteps:
             with torch.no_grad():
                 for p, saved in own:
                     p.copy_(saved)
+
+
+class _Interval:
+    """The synchronisation of a local interval as :func:`~.sync.sync_together` runs it (its
+    :class:`~.sync.Algorithm`): the payload is each bucket's ``u / sum(s)``, the first bucket's agreement
+    carries whether this rank dropped a gradient, and the result is left for :meth:`LocalSteps._rebuild`, which
+    decodes it into the anchor: nothing is absorbed before every call has completed."""
+
+    skips_on_device = False  # the flag is read with the agreement
+
+    def __init__(self, opt: LocalSteps, dropped: bool, first: Bucket | None) -> None:
+        self.opt, self.dropped, self.first = opt, dropped, first
+
+    def _payload(self, b: Bucket, grad, out: torch.Tensor) -> Source:
+        return self.opt._interval_payload(b, 0, out)
+
+    def _flag(self, b: Bucket, grad) -> bool | None:
+        return self.dropped if b is self.first else None
+
+    def _on_flag(self, b: Bucket, grads, simulated: bool) -> None:
+        # the first bucket's call was decoded (not deferred) and nothing else was: a raise changes no model
+        self.opt._report_dropped()
+
+    def _sync_target(self, b: Bucket) -> torch.Tensor:
+        return b.synced
+
+    def _absorb(self, b: Bucket, synced: torch.Tensor) -> None:
+        pass  # _rebuild, once every call has completed
+
+    def _defers(self, b: Bucket) -> bool:
+        return True
