@@ -148,6 +148,10 @@ def test_counter_tells_host_from_device_data():
 # whatever its tensors; per step the workers' finiteness check, written into buffers made once, and their flags
 # added to the interval's counts
 LOCAL_PER_BUCKET, LOCAL_PER_STEP, LOCAL_ALLOCATIONS = 6, 6, 0
+# and what a synchronising step adds to them: per bucket the new factors' copy, the parameters rebuilt from the
+# anchor (one foreach copy) and u zeroed (the anchor's update is the decode kernel's); per step the interval's
+# dropped-gradient counts read and zeroed, and the agreements' flags stacked, ANDed and read once
+SYNC_PER_BUCKET, SYNC_PER_STEP = 3, 5
 
 
 @pytest.fixture(scope="module")
@@ -206,10 +210,14 @@ def test_a_synchronisation_makes_no_kernel_array_and_copies_without_waiting(one_
     expression's own factor buffer by a copy that does not wait (one a bucket), not into a new tensor that each
     launch would describe to numba again. Its buckets' calls run together: the host reads the dropped-gradient
     counts and every call's agreement once each (and here the CPU's check of each bucket's gathered server
-    scales, which a GPU folds into the next agreement), not each agreement in turn, and allocates nothing."""
+    scales, which a GPU folds into the next agreement), not each agreement in turn, and allocates nothing; the
+    anchor's update is applied by the decode kernel, so its torch ops do not grow with the tensors."""
     for model in BUCKETS:
         counts = one_rank_counted[("ZeroOneAdam", model)]["sync"]
         assert max(counts["conversions"]) == max(counts["h2d"]) == max(counts["allocations"]) == 0, (model, counts)
         assert max(counts["d2h"]) <= 2 + BUCKETS[model], (model, counts["d2h"])
+        per_bucket = LOCAL_PER_BUCKET + SYNC_PER_BUCKET
+        assert max(counts["torch_ops"]) <= LOCAL_PER_STEP + SYNC_PER_STEP + per_bucket * BUCKETS[model], (
+            model, counts["torch_ops"])
         assert max(counts["h2d_async"]) <= BUCKETS[model], (model, counts["h2d_async"])
         assert max(counts["launches"]) <= 5 * BUCKETS[model], (model, counts["launches"])

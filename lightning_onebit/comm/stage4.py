@@ -69,11 +69,16 @@ class Stage4:
         torch.linalg.vector_norm(scales, math.inf, out=top)
         return torch.lt(top, math.inf, out=ok)
 
+    def _fuses(self, sink: Sink | None) -> bool:
+        """The codec applies ``sink`` as it decodes: the whole result, or with pipeline pieces each piece's window
+        of every row (one away from 0 asked for them all: a backend may take only a whole result's)."""
+        return sink is not None and self.codec.fuses_sink(sink if self.num_pieces == 1 else sink[1:])
+
     def finish_piece(self, gathered: torch.Tensor, dst: torch.Tensor, k: int = 0, sink: Sink | None = None) -> None:
         """Stage 4 (every rank): decode piece ``k`` of the gathered server rows into ``dst``; a ``sink``
         the codec applies while decoding (:meth:`Codec.fuses_sink`) is applied here, piece by piece."""
         n, seg, acc = self.world_size, self.seg_len, self.mode == "markov"
-        if sink is not None and not self.codec.fuses_sink(sink):
+        if not self._fuses(sink):
             sink = None  # applied by finish() after the whole result is decoded
         if self.num_pieces == 1:
             self.codec.decode(self._messages(self.layout, gathered), out=dst,
@@ -92,7 +97,7 @@ class Stage4:
         """The result from the decoded buffer: padding dropped, cast to ``dtype`` or into ``out``
         (and a ``sink`` the codec did not apply while decoding applied now)."""
         d = self.numel
-        if sink is not None and not self.codec.fuses_sink(sink):
+        if sink is not None and not self._fuses(sink):
             sink.apply(dst[:d])
         if out is not None and dst.data_ptr() == out.data_ptr():
             return out  # decoded in place

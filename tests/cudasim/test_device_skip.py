@@ -73,9 +73,16 @@ def test_the_decode_kernel_applies_a_sink_with_the_cpu_bits(decay):
     codec.decode_predicated(enc, out, None, go=FLAGS[True], sink=sink(got))
     assert torch.equal(out, values)  # the state gets the values unmasked, as without the sink
     assert all(torch.equal(a, b) for a, b in zip(got[::2], ref[::2], strict=True))
-    assert not codec.fuses_predicated_sink(sink(got, sizes=(-0.01, -0.01, -0.02)))  # torch applies it then
-    with pytest.raises(ValueError, match="fusable"):
-        codec.decode_predicated(enc, out, None, go=FLAGS[True], sink=sink(got, sizes=(-0.01, -0.01, -0.02)))
+    # a decode the host decided (0/1 Adam's synchronisation, a step under the policy "raise") fuses it alike
+    plain = [None if t is None else t.clone() for t in targets]
+    assert codec.fuses_sink(sink(plain))
+    out = torch.full((n,), 7.0)
+    codec.decode(enc, out=out, sink=sink(plain))
+    assert torch.equal(out, values) and all(torch.equal(a, b) for a, b in zip(plain[::2], ref[::2], strict=True))
+    uneven = sink(got, sizes=(-0.01, -0.01, -0.02))
+    assert not codec.fuses_predicated_sink(uneven) and not codec.fuses_sink(uneven)  # torch applies it then
+    with pytest.raises(ValueError, match="one step size"):
+        codec.decode_predicated(enc, out, None, go=FLAGS[True], sink=uneven)
 
 
 def test_a_planned_launch_follows_its_tensors_memory_and_the_steps_numbers():

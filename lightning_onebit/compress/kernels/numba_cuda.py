@@ -62,8 +62,9 @@ def _state(st, device):
 
 
 def accepts_sink(sink) -> bool:
-    """``decode`` applies no :class:`~..source.Sink`: the caller applies it to the decoded values."""
-    return False
+    """Whether ``decode`` applies ``sink`` in its kernel: a whole result's (a window at 0) with one step size,
+    predicated or not (see :mod:`.numba_cuda_sink`); the caller applies any other to the decoded values."""
+    return fusable(sink, sink.denom.device)
 
 
 def fuses_predicated_sink(sink) -> bool:
@@ -321,12 +322,12 @@ def decode(kind, layout: Layout, codes, scales, out, accumulate: bool, mean_rows
            go: torch.Tensor | None = None, and_go: torch.Tensor | None = None,
            copy: torch.Tensor | None = None, flags: torch.Tensor | None = None, decay: float = 1.0,
            decay_out: torch.Tensor | None = None, sink=None) -> None:
-    """``sink``: a :class:`~..source.Sink` the kernel applies where it writes (:func:`fuses_predicated_sink`),
-    on a predicated decode (``go`` given) of a whole result. Planned like :func:`reduce_to_scales`: the
+    """``sink``: a :class:`~..source.Sink` the kernel applies where it writes (:func:`accepts_sink`), on a
+    decode of a whole result (predicated by ``go`` or not). Planned like :func:`reduce_to_scales`: the
     step's numbers (``decay``, the sink's value and decay) are this call's."""
     device = codes.device
-    if sink is not None and (go is None or not fusable(sink, device)):
-        raise ValueError("decode applies a sink only when predicated (go=) and fusable (see fuses_predicated_sink)")
+    if sink is not None and not fusable(sink, device):
+        raise ValueError("decode applies a sink only to a whole result with one step size (see accepts_sink)")
     with _on(device):
         stream = _stream(device)
         held = (codes, scales, out, go, and_go, copy, flags, decay_out)
