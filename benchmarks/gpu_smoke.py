@@ -14,9 +14,10 @@ Checks, each a row of the table it prints:
 * parity: codes and scales of the ``cuda`` backend equal the numba CPU backend's bit for bit, and the
   decoded floats too, for every codec (sign-l2, sign-l1, min-max u8), modes (plain, error feedback,
   markov), block sizes and tensor groups, sizes 0 .. 2^24 + 1000, one and several rows;
-* the update a compression-phase step makes (a ``Sink``), applied by the predicated decode kernel: the
-  CPU's bits, with tensors without a target and masked coordinates (and whether torch's own foreach update
-  on the device gives them too, reported);
+* the update a compression-phase step makes (a ``Sink``), applied by the decode kernel, predicated and not
+  (0/1 Adam's synchronisation): the CPU's bits, with tensors without a target and masked coordinates (and
+  whether torch's own foreach update on the device gives them too, reported); 1-bit LAMB's moments on a
+  bucket's whole buffers: the bits of the same torch ops per tensor;
 * stream ordering: input written on a side stream after a long ``torch.cuda._sleep`` is encoded on
   that stream correctly (the kernels run on torch's current stream);
 * host syncs: one error-feedback encode + decode under ``torch.cuda.set_sync_debug_mode("warn")``
@@ -743,11 +744,38 @@ def check_sink_parity(device: torch.device, n: int) -> None:
     fused = codec_g.fuses_predicated_sink(sink(gpu, device))
     codec_g.decode_predicated(enc_g, torch.empty(n, device=device), None, go=go, sink=sink(gpu, device))
     sink(by_torch, device).apply(codec_g.decode(enc_g))
+    plain = on(device)  # a decode the host decided (0/1 Adam's synchronisation) fuses the sink alike
+    codec_g.decode(enc_g, out=torch.empty(n, device=device), sink=sink(plain, device))
     same = fused and all(t is None or _same(a, t) for a, t in zip(gpu, cpu, strict=True))
+    plain_same = all(t is None or _same(a, t) for a, t in zip(plain, cpu, strict=True))
     torch_same = all(t is None or _same(a, t) for a, t in zip(by_torch, cpu, strict=True))
-    row(f"update in the decode kernel, n={n}", same,
-        f"{len(cuts)} tensors, {mask.numel()} masked: {'equal to' if same else 'differs from'} the CPU's bits "
-        f"(torch's foreach update on {device.type}: {'the same' if torch_same else 'other'} bits)")
+    row(f"update in the decode kernel, n={n}", same and plain_same,
+        f"{len(cuts)} tensors, {mask.numel()} masked: predicated {'equal to' if same else 'differs from'}, "
+        f"not predicated {'equal to' if plain_same else 'differs from'} the CPU's bits (torch's foreach update "
+        f"on {device.type}: {'the same' if torch_same else 'other'} bits)")
+
+
+def check_lamb_flat(device: torch.device) -> None:
+    """1-bit LAMB's moments and momentum shift on a bucket's whole buffers against the same torch ops per tensor,
+    on the device: the same bits (elementwise ops; a maximum is exact; a GPU's square root is IEEE's)."""
+    from lightning_onebit.optim import functional as F
+
+    sizes = [300, 0, 7, 4099, 1 << 16]
+    runs = []
+    for whole in (True, False):
+        g = torch.Generator().manual_seed(5)
+        m, prev, f, d, u, new = (torch.randn(sum(sizes), generator=g).to(device) for _ in range(6))
+        f.abs_()
+        d.abs_().add_(0.1)
+        views = [list(t.split(sizes)) for t in (m, prev, f, d, u, new)]
+        flat = F.Flat(m, prev, f, d, u, torch.tensor(sizes, device=device), torch.empty_like(m)) if whole else None
+        mx = F.lamb_moments_(*views[:5], [0.25] * len(sizes), beta1=0.9, beta2=0.999, eps=1e-8,
+                             eps_inside_sqrt=True, flat=flat)
+        F.shift_in_(views[1], views[0], views[5], [0.5, 1.0, 3.0, 1.7, 0.3], flat=(prev, m) if whole else None)
+        runs.append((mx, m, prev, f, u))
+    same = all(_same(a, b) for a, b in zip(*runs, strict=True))
+    row("1-bit LAMB's moments on whole buffers", same,
+        f"{len(sizes)} tensors: {'the same bits as' if same else 'other bits than'} the ops per tensor")
 
 
 def run_checks(device: torch.device, sizes: list[int], args: argparse.Namespace) -> None:
@@ -759,6 +787,8 @@ def run_checks(device: torch.device, sizes: list[int], args: argparse.Namespace)
     if "parity" in want:
         check_parity(device, sizes)
         check_sink_parity(device, 100 if args.cudasim else (1 << 20) + 3)
+        if gpu:  # on a CPU the numba kernels run instead (tests/test_fused.py compares the torch ops there)
+            check_lamb_flat(device)
     if "device" in want:
         if gpu:
             check_stream_order(device)

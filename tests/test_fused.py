@@ -297,6 +297,33 @@ def test_functional_kernels_have_the_bits_of_their_torch_ops(fn, numba_path):
         torch.testing.assert_close(maxima[0], maxima[1], rtol=2.4e-7, atol=0)
 
 
+def test_lamb_moments_and_shift_on_whole_buffers_have_the_bits_of_the_per_tensor_ops(monkeypatch):
+    """Where the torch ops run (a GPU), 1-bit LAMB's moments and its shift of the momentum run once on a bucket's
+    buffers: the bits of the ops run per tensor (an empty tensor's maximum -inf), the maxima an ulp apart at most
+    on a CPU, whose vectorised square root rounds a tensor's tail apart from its SIMD lanes."""
+    from lightning_onebit.optim import functional as F
+
+    monkeypatch.setattr(F, "_fusable", lambda *tensors: False)
+    sizes = [300, 0, 7, 4099]
+    g = torch.Generator().manual_seed(5)
+    runs = []
+    for whole in (True, False):
+        g.manual_seed(5)
+        m, prev, f, d, u, new = (torch.randn(sum(sizes), generator=g) for _ in range(6))
+        f.abs_()
+        d.abs_().add_(0.1)
+        views = [list(t.split(sizes)) for t in (m, prev, f, d, u, new)]
+        flat = F.Flat(m, prev, f, d, u, torch.tensor(sizes), torch.empty(sum(sizes))) if whole else None
+        mx = F.lamb_moments_(*views[:5], [0.25] * 4, beta1=0.9, beta2=0.999, eps=1e-8, eps_inside_sqrt=True,
+                             flat=flat)
+        F.shift_in_(views[1], views[0], views[5], [0.5, 1.0, 3.0, 1.7], flat=(prev, m) if whole else None)
+        runs.append((mx, m, prev, f, u))
+    (mx, *ts), (ref_mx, *ref) = runs
+    assert all(torch.equal(a, b) for a, b in zip(ts, ref, strict=True))
+    assert mx[1] == ref_mx[1] == -math.inf
+    torch.testing.assert_close(mx, ref_mx, rtol=2.4e-7, atol=0)
+
+
 def test_lamb_moments_of_an_empty_tensor_is_minus_inf(numba_path):
     """A rank's shard of a small tensor can be empty (FSDP2): its maximum is -inf, the identity of the max the
     shards' maxima are reduced with, on the fused path and on torch's."""

@@ -172,11 +172,14 @@ def local_counted(one_rank_counted) -> dict[str, dict[str, list[int]]]:
     return {m: kinds["local"] for (a, m), kinds in one_rank_counted.items() if a == "ZeroOneAdam"}
 
 
-# 1-bit LAMB's compressed step as a GPU takes it (its update is torch ops per tensor there: the moments, the
-# layer statistics, the scaled step): ceilings, today's counts; its views and detached parameters are kept, so
-# a step makes none. Its reads: the layer statistics and the calls' finiteness flags once a step each, and here
-# the CPU's read of the gathered server scales a bucket (a GPU folds that into the next agreement)
-LAMB_TORCH_OPS = {"mlp": 131, "gpt": 1809}
+# 1-bit LAMB's compressed step as a GPU takes it: ceilings, today's counts. Its moments run on the bucket's
+# buffers (a dozen ops a bucket); per tensor remain the momentum's division by its scaling, the layer statistics'
+# three dot products and the scaled step (mul and add), and the dots' results are its allocations. Its views and
+# detached parameters are kept, so a step makes none. Its reads: the layer statistics and the calls' finiteness
+# flags once a step each, and here the CPU's read of the gathered server scales a bucket (a GPU folds that into
+# the next agreement)
+LAMB_TORCH_OPS = {"mlp": 92, "gpt": 826}
+LAMB_ALLOCATIONS = {"mlp": 34, "gpt": 366}
 LAMB_READS = {"mlp": 1 + BUCKETS["mlp"] + 1, "gpt": 1 + BUCKETS["gpt"] + 1}
 
 
@@ -188,6 +191,7 @@ def test_onebit_lamb_step_within_budget(one_rank_counted):
         assert {c: max(counts[c]) for c in ("conversions", "h2d")} == {"conversions": 0, "h2d": 0}, (model, counts)
         assert max(counts["launches"]) <= 5 * BUCKETS[model], (model, counts["launches"])
         assert max(counts["torch_ops"]) <= LAMB_TORCH_OPS[model], (model, counts["torch_ops"])
+        assert max(counts["allocations"]) <= LAMB_ALLOCATIONS[model], (model, counts["allocations"])
         assert max(counts["d2h"]) <= LAMB_READS[model], (model, counts["d2h"])
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,7 +26,8 @@ from ..compress.kernels.numba_intrinsics import fma32
 from ..compress.kernels.numba_tiles import ahead
 from ..compress.kernels.threads import parallel_and_serial, parallel_kernel
 
-__all__ = ["decoupled_update_", "lamb_moments_", "local_adam_step_", "outer_nesterov_", "scaled_step_", "shift_in_"]
+__all__ = ["Flat", "decoupled_update_", "lamb_moments_", "local_adam_step_", "outer_nesterov_", "scaled_step_",
+           "shift_in_"]
 
 _CHUNK = 1 << 14  # elements per parallel work item
 
@@ -230,10 +232,24 @@ def _lamb_stats(m, prev, fresh, d, prelim, beta1, c, b2, eps, inside, inv_bc, ma
         maxima[t] = mx if nans.sum() == 0 else np.float32(np.nan)
 
 
+class Flat(NamedTuple):
+    """The buffers a bucket's per-tensor views are consecutive parts of (``exp_avg`` ... ``update`` in the order
+    :func:`lamb_moments_` takes them), each tensor's length on their device, and a scratch buffer of their size."""
+
+    exp_avg: torch.Tensor
+    prev: torch.Tensor
+    fresh: torch.Tensor
+    denom: torch.Tensor
+    update: torch.Tensor
+    lengths: torch.Tensor
+    scratch: torch.Tensor
+
+
 @torch.no_grad()
 def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor], fresh: Sequence[torch.Tensor],
                   denoms: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], bias_corrections: Sequence[float],
-                  *, beta1: float, beta2: float, eps: float, eps_inside_sqrt: bool) -> torch.Tensor:
+                  *, beta1: float, beta2: float, eps: float, eps_inside_sqrt: bool,
+                  flat: Flat | None = None) -> torch.Tensor:
     r"""1-bit LAMB's elementwise half of a compressed step, per tensor, in place:
 
     .. math::
@@ -248,9 +264,18 @@ def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor
     divisions and ``torch.segment_reduce(..., "max")``; one pass on the CPU instead of eight. One
     rounding differs: the kernel's square root is IEEE's (correctly rounded), while torch's
     vectorised ``sqrt`` on AVX-512 builds is one ulp off for about 0.7% of fp32 values, so a layer's
-    maximum can differ from the torch ops' by an ulp (the tests bound it there)."""
+    maximum can differ from the torch ops' by an ulp (the tests bound it there).
+
+    ``flat``: the buffers the tensors are views of (:class:`Flat`). Where the torch ops run (a GPU) and the
+    bias corrections are one, they run once on the whole buffers, the maxima by one segmented reduction: a
+    bucket's torch ops and allocations do not grow with its tensors. The same bits, as the ops are
+    elementwise and a maximum is exact (on a CPU, whose vectorised ``sqrt`` above rounds its SIMD lanes
+    and the tail of a tensor apart, a maximum an ulp apart at most)."""
     c = (1 - beta2) / (1 - beta1) ** 2
     tensors = [*exp_avgs, *prevs, *fresh, *denoms, *updates]
+    if not _fusable(*tensors) and flat is not None and len(set(bias_corrections)) <= 1:
+        return _lamb_moments_flat(flat, bias_corrections[0] if bias_corrections else 1.0, beta1, c, beta2, eps,
+                                  eps_inside_sqrt)
     if not _fusable(*tensors):
         out = []
         for m, p, f, d, u, bc in zip(exp_avgs, prevs, fresh, denoms, updates, bias_corrections, strict=True):
@@ -262,6 +287,24 @@ def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor
         return torch.stack(out)
     return _lamb_fused(exp_avgs, prevs, fresh, denoms, updates, bias_corrections, beta1, c, beta2, eps,
                        eps_inside_sqrt)
+
+
+def _lamb_moments_flat(flat: Flat, bc: float, beta1: float, c: float, beta2: float, eps: float,
+                       inside: bool) -> torch.Tensor:
+    """:func:`lamb_moments_`'s torch ops on whole buffers: w in the scratch, d_fresh and then d / d_fresh in the
+    update buffer, which receives u last."""
+    m, p, f, d, u, lengths, w = flat
+    torch.sub(m, p, alpha=beta1, out=w)
+    f.mul_(beta2).addcmul_(w, w, value=c)
+    if inside:
+        torch.add(f, eps, out=u).sqrt_()
+    else:
+        torch.sqrt(f, out=u).add_(eps)
+    torch.div(d, u, out=u)
+    # unsafe: no check of the lengths against the data, which would read them back from the device
+    maxima = torch.segment_reduce(u, "max", lengths=lengths, unsafe=True, initial=-math.inf)
+    torch.div(m, d, out=u).mul_(1 / bc)
+    return maxima
 
 
 @parallel_kernel
@@ -285,7 +328,7 @@ def scaled_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
         for p, u, s, dc in zip(params, updates, steps, decays, strict=True):
             if dc != 1.0:
                 p.mul_(dc)
-            p.add_(u.to(p.dtype), alpha=-s)
+            p.add_(u if u.dtype == p.dtype else u.to(p.dtype), alpha=-s)
         return
     _scaled_fused(params, updates, steps, decays)
 
@@ -322,12 +365,16 @@ def _shift_in(prev, m, new, div):
 
 @torch.no_grad()
 def shift_in_(prevs: Sequence[torch.Tensor], states: Sequence[torch.Tensor], new: Sequence[torch.Tensor],
-              divisors: Sequence[float]) -> None:
+              divisors: Sequence[float], *, flat: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """``prev <- state; state <- new / divisor`` per tensor (the bits of ``copy_`` and ``torch._foreach_div_``),
-    one pass on the CPU instead of three."""
+    one pass on the CPU instead of three. ``flat``: the buffers ``prevs`` and ``states`` are views of, copied
+    as one where the torch ops run."""
     if not _fusable(*prevs, *states, *new):
+        if flat is not None:
+            flat[0].copy_(flat[1])
         for p, s, n, dv in zip(prevs, states, new, divisors, strict=True):
-            p.copy_(s)
+            if flat is None:
+                p.copy_(s)
             torch.div(n, dv, out=s)
         return
     _shift_in_fused(prevs, states, new, divisors)

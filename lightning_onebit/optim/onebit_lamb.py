@@ -11,7 +11,7 @@ from ..compress.source import Source
 from .base import CompressedOptimizer
 from .buckets import Bucket
 from .conversion import _is_lamb
-from .functional import lamb_moments_, scaled_step_, shift_in_
+from .functional import Flat, lamb_moments_, scaled_step_, shift_in_
 from .onebit_adam import OnebitAdam, _bias_correction
 
 __all__ = ["OnebitLamb"]
@@ -200,7 +200,7 @@ class OnebitLamb(OnebitAdam):
     def _absorb(self, b: Bucket, synced: torch.Tensor) -> None:
         m = b.flat["exp_avg"]
         shift_in_(b.kept_views("exp_avg_prev", b.flat["exp_avg_prev"]), b.kept_views("exp_avg", m),
-                  b.kept_views("synced", synced), self._scaling(b))
+                  b.kept_views("synced", synced), self._scaling(b), flat=(b.flat["exp_avg_prev"], m))
         super()._absorb(b, m)
 
     def _activate(self, b: Bucket, pos: torch.Tensor, g: torch.Tensor, v: torch.Tensor, beta1: float) -> None:
@@ -213,6 +213,14 @@ class OnebitLamb(OnebitAdam):
             b.cache["scratch"] = flat_buffer(b.numel, device=b.device, zero=False)
         return b.cache["scratch"]
 
+    @staticmethod
+    def _lengths(b: Bucket) -> torch.Tensor:
+        """Each parameter's length in the bucket's buffers, on their device (made once)."""
+        hit = b.cache.get("lengths")
+        if hit is None or hit.device != b.device:
+            hit = b.cache["lengths"] = torch.tensor(b.numels, dtype=torch.int64).to(b.device)
+        return hit
+
     def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
         beta1, beta2 = group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
@@ -224,10 +232,12 @@ class OnebitLamb(OnebitAdam):
         # each layer's max d / d_fresh, in one pass
         # the bucket's buffers stay from step to step: their per-parameter views are made once
         ups = b.kept_views("scratch", prelim)
+        # where the torch ops run, on the whole buffers: the synced result, absorbed already, is their scratch
+        flat = Flat(m, prev, fresh, denom, prelim, self._lengths(b), b.synced)
         maxima = lamb_moments_(b.kept_views("exp_avg", m), b.kept_views("exp_avg_prev", prev),
                                b.kept_views("exp_avg_sq_fresh", fresh), b.kept_views("denom", denom), ups,
                                [_bias_correction(beta1, t) for t in self._steps(b)], beta1=beta1, beta2=beta2,
-                               eps=eps, eps_inside_sqrt=group["eps_inside_sqrt"])
+                               eps=eps, eps_inside_sqrt=group["eps_inside_sqrt"], flat=flat)
         idx = self._mask(b)
         if idx is not None:
             prelim.index_fill_(0, idx, 0.0)
