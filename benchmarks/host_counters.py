@@ -8,8 +8,9 @@ stand in for device memory. It counts through public seams only, so that it keep
 package's host path changes underneath it:
 
 * **kernel launches**: the simulator's kernel object (the class ``numba.cuda.jit`` returns) has its
-  launch replaced by a stub that counts, zeroes the floating-point arrays it is given (so the host's
-  finiteness checks and updates see finite values, as after a real launch) and returns: the
+  launch replaced by a stub that counts, sets the floating-point arrays it is given to one (so the host's
+  finiteness checks and updates see finite values, as after a real launch, and a denominator the kernel
+  only reads divides nothing by zero) and returns: the
   simulator's Python threads never run. The stubs' own time is left out of the host time.
 * **array-interface conversions**: calls of ``numba.cuda.as_cuda_array`` /
   ``from_cuda_array_interface``, and their stand-in under the simulator, ``Tensor.numpy()`` of a step
@@ -382,7 +383,9 @@ class HostPathCounter:
                 if isinstance(a, np.ndarray):
                     self._claim(a)
                     if a.dtype.kind == "f" and a.size:
-                        a.fill(0)  # what the kernel writes, finite
+                        # what the kernel writes, finite; one, not zero: the arrays it only reads get it too,
+                        # a denominator among them (the decode's sink), which later torch ops divide by
+                        a.fill(1)
             self.stub_s += time.thread_time() - t0
 
         patched: list[tuple[Any, str, Any]] = [(kernel_type, "__call__", real_call)]
