@@ -225,3 +225,21 @@ def test_a_synchronisation_makes_no_kernel_array_and_copies_without_waiting(one_
             model, counts["torch_ops"])
         assert max(counts["h2d_async"]) <= BUCKETS[model], (model, counts["h2d_async"])
         assert max(counts["launches"]) <= 5 * BUCKETS[model], (model, counts["launches"])
+
+
+@pytest.mark.cudasim
+@pytest.mark.budget(40)  # the benchmark in a child process, 2 ranks forked from it (about 8 s)
+def test_a_synchronisation_of_two_ranks_reads_its_agreements_once(tmp_path):
+    """0/1 Adam's synchronisation on 2 ranks (NCCL's path): its buckets' calls run together, so the host reads
+    the dropped-gradient counts and the agreements once each (and here the CPU's check of each bucket's
+    gathered server scales), launches 5 kernels a bucket and allocates nothing, as at 1 rank."""
+    out = tmp_path / "counts.json"
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", LIGHTNING_ONEBIT_BACKEND="cuda")
+    proc = proc_run([sys.executable, str(SCRIPT), "--algorithm", "ZeroOneAdam", "--world", "2", "--sync", "hook",
+                     "--exchange", "nccl", "--timed", "0", "--timeout", "120", "--json", str(out)], env=env,
+                    timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in json.loads(out.read_text()):
+        counts, n = r["kinds"]["sync"], BUCKETS[r["model"]]
+        assert max(counts["d2h"]) <= 2 + n and max(counts["allocations"]) == 0, (r["model"], counts)
+        assert max(counts["launches"]) <= 5 * n and max(counts["h2d"]) == 0, (r["model"], counts)
