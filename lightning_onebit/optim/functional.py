@@ -266,11 +266,10 @@ def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor
     vectorised ``sqrt`` on AVX-512 builds is one ulp off for about 0.7% of fp32 values, so a layer's
     maximum can differ from the torch ops' by an ulp (the tests bound it there).
 
-    ``flat``: the buffers the tensors are views of (:class:`Flat`). Where the torch ops run (a GPU) and the
-    bias corrections are one, they run once on the whole buffers, the maxima by one segmented reduction: a
-    bucket's torch ops and allocations do not grow with its tensors. The same bits, as the ops are
-    elementwise and a maximum is exact (on a CPU, whose vectorised ``sqrt`` above rounds its SIMD lanes
-    and the tail of a tensor apart, a maximum an ulp apart at most)."""
+    ``flat``: the buffers the tensors are views of (:class:`Flat`). Where the torch ops run (a GPU) and the bias
+    corrections are one, they run once on the whole buffers, the maxima by one segmented reduction, so a bucket's
+    ops do not grow with its tensors: the same bits (elementwise ops, and a maximum is exact; on a CPU, whose
+    vectorised ``sqrt`` rounds SIMD lanes and a tensor's tail apart, a maximum an ulp apart at most)."""
     c = (1 - beta2) / (1 - beta1) ** 2
     tensors = [*exp_avgs, *prevs, *fresh, *denoms, *updates]
     if not _fusable(*tensors) and flat is not None and len(set(bias_corrections)) <= 1:
@@ -291,8 +290,7 @@ def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor
 
 def _lamb_moments_flat(flat: Flat, bc: float, beta1: float, c: float, beta2: float, eps: float,
                        inside: bool) -> torch.Tensor:
-    """:func:`lamb_moments_`'s torch ops on whole buffers: w in the scratch, d_fresh and then d / d_fresh in the
-    update buffer, which receives u last."""
+    """:func:`lamb_moments_`'s torch ops on whole buffers: w in the scratch, d / d_fresh and then u in ``update``."""
     m, p, f, d, u, lengths, w = flat
     torch.sub(m, p, alpha=beta1, out=w)
     f.mul_(beta2).addcmul_(w, w, value=c)
@@ -367,8 +365,7 @@ def _shift_in(prev, m, new, div):
 def shift_in_(prevs: Sequence[torch.Tensor], states: Sequence[torch.Tensor], new: Sequence[torch.Tensor],
               divisors: Sequence[float], *, flat: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """``prev <- state; state <- new / divisor`` per tensor (the bits of ``copy_`` and ``torch._foreach_div_``),
-    one pass on the CPU instead of three. ``flat``: the buffers ``prevs`` and ``states`` are views of, copied
-    as one where the torch ops run."""
+    one pass on the CPU instead of three; ``flat``: the buffers of ``prevs``, ``states``, copied as one by torch."""
     if not _fusable(*prevs, *states, *new):
         if flat is not None:
             flat[0].copy_(flat[1])

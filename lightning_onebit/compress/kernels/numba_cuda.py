@@ -62,8 +62,7 @@ def _state(st, device):
 
 
 def accepts_sink(sink) -> bool:
-    """Whether ``decode`` applies ``sink`` in its kernel: a whole result's (a window at 0) with one step size,
-    predicated or not (see :mod:`.numba_cuda_sink`); the caller applies any other to the decoded values."""
+    """Whether ``decode`` applies ``sink``, predicated or not (:func:`.numba_cuda_sink.fusable`)."""
     return fusable(sink, sink.denom.device)
 
 
