@@ -73,7 +73,7 @@ def test_the_decode_kernel_applies_a_sink_with_the_cpu_bits(decay):
     codec.decode_predicated(enc, out, None, go=FLAGS[True], sink=sink(got))
     assert torch.equal(out, values)  # the state gets the values unmasked, as without the sink
     assert all(torch.equal(a, b) for a, b in zip(got[::2], ref[::2], strict=True))
-    # a decode the host decided (0/1 Adam's synchronisation, a step under the policy "raise") fuses it alike
+    # a decode the host decided (0/1 Adam's synchronisation, a call before its collective was verified) alike
     plain = [None if t is None else t.clone() for t in targets]
     assert codec.fuses_sink(sink(plain))
     out = torch.full((n,), 7.0)

@@ -4,12 +4,12 @@ The update of 1-bit Adam's compression phase (AdamW's last line, ``t <- t * deca
 part of the decode: no ``_foreach_mul_`` and ``_foreach_addcdiv_`` after it, no second pass over the decoded
 values, and a step the device decided to skip leaves the parameters untouched because the kernel does not
 write them (see :meth:`~..base.Codec.decode_predicated`). A decode the host decided (0/1 Adam's anchor update
-at a synchronisation, a step under the policy "raise") applies it the same way. The parameters are separate
-tensors, so the kernel reaches them through a table of their addresses (made once per bucket and parameter
-memory, like the CPU kernel's ``f32_at``). Each operation is rounded once, in the order of the CPU reference
-(:meth:`~..source.Sink.apply` on the CPU, and the numba CPU kernel): ``t * decay``, ``v * u``, the quotient by
-``d``, the sum. The multiplies are ``fmul_rn``, which NVVM never contracts into a fused multiply-add, so a GPU
-gives the CPU's bits.
+at a synchronisation, a 1-bit Adam step before its collective was verified) applies it the same way. The
+parameters are separate tensors, so the kernel reaches them through a table of their addresses (made once per
+bucket and parameter memory, like the CPU kernel's ``f32_at``). Each operation is rounded once, in the order
+of the CPU reference (:meth:`~..source.Sink.apply` on the CPU, and the numba CPU kernel): ``t * decay``,
+``v * u``, the quotient by ``d``, the sum. The multiplies are ``fmul_rn``, which NVVM never contracts into a
+fused multiply-add, so a GPU gives the CPU's bits.
 
 A sink is fused when its groups share one value (the step size; they do unless the bucket's
 parameters took different numbers of steps) and its tensors are where the kernel reads them: a per-step
