@@ -55,7 +55,7 @@ class Predicated:
         """Whether :meth:`decode_predicated` applies ``sink`` in its kernel (the cuda backend, see
         :mod:`.kernels.numba_cuda_sink`)."""
         backend = self._backend(sink.denom.device)
-        return bool(getattr(backend, "PREDICATES", False)) and backend.fuses_predicated_sink(sink)
+        return bool(getattr(backend, "PREDICATES", False)) and backend.accepts_sink(sink)
 
     def predicates(self, device: torch.device) -> bool:
         """Whether this codec's kernels on ``device`` take ``go=`` (the cuda backend)."""

@@ -271,11 +271,11 @@ def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor
     ops do not grow with its tensors: the same bits (elementwise ops, and a maximum is exact; on a CPU, whose
     vectorised ``sqrt`` rounds SIMD lanes and a tensor's tail apart, a maximum an ulp apart at most)."""
     c = (1 - beta2) / (1 - beta1) ** 2
-    tensors = [*exp_avgs, *prevs, *fresh, *denoms, *updates]
-    if not _fusable(*tensors) and flat is not None and len(set(bias_corrections)) <= 1:
+    fusable = _fusable(*exp_avgs, *prevs, *fresh, *denoms, *updates)
+    if not fusable and flat is not None and len(set(bias_corrections)) <= 1:
         return _lamb_moments_flat(flat, bias_corrections[0] if bias_corrections else 1.0, beta1, c, beta2, eps,
                                   eps_inside_sqrt)
-    if not _fusable(*tensors):
+    if not fusable:
         out = []
         for m, p, f, d, u, bc in zip(exp_avgs, prevs, fresh, denoms, updates, bias_corrections, strict=True):
             w = torch.sub(m, p, alpha=beta1)

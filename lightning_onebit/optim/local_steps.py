@@ -205,8 +205,8 @@ class LocalSteps:
             sync_together(_Interval(self, bad[0], buckets[0] if buckets else None), [(b.sync, None, None)
                                                                                      for b in buckets])
         for i, b in enumerate(buckets):
-            comm = b.sync.collective()
             if self.simulate_workers is not None:
+                comm = b.sync.collective()
                 if b.sync.payload is None:
                     b.sync.payload = flat_buffer(b.numel, device=b.device, zero=False)
                 outs = [b.sync.payload, *b.worker_buffers("payload", self.simulate_workers)[1:]]

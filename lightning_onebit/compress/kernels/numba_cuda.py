@@ -66,11 +66,6 @@ def accepts_sink(sink) -> bool:
     return fusable(sink, sink.denom.device)
 
 
-def fuses_predicated_sink(sink) -> bool:
-    """Whether a predicated ``decode`` (``go=``) applies ``sink`` in its kernel (see :mod:`.numba_cuda_sink`)."""
-    return fusable(sink, sink.denom.device)
-
-
 def _tiles(layout: Layout, device: torch.device) -> tuple:
     """(tile rows, tile starts, tile ends, each block's first tile) of the reduction, on the device."""
     return layout.device_arrays("tiles", device, lambda: layout.reduce_tiles(REDUCE_TILE))
@@ -404,4 +399,4 @@ def compile_ptx(cc: tuple[int, int] = (8, 0)) -> dict[str, str]:
 
 
 __all__ = ["FUSES_SOURCES", "PREDICATES", "ROWS_MEAN_MAX", "RowsMean", "accepts", "accepts_sink", "compile_ptx",
-           "decode", "encode", "fuses_predicated_sink", "kernel_signatures", "reduce", "reduce_to_scales"]
+           "decode", "encode", "kernel_signatures", "reduce", "reduce_to_scales"]
