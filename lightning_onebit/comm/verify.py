@@ -44,10 +44,11 @@ class AgreementRound:
     # -- the server-overflow check -------------------------------------------------------
     def check_gathered(self, piece0: torch.Tensor, on_device: bool = False) -> torch.Tensor:
         """Before stage 4: the gathered server scales (piece 0, the same bytes on every rank) are
-        finite - raises on the CPU, flags the next agreement on a GPU (see the module docstring), or
-        ``on_device`` (a call decided on the device) with no read on a CPU either. Returns the flag."""
+        finite - raises on the CPU, flags the next agreement where the codec's kernels keep their flags on the
+        device (a GPU; the cuda backend on CPU tensors, under numba's simulator, as on a GPU; see the module
+        docstring) or ``on_device`` (a call decided on the device). Returns the flag."""
         ok = self.gathered_finite(piece0)
-        if ok.device.type != "cpu" or on_device:
+        if ok.device.type != "cpu" or on_device or self.codec.predicates(ok.device):
             self._gathered_ok = ok if self._gathered_ok is None else self._gathered_ok & ok
         elif not bool(ok):
             self._server_overflowed()
