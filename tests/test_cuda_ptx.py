@@ -29,7 +29,8 @@ def test_every_kernel_compiles_to_ptx(cc):
 
     ptx = kc.compile_ptx(cc)
     assert set(ptx) == set(kc.kernel_signatures()) == {
-        "_reduce_kernel", "_combine_kernel", "_reduce_scales_kernel", "_encode_kernel", "_decode_kernel"}
+        "_reduce_kernel", "_combine_kernel", "_reduce_scales_kernel", "_encode_kernel", "_decode_kernel",
+        "_scaled_step_kernel"}
     for name, text in ptx.items():
         assert f".target sm_{cc[0]}{cc[1]}" in text, name
         assert ".visible .entry" in text and name in text, name
@@ -38,6 +39,9 @@ def test_every_kernel_compiles_to_ptx(cc):
     # the decode's update (a Sink): t * decay and v * u rounded alone (never contracted), the quotient correctly
     assert "fma.rn.f32" not in ptx["_decode_kernel"] and ptx["_decode_kernel"].count("mul.rn.f32") >= 2
     assert "div.rn.f32" in ptx["_decode_kernel"]
+    # 1-bit LAMB's scaled step: p * decay rounded alone, then one fused multiply-add, as the CPU's kernel
+    step = ptx["_scaled_step_kernel"]
+    assert step.count("fma.rn.f32") == step.count("mul.rn.f32") >= 1 and "add.f32" not in step
     # the scales: torch's fp64 quotient and square root, correctly rounded, then one rounding to fp32
     assert "div.rn.f64" in ptx["_reduce_scales_kernel"] and "sqrt.rn.f64" in ptx["_reduce_scales_kernel"]
 

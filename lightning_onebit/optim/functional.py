@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from numba import prange
 
+from ..compress.kernels import get_backend
 from ..compress.kernels.numba_intrinsics import fma32
 from ..compress.kernels.numba_tiles import ahead
 from ..compress.kernels.threads import parallel_and_serial, parallel_kernel
@@ -318,10 +319,20 @@ def _lamb_fused(ms, ps, fs, ds, us, bcs, beta1, c, beta2, eps, inside) -> torch.
 
 
 @torch.no_grad()
-def scaled_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], steps: Sequence[float],
-                 decays: Sequence[float]) -> None:
+def scaled_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor],
+                 steps: Sequence[float] | torch.Tensor, decays: Sequence[float] | torch.Tensor, *,
+                 flat: tuple[torch.Tensor, Sequence[int]] | None = None) -> None:
     r""":math:`\theta \leftarrow \theta \cdot \text{decay} - s\, u` per tensor (LAMB's last line): the bits
-    of ``p.mul_(decay)`` (skipped at 1) and ``p.add_(u, alpha=-s)``, in one pass on the CPU."""
+    of ``p.mul_(decay)`` (skipped at 1) and ``p.add_(u, alpha=-s)``, in one pass on the CPU.
+
+    ``steps``, ``decays`` may be fp32 tensors on the tensors' device (one number a tensor). With ``flat`` (the
+    flat buffer ``updates`` are views of, and their offsets in it), where the torch ops would run and the
+    compression backend has a scaled-step kernel (the cuda backend's), every tensor's step is one launch that
+    reads them there: no host read, and the same bits. Otherwise they are read first."""
+    if isinstance(steps, torch.Tensor):
+        if flat is not None and not _fusable(*params, *updates) and _device_scaled_step(params, flat, steps, decays):
+            return
+        steps, decays = steps.tolist(), decays.tolist()
     if not _fusable(*params, *updates):
         for p, u, s, dc in zip(params, updates, steps, decays, strict=True):
             if dc != 1.0:
@@ -329,6 +340,19 @@ def scaled_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
             p.add_(u if u.dtype == p.dtype else u.to(p.dtype), alpha=-s)
         return
     _scaled_fused(params, updates, steps, decays)
+
+
+def _device_scaled_step(params: Sequence[torch.Tensor], flat: tuple[torch.Tensor, Sequence[int]],
+                        steps: torch.Tensor, decays: torch.Tensor) -> bool:
+    """:func:`scaled_step_` by the compression backend's kernel, if it has one that takes these tensors (contiguous
+    fp32 parameters on the update's device); returns whether it ran."""
+    update, offsets = flat
+    kernel = getattr(get_backend(update.device), "scaled_step", None)
+    if kernel is None or not all(p.device == update.device and p.dtype == torch.float32 and p.is_contiguous()
+                                 for p in params):
+        return False
+    kernel(params, update, offsets, steps, decays)
+    return True
 
 
 @parallel_and_serial

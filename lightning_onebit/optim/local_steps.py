@@ -29,8 +29,9 @@ __all__ = ["LocalSteps"]
 
 
 def flags_stay_on_device(device: torch.device) -> bool:
-    """Whether a local step keeps its finiteness flags on ``device`` rather than reading them: anywhere but
-    the CPU, where the read waits for the device's queue; there the flags are free to read."""
+    """Whether a step keeps numbers it computes on ``device`` there rather than reading them (a local step's
+    finiteness flags, 1-bit LAMB's step sizes): anywhere but the CPU, where the read waits for the device's
+    queue; there they are free to read."""
     return device.type != "cpu"
 
 

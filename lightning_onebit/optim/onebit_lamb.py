@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
 from ..compress import flat_buffer
 from ..compress.source import Source
+from . import local_steps
 from .base import CompressedOptimizer
 from .buckets import Bucket
 from .conversion import _is_lamb
@@ -24,6 +27,18 @@ def _check_bounds(g: dict) -> None:
             and g["factor_threshold"] >= 0 and 0 <= g["coeff_beta"] < 1):
         raise ValueError("OnebitLamb needs 0 < min_coeff <= max_coeff, 0 < factor_min <= factor_max, "
                          f"factor_threshold >= 0 and 0 <= coeff_beta < 1; got {({k: g[k] for k in _BOUNDS})}")
+
+
+class _Factors(NamedTuple):
+    """1-bit LAMB's layer factors of one param group's buckets on the device, kept between steps."""
+
+    layers: tuple  #: (bucket, indices of its kept parameters), each: the layers, in order
+    last: torch.Tensor  #: each layer's last factor, fp64
+    freeze: torch.Tensor  #: each layer's frozen coefficient, fp64
+    steps: torch.Tensor  #: this step's step sizes, fp32 (what the scaled-step kernel reads)
+    decays: torch.Tensor  #: and decays
+    slices: list  #: (steps, decays) views of each bucket
+    work: torch.Tensor  #: fp64 rows the arithmetic runs in: the statistics, and one for the bounds and step sizes
 
 
 class OnebitLamb(OnebitAdam):
@@ -88,6 +103,8 @@ class OnebitLamb(OnebitAdam):
         #: (step, bucket, group, its parameters with a gradient, their u views, their statistics on the device)
         #: of this step's compressed updates, finished by _finish_updates
         self._lamb_pending: list[tuple] = []
+        #: by param group: the layers' last factors and frozen coefficients on the device (see _factor_state)
+        self._factors: dict[int, _Factors] = {}
         super().__init__(params, lr, betas, eps, weight_decay, warmup_steps, eps_inside_sqrt=eps_inside_sqrt,
                          block_size=block_size, bucket_cap_mb=bucket_cap_mb, group=group,
                          simulate_workers=simulate_workers, warmup_comm_dtype=warmup_comm_dtype, _defaults=bounds)
@@ -111,6 +128,14 @@ class OnebitLamb(OnebitAdam):
     def _load_extra_state(self, extra: dict) -> None:
         super()._load_extra_state(extra)
         self._united_scale = extra.get("united_scale")
+
+    def state_dict(self) -> dict:
+        self._sync_factors()  # the per-parameter last factors, kept on the device between steps
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self._factors = {}  # the loaded per-parameter state is the truth now
+        super().load_state_dict(state_dict)
 
     # -- whole-tensor statistics ----------------------------------------------------------
     def _norms(self, tensors: list[torch.Tensor]) -> list[float]:
@@ -172,6 +197,7 @@ class OnebitLamb(OnebitAdam):
         self._united_scale = sum(rms) / len(rms) if rms else 1.0
 
     def _on_switch(self, b: Bucket) -> None:
+        self._sync_factors()  # the factors of buckets that switched before stay; this one's start at 1
         group = self.param_groups[b.group_index]
         beta2, cb = group["betas"][1], group["coeff_beta"]
         fresh, v = b.flat["exp_avg_sq_fresh"], b.flat["exp_avg_sq"]
@@ -258,47 +284,94 @@ class OnebitLamb(OnebitAdam):
         if self.whole_tensor_stats is not None:  # the whole tensors' maxima and dot products, from the shards'
             sums, top = self.whole_tensor_stats(torch.cat(stats[1:]) if wd else stats[0][:0], stats[0])
             stats = [top, *sums.view(len(stats) - 1, -1)]
-        # read with every other bucket's at the end of the step (_finish_updates): one wait for the device a step
-        self._lamb_pending.append((self._step, b, group, keep, ups, torch.stack(stats)))
+        # turned into step sizes with every other bucket's of its group at the end of the step (_finish_updates)
+        self._lamb_pending.append((self._step, b, group, keep, ups, stats))
 
     def _finish_updates(self) -> None:
         pending, self._lamb_pending = self._lamb_pending, []
         pending = [entry for entry in pending if entry[0] == self._step]  # not those of a step that raised
-        if not pending:
-            return
-        # every per-layer scalar of the step's buckets in one device->host transfer: max ratio, ||u||^2, <u, p>,
-        # ||p||^2
-        flat = torch.cat([stats.reshape(-1) for *_, stats in pending]).tolist()
-        at = 0
-        for _, b, group, keep, ups, stats in pending:
-            n = stats.numel()
-            rows = [flat[at + r * stats.shape[1]:at + (r + 1) * stats.shape[1]] for r in range(stats.shape[0])]
-            at += n
-            self._scaled_update(b, group, keep, ups, rows)
+        for group in {id(e[2]): e[2] for e in pending}.values():
+            entries = [e for e in pending if e[2] is group]
+            sizes = self._layer_steps(entries, group)
+            for (_, b, _, keep, ups, _), (steps, decays) in zip(entries, sizes, strict=True):
+                ps = self._detached(b)
+                if len(keep) == len(b.params):  # the whole bucket: one launch where the backend has the kernel
+                    scaled_step_(ps, ups, steps, decays, flat=(self._scratch(b), b.offsets))
+                else:
+                    scaled_step_([ps[i] for i in keep], [ups[i] for i in keep], steps, decays)
 
-    def _scaled_update(self, b: Bucket, group: dict, keep: list[int], ups: list[torch.Tensor],
-                       rows: list[list[float]]) -> None:
-        """The layer factors from the statistics ``rows`` (host arithmetic, clipped against each layer's last),
-        and the update of the parameters ``keep`` of bucket ``b`` with them."""
-        wd, lr = group["weight_decay"], group["lr"]
-        steps, decays = [], []
-        for j, i in enumerate(keep):
-            st = self.state[b.params[i]]
-            factor = rows[0][j]
-            if wd:
-                uu, up, pp = rows[1][j], rows[2][j], rows[3][j]
-                un2 = max(uu + 2 * wd * up + wd * wd * pp, 0.0)  # ||u + wd p||^2
-                share = min(1.0, (uu / un2) ** 0.5) if un2 > 0 else 1.0
-                factor = factor * share + (1.0 - share)
-            factor = min(max(factor, group["factor_min"]), group["factor_max"])
-            last = st["last_factor"]
-            factor = min(max(factor, last * (1 - group["factor_threshold"])), last * (1 + group["factor_threshold"]))
-            st["last_factor"] = factor
-            steps.append(lr * st["lamb_coeff_freeze"] * factor)
-            decays.append(1 - steps[-1] * wd if wd else 1.0)
-        # p <- p - step (u + wd p): p * (1 - step wd) - step u
-        ps = self._detached(b)
-        scaled_step_([ps[i] for i in keep], [ups[i] for i in keep], steps, decays)
+    def _layer_steps(self, entries: list[tuple], group: dict) -> list[tuple]:
+        r"""(step sizes :math:`\gamma \bar c f`, decays :math:`1 - \gamma \bar c f \lambda`) of each bucket of
+        ``entries`` (a step's pending buckets of ``group``), one a kept layer, from the layers' statistics: fp32
+        tensors on their device, kept from step to step (on the CPU: read, lists). Each layer's last factor is
+        updated with them.
+
+        The factor arithmetic of the class docstring runs in fp64 on the device, once for all the buckets of the
+        group: no host read (a GPU's queue is not waited for, and the step sizes go to the scaled-step kernel
+        where they are), and a step's ops do not grow with its buckets or layers. The roundings are Python's
+        float arithmetic's, operation for operation (IEEE fp64; a square root where it raised to 0.5; only
+        infinite statistics, which make the step non-finite anyway, can blend otherwise)."""
+        wd, lr, thr = group["weight_decay"], group["lr"], group["factor_threshold"]
+        fs = self._factor_state(entries, 4 if wd else 1)
+        last, work = fs.last, fs.work
+        for row, col in zip(work[:-1], zip(*(e[5] for e in entries), strict=True), strict=True):  # fp32 -> fp64: exact
+            torch.cat(col, out=row) if len(col) > 1 else row.copy_(col[0])
+        factor, bound = work[0], work[-1]  # in place from here: nothing allocated but the mask
+        if wd:
+            uu, un2, pp = work[1:4]
+            un2.mul_(2 * wd).add_(uu).add_(pp.mul_(wd * wd)).clamp_min_(0.0)  # ||u + wd p||^2
+            undefined = (un2 > 0).logical_not_()
+            share = uu.div_(un2).sqrt_().clamp_max_(1.0).masked_fill_(undefined, 1.0)
+            factor.mul_(share).add_(share.neg_().add_(1.0))  # f * share + (1 - share)
+        factor.clamp_(group["factor_min"], group["factor_max"])
+        torch.maximum(factor, torch.mul(last, 1 - thr, out=bound), out=factor)
+        torch.minimum(factor, torch.mul(last, 1 + thr, out=bound), out=last)
+        steps = torch.mul(fs.freeze, lr, out=bound).mul_(last)
+        if local_steps.flags_stay_on_device(last.device):
+            fs.steps.copy_(steps)
+            fs.decays.copy_(steps.mul_(wd).neg_().add_(1.0))  # 1 - s wd, rounded as the host's
+            return fs.slices
+        # on the CPU a read waits for nothing: one, and the per-parameter floats stay current
+        n = last.numel()
+        values = torch.cat([steps, 1 - steps * wd, last]).tolist()
+        self._store_factors(fs.layers, values[2 * n:])
+        cuts = [0, *itertools.accumulate(len(e[3]) for e in entries)]
+        return [(values[lo:hi], values[n + lo:n + hi]) for lo, hi in itertools.pairwise(cuts)]
+
+    def _factor_state(self, entries: list[tuple], rows: int) -> _Factors:
+        """The device state of the kept layers of ``entries`` (:class:`_Factors`): kept between steps while the
+        same buckets keep the same layers (made from the per-parameter state, which :meth:`_store_factors` brings
+        up to date), so a step copies nothing to the device and its step sizes stay where the kernels read them."""
+        layers = tuple((e[1], tuple(e[3])) for e in entries)
+        cached = self._factors.get(id(entries[0][2]))
+        if cached is not None and cached.layers == layers and cached.work.shape[0] == rows + 1:
+            return cached
+        if cached is not None:
+            self._store_factors(cached.layers, cached.last)
+        params = [self.state[b.params[i]] for b, keep in layers for i in keep]
+        dev = entries[0][5][0].device
+        last = torch.tensor([st["last_factor"] for st in params], dtype=torch.float64).to(dev)
+        freeze = torch.tensor([st["lamb_coeff_freeze"] for st in params], dtype=torch.float64).to(dev)
+        steps, decays = (torch.empty(len(params), dtype=torch.float32, device=dev) for _ in range(2))
+        cuts = [0, *itertools.accumulate(len(keep) for _, keep in layers)]
+        slices = [(steps[lo:hi], decays[lo:hi]) for lo, hi in itertools.pairwise(cuts)]
+        work = torch.empty(rows + 1, len(params), dtype=torch.float64, device=dev)
+        fs = self._factors[id(entries[0][2])] = _Factors(layers, last, freeze, steps, decays, slices, work)
+        return fs
+
+    def _store_factors(self, layers: tuple, last: torch.Tensor | list[float]) -> None:
+        """The last factors ``last`` of ``layers`` (a bucket and its kept parameters' indices, each) into the
+        per-parameter state (a read, of a tensor)."""
+        values = iter(last.tolist() if isinstance(last, torch.Tensor) else last)
+        for b, keep in layers:
+            for i in keep:
+                self.state[b.params[i]]["last_factor"] = next(values)
+
+    def _sync_factors(self) -> None:
+        """Bring the per-parameter last factors up to date from the device and forget the device's copies."""
+        factors, self._factors = self._factors, {}
+        for fs in factors.values():
+            self._store_factors(fs.layers, fs.last)
 
     @staticmethod
     def _flat_views(b: Bucket, name: str, views: list[torch.Tensor]) -> list[torch.Tensor]:

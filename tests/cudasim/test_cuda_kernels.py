@@ -336,9 +336,14 @@ def test_launch_arguments_match_the_compiled_signatures(monkeypatch):
 
             return call
 
+    from lightning_onebit.compress.kernels import numba_cuda_update as ku
+
     sigs = kc.kernel_signatures()
     for name in sigs:
-        monkeypatch.setattr(kc, name, Recorder(name, getattr(kc, name)))
+        recorder = Recorder(name, getattr(kc, name))
+        monkeypatch.setattr(kc, name, recorder)
+        if hasattr(ku, name):  # launched from the module that defines it
+            monkeypatch.setattr(ku, name, recorder)
     g = torch.Generator().manual_seed(0)
     for codec in (SignCodec(backend="cuda"), SignCodec(backend="cuda", block_size=16),
                   MinMaxUInt8Codec(backend="cuda")):
@@ -355,6 +360,9 @@ def test_launch_arguments_match_the_compiled_signatures(monkeypatch):
         kc.reduce(codec.kind, 0, codec.layout(90, groups=[0, 7, 40]), x, None)  # the totals alone (no codec op)
         sim = SimulatedCluster(codec, "markov", 3, pieces=2, groups=[0, 5])
         sim.allreduce([torch.randn(70, generator=g) for _ in range(3)])
+    params = [torch.randn(7, generator=g), None, torch.randn(50, generator=g)]
+    kc.scaled_step(params, torch.randn(90, generator=g), [0, 7, 40], torch.rand(3, generator=g),
+                   torch.rand(3, generator=g))
     assert set(seen) == set(sigs)
     for name, types in seen.items():
         assert types == {sigs[name]}, (name, types, sigs[name])

@@ -28,7 +28,7 @@ from numba import types as nt
 from ..source import Sink
 from .numba_cuda_source import SIMULATED, _group_at, _in_sorted, _mul32, arr, empty_arrays, memo
 
-__all__ = ["fusable", "sink_args", "sink_at"]
+__all__ = ["address_tables", "f32_load", "f32_store", "fusable", "sink_args", "sink_at"]
 
 
 if SIMULATED:  # CPU memory: the address is a host pointer
@@ -70,6 +70,9 @@ else:
         return nt.void(nt.int64, nt.int64, nt.float32), codegen
 
 
+f32_load, f32_store = _f32_load, _f32_store  # the parameters' memory, for the kernels that update them in place
+
+
 @cuda.jit(device=True, inline=True)
 def sink_at(addr, bounds, value, decay, denom, mask, valid, e, v):
     """The sink at result position ``e`` (below ``valid``) with decoded value ``v``: the target of e's group
@@ -108,19 +111,23 @@ def fusable(sink: Sink | None, device: torch.device) -> bool:
 _TABLES: dict[tuple, tuple] = {}
 
 
-def _tables(sink: Sink, device: torch.device) -> tuple:
-    """(addresses, group bounds) on the device, made once per geometry and target memory: a bucket's sink is
-    rebuilt every step, its parameters are not (a new address, e.g. after ``load_state_dict`` moved them,
-    makes new tables)."""
-    addrs = tuple(0 if t is None or t.numel() == 0 else t.data_ptr() for t in sink.targets)
-    key = (addrs, sink.groups, sink.valid, str(device))
+def address_tables(targets, groups, valid: int, device: torch.device) -> tuple:
+    """(addresses, group bounds) of ``targets`` (one per group, None for none) as kernel arrays on the device,
+    made once per geometry and target memory: a bucket's sink is rebuilt every step, its parameters are not (a
+    new address, e.g. after ``load_state_dict`` moved them, makes new tables)."""
+    addrs = tuple(0 if t is None or t.numel() == 0 else t.data_ptr() for t in targets)
+    key = (addrs, tuple(groups), valid, str(device))
 
     def make():
         table = torch.tensor(addrs, dtype=torch.int64).to(device)
-        bounds = torch.tensor((*sink.groups, sink.valid), dtype=torch.int64).to(device)
+        bounds = torch.tensor((*groups, valid), dtype=torch.int64).to(device)
         return (table, bounds, arr(table), arr(bounds))  # the tensors own the memory the arrays describe
 
     return memo(_TABLES, key, make, 256)[2:]
+
+
+def _tables(sink: Sink, device: torch.device) -> tuple:
+    return address_tables(sink.targets, sink.groups, sink.valid, device)
 
 
 def sink_numbers(sink: Sink | None) -> tuple[float, float]:

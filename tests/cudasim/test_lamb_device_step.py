@@ -1,0 +1,128 @@
+"""1-bit LAMB's compressed step as a GPU takes it: its layer factors computed on the device and its scaled step by
+the cuda backend's kernel, one launch a bucket, with no host read, against the same step with the factors read
+and the scaled step run by torch's ops; and a checkpoint of the device's factors written and reloaded.
+
+Runs under numba's CUDA simulator (tests/test_cuda_simulator.py starts it), where CPU tensors stand in for
+device memory; ``optim.functional``'s CPU kernels are switched off, as on a GPU, where torch's ops run.
+"""
+
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_onebit.optim.functional as functional
+from lightning_onebit.compress.kernels import numba_cuda as kc
+from lightning_onebit.optim import OnebitLamb, local_steps
+
+
+def test_the_scaled_step_kernel_has_the_bits_of_the_cpu_step():
+    g = torch.Generator().manual_seed(0)
+    sizes, offsets = [7, 633, 800], [0, 7, 640]
+    u = torch.randn(1440, generator=g)
+    steps = torch.rand(3, generator=g) * 0.5  # large steps: a rounding of s * u of its own would show
+    decays = (1 - steps * 0.3).float()
+    decays[0] = 1.0  # torch's step skips the multiply at 1
+    params = [torch.randn(n, generator=g) for n in sizes]
+    views = [u[o:o + n] for o, n in zip(offsets, sizes, strict=True)]
+    numba_ref = [p.clone() for p in params]
+    functional.scaled_step_(numba_ref, views, steps.tolist(), decays.tolist())  # the CPU kernel
+    torch_ref = [p.clone() for p in params]
+    for p, v, s, d in zip(torch_ref, views, steps.tolist(), decays.tolist(), strict=True):  # a GPU's torch ops
+        if d != 1.0:
+            p.mul_(d)
+        p.add_(v, alpha=-s)
+    assert all(torch.equal(a, b) for a, b in zip(numba_ref, torch_ref, strict=True))
+    twice = [p * d - v * torch.tensor(s) for p, v, s, d in zip(params, views, steps.tolist(), decays, strict=True)]
+    assert not all(torch.equal(a, b) for a, b in zip(twice, torch_ref, strict=True))  # one rounding, not two
+    out = [p.clone() for p in params]
+    kc.scaled_step([out[0], None, out[2]], u, offsets, steps, decays)  # the middle parameter is left alone
+    assert torch.equal(out[0], torch_ref[0]) and torch.equal(out[2], torch_ref[2])
+    assert torch.equal(out[1], params[1])
+    with pytest.raises(ValueError, match="fp32"):
+        kc.scaled_step(out, u, offsets, steps.double(), decays)
+
+
+VOCAB = 24
+
+
+class TinyLM(nn.Module):
+    """Embedding, attention, LayerNorm and biases next to wider layers, and a layer no step uses (its bucket
+    takes the path of a bucket whose parameters did not all get a gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.block = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.unused = nn.Linear(8, 4)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.block(self.emb(x))))
+
+
+def _train(model: TinyLM, opt: OnebitLamb, steps: range) -> None:
+    for t in steps:
+        g = torch.Generator().manual_seed(100 + t)
+        x = torch.randint(0, VOCAB, (4, 6), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x).flatten(0, 1), torch.roll(x, 1, 1).flatten()).backward()
+        opt.step()
+
+
+def _run(on_device: bool, monkeypatch, *, reload_at: int | None = None) -> tuple[TinyLM, OnebitLamb]:
+    # the codec's kernels stay the CPU's (the simulator's would take minutes); the scaled step finds the cuda
+    # backend's kernel, and torch's ops run where the CPU's kernels would, as on a GPU
+    monkeypatch.setattr(functional, "get_backend", lambda device, forced=None: kc)
+    monkeypatch.setattr(functional, "_fusable", lambda *tensors: False)
+    monkeypatch.setattr(local_steps, "flags_stay_on_device", lambda device: on_device)
+    kw = dict(lr=2e-2, warmup_steps=2, weight_decay=0.1, factor_threshold=0.05, bucket_cap_mb=0.0012)
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = OnebitLamb(model.parameters(), **kw)
+    steps = 5
+    if reload_at is None:
+        _train(model, opt, range(steps))
+        return model, opt
+    _train(model, opt, range(reload_at))
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=False)
+    torch.manual_seed(1)  # other weights, replaced by the checkpoint's
+    model = TinyLM()
+    model.load_state_dict(ckpt["model"])
+    opt = OnebitLamb(model.parameters(), **kw)
+    opt.load_state_dict(ckpt["opt"])
+    _train(model, opt, range(reload_at, steps))
+    return model, opt
+
+
+def test_the_factors_and_the_step_on_the_device_have_the_bits_of_the_host_s(monkeypatch):
+    stored = []
+    real = OnebitLamb._store_factors
+    monkeypatch.setattr(OnebitLamb, "_store_factors", lambda self, *a: stored.append(1) or real(self, *a))
+    read_model, read_opt = _run(False, monkeypatch)
+    assert len(stored) == 3  # on the host the per-parameter factors are written every compression step
+    stored.clear()
+    launches = []
+    kernel = kc.scaled_step
+    monkeypatch.setattr(kc, "scaled_step", lambda *a: launches.append(1) or kernel(*a))
+    dev_model, dev_opt = _run(True, monkeypatch)
+    assert not stored and dev_opt._factors  # on the device they stay there
+    whole = [b for b in dev_opt._buckets if all(p.grad is not None for p in b.params)]
+    assert len(launches) == 3 * len(whole) > 0  # one a bucket whose parameters all got a gradient, a step
+    assert dev_opt.compressing and len(dev_opt._buckets) >= 3
+    assert any(0 < sum(h) < len(h) for h in ([p.grad is not None for p in b.params] for b in dev_opt._buckets))
+    for p, q in zip(read_model.parameters(), dev_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    factors = [read_opt.state[p].get("last_factor") for p in read_model.parameters()]
+    assert any(f not in (None, 1.0) for f in factors)  # the factors moved (and were clipped at 5% a step)
+    got, want = dev_opt.state_dict()["state"], read_opt.state_dict()["state"]  # the device's factors brought up
+    assert got.keys() == want.keys() and all(got[k].get("last_factor") == want[k].get("last_factor") for k in want)
+    # written and reloaded between two compression steps, the run goes on with the same bits
+    resumed, _ = _run(True, monkeypatch, reload_at=4)
+    for p, q in zip(dev_model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(p, q)
