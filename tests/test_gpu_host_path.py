@@ -173,13 +173,13 @@ def local_counted(one_rank_counted) -> dict[str, dict[str, list[int]]]:
     return {m: kinds["local"] for (a, m), kinds in one_rank_counted.items() if a == "ZeroOneAdam"}
 
 
-# 1-bit LAMB's compressed step as a GPU takes it: ceilings, today's counts. Its moments run on the bucket's
-# buffers (a dozen ops a bucket), its layer factors on the device once a step for all buckets (two dozen fp64 ops
-# on tensors as long as the model's layers, nothing allocated but a mask) and its scaled step in one launch a
-# bucket (so 6 launches a bucket, not 5); per tensor remain the momentum's division by its scaling and the layer
-# statistics' three dot products, whose results are its allocations. It reads the calls' finiteness flags once a
-# step (the gathered server scales' check rides in the next call's agreement, as on a GPU)
-LAMB_TORCH_OPS = {"mlp": 112, "gpt": 648}
+# 1-bit LAMB's compressed step as a GPU takes it: ceilings, today's counts. Its moments and its momentum's shift
+# run on the bucket's buffers (a dozen ops a bucket), its layer factors on the device once a step for all buckets
+# (two dozen fp64 ops on tensors as long as the model's layers, nothing allocated but a mask) and its scaled step
+# in one launch a bucket (so 6 launches a bucket, not 5); per tensor remain the layer statistics' three dot
+# products, whose results are its allocations. It reads the calls' finiteness flags once a step (the gathered
+# server scales' check rides in the next call's agreement, as on a GPU)
+LAMB_TORCH_OPS = {"mlp": 112, "gpt": 574}
 LAMB_ALLOCATIONS = {"mlp": 31, "gpt": 353}
 LAMB_READS = {"mlp": 1, "gpt": 1}
 LAMB_LAUNCHES_PER_BUCKET = 6

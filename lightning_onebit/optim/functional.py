@@ -389,14 +389,17 @@ def _shift_in(prev, m, new, div):
 def shift_in_(prevs: Sequence[torch.Tensor], states: Sequence[torch.Tensor], new: Sequence[torch.Tensor],
               divisors: Sequence[float], *, flat: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """``prev <- state; state <- new / divisor`` per tensor (the bits of ``copy_`` and ``torch._foreach_div_``),
-    one pass on the CPU instead of three; ``flat``: the buffers of ``prevs``, ``states``, copied as one by torch."""
+    one pass on the CPU instead of three; ``flat``: the buffers of ``prevs``, ``states``, copied as one by torch.
+
+    Where torch's ops run (a GPU) they are foreach ops, three whatever the tensors: ``_foreach_div_`` divides as the
+    CPU does, where ``torch.div`` by a number multiplies by its reciprocal on a GPU."""
     if not _fusable(*prevs, *states, *new):
         if flat is not None:
             flat[0].copy_(flat[1])
-        for p, s, n, dv in zip(prevs, states, new, divisors, strict=True):
-            if flat is None:
-                p.copy_(s)
-            torch.div(n, dv, out=s)
+        else:
+            torch._foreach_copy_(prevs, states)
+        torch._foreach_copy_(states, new)
+        torch._foreach_div_(states, divisors)
         return
     _shift_in_fused(prevs, states, new, divisors)
 
