@@ -755,6 +755,32 @@ def check_sink_parity(device: torch.device, n: int) -> None:
         f"on {device.type}: {'the same' if torch_same else 'other'} bits)")
 
 
+def check_lamb_scaled_step(device: torch.device, n: int) -> None:
+    """1-bit LAMB's scaled step by the cuda backend's kernel (one launch a bucket, step sizes read on the device)
+    against the CPU kernel's bits, and, reported, torch's ops per tensor on the device."""
+    from lightning_onebit.compress.kernels import numba_cuda as kc
+    from lightning_onebit.optim import functional as F
+
+    g = torch.Generator().manual_seed(11)
+    cuts = sorted({0, *torch.randint(1, max(n, 2), (30,), generator=g).tolist()}) if n > 1 else [0]
+    sizes = [b - a for a, b in zip(cuts, (*cuts[1:], n), strict=True)]
+    u, steps = torch.randn(n, generator=g), torch.rand(len(cuts), generator=g) * 0.1
+    decays = (1 - steps * 0.01).float()
+    params = [torch.randn(k, generator=g) for k in sizes]
+    cpu = [p.clone() for p in params]
+    F.scaled_step_(cpu, list(u.split(sizes)), steps.tolist(), decays.tolist())
+    on_device = [p.clone().to(device) for p in params]  # copies on a CPU too (the simulator's)
+    kc.scaled_step(on_device, u.to(device), cuts, steps.to(device), decays.to(device))
+    by_torch = [p.clone().to(device) for p in params]
+    for p, v, st, d in zip(by_torch, u.to(device).split(sizes), steps.tolist(), decays.tolist(), strict=True):
+        p.mul_(d).add_(v, alpha=-st)
+    same = all(_same(a, b) for a, b in zip(on_device, cpu, strict=True))
+    torch_same = all(_same(a, b) for a, b in zip(by_torch, cpu, strict=True))
+    row(f"1-bit LAMB's scaled step in one kernel, n={n}", same,
+        f"{len(cuts)} tensors: {'equal to' if same else 'differs from'} the CPU's bits (torch's ops per tensor on "
+        f"{device.type}: {'the same' if torch_same else 'other'} bits)")
+
+
 def check_lamb_flat(device: torch.device) -> None:
     """1-bit LAMB's moments and momentum shift on a bucket's whole buffers against the same torch ops per tensor,
     on the device: the same bits (elementwise ops; a maximum is exact; a GPU's square root is IEEE's)."""
@@ -787,6 +813,7 @@ def run_checks(device: torch.device, sizes: list[int], args: argparse.Namespace)
     if "parity" in want:
         check_parity(device, sizes)
         check_sink_parity(device, 100 if args.cudasim else (1 << 20) + 3)
+        check_lamb_scaled_step(device, 100 if args.cudasim else (1 << 20) + 3)
         if gpu:  # on a CPU the numba kernels run instead (tests/test_fused.py compares the torch ops there)
             check_lamb_flat(device)
     if "device" in want:
