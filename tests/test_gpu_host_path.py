@@ -179,7 +179,7 @@ def local_counted(one_rank_counted) -> dict[str, dict[str, list[int]]]:
 # in one launch a bucket (so 6 launches a bucket, not 5); per tensor remain the layer statistics' three dot
 # products, whose results are its allocations. It reads the calls' finiteness flags once a step (the gathered
 # server scales' check rides in the next call's agreement, as on a GPU)
-LAMB_TORCH_OPS = {"mlp": 112, "gpt": 574}
+LAMB_TORCH_OPS = {"mlp": 113, "gpt": 575}
 LAMB_ALLOCATIONS = {"mlp": 31, "gpt": 353}
 LAMB_READS = {"mlp": 1, "gpt": 1}
 LAMB_LAUNCHES_PER_BUCKET = 6

@@ -332,7 +332,9 @@ def scaled_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
     if isinstance(steps, torch.Tensor):
         if flat is not None and not _fusable(*params, *updates) and _device_scaled_step(params, flat, steps, decays):
             return
-        steps, decays = steps.tolist(), decays.tolist()
+        n = steps.numel()
+        both = torch.cat([steps, decays]).tolist()  # one read
+        steps, decays = both[:n], both[n:]
     if not _fusable(*params, *updates):
         for p, u, s, dc in zip(params, updates, steps, decays, strict=True):
             if dc != 1.0:

@@ -39,6 +39,7 @@ class _Factors(NamedTuple):
     decays: torch.Tensor  #: and decays
     slices: list  #: (steps, decays) views of each bucket
     work: torch.Tensor  #: fp64 rows the arithmetic runs in: the statistics, and one for the bounds and step sizes
+    stats: torch.Tensor  #: the buckets' statistics gathered, fp32
 
 
 class OnebitLamb(OnebitAdam):
@@ -314,8 +315,9 @@ class OnebitLamb(OnebitAdam):
         wd, lr, thr = group["weight_decay"], group["lr"], group["factor_threshold"]
         fs = self._factor_state(entries, 4 if wd else 1)
         last, work = fs.last, fs.work
-        for row, col in zip(work[:-1], zip(*(e[5] for e in entries), strict=True), strict=True):  # fp32 -> fp64: exact
-            torch.cat(col, out=row) if len(col) > 1 else row.copy_(col[0])
+        for row, col in zip(fs.stats, zip(*(e[5] for e in entries), strict=True), strict=True):
+            torch.cat(col, out=row) if len(col) > 1 else row.copy_(col[0])  # one kernel (a GPU's cat of one dtype)
+        work[:-1].copy_(fs.stats)  # fp32 -> fp64: exact
         factor, bound = work[0], work[-1]  # in place from here: nothing allocated but the mask
         if wd:
             uu, un2, pp = work[1:4]
@@ -356,7 +358,8 @@ class OnebitLamb(OnebitAdam):
         cuts = [0, *itertools.accumulate(len(keep) for _, keep in layers)]
         slices = [(steps[lo:hi], decays[lo:hi]) for lo, hi in itertools.pairwise(cuts)]
         work = torch.empty(rows + 1, len(params), dtype=torch.float64, device=dev)
-        fs = self._factors[id(entries[0][2])] = _Factors(layers, last, freeze, steps, decays, slices, work)
+        stats = torch.empty(rows, len(params), dtype=torch.float32, device=dev)
+        fs = self._factors[id(entries[0][2])] = _Factors(layers, last, freeze, steps, decays, slices, work, stats)
         return fs
 
     def _store_factors(self, layers: tuple, last: torch.Tensor | list[float]) -> None:
