@@ -42,6 +42,9 @@ def test_the_scaled_step_kernel_has_the_bits_of_the_cpu_step():
     assert torch.equal(out[1], params[1])
     with pytest.raises(ValueError, match="fp32"):
         kc.scaled_step(out, u, offsets, steps.double(), decays)
+    with pytest.raises(ValueError, match="of their offsets' sizes"):  # it would write past the parameter
+        kc.scaled_step([out[0], out[1][:-1], out[2]], u, offsets, steps, decays)
+    assert torch.equal(out[0], torch_ref[0])  # nothing written
 
 
 VOCAB = 24

@@ -50,6 +50,12 @@ def scaled_step(params: Sequence[torch.Tensor | None], update: torch.Tensor, off
     if steps.numel() != len(params) or decays.numel() != len(params) or len(offsets) != len(params):
         raise ValueError("scaled_step needs one step, decay and offset a parameter")
     valid = update.numel()
+    # the kernel writes through raw addresses: a parameter of another size or layout would be written out of bounds
+    for p, lo, hi in zip(params, offsets, (*offsets[1:], valid), strict=True):
+        if p is not None and (p.numel() != hi - lo or p.dtype != torch.float32 or not p.is_contiguous()
+                              or p.device != device):
+            raise ValueError(f"scaled_step: parameters must be contiguous fp32 tensors on {device} of their offsets' "
+                             f"sizes; got {p.dtype} {tuple(p.shape)} for {hi - lo} elements")
     with _on(device):
         addr, bounds = address_tables(params, offsets, valid, device)
         launch = _launcher(_scaled_step_kernel, _grid(valid, THREADS), THREADS, _stream(device))
