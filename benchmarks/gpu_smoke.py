@@ -759,7 +759,7 @@ def check_lamb_scaled_step(device: torch.device, n: int) -> None:
     """1-bit LAMB's scaled step by the cuda backend's kernel (one launch a bucket, step sizes read on the device)
     against the CPU kernel's bits, and, reported, torch's ops per tensor on the device."""
     from lightning_onebit.compress.kernels import numba_cuda as kc
-    from lightning_onebit.optim import functional as F
+    from lightning_onebit.optim import functional_lamb as FL
 
     g = torch.Generator().manual_seed(11)
     cuts = sorted({0, *torch.randint(1, max(n, 2), (30,), generator=g).tolist()}) if n > 1 else [0]
@@ -768,7 +768,7 @@ def check_lamb_scaled_step(device: torch.device, n: int) -> None:
     decays = (1 - steps * 0.01).float()
     params = [torch.randn(k, generator=g) for k in sizes]
     cpu = [p.clone() for p in params]
-    F.scaled_step_(cpu, list(u.split(sizes)), steps.tolist(), decays.tolist())
+    FL.scaled_step_(cpu, list(u.split(sizes)), steps.tolist(), decays.tolist())
     on_device = [p.clone().to(device) for p in params]  # copies on a CPU too (the simulator's)
     kc.scaled_step(on_device, u.to(device), cuts, steps.to(device), decays.to(device))
     by_torch = [p.clone().to(device) for p in params]
@@ -784,7 +784,7 @@ def check_lamb_scaled_step(device: torch.device, n: int) -> None:
 def check_lamb_flat(device: torch.device) -> None:
     """1-bit LAMB's moments and momentum shift on a bucket's whole buffers against the same torch ops per tensor,
     on the device: the same bits (elementwise ops; a maximum is exact; a GPU's square root is IEEE's)."""
-    from lightning_onebit.optim import functional as F
+    from lightning_onebit.optim import functional_lamb as FL
 
     sizes = [300, 0, 7, 4099, 1 << 16]
     runs = []
@@ -794,10 +794,10 @@ def check_lamb_flat(device: torch.device) -> None:
         f.abs_()
         d.abs_().add_(0.1)
         views = [list(t.split(sizes)) for t in (m, prev, f, d, u, new)]
-        flat = F.Flat(m, prev, f, d, u, torch.tensor(sizes, device=device), torch.empty_like(m)) if whole else None
-        mx = F.lamb_moments_(*views[:5], [0.25] * len(sizes), beta1=0.9, beta2=0.999, eps=1e-8,
+        flat = FL.Flat(m, prev, f, d, u, torch.tensor(sizes, device=device), torch.empty_like(m)) if whole else None
+        mx = FL.lamb_moments_(*views[:5], [0.25] * len(sizes), beta1=0.9, beta2=0.999, eps=1e-8,
                              eps_inside_sqrt=True, flat=flat)
-        F.shift_in_(views[1], views[0], views[5], [0.5, 1.0, 3.0, 1.7, 0.3], flat=(prev, m) if whole else None)
+        FL.shift_in_(views[1], views[0], views[5], [0.5, 1.0, 3.0, 1.7, 0.3], flat=(prev, m) if whole else None)
         runs.append((mx, m, prev, f, u))
     same = all(_same(a, b) for a, b in zip(*runs, strict=True))
     row("1-bit LAMB's moments on whole buffers", same,

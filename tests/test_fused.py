@@ -266,6 +266,7 @@ def _pairs(shapes, seed):
 @pytest.mark.parametrize("fn", ["local_adam_step_", "lamb_moments_", "scaled_step_", "shift_in_"])
 def test_functional_kernels_have_the_bits_of_their_torch_ops(fn, numba_path):
     from lightning_onebit.optim import functional as F
+    from lightning_onebit.optim import functional_lamb as FL
 
     shapes = [(300, 70), (40, 3), (2, 17000)]
     sets = [_pairs(shapes, k) for k in range(6)]
@@ -282,15 +283,15 @@ def test_functional_kernels_have_the_bits_of_their_torch_ops(fn, numba_path):
             outs.append(p + m + u)
         elif fn == "lamb_moments_":
             f = [t.abs() for t in f]
-            mx = F.lamb_moments_(m, g, f, d, u, [0.5, 0.25, 0.125], beta1=0.9, beta2=0.999, eps=1e-8,
+            mx = FL.lamb_moments_(m, g, f, d, u, [0.5, 0.25, 0.125], beta1=0.9, beta2=0.999, eps=1e-8,
                                  eps_inside_sqrt=True)
             outs.append(f + u)
             maxima.append(mx)
         elif fn == "scaled_step_":
-            F.scaled_step_(p, u, sizes, [0.99, 1.0, 0.5])
+            FL.scaled_step_(p, u, sizes, [0.99, 1.0, 0.5])
             outs.append(p)
         else:
-            F.shift_in_(p, m, u, [0.5, 3.0, 1.7])
+            FL.shift_in_(p, m, u, [0.5, 3.0, 1.7])
             outs.append(p + m)
     assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
     if fn == "lamb_moments_":  # IEEE's square root against torch's vectorised one: an ulp apart at most
@@ -302,6 +303,7 @@ def test_lamb_moments_and_shift_on_whole_buffers_have_the_bits_of_the_per_tensor
     buffers: the bits of the ops run per tensor (an empty tensor's maximum -inf), the maxima an ulp apart at most
     on a CPU, whose vectorised square root rounds a tensor's tail apart from its SIMD lanes."""
     from lightning_onebit.optim import functional as F
+    from lightning_onebit.optim import functional_lamb as FL
 
     monkeypatch.setattr(F, "_fusable", lambda *tensors: False)
     sizes = [300, 0, 7, 4099]
@@ -313,10 +315,10 @@ def test_lamb_moments_and_shift_on_whole_buffers_have_the_bits_of_the_per_tensor
         f.abs_()
         d.abs_().add_(0.1)
         views = [list(t.split(sizes)) for t in (m, prev, f, d, u, new)]
-        flat = F.Flat(m, prev, f, d, u, torch.tensor(sizes), torch.empty(sum(sizes))) if whole else None
-        mx = F.lamb_moments_(*views[:5], [0.25] * 4, beta1=0.9, beta2=0.999, eps=1e-8, eps_inside_sqrt=True,
+        flat = FL.Flat(m, prev, f, d, u, torch.tensor(sizes), torch.empty(sum(sizes))) if whole else None
+        mx = FL.lamb_moments_(*views[:5], [0.25] * 4, beta1=0.9, beta2=0.999, eps=1e-8, eps_inside_sqrt=True,
                              flat=flat)
-        F.shift_in_(views[1], views[0], views[5], [0.5, 1.0, 3.0, 1.7], flat=(prev, m) if whole else None)
+        FL.shift_in_(views[1], views[0], views[5], [0.5, 1.0, 3.0, 1.7], flat=(prev, m) if whole else None)
         runs.append((mx, m, prev, f, u))
     (mx, *ts), (ref_mx, *ref) = runs
     assert all(torch.equal(a, b) for a, b in zip(ts, ref, strict=True))
@@ -327,9 +329,9 @@ def test_lamb_moments_and_shift_on_whole_buffers_have_the_bits_of_the_per_tensor
 def test_lamb_moments_of_an_empty_tensor_is_minus_inf(numba_path):
     """A rank's shard of a small tensor can be empty (FSDP2): its maximum is -inf, the identity of the max the
     shards' maxima are reduced with, on the fused path and on torch's."""
-    from lightning_onebit.optim import functional as F
+    from lightning_onebit.optim import functional_lamb as FL
 
     for make in (torch.ones, lambda n: torch.ones(n, 2).t()[0]):  # contiguous, then strided (torch's ops)
         ts = [[make(0), make(3)] for _ in range(5)]
-        mx = F.lamb_moments_(*ts, [0.5, 0.5], beta1=0.9, beta2=0.999, eps=1e-8, eps_inside_sqrt=True)
+        mx = FL.lamb_moments_(*ts, [0.5, 0.5], beta1=0.9, beta2=0.999, eps=1e-8, eps_inside_sqrt=True)
         assert mx[0] == -math.inf and math.isfinite(float(mx[1]))

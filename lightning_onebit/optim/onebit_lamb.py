@@ -14,7 +14,7 @@ from . import local_steps
 from .base import CompressedOptimizer
 from .buckets import Bucket
 from .conversion import _is_lamb
-from .functional import Flat, lamb_moments_, scaled_step_, shift_in_
+from .functional_lamb import Flat, lamb_moments_, scaled_step_, shift_in_
 from .onebit_adam import OnebitAdam, _bias_correction
 
 __all__ = ["OnebitLamb"]

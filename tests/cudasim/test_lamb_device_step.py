@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import lightning_onebit.optim.functional as functional
+import lightning_onebit.optim.functional_lamb as functional_lamb
 from lightning_onebit.compress.kernels import numba_cuda as kc
 from lightning_onebit.optim import OnebitLamb, local_steps
 
@@ -27,7 +28,7 @@ def test_the_scaled_step_kernel_has_the_bits_of_the_cpu_step():
     params = [torch.randn(n, generator=g) for n in sizes]
     views = [u[o:o + n] for o, n in zip(offsets, sizes, strict=True)]
     numba_ref = [p.clone() for p in params]
-    functional.scaled_step_(numba_ref, views, steps.tolist(), decays.tolist())  # the CPU kernel
+    functional_lamb.scaled_step_(numba_ref, views, steps.tolist(), decays.tolist())  # the CPU kernel
     torch_ref = [p.clone() for p in params]
     for p, v, s, d in zip(torch_ref, views, steps.tolist(), decays.tolist(), strict=True):  # a GPU's torch ops
         if d != 1.0:

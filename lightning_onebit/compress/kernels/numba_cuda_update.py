@@ -4,7 +4,7 @@ The step sizes and decays are fp32 arrays on the device, computed there from the
 :meth:`~lightning_onebit.optim.OnebitLamb._layer_steps`), so the host never reads them; the update ``u`` is the
 bucket's flat buffer, and the parameters, separate tensors, are reached through the address table of
 :mod:`.numba_cuda_sink`. Each element is rounded as the CPU reference
-(:func:`~lightning_onebit.optim.functional.scaled_step_`): ``p * decay`` (``fmul_rn``, never contracted), then
+(:func:`~lightning_onebit.optim.functional_lamb.scaled_step_`): ``p * decay`` (``fmul_rn``, never contracted), then
 one fused multiply-add ``fma(-s, u, .)``, so a GPU gives the CPU's bits. Against the torch ops it replaces (a
 ``mul_`` and an ``add_`` a parameter) it is one pass over the bucket instead of two a parameter.
 """

@@ -1,0 +1,236 @@
+"""1-bit LAMB's functional core: its moments, the shift of its momentum and its scaled step (see
+:mod:`.functional`, whose API these are part of, and :class:`~lightning_onebit.optim.OnebitLamb`).
+
+Where a rule runs numba's CPU kernels or torch's ops is :mod:`.functional`'s ``_fusable`` (and the scaled step's
+kernel its ``get_backend``), asked through that module: the host-path benchmark and the tests switch the CPU's
+kernels off there, as on a GPU, for every rule at once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from numba import prange
+
+from ..compress.kernels.numba_intrinsics import fma32
+from ..compress.kernels.numba_tiles import ahead
+from ..compress.kernels.threads import parallel_and_serial, parallel_kernel
+from . import functional as _core
+from .functional import _CH, _CHUNK, _np
+
+__all__ = ["Flat", "lamb_moments_", "scaled_step_", "shift_in_"]
+
+
+@parallel_and_serial
+def _lamb_stats(m, prev, fresh, d, prelim, beta1, c, b2, eps, inside, inv_bc, maxima, chunk):
+    """fresh = fresh * b2 + c w^2 with w = m - beta1 prev; prelim = (m / d) * inv_bc; the maximum of
+    d / d_fresh per chunk of ``chunk`` elements into ``maxima`` (exact in any order; NaN kept)."""
+    nb = -beta1
+    zero = np.float32(0.0)
+    for t in prange((m.size + chunk - 1) // chunk):
+        lo = t * chunk
+        hi = min(lo + chunk, m.size)
+        lanes = np.full(_CH, -np.inf, np.float32)  # a max per lane vectorises, one running max does not
+        nans = np.zeros(_CH, np.float32)  # ratios that are NaN, which a max would drop
+        for o in range(lo, hi, _CH):
+            e = min(o + _CH, hi)
+            mc, pc, fc, dc, uc = m[o:e], prev[o:e], fresh[o:e], d[o:e], prelim[o:e]
+            ahead(m, o)
+            ahead(prev, o)
+            ahead(fresh, o)
+            ahead(d, o)
+            for j in range(e - o):
+                w = fma32(nb, pc[j], mc[j])  # torch.sub(m, prev, alpha=beta1)
+                f = fma32(c * w, w, fc[j] * b2)  # fresh.mul_(b2).addcmul_(w, w, value=c)
+                fc[j] = f
+                df = np.sqrt(f + eps) if inside else np.sqrt(f) + eps
+                r = dc[j] / df
+                lanes[j] = r if r > lanes[j] else lanes[j]
+                nans[j] += np.float32(1.0) if r != r else zero
+                uc[j] = (mc[j] / dc[j]) * inv_bc
+        mx = lanes.max()
+        maxima[t] = mx if nans.sum() == 0 else np.float32(np.nan)
+
+
+class Flat(NamedTuple):
+    """The buffers a bucket's per-tensor views are consecutive parts of (``exp_avg`` ... ``update`` in the order
+    :func:`lamb_moments_` takes them), each tensor's length on their device, and a scratch buffer of their size."""
+
+    exp_avg: torch.Tensor
+    prev: torch.Tensor
+    fresh: torch.Tensor
+    denom: torch.Tensor
+    update: torch.Tensor
+    lengths: torch.Tensor
+    scratch: torch.Tensor
+
+
+@torch.no_grad()
+def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor], fresh: Sequence[torch.Tensor],
+                  denoms: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], bias_corrections: Sequence[float],
+                  *, beta1: float, beta2: float, eps: float, eps_inside_sqrt: bool,
+                  flat: Flat | None = None) -> torch.Tensor:
+    r"""1-bit LAMB's elementwise half of a compressed step, per tensor, in place:
+
+    .. math::
+       w = m - \beta_1 m_{prev},\quad
+       v^{fresh} \leftarrow \beta_2 v^{fresh} + \tfrac{1-\beta_2}{(1-\beta_1)^2} w^2,\quad
+       u = \frac{m}{d} \cdot \frac{1}{1-\beta_1^t}
+
+    (``updates`` receives u), returning each tensor's :math:`\max d / d^{fresh}` (one tensor, on the
+    tensors' device: no host sync; -inf for an empty tensor) with
+    :math:`d^{fresh} = \sqrt{v^{fresh} + \epsilon}` (or :math:`\sqrt{v^{fresh}} + \epsilon`). The bits of
+    ``torch.sub(m, prev, alpha=beta1)``, ``fresh.mul_(beta2).addcmul_(w, w, value=...)``, the
+    divisions and ``torch.segment_reduce(..., "max")``; one pass on the CPU instead of eight. One
+    rounding differs: the kernel's square root is IEEE's (correctly rounded), while torch's
+    vectorised ``sqrt`` on AVX-512 builds is one ulp off for about 0.7% of fp32 values, so a layer's
+    maximum can differ from the torch ops' by an ulp (the tests bound it there).
+
+    ``flat``: the buffers the tensors are views of (:class:`Flat`). Where the torch ops run (a GPU) and the bias
+    corrections are one, they run once on the whole buffers, the maxima by one segmented reduction, so a bucket's
+    ops do not grow with its tensors: the same bits (elementwise ops, and a maximum is exact; on a CPU, whose
+    vectorised ``sqrt`` rounds SIMD lanes and a tensor's tail apart, a maximum an ulp apart at most)."""
+    c = (1 - beta2) / (1 - beta1) ** 2
+    fusable = _core._fusable(*exp_avgs, *prevs, *fresh, *denoms, *updates)
+    if not fusable and flat is not None and len(set(bias_corrections)) <= 1:
+        return _lamb_moments_flat(flat, bias_corrections[0] if bias_corrections else 1.0, beta1, c, beta2, eps,
+                                  eps_inside_sqrt)
+    if not fusable:
+        out = []
+        for m, p, f, d, u, bc in zip(exp_avgs, prevs, fresh, denoms, updates, bias_corrections, strict=True):
+            w = torch.sub(m, p, alpha=beta1)
+            f.mul_(beta2).addcmul_(w, w, value=c)
+            df = (f + eps).sqrt_() if eps_inside_sqrt else f.sqrt().add_(eps)
+            out.append((d / df).max() if d.numel() else d.new_full((), -math.inf))
+            torch.div(m, d, out=u).mul_(1 / bc)
+        return torch.stack(out)
+    return _lamb_fused(exp_avgs, prevs, fresh, denoms, updates, bias_corrections, beta1, c, beta2, eps,
+                       eps_inside_sqrt)
+
+
+def _lamb_moments_flat(flat: Flat, bc: float, beta1: float, c: float, beta2: float, eps: float,
+                       inside: bool) -> torch.Tensor:
+    """:func:`lamb_moments_`'s torch ops on whole buffers: w in the scratch, d / d_fresh and then u in ``update``."""
+    m, p, f, d, u, lengths, w = flat
+    torch.sub(m, p, alpha=beta1, out=w)
+    f.mul_(beta2).addcmul_(w, w, value=c)
+    if inside:
+        torch.add(f, eps, out=u).sqrt_()
+    else:
+        torch.sqrt(f, out=u).add_(eps)
+    torch.div(d, u, out=u)
+    # unsafe: no check of the lengths against the data, which would read them back from the device
+    maxima = torch.segment_reduce(u, "max", lengths=lengths, unsafe=True, initial=-math.inf)
+    torch.div(m, d, out=u).mul_(1 / bc)
+    return maxima
+
+
+@parallel_kernel
+def _lamb_fused(ms, ps, fs, ds, us, bcs, beta1, c, beta2, eps, inside) -> torch.Tensor:
+    f32, out = np.float32, []
+    for m, p, f, d, u, bc in zip(ms, ps, fs, ds, us, bcs, strict=True):
+        maxima = np.empty((m.numel() + _CHUNK - 1) // _CHUNK, np.float32)
+        _lamb_stats(m.numel(), _np(m), _np(p), _np(f), _np(d), _np(u), f32(beta1), f32(c), f32(beta2), f32(eps),
+                    inside, f32(1 / bc), maxima, _CHUNK)
+        # a NaN anywhere stays NaN, as in torch; an empty tensor (a rank's empty shard of it) has none
+        out.append(torch.from_numpy(maxima).max() if maxima.size else torch.tensor(-math.inf))
+    return torch.stack(out)
+
+
+@torch.no_grad()
+def scaled_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor],
+                 steps: Sequence[float] | torch.Tensor, decays: Sequence[float] | torch.Tensor, *,
+                 flat: tuple[torch.Tensor, Sequence[int]] | None = None) -> None:
+    r""":math:`\theta \leftarrow \theta \cdot \text{decay} - s\, u` per tensor (LAMB's last line): the bits
+    of ``p.mul_(decay)`` (skipped at 1) and ``p.add_(u, alpha=-s)``, in one pass on the CPU.
+
+    ``steps``, ``decays`` may be fp32 tensors on the tensors' device (one number a tensor). With ``flat`` (the
+    flat buffer ``updates`` are views of, and their offsets in it), where the torch ops would run and the
+    compression backend has a scaled-step kernel (the cuda backend's), every tensor's step is one launch that
+    reads them there: no host read, and the same bits. Otherwise they are read first."""
+    if isinstance(steps, torch.Tensor):
+        on_device = flat is not None and not _core._fusable(*params, *updates)
+        if on_device and _device_scaled_step(params, flat, steps, decays):
+            return
+        n = steps.numel()
+        both = torch.cat([steps, decays]).tolist()  # one read
+        steps, decays = both[:n], both[n:]
+    if not _core._fusable(*params, *updates):
+        for p, u, s, dc in zip(params, updates, steps, decays, strict=True):
+            if dc != 1.0:
+                p.mul_(dc)
+            p.add_(u if u.dtype == p.dtype else u.to(p.dtype), alpha=-s)
+        return
+    _scaled_fused(params, updates, steps, decays)
+
+
+def _device_scaled_step(params: Sequence[torch.Tensor], flat: tuple[torch.Tensor, Sequence[int]],
+                        steps: torch.Tensor, decays: torch.Tensor) -> bool:
+    """:func:`scaled_step_` by the compression backend's kernel, if it has one that takes these tensors (contiguous
+    fp32 parameters on the update's device); returns whether it ran."""
+    update, offsets = flat
+    kernel = getattr(_core.get_backend(update.device), "scaled_step", None)
+    if kernel is None or not all(p.device == update.device and p.dtype == torch.float32 and p.is_contiguous()
+                                 for p in params):
+        return False
+    kernel(params, update, offsets, steps, decays)
+    return True
+
+
+@parallel_and_serial
+def _scaled(p, u, neg_s, decay):
+    for t in prange((p.size + _CHUNK - 1) // _CHUNK):
+        lo = t * _CHUNK
+        hi = min(lo + _CHUNK, p.size)
+        for o in range(lo, hi, _CH):
+            e = min(o + _CH, hi)
+            pc, uc = p[o:e], u[o:e]
+            ahead(p, o)
+            ahead(u, o)
+            for j in range(e - o):
+                pc[j] = fma32(neg_s, uc[j], pc[j] * decay)
+
+
+@parallel_kernel
+def _scaled_fused(params, updates, steps, decays) -> None:
+    for p, u, s, dc in zip(params, updates, steps, decays, strict=True):
+        _scaled(p.numel(), _np(p), _np(u), np.float32(-s), np.float32(dc))
+
+
+@parallel_and_serial
+def _shift_in(prev, m, new, div):
+    for c in prange((m.size + _CHUNK - 1) // _CHUNK):
+        lo = c * _CHUNK
+        ps, ms, ns = prev[lo : lo + _CHUNK], m[lo : lo + _CHUNK], new[lo : lo + _CHUNK]
+        for i in range(ms.size):  # a copy and a division: LLVM vectorises the plain loop
+            ps[i] = ms[i]
+            ms[i] = ns[i] / div
+
+
+@torch.no_grad()
+def shift_in_(prevs: Sequence[torch.Tensor], states: Sequence[torch.Tensor], new: Sequence[torch.Tensor],
+              divisors: Sequence[float], *, flat: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """``prev <- state; state <- new / divisor`` per tensor (the bits of ``copy_`` and ``torch._foreach_div_``),
+    one pass on the CPU instead of three; ``flat``: the buffers of ``prevs``, ``states``, copied as one by torch.
+
+    Where torch's ops run (a GPU) they are foreach ops, three whatever the tensors: ``_foreach_div_`` divides as the
+    CPU does, where ``torch.div`` by a number multiplies by its reciprocal on a GPU."""
+    if not _core._fusable(*prevs, *states, *new):
+        if flat is not None:
+            flat[0].copy_(flat[1])
+        else:
+            torch._foreach_copy_(prevs, states)
+        torch._foreach_copy_(states, new)
+        torch._foreach_div_(states, divisors)
+        return
+    _shift_in_fused(prevs, states, new, divisors)
+
+
+@parallel_kernel
+def _shift_in_fused(prevs, states, new, divisors) -> None:
+    for p, s, n, dv in zip(prevs, states, new, divisors, strict=True):
+        _shift_in(s.numel(), _np(p), _np(s), _np(n), np.float32(dv))
