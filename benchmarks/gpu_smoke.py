@@ -781,6 +781,58 @@ def check_lamb_scaled_step(device: torch.device, n: int) -> None:
         f"{device.type}: {'the same' if torch_same else 'other'} bits)")
 
 
+def _layout_sum(v) -> float:
+    """fp64 ``v`` (numpy) summed in the layout's order: tiles of REDUCE_TILE, REDUCE_LANES lanes each in order,
+    the halving tree, the tiles in order."""
+    import numpy as np
+
+    from lightning_onebit.compress.kernels.layout import REDUCE_LANES, REDUCE_TILE
+
+    total = 0.0
+    for lo in range(0, v.size, REDUCE_TILE):
+        tile = v[lo:lo + REDUCE_TILE]
+        padded = np.zeros(-(-tile.size // REDUCE_LANES) * REDUCE_LANES)  # + 0.0 changes no sum
+        padded[:tile.size] = tile
+        lanes = np.cumsum(padded.reshape(-1, REDUCE_LANES), axis=0)[-1]  # each lane in order
+        h = REDUCE_LANES // 2
+        while h:
+            lanes = lanes[:h] + lanes[h:2 * h]
+            h //= 2
+        total += float(lanes[0])
+    return total
+
+
+def check_lamb_stats(device: torch.device, n: int) -> None:
+    """1-bit LAMB's layer statistics by the cuda backend's kernel (one launch a bucket) against their definition:
+    the maxima of d / d_fresh in IEEE's fp32 roundings (a GPU's torch ops', reported), the dot products summed in
+    fp64 in the layout's order."""
+    import numpy as np
+
+    from lightning_onebit.compress.kernels import numba_cuda as kc
+
+    g = torch.Generator().manual_seed(12)
+    cuts = sorted({0, *torch.randint(1, max(n, 2), (30,), generator=g).tolist()}) if n > 1 else [0]
+    sizes = [b - a for a, b in zip(cuts, (*cuts[1:], n), strict=True)]
+    u, d, f = torch.randn(n, generator=g), torch.rand(n, generator=g) + 0.5, torch.rand(n, generator=g)
+    params = [torch.randn(k, generator=g) for k in sizes]
+    out = torch.empty(4, len(sizes), device=device)
+    kc.lamb_stats([p.to(device) for p in params], u.to(device), d.to(device), f.to(device), cuts, out, eps=1e-8,
+                  eps_inside_sqrt=True)
+    ratio = torch.from_numpy(d.numpy() / np.sqrt(f.numpy() + np.float32(1e-8)))  # IEEE's fp32 roundings
+    by_torch = (d.to(device) / (f.to(device) + 1e-8).sqrt()).cpu()  # torch's ops where the kernel ran
+    want = torch.empty(4, len(sizes))
+    for k, (lo, size) in enumerate(zip(cuts, sizes, strict=True)):
+        x, q = u[lo:lo + size].double().numpy(), params[k].double().numpy()
+        want[0, k] = ratio[lo:lo + size].max() if size else -float("inf")
+        for r, (a, b) in enumerate(((x, x), (x, q), (q, q)), 1):
+            want[r, k] = float(np.float32(_layout_sum(a * b)))
+    same = _same(out.cpu(), want)
+    row(f"1-bit LAMB's layer statistics in one kernel, n={n}", same,
+        f"{len(cuts)} tensors: the maxima and dot products {'equal to' if same else 'differ from'} IEEE's ratios' "
+        f"maxima and fp64 sums in the layout's order (torch's ratios on {device.type}: "
+        f"{'the same' if torch.equal(by_torch, ratio) else 'other'} bits)")
+
+
 def check_lamb_flat(device: torch.device) -> None:
     """1-bit LAMB's moments and momentum shift on a bucket's whole buffers against the same torch ops per tensor,
     on the device: the same bits (elementwise ops; a maximum is exact; a GPU's square root is IEEE's)."""
@@ -814,6 +866,7 @@ def run_checks(device: torch.device, sizes: list[int], args: argparse.Namespace)
         check_parity(device, sizes)
         check_sink_parity(device, 100 if args.cudasim else (1 << 20) + 3)
         check_lamb_scaled_step(device, 100 if args.cudasim else (1 << 20) + 3)
+        check_lamb_stats(device, 100 if args.cudasim else (1 << 20) + 3)
         if gpu:  # on a CPU the numba kernels run instead (tests/test_fused.py compares the torch ops there)
             check_lamb_flat(device)
     if "device" in want:

@@ -30,7 +30,7 @@ def test_every_kernel_compiles_to_ptx(cc):
     ptx = kc.compile_ptx(cc)
     assert set(ptx) == set(kc.kernel_signatures()) == {
         "_reduce_kernel", "_combine_kernel", "_reduce_scales_kernel", "_encode_kernel", "_decode_kernel",
-        "_scaled_step_kernel"}
+        "_scaled_step_kernel", "_lamb_stats_kernel"}
     for name, text in ptx.items():
         assert f".target sm_{cc[0]}{cc[1]}" in text, name
         assert ".visible .entry" in text and name in text, name
@@ -42,6 +42,11 @@ def test_every_kernel_compiles_to_ptx(cc):
     # 1-bit LAMB's scaled step: p * decay rounded alone, then one fused multiply-add, as the CPU's kernel
     step = ptx["_scaled_step_kernel"]
     assert step.count("fma.rn.f32") == step.count("mul.rn.f32") >= 1 and "add.f32" not in step
+    # 1-bit LAMB's layer statistics: d / d_fresh as torch rounds it (each fp32 op correctly rounded, never
+    # contracted or approximated); the dot products' fp64 products are exact, so contracted they round alike
+    stats = ptx["_lamb_stats_kernel"]
+    assert all(op in stats for op in ("sqrt.rn.f32", "div.rn.f32", "add.rn.f32")), "the ratio's roundings"
+    assert not any(op in stats for op in ("sqrt.approx", "div.approx", "div.full", "fma.rn.f32", "mul.rn.f32"))
     # the scales: torch's fp64 quotient and square root, correctly rounded, then one rounding to fp32
     assert "div.rn.f64" in ptx["_reduce_scales_kernel"] and "sqrt.rn.f64" in ptx["_reduce_scales_kernel"]
 

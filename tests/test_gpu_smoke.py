@@ -21,7 +21,7 @@ def test_gpu_smoke_checks_pass_under_the_simulator():
     proc = proc_run([sys.executable, str(SCRIPT), "--cudasim", "--sizes", "0", "13"], timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for check in ("parity n=0 | ok", "parity n=13 | ok", "update in the decode kernel, n=100 | ok",
-                  "SimulatedCluster pieces 1 vs 3 | ok",
+                  "layer statistics in one kernel, n=100 | ok", "SimulatedCluster pieces 1 vs 3 | ok",
                   "resume in the compression phase | ok", "NaN step decided on the device | ok",
                   "0 failed check(s)"):
         assert check in proc.stdout, check

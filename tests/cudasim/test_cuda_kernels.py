@@ -363,6 +363,9 @@ def test_launch_arguments_match_the_compiled_signatures(monkeypatch):
     params = [torch.randn(7, generator=g), None, torch.randn(50, generator=g)]
     kc.scaled_step(params, torch.randn(90, generator=g), [0, 7, 40], torch.rand(3, generator=g),
                    torch.rand(3, generator=g))
+    u, d, f = (torch.rand(90, generator=g) for _ in range(3))
+    for rows in (4, 1):  # with the dot products, and the maxima alone
+        kc.lamb_stats(params, u, d, f, [0, 7, 40], torch.empty(rows, 3), eps=1e-8, eps_inside_sqrt=rows == 4)
     assert set(seen) == set(sigs)
     for name, types in seen.items():
         assert types == {sigs[name]}, (name, types, sigs[name])

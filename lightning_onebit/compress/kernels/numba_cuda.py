@@ -31,8 +31,9 @@ from .numba_cuda_launch import _grid, _launcher, _on, _stream, planned
 from .numba_cuda_sink import fusable, sink_args, sink_numbers
 from .numba_cuda_source import ROWS_MEAN, SIMULATED, accepts, empty_arrays, empty_tensors, kernel_input, memo
 from .numba_cuda_source import arr as _arr
-from .numba_cuda_update import _scaled_step_kernel as _scaled_step_kernel  # compile_ptx finds it here
-from .numba_cuda_update import scaled_step  # 1-bit LAMB's step, one launch a bucket
+from .numba_cuda_update import _lamb_stats_kernel as _lamb_stats_kernel  # compile_ptx finds them here
+from .numba_cuda_update import _scaled_step_kernel as _scaled_step_kernel
+from .numba_cuda_update import lamb_stats, scaled_step  # 1-bit LAMB's statistics and step, a launch each a bucket
 
 #: ``reduce``/``encode`` evaluate a :class:`~..source.Source` in place (see :func:`accepts`)
 FUSES_SOURCES = True
@@ -383,6 +384,8 @@ def kernel_signatures() -> dict[str, tuple]:
         "_decode_kernel": (i64, u8m, f32m, i64, i64, i64m, i64v, f32v, flag, flag, b1, b1, f32v, b1, nt.float64,
                            f32v, i64v, i64v, nt.float32, nt.float32, f32v, i64v, i64),
         "_scaled_step_kernel": (i64v, i64v, f32v, f32v, f32v, i64),
+        "_lamb_stats_kernel": (i64v, i64v, f32v, f32v, f32v, nt.float32, flag, flag, i64v, i64v, i64v, f64m, i32v,
+                               f32m),
     }
 
 
@@ -402,4 +405,4 @@ def compile_ptx(cc: tuple[int, int] = (8, 0)) -> dict[str, str]:
 
 
 __all__ = ["FUSES_SOURCES", "PREDICATES", "ROWS_MEAN_MAX", "RowsMean", "accepts", "accepts_sink", "compile_ptx",
-           "decode", "encode", "kernel_signatures", "reduce", "reduce_to_scales", "scaled_step"]
+           "decode", "encode", "kernel_signatures", "lamb_stats", "reduce", "reduce_to_scales", "scaled_step"]

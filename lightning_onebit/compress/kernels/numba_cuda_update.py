@@ -1,27 +1,181 @@
-"""1-bit LAMB's scaled step in one launch a bucket: ``p <- p * decay_k - s_k * u`` for every parameter k.
+"""1-bit LAMB's kernels: each layer's statistics in one launch a bucket, and its scaled step in one more.
 
-The step sizes and decays are fp32 arrays on the device, computed there from the layer statistics (see
-:meth:`~lightning_onebit.optim.OnebitLamb._layer_steps`), so the host never reads them; the update ``u`` is the
-bucket's flat buffer, and the parameters, separate tensors, are reached through the address table of
-:mod:`.numba_cuda_sink`. Each element is rounded as the CPU reference
-(:func:`~lightning_onebit.optim.functional_lamb.scaled_step_`): ``p * decay`` (``fmul_rn``, never contracted), then
-one fused multiply-add ``fma(-s, u, .)``, so a GPU gives the CPU's bits. Against the torch ops it replaces (a
-``mul_`` and an ``add_`` a parameter) it is one pass over the bucket instead of two a parameter.
+**The layer statistics** (``lamb_stats``): for every parameter k of a bucket, ``max(d / d_fresh)`` over its
+elements and, with weight decay, ``<u, u>``, ``<u, p>`` and ``<p, p>``, into a ``[4, layers]`` fp32 buffer that
+stays on the device (:meth:`~lightning_onebit.optim.OnebitLamb._layer_steps` reads it there). It replaces a
+segmented maximum (CUB's, one thread block a layer: a 16M-element layer is one SM's work) and three dot
+products a parameter with their stacks (an allocation each). The sums follow :mod:`.layout`'s summation order,
+per layer instead of per scale block: tiles of ``REDUCE_TILE`` elements from the layer's first, ``REDUCE_LANES``
+lanes each summing its strided elements in order in fp64, the halving tree, the tiles in order (by the thread
+block that finishes a layer's last tile), one rounding to fp32 at the end - so the result does not depend on the
+GPU, the grid or the simulator's thread count, and is closer to the exact value than an fp32 dot product. The
+ratio ``d / d_fresh`` is rounded as torch rounds it (``sqrt(f + eps)`` or ``sqrt(f) + eps``, then the division,
+each in fp32, correctly rounded); a maximum is exact, and a NaN ratio makes the layer's maximum NaN, as torch's.
+
+**The scaled step** (``scaled_step``): ``p <- p * decay_k - s_k * u`` for every parameter k. The step sizes and
+decays are fp32 arrays on the device, computed there from the layer statistics, so the host never reads them;
+the update ``u`` is the bucket's flat buffer, and the parameters, separate tensors, are reached through the
+address table of :mod:`.numba_cuda_sink`. Each element is rounded as the CPU reference
+(:func:`~lightning_onebit.optim.functional_lamb.scaled_step_`): ``p * decay`` (``fmul_rn``, never contracted),
+then one fused multiply-add ``fma(-s, u, .)``, so a GPU gives the CPU's bits. Against the torch ops it replaces
+(a ``mul_`` and an ``add_`` a parameter) it is one pass over the bucket instead of two a parameter.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
-from numba import cuda
+from numba import cuda, float32, float64, int32
 
-from .numba_cuda_kernels import THREADS
+from .layout import REDUCE_LANES, REDUCE_TILE
+from .numba_cuda_kernels import RTHREADS, THREADS
 from .numba_cuda_launch import _grid, _launcher, _on, _stream
 from .numba_cuda_sink import address_tables, f32_load, f32_store
-from .numba_cuda_source import _fma32, _group_at, _mul32, arr
+from .numba_cuda_source import SIMULATED, _fma32, _group_at, _mul32, arr, last_at_most, memo
 
-__all__ = ["scaled_step"]
+__all__ = ["lamb_stats", "scaled_step"]
+
+LANES = REDUCE_LANES
+
+if SIMULATED:  # numpy fp32 scalars; a square root of an fp32 value rounded twice (fp64, then fp32) is exact
+
+    @cuda.jit(device=True)
+    def _ratio32(d, f, eps, inside):
+        df = float32(math.sqrt(float32(f + eps))) if inside else float32(float32(math.sqrt(f)) + eps)
+        return float32(d / df)
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True, inline=True)
+    def _ratio32(d, f, eps, inside):
+        # torch's fp32 ops, each correctly rounded: never contracted or approximated
+        if inside:
+            df = libdevice.fsqrt_rn(libdevice.fadd_rn(f, eps))
+        else:
+            df = libdevice.fadd_rn(libdevice.fsqrt_rn(f), eps)
+        return libdevice.fdiv_rn(d, df)
+
+
+@cuda.jit(device=True, inline=True)
+def _max_nan(a, b):
+    """The larger of a and b, NaN where either is (torch's maximum): NaN stays once it is in."""
+    if a != a:
+        return a
+    if b != b or b > a:
+        return b
+    return a
+
+
+@cuda.jit(cache=True)
+def _lamb_stats_kernel(addr, bounds, u, d, f, eps, inside, dots, t_lo, t_hi, ptr, partials, count, out):
+    """Each layer's ``[max d / d_fresh, <u, u>, <u, p>, <p, p>]`` into ``out[:, k]`` (the dot products only
+    with ``dots``). Tile t (``t_lo[t]:t_hi[t]``, inside one layer) is summed by one thread block into
+    ``partials[t]``; the block that finishes layer k's last tile (``count[k]``, tiles done, counted atomically
+    after a fence and zeroed again) combines its tiles in order, reading them through atomics (the L2 copy),
+    as ``_reduce_scales_kernel`` does. Layers without elements get ``-inf, 0, 0, 0``."""
+    s_r = cuda.shared.array(LANES, float64)
+    s_uu = cuda.shared.array(LANES, float64)
+    s_up = cuda.shared.array(LANES, float64)
+    s_pp = cuda.shared.array(LANES, float64)
+    last = cuda.shared.array(1, int32)
+    tid = cuda.threadIdx.x
+    nl = ptr.size - 1
+    if tid == 0:
+        k = cuda.blockIdx.x
+        while k < nl:
+            if ptr[k] == ptr[k + 1]:
+                out[0, k] = -math.inf
+                if dots:
+                    out[1, k] = 0.0
+                    out[2, k] = 0.0
+                    out[3, k] = 0.0
+            k += cuda.gridDim.x
+    t = cuda.blockIdx.x
+    while t < t_lo.size:  # grid-stride over tiles; uniform per block
+        k = last_at_most(ptr, t)
+        a = addr[k]
+        base = bounds[k]
+        lane = tid
+        while lane < LANES:  # lane j: elements j, j + LANES, ... of the tile, in order
+            mx = -math.inf
+            uu = 0.0
+            up = 0.0
+            pp = 0.0
+            i = t_lo[t] + lane
+            while i < t_hi[t]:
+                mx = _max_nan(mx, float64(_ratio32(d[i], f[i], eps, inside)))
+                if dots:
+                    x = float64(u[i])
+                    q = float64(f32_load(a, i - base)) if a != 0 else 0.0
+                    uu += x * x  # products of fp32 values are exact in fp64: a contraction rounds alike
+                    up += x * q
+                    pp += q * q
+                i += LANES
+            s_r[lane] = mx
+            s_uu[lane] = uu
+            s_up[lane] = up
+            s_pp[lane] = pp
+            lane += RTHREADS
+        cuda.syncthreads()
+        h = LANES // 2
+        while h > 0:
+            lane = tid
+            while lane < h:
+                s_r[lane] = _max_nan(s_r[lane], s_r[lane + h])
+                s_uu[lane] += s_uu[lane + h]
+                s_up[lane] += s_up[lane + h]
+                s_pp[lane] += s_pp[lane + h]
+                lane += RTHREADS
+            cuda.syncthreads()
+            h //= 2
+        if tid == 0:
+            partials[t, 0] = s_r[0]
+            partials[t, 1] = s_uu[0]
+            partials[t, 2] = s_up[0]
+            partials[t, 3] = s_pp[0]
+            cuda.threadfence()  # this tile's partial visible before it is counted
+            done = cuda.atomic.add(count, k, 1)
+            last[0] = k if done == ptr[k + 1] - ptr[k] - 1 else -1
+        cuda.syncthreads()
+        k = last[0]
+        if k >= 0:  # uniform per block: this tile was its layer's last
+            cuda.threadfence()
+            mx = -math.inf
+            uu = 0.0
+            up = 0.0
+            pp = 0.0
+            c = ptr[k]
+            while c < ptr[k + 1]:  # LANES partials at a time read by the threads, combined in order by thread 0
+                lane = tid
+                while lane < LANES:
+                    if c + lane < ptr[k + 1]:
+                        s_r[lane] = cuda.atomic.add(partials, (c + lane, 0), 0.0)
+                        s_uu[lane] = cuda.atomic.add(partials, (c + lane, 1), 0.0)
+                        s_up[lane] = cuda.atomic.add(partials, (c + lane, 2), 0.0)
+                        s_pp[lane] = cuda.atomic.add(partials, (c + lane, 3), 0.0)
+                    lane += RTHREADS
+                cuda.syncthreads()
+                if tid == 0:
+                    for q in range(min(LANES, ptr[k + 1] - c)):
+                        mx = _max_nan(mx, s_r[q])
+                        uu += s_uu[q]
+                        up += s_up[q]
+                        pp += s_pp[q]
+                cuda.syncthreads()
+                c += LANES
+            if tid == 0:
+                count[k] = 0
+                out[0, k] = float32(mx)
+                if dots:
+                    out[1, k] = float32(uu)
+                    out[2, k] = float32(up)
+                    out[3, k] = float32(pp)
+        cuda.syncthreads()
+        t += cuda.gridDim.x
 
 
 @cuda.jit
@@ -37,6 +191,77 @@ def _scaled_step_kernel(addr, bounds, u, steps, decays, valid):
         e += stride
 
 
+def _check_flat(name: str, t: torch.Tensor, device: torch.device, numel: int | None = None) -> None:
+    if t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous() or t.device != device:
+        raise ValueError(f"{name} must be a 1-d contiguous fp32 tensor on {device}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name} has {t.numel()} elements, the update {numel}")
+
+
+def _check_params(what: str, params: Sequence[torch.Tensor | None], offsets: Sequence[int], valid: int,
+                  device: torch.device) -> None:
+    # the kernels reach the parameters through raw addresses: another size or layout would be read or written
+    # out of bounds
+    for p, lo, hi in zip(params, offsets, (*offsets[1:], valid), strict=True):
+        if p is not None and (p.numel() != hi - lo or p.dtype != torch.float32 or not p.is_contiguous()
+                              or p.device != device):
+            raise ValueError(f"{what}: parameters must be contiguous fp32 tensors on {device} of their offsets' "
+                             f"sizes; got {p.dtype} {tuple(p.shape)} for {hi - lo} elements")
+
+
+_GEOMETRY: dict = {}
+
+
+def _stats_geometry(offsets: Sequence[int], valid: int, device: torch.device) -> tuple:
+    """(tile starts, tile ends, each layer's first tile, partials, counters) of ``lamb_stats`` as kernel arrays,
+    made once per geometry: tiles of ``REDUCE_TILE`` elements from each layer's first element. The partials and
+    counters are scratch of the launches on this geometry (in stream order; every launch zeroes its counters)."""
+    key = (tuple(offsets), valid, str(device))
+
+    def make():
+        lo, hi, ptr = [], [], [0]
+        for a, b in zip(offsets, (*offsets[1:], valid), strict=True):
+            starts = range(a, b, REDUCE_TILE)
+            lo += starts
+            hi += [min(s + REDUCE_TILE, b) for s in starts]
+            ptr.append(len(lo))
+        tensors = [torch.tensor(v, dtype=torch.int64).to(device) for v in (lo, hi, ptr)]
+        tensors += [torch.zeros(max(len(lo), 1), 4, dtype=torch.float64, device=device),
+                    torch.zeros(max(len(offsets), 1), dtype=torch.int32, device=device)]
+        return (tensors, *(arr(t) for t in tensors), len(lo))
+
+    return memo(_GEOMETRY, key, make, 256)[1:]
+
+
+def lamb_stats(params: Sequence[torch.Tensor | None], update: torch.Tensor, denom: torch.Tensor,
+               fresh: torch.Tensor, offsets: Sequence[int], out: torch.Tensor, *, eps: float,
+               eps_inside_sqrt: bool) -> torch.Tensor:
+    """Each parameter's ``[max(denom / d_fresh), <u, u>, <u, p>, <p, p>]`` into the columns of ``out`` (fp32,
+    ``[4, len(params)]``; ``[1, len(params)]``: the maxima alone) on torch's current stream, with
+    ``d_fresh = sqrt(fresh + eps)`` (``eps_inside_sqrt``) or ``sqrt(fresh) + eps``. ``update``, ``denom``, ``fresh``:
+    the bucket's flat fp32 buffers; ``params``: contiguous fp32 tensors laid out at ``offsets`` in them (None
+    for one without elements). Returns ``out``."""
+    device = update.device
+    valid = update.numel()
+    _check_flat("lamb_stats: update", update, device)
+    _check_flat("lamb_stats: denom", denom, device, valid)
+    _check_flat("lamb_stats: fresh", fresh, device, valid)
+    if len(offsets) != len(params):
+        raise ValueError("lamb_stats needs one offset a parameter")
+    if (out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] not in (1, 4) or out.shape[1] != len(params)
+            or not out.is_contiguous() or out.device != device):
+        raise ValueError(f"lamb_stats: out must be a contiguous fp32 [4 or 1, {len(params)}] tensor on {device}")
+    dots = out.shape[0] == 4
+    _check_params("lamb_stats", params if dots else [None] * len(params), offsets, valid, device)
+    with _on(device):
+        addr, bounds = address_tables(params if dots else [None] * len(params), offsets, valid, device)
+        t_lo, t_hi, ptr, partials, count, tiles = _stats_geometry(offsets, valid, device)
+        launch = _launcher(_lamb_stats_kernel, _grid(max(tiles, len(params)), 1), RTHREADS, _stream(device))
+        launch(addr, bounds, arr(update), arr(denom), arr(fresh), np.float32(eps), bool(eps_inside_sqrt), dots,
+               t_lo, t_hi, ptr, partials, count, arr(out))
+    return out
+
+
 def scaled_step(params: Sequence[torch.Tensor | None], update: torch.Tensor, offsets: Sequence[int],
                 steps: torch.Tensor, decays: torch.Tensor) -> None:
     """``params[k] <- params[k] * decays[k] - steps[k] * update[offsets[k]:...]`` on torch's current stream
@@ -45,17 +270,11 @@ def scaled_step(params: Sequence[torch.Tensor | None], update: torch.Tensor, off
     three 1-d: a kernel array is described once per memory, so they should be the same tensors every step)."""
     device = update.device
     for name, t in (("update", update), ("steps", steps), ("decays", decays)):
-        if t.dtype != torch.float32 or t.dim() != 1 or not t.is_contiguous() or t.device != device:
-            raise ValueError(f"scaled_step: {name} must be a 1-d contiguous fp32 tensor on {device}")
+        _check_flat(f"scaled_step: {name}", t, device)
     if steps.numel() != len(params) or decays.numel() != len(params) or len(offsets) != len(params):
         raise ValueError("scaled_step needs one step, decay and offset a parameter")
     valid = update.numel()
-    # the kernel writes through raw addresses: a parameter of another size or layout would be written out of bounds
-    for p, lo, hi in zip(params, offsets, (*offsets[1:], valid), strict=True):
-        if p is not None and (p.numel() != hi - lo or p.dtype != torch.float32 or not p.is_contiguous()
-                              or p.device != device):
-            raise ValueError(f"scaled_step: parameters must be contiguous fp32 tensors on {device} of their offsets' "
-                             f"sizes; got {p.dtype} {tuple(p.shape)} for {hi - lo} elements")
+    _check_params("scaled_step", params, offsets, valid, device)
     with _on(device):
         addr, bounds = address_tables(params, offsets, valid, device)
         launch = _launcher(_scaled_step_kernel, _grid(valid, THREADS), THREADS, _stream(device))
