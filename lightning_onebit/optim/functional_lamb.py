@@ -22,7 +22,7 @@ from ..compress.kernels.threads import parallel_and_serial, parallel_kernel
 from . import functional as _core
 from .functional import _CH, _CHUNK, _np
 
-__all__ = ["Flat", "lamb_moments_", "scaled_step_", "shift_in_"]
+__all__ = ["Flat", "lamb_moments_", "layer_stats_", "scaled_step_", "shift_in_", "stats_kernel"]
 
 
 @parallel_and_serial
@@ -73,7 +73,7 @@ class Flat(NamedTuple):
 def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor], fresh: Sequence[torch.Tensor],
                   denoms: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], bias_corrections: Sequence[float],
                   *, beta1: float, beta2: float, eps: float, eps_inside_sqrt: bool,
-                  flat: Flat | None = None) -> torch.Tensor:
+                  flat: Flat | None = None, maxima: bool = True) -> torch.Tensor | None:
     r"""1-bit LAMB's elementwise half of a compressed step, per tensor, in place:
 
     .. math::
@@ -93,12 +93,15 @@ def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor
     ``flat``: the buffers the tensors are views of (:class:`Flat`). Where the torch ops run (a GPU) and the bias
     corrections are one, they run once on the whole buffers, the maxima by one segmented reduction, so a bucket's
     ops do not grow with its tensors: the same bits (elementwise ops, and a maximum is exact; on a CPU, whose
-    vectorised ``sqrt`` rounds SIMD lanes and a tensor's tail apart, a maximum an ulp apart at most)."""
+    vectorised ``sqrt`` rounds SIMD lanes and a tensor's tail apart, a maximum an ulp apart at most).
+
+    ``maxima=False``: where the whole buffers' ops run, the maxima are left to the caller (:func:`layer_stats_`
+    computes them with the dot products in one launch) and None is returned; elsewhere they are returned anyway."""
     c = (1 - beta2) / (1 - beta1) ** 2
     fusable = _core._fusable(*exp_avgs, *prevs, *fresh, *denoms, *updates)
     if not fusable and flat is not None and len(set(bias_corrections)) <= 1:
         return _lamb_moments_flat(flat, bias_corrections[0] if bias_corrections else 1.0, beta1, c, beta2, eps,
-                                  eps_inside_sqrt)
+                                  eps_inside_sqrt, maxima)
     if not fusable:
         out = []
         for m, p, f, d, u, bc in zip(exp_avgs, prevs, fresh, denoms, updates, bias_corrections, strict=True):
@@ -113,20 +116,45 @@ def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor
 
 
 def _lamb_moments_flat(flat: Flat, bc: float, beta1: float, c: float, beta2: float, eps: float,
-                       inside: bool) -> torch.Tensor:
+                       inside: bool, maxima: bool = True) -> torch.Tensor | None:
     """:func:`lamb_moments_`'s torch ops on whole buffers: w in the scratch, d / d_fresh and then u in ``update``."""
     m, p, f, d, u, lengths, w = flat
     torch.sub(m, p, alpha=beta1, out=w)
     f.mul_(beta2).addcmul_(w, w, value=c)
+    if not maxima:
+        torch.div(m, d, out=u).mul_(1 / bc)
+        return None
     if inside:
         torch.add(f, eps, out=u).sqrt_()
     else:
         torch.sqrt(f, out=u).add_(eps)
     torch.div(d, u, out=u)
     # unsafe: no check of the lengths against the data, which would read them back from the device
-    maxima = torch.segment_reduce(u, "max", lengths=lengths, unsafe=True, initial=-math.inf)
+    top = torch.segment_reduce(u, "max", lengths=lengths, unsafe=True, initial=-math.inf)
     torch.div(m, d, out=u).mul_(1 / bc)
-    return maxima
+    return top
+
+
+def stats_kernel(flat: Flat, params: Sequence[torch.Tensor]) -> bool:
+    """Whether :func:`layer_stats_` can run for these buffers and parameters: where torch's ops run (a GPU) and
+    the compression backend has a layer-statistics kernel (the cuda backend's) that takes them (contiguous fp32
+    parameters on the buffers' device)."""
+    u = flat.update
+    return (not _core._fusable(flat.exp_avg, u) and getattr(_core.get_backend(u.device), "lamb_stats", None) is not None
+            and all(p.device == u.device and p.dtype == torch.float32 and p.is_contiguous() for p in params))
+
+
+@torch.no_grad()
+def layer_stats_(flat: Flat, params: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor, *,
+                 eps: float, eps_inside_sqrt: bool) -> torch.Tensor:
+    r"""Each layer's statistics for its trust ratio, into ``out``'s columns (fp32 on the device, no host read):
+    :math:`\max d / d^{fresh}` (``d^{fresh}`` from ``flat.fresh`` as in :func:`lamb_moments_`) and, where ``out``
+    has four rows, :math:`\langle u, u\rangle, \langle u, \theta\rangle, \langle\theta, \theta\rangle` with u
+    ``flat.update``; ``params`` laid out at ``offsets`` in the buffers. One launch of the backend's kernel
+    (:func:`stats_kernel` says whether it runs), whose sums are fp64 in a fixed order, rounded once: not the bits
+    of torch's fp32 dot products, which differ between a CPU's BLAS and a GPU's anyway."""
+    return _core.get_backend(flat.update.device).lamb_stats(params, flat.update, flat.denom, flat.fresh, offsets,
+                                                            out, eps=eps, eps_inside_sqrt=eps_inside_sqrt)
 
 
 @parallel_kernel

@@ -14,7 +14,7 @@ from . import local_steps
 from .base import CompressedOptimizer
 from .buckets import Bucket
 from .conversion import _is_lamb
-from .functional_lamb import Flat, lamb_moments_, scaled_step_, shift_in_
+from .functional_lamb import Flat, lamb_moments_, layer_stats_, scaled_step_, shift_in_, stats_kernel
 from .onebit_adam import OnebitAdam, _bias_correction
 
 __all__ = ["OnebitLamb"]
@@ -40,6 +40,7 @@ class _Factors(NamedTuple):
     slices: list  #: (steps, decays) views of each bucket
     work: torch.Tensor  #: fp64 rows the arithmetic runs in: the statistics, and one for the bounds and step sizes
     stats: torch.Tensor  #: the buckets' statistics gathered, fp32
+    undefined: torch.Tensor  #: where a layer's update norm is undefined (bool)
 
 
 class OnebitLamb(OnebitAdam):
@@ -248,6 +249,16 @@ class OnebitLamb(OnebitAdam):
             hit = b.cache["lengths"] = torch.tensor(b.numels, dtype=torch.int64).to(b.device)
         return hit
 
+    @staticmethod
+    def _stats_buffer(b: Bucket, rows: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The bucket's layer statistics where the kernel writes them (fp32 ``[rows, layers]`` on its device, kept
+        from step to step) and its rows."""
+        hit = b.cache.get("layer stats")
+        if hit is None or hit[0].shape[0] != rows or hit[0].device != b.device:
+            out = torch.empty(rows, len(b.params), dtype=torch.float32, device=b.device)
+            hit = b.cache["layer stats"] = (out, list(out.unbind()))
+        return hit
+
     def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
         beta1, beta2 = group["betas"]
         eps, wd = group["eps"], group["weight_decay"]
@@ -255,33 +266,40 @@ class OnebitLamb(OnebitAdam):
         fresh, prev = b.flat["exp_avg_sq_fresh"], b.flat["exp_avg_prev"]
         prelim = self._scratch(b)
         denom = self._denominator(b, group)  # v is frozen: computed once per switch
-        # the fresh variance of the rebuilt gradient (m - beta1 m_prev) / (1 - beta1), u = m_hat / d and
-        # each layer's max d / d_fresh, in one pass
+        # the fresh variance of the rebuilt gradient (m - beta1 m_prev) / (1 - beta1), u = m_hat / d and (on a
+        # CPU) each layer's max d / d_fresh, in one pass
         # the bucket's buffers stay from step to step: their per-parameter views are made once
         ups = b.kept_views("scratch", prelim)
         # where the torch ops run, on the whole buffers: the synced result, absorbed already, is their scratch
         flat = Flat(m, prev, fresh, denom, prelim, self._lengths(b), b.synced)
+        keep = [i for i, h in enumerate(has_grad) if h]
+        everyone = len(keep) == len(has_grad)
+        ps = self._detached(b)
+        # a GPU's kernel takes every layer's maximum and dot products in one launch, after the moments
+        kernel = everyone and stats_kernel(flat, ps)
         maxima = lamb_moments_(b.kept_views("exp_avg", m), b.kept_views("exp_avg_prev", prev),
                                b.kept_views("exp_avg_sq_fresh", fresh), b.kept_views("denom", denom), ups,
                                [_bias_correction(beta1, t) for t in self._steps(b)], beta1=beta1, beta2=beta2,
-                               eps=eps, eps_inside_sqrt=group["eps_inside_sqrt"], flat=flat)
+                               eps=eps, eps_inside_sqrt=group["eps_inside_sqrt"], flat=flat, maxima=not kernel)
         idx = self._mask(b)
         if idx is not None:
             prelim.index_fill_(0, idx, 0.0)
         # every per-layer scalar: max ratio, ||u||^2, <u, p>, ||p||^2
-        keep = [i for i, h in enumerate(has_grad) if h]
         if not keep:
             return
-        everyone = len(keep) == len(has_grad)
-        ps = self._detached(b)
-        us = self._flat_views(b, "scratch", ups)
-        pf = [p if p.dtype == torch.float32 else p.float() for p in self._flat_views(b, "params", ps)]
-        if not everyone:
-            us, pf = [us[i] for i in keep], [pf[i] for i in keep]
-        stats = [maxima if everyone else maxima[keep]]
-        if wd:
-            stats += [torch.stack([u.dot(u) for u in us]), torch.stack([u.dot(q) for u, q in zip(us, pf, strict=True)]),
-                      torch.stack([q.dot(q) for q in pf])]
+        if maxima is None:
+            out, stats = self._stats_buffer(b, 4 if wd else 1)
+            layer_stats_(flat, ps, b.offsets, out, eps=eps, eps_inside_sqrt=group["eps_inside_sqrt"])
+        else:
+            us = self._flat_views(b, "scratch", ups)
+            pf = [p if p.dtype == torch.float32 else p.float() for p in self._flat_views(b, "params", ps)]
+            if not everyone:
+                us, pf = [us[i] for i in keep], [pf[i] for i in keep]
+            stats = [maxima if everyone else maxima[keep]]
+            if wd:
+                stats += [torch.stack([u.dot(u) for u in us]),
+                          torch.stack([u.dot(q) for u, q in zip(us, pf, strict=True)]),
+                          torch.stack([q.dot(q) for q in pf])]
         if self.whole_tensor_stats is not None:  # the whole tensors' maxima and dot products, from the shards'
             sums, top = self.whole_tensor_stats(torch.cat(stats[1:]) if wd else stats[0][:0], stats[0])
             stats = [top, *sums.view(len(stats) - 1, -1)]
@@ -318,11 +336,11 @@ class OnebitLamb(OnebitAdam):
         for row, col in zip(fs.stats, zip(*(e[5] for e in entries), strict=True), strict=True):
             torch.cat(col, out=row) if len(col) > 1 else row.copy_(col[0])  # one kernel (a GPU's cat of one dtype)
         work[:-1].copy_(fs.stats)  # fp32 -> fp64: exact
-        factor, bound = work[0], work[-1]  # in place from here: nothing allocated but the mask
+        factor, bound = work[0], work[-1]  # in place from here: nothing allocated
         if wd:
             uu, un2, pp = work[1:4]
             un2.mul_(2 * wd).add_(uu).add_(pp.mul_(wd * wd)).clamp_min_(0.0)  # ||u + wd p||^2
-            undefined = (un2 > 0).logical_not_()
+            undefined = torch.gt(un2, 0.0, out=fs.undefined).logical_not_()  # NaN: undefined too
             share = uu.div_(un2).sqrt_().clamp_max_(1.0).masked_fill_(undefined, 1.0)
             factor.mul_(share).add_(share.neg_().add_(1.0))  # f * share + (1 - share)
         factor.clamp_(group["factor_min"], group["factor_max"])
@@ -359,7 +377,9 @@ class OnebitLamb(OnebitAdam):
         slices = [(steps[lo:hi], decays[lo:hi]) for lo, hi in itertools.pairwise(cuts)]
         work = torch.empty(rows + 1, len(params), dtype=torch.float64, device=dev)
         stats = torch.empty(rows, len(params), dtype=torch.float32, device=dev)
-        fs = self._factors[id(entries[0][2])] = _Factors(layers, last, freeze, steps, decays, slices, work, stats)
+        undefined = torch.empty(len(params), dtype=torch.bool, device=dev)
+        fs = self._factors[id(entries[0][2])] = _Factors(layers, last, freeze, steps, decays, slices, work, stats,
+                                                         undefined)
         return fs
 
     def _store_factors(self, layers: tuple, last: torch.Tensor | list[float]) -> None:

@@ -1,13 +1,16 @@
-"""1-bit LAMB's compressed step as a GPU takes it: its layer factors computed on the device and its scaled step by
-the cuda backend's kernel, one launch a bucket, with no host read, against the same step with the factors read
-and the scaled step run by torch's ops; and a checkpoint of the device's factors written and reloaded.
+"""1-bit LAMB's compressed step as a GPU takes it: its layer statistics and its scaled step by the cuda backend's
+kernels, one launch each a bucket, and its layer factors computed on the device, with no host read, against the
+same step with the factors read and the scaled step run by torch's ops; and a checkpoint of the device's factors
+written and reloaded. The statistics kernel against its summation order and torch's ratios.
 
 Runs under numba's CUDA simulator (tests/test_cuda_simulator.py starts it), where CPU tensors stand in for
 device memory; ``optim.functional``'s CPU kernels are switched off, as on a GPU, where torch's ops run.
 """
 
 import io
+import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -15,6 +18,7 @@ from torch import nn
 import lightning_onebit.optim.functional as functional
 import lightning_onebit.optim.functional_lamb as functional_lamb
 from lightning_onebit.compress.kernels import numba_cuda as kc
+from lightning_onebit.compress.kernels.layout import REDUCE_LANES, REDUCE_TILE
 from lightning_onebit.optim import OnebitLamb, local_steps
 
 
@@ -46,6 +50,59 @@ def test_the_scaled_step_kernel_has_the_bits_of_the_cpu_step():
     with pytest.raises(ValueError, match="of their offsets' sizes"):  # it would write past the parameter
         kc.scaled_step([out[0], out[1][:-1], out[2]], u, offsets, steps, decays)
     assert torch.equal(out[0], torch_ref[0])  # nothing written
+
+
+def _in_layout_order(v: np.ndarray) -> float:
+    """The sum of fp64 ``v`` in :mod:`layout`'s order: tiles of REDUCE_TILE, 32 lanes summed in order each, the
+    halving tree, the tiles in order."""
+    total = 0.0
+    for lo in range(0, v.size, REDUCE_TILE):
+        tile = v[lo:lo + REDUCE_TILE]
+        lanes = [float(np.cumsum(tile[j::REDUCE_LANES])[-1]) if tile[j::REDUCE_LANES].size else 0.0
+                 for j in range(REDUCE_LANES)]
+        h = REDUCE_LANES // 2
+        while h:
+            lanes[:h] = [lanes[j] + lanes[j + h] for j in range(h)]
+            h //= 2
+        total += lanes[0]
+    return total
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_the_layer_stats_kernel_sums_in_the_layout_order_and_takes_torch_s_ratios(inside):
+    g = torch.Generator().manual_seed(1)
+    sizes = [5, 0, REDUCE_TILE + 808, 300]  # an empty layer, one of two tiles
+    offsets = [0, 5, 5, 5 + REDUCE_TILE + 808]
+    n = sum(sizes)
+    u, d = torch.randn(n, generator=g), torch.rand(n, generator=g) + 0.5
+    fresh = torch.rand(n, generator=g) * 2
+    params = [torch.randn(k, generator=g) for k in sizes]
+    out = torch.full((4, 4), 7.0)
+    kc.lamb_stats(params, u, d, fresh, offsets, out, eps=1e-3, eps_inside_sqrt=inside)
+    f32 = np.float32
+    fn, dn = fresh.numpy(), d.numpy()
+    df = np.sqrt(fn + f32(1e-3)) if inside else np.sqrt(fn) + f32(1e-3)  # IEEE's fp32 square root
+    ratio = dn / df
+    for k, (lo, size) in enumerate(zip(offsets, sizes, strict=True)):
+        x, q = u[lo:lo + size].double().numpy(), params[k].double().numpy()
+        want = [float(ratio[lo:lo + size].max()) if size else -math.inf,
+                *(float(f32(_in_layout_order(a * b))) for a, b in ((x, x), (x, q), (q, q)))]
+        assert out[:, k].tolist() == want
+    exact = float((u[5:5 + sizes[2]].double() * params[2].double()).sum())
+    assert out[2, 2].item() == pytest.approx(exact, rel=1e-6)
+    # a NaN ratio makes its layer's maximum NaN (torch's maximum), the others' stay; without dot products
+    # only the maxima are written
+    fresh[7] = float("nan")
+    top = torch.zeros(1, 4)
+    kc.lamb_stats(params, u, d, fresh, offsets, top, eps=1e-3, eps_inside_sqrt=inside)
+    assert math.isnan(top[0, 2]) and top[0, [0, 3]].tolist() == out[0, [0, 3]].tolist() and top[0, 1] == -math.inf
+    with pytest.raises(ValueError, match="of their offsets' sizes"):  # it would read past the parameter
+        kc.lamb_stats([params[0], params[1], params[2][:-1], params[3]], u, d, fresh, offsets, out, eps=1e-3,
+                      eps_inside_sqrt=inside)
+    with pytest.raises(ValueError, match=r"\[4 or 1, 4\]"):
+        kc.lamb_stats(params, u, d, fresh, offsets, out[:, :3], eps=1e-3, eps_inside_sqrt=inside)
+    with pytest.raises(ValueError, match="fresh has"):
+        kc.lamb_stats(params, u, d, fresh[1:], offsets, out, eps=1e-3, eps_inside_sqrt=inside)
 
 
 VOCAB = 24
@@ -111,13 +168,15 @@ def test_the_factors_and_the_step_on_the_device_have_the_bits_of_the_host_s(monk
     read_model, read_opt = _run(False, monkeypatch)
     assert len(stored) == 3  # on the host the per-parameter factors are written every compression step
     stored.clear()
-    launches = []
-    kernel = kc.scaled_step
+    launches, stats = [], []
+    kernel, stats_kernel = kc.scaled_step, kc.lamb_stats
     monkeypatch.setattr(kc, "scaled_step", lambda *a: launches.append(1) or kernel(*a))
+    monkeypatch.setattr(kc, "lamb_stats", lambda *a, **k: stats.append(1) or stats_kernel(*a, **k))
     dev_model, dev_opt = _run(True, monkeypatch)
     assert not stored and dev_opt._factors  # on the device they stay there
     whole = [b for b in dev_opt._buckets if all(p.grad is not None for p in b.params)]
-    assert len(launches) == 3 * len(whole) > 0  # one a bucket whose parameters all got a gradient, a step
+    # one launch of each a bucket whose parameters all got a gradient, a step
+    assert len(launches) == len(stats) == 3 * len(whole) > 0
     assert dev_opt.compressing and len(dev_opt._buckets) >= 3
     assert any(0 < sum(h) < len(h) for h in ([p.grad is not None for p in b.params] for b in dev_opt._buckets))
     for p, q in zip(read_model.parameters(), dev_model.parameters(), strict=True):
