@@ -173,13 +173,13 @@ def local_counted(one_rank_counted) -> dict[str, dict[str, list[int]]]:
     return {m: kinds["local"] for (a, m), kinds in one_rank_counted.items() if a == "ZeroOneAdam"}
 
 
-# 1-bit LAMB's compressed step as a GPU takes it: ceilings, today's counts. Its moments and its momentum's shift
-# run on the bucket's buffers (nine ops a bucket), its layer statistics (maxima and dot products) in one launch a
-# bucket, its layer factors on the device once a step for all buckets (about thirty fp64 ops on tensors as long as
-# the model's layers) and its scaled step in one launch a bucket: 7 launches a bucket, not 5, nothing per tensor,
-# nothing allocated. It reads the calls' finiteness flags once a step (the gathered server scales' check rides in
-# the next call's agreement, as on a GPU)
-LAMB_TORCH_OPS = {"mlp": 74, "gpt": 184}
+# 1-bit LAMB's compressed step as a GPU takes it: ceilings, today's counts. Its moments, u and its layer
+# statistics (maxima and dot products) are one launch a bucket, its momentum's shift three foreach ops, its layer
+# factors computed on the device once a step for all buckets (about thirty fp64 ops on tensors as long as the
+# model's layers) and its scaled step one launch a bucket: 7 launches a bucket, not 5, nothing per tensor, nothing
+# allocated. It reads the calls' finiteness flags once a step (the gathered server scales' check rides in the
+# next call's agreement, as on a GPU)
+LAMB_TORCH_OPS = {"mlp": 59, "gpt": 119}
 LAMB_ALLOCATIONS = {"mlp": 0, "gpt": 0}
 LAMB_READS = {"mlp": 1, "gpt": 1}
 LAMB_LAUNCHES_PER_BUCKET = 7

@@ -22,7 +22,7 @@ from ..compress.kernels.threads import parallel_and_serial, parallel_kernel
 from . import functional as _core
 from .functional import _CH, _CHUNK, _np
 
-__all__ = ["Flat", "lamb_moments_", "layer_stats_", "scaled_step_", "shift_in_", "stats_kernel"]
+__all__ = ["Flat", "LayerStats", "lamb_moments_", "scaled_step_", "shift_in_", "stats_kernel"]
 
 
 @parallel_and_serial
@@ -56,6 +56,17 @@ def _lamb_stats(m, prev, fresh, d, prelim, beta1, c, b2, eps, inside, inv_bc, ma
         maxima[t] = mx if nans.sum() == 0 else np.float32(np.nan)
 
 
+class LayerStats(NamedTuple):
+    """Where :func:`lamb_moments_`'s kernel puts each layer's statistics: the layers' parameters, laid out at
+    ``offsets`` in the bucket's buffers, an fp32 ``[4 or 1, layers]`` output, and the positions whose update is
+    0 (sorted int64, or None)."""
+
+    params: Sequence[torch.Tensor]
+    offsets: Sequence[int]
+    out: torch.Tensor
+    mask: torch.Tensor | None
+
+
 class Flat(NamedTuple):
     """The buffers a bucket's per-tensor views are consecutive parts of (``exp_avg`` ... ``update`` in the order
     :func:`lamb_moments_` takes them), each tensor's length on their device, and a scratch buffer of their size."""
@@ -73,7 +84,7 @@ class Flat(NamedTuple):
 def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor], fresh: Sequence[torch.Tensor],
                   denoms: Sequence[torch.Tensor], updates: Sequence[torch.Tensor], bias_corrections: Sequence[float],
                   *, beta1: float, beta2: float, eps: float, eps_inside_sqrt: bool,
-                  flat: Flat | None = None, maxima: bool = True) -> torch.Tensor | None:
+                  flat: Flat | None = None, stats: LayerStats | None = None) -> torch.Tensor | None:
     r"""1-bit LAMB's elementwise half of a compressed step, per tensor, in place:
 
     .. math::
@@ -95,13 +106,25 @@ def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor
     ops do not grow with its tensors: the same bits (elementwise ops, and a maximum is exact; on a CPU, whose
     vectorised ``sqrt`` rounds SIMD lanes and a tensor's tail apart, a maximum an ulp apart at most).
 
-    ``maxima=False``: where the whole buffers' ops run, the maxima are left to the caller (:func:`layer_stats_`
-    computes them with the dot products in one launch) and None is returned; elsewhere they are returned anyway."""
+    ``stats`` (:class:`LayerStats`, with ``flat``, where :func:`stats_kernel` holds): where the whole buffers'
+    ops would run, the compression backend's kernel (the cuda backend's) writes the moments, u (0 at
+    ``stats.mask``) and each layer's statistics for its trust ratio into ``stats.out`` in one pass over the
+    bucket, and None is returned: :math:`\max d / d^{fresh}` and, where ``out`` has four rows,
+    :math:`\langle u, u\rangle, \langle u, \theta\rangle, \langle\theta, \theta\rangle`. Its elementwise
+    roundings are the CPU kernel's (fused multiply-adds, IEEE's square root), its sums fp64 in a fixed order,
+    rounded once (not the bits of torch's fp32 dot products, which a CPU's BLAS and a GPU's do not share anyway).
+    Elsewhere the maxima are returned as without it."""
     c = (1 - beta2) / (1 - beta1) ** 2
     fusable = _core._fusable(*exp_avgs, *prevs, *fresh, *denoms, *updates)
     if not fusable and flat is not None and len(set(bias_corrections)) <= 1:
-        return _lamb_moments_flat(flat, bias_corrections[0] if bias_corrections else 1.0, beta1, c, beta2, eps,
-                                  eps_inside_sqrt, maxima)
+        bc = bias_corrections[0] if bias_corrections else 1.0
+        if stats is not None:
+            _core.get_backend(flat.update.device).lamb_stats(
+                stats.params, flat.update, flat.denom, flat.fresh, stats.offsets, stats.out, eps=eps,
+                eps_inside_sqrt=eps_inside_sqrt, exp_avg=flat.exp_avg, prev=flat.prev, mask=stats.mask, beta1=beta1,
+                beta2=beta2, bias_correction=bc)
+            return None
+        return _lamb_moments_flat(flat, bc, beta1, c, beta2, eps, eps_inside_sqrt)
     if not fusable:
         out = []
         for m, p, f, d, u, bc in zip(exp_avgs, prevs, fresh, denoms, updates, bias_corrections, strict=True):
@@ -116,14 +139,11 @@ def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor
 
 
 def _lamb_moments_flat(flat: Flat, bc: float, beta1: float, c: float, beta2: float, eps: float,
-                       inside: bool, maxima: bool = True) -> torch.Tensor | None:
+                       inside: bool) -> torch.Tensor:
     """:func:`lamb_moments_`'s torch ops on whole buffers: w in the scratch, d / d_fresh and then u in ``update``."""
     m, p, f, d, u, lengths, w = flat
     torch.sub(m, p, alpha=beta1, out=w)
     f.mul_(beta2).addcmul_(w, w, value=c)
-    if not maxima:
-        torch.div(m, d, out=u).mul_(1 / bc)
-        return None
     if inside:
         torch.add(f, eps, out=u).sqrt_()
     else:
@@ -136,25 +156,12 @@ def _lamb_moments_flat(flat: Flat, bc: float, beta1: float, c: float, beta2: flo
 
 
 def stats_kernel(flat: Flat, params: Sequence[torch.Tensor]) -> bool:
-    """Whether :func:`layer_stats_` can run for these buffers and parameters: where torch's ops run (a GPU) and
-    the compression backend has a layer-statistics kernel (the cuda backend's) that takes them (contiguous fp32
-    parameters on the buffers' device)."""
+    """Whether :func:`lamb_moments_` can take ``stats=`` for these buffers and parameters: where torch's ops run (a
+    GPU) and the compression backend has 1-bit LAMB's statistics kernel (the cuda backend's) that takes them
+    (contiguous fp32 parameters on the buffers' device)."""
     u = flat.update
     return (not _core._fusable(flat.exp_avg, u) and getattr(_core.get_backend(u.device), "lamb_stats", None) is not None
             and all(p.device == u.device and p.dtype == torch.float32 and p.is_contiguous() for p in params))
-
-
-@torch.no_grad()
-def layer_stats_(flat: Flat, params: Sequence[torch.Tensor], offsets: Sequence[int], out: torch.Tensor, *,
-                 eps: float, eps_inside_sqrt: bool) -> torch.Tensor:
-    r"""Each layer's statistics for its trust ratio, into ``out``'s columns (fp32 on the device, no host read):
-    :math:`\max d / d^{fresh}` (``d^{fresh}`` from ``flat.fresh`` as in :func:`lamb_moments_`) and, where ``out``
-    has four rows, :math:`\langle u, u\rangle, \langle u, \theta\rangle, \langle\theta, \theta\rangle` with u
-    ``flat.update``; ``params`` laid out at ``offsets`` in the buffers. One launch of the backend's kernel
-    (:func:`stats_kernel` says whether it runs), whose sums are fp64 in a fixed order, rounded once: not the bits
-    of torch's fp32 dot products, which differ between a CPU's BLAS and a GPU's anyway."""
-    return _core.get_backend(flat.update.device).lamb_stats(params, flat.update, flat.denom, flat.fresh, offsets,
-                                                            out, eps=eps, eps_inside_sqrt=eps_inside_sqrt)
 
 
 @parallel_kernel

@@ -14,7 +14,7 @@ from . import local_steps
 from .base import CompressedOptimizer
 from .buckets import Bucket
 from .conversion import _is_lamb
-from .functional_lamb import Flat, lamb_moments_, layer_stats_, scaled_step_, shift_in_, stats_kernel
+from .functional_lamb import Flat, LayerStats, lamb_moments_, scaled_step_, shift_in_, stats_kernel
 from .onebit_adam import OnebitAdam, _bias_correction
 
 __all__ = ["OnebitLamb"]
@@ -266,8 +266,8 @@ class OnebitLamb(OnebitAdam):
         fresh, prev = b.flat["exp_avg_sq_fresh"], b.flat["exp_avg_prev"]
         prelim = self._scratch(b)
         denom = self._denominator(b, group)  # v is frozen: computed once per switch
-        # the fresh variance of the rebuilt gradient (m - beta1 m_prev) / (1 - beta1), u = m_hat / d and (on a
-        # CPU) each layer's max d / d_fresh, in one pass
+        # the fresh variance of the rebuilt gradient (m - beta1 m_prev) / (1 - beta1), u = m_hat / d and each
+        # layer's max d / d_fresh, in one pass
         # the bucket's buffers stay from step to step: their per-parameter views are made once
         ups = b.kept_views("scratch", prelim)
         # where the torch ops run, on the whole buffers: the synced result, absorbed already, is their scratch
@@ -275,21 +275,23 @@ class OnebitLamb(OnebitAdam):
         keep = [i for i, h in enumerate(has_grad) if h]
         everyone = len(keep) == len(has_grad)
         ps = self._detached(b)
-        # a GPU's kernel takes every layer's maximum and dot products in one launch, after the moments
-        kernel = everyone and stats_kernel(flat, ps)
+        idx = self._mask(b)
+        # on a GPU one kernel a bucket: the moments, u and every layer's maximum and dot products in one pass
+        stats = None
+        if everyone and stats_kernel(flat, ps):
+            out, rows = self._stats_buffer(b, 4 if wd else 1)
+            stats = LayerStats(ps, b.offsets, out, idx)
         maxima = lamb_moments_(b.kept_views("exp_avg", m), b.kept_views("exp_avg_prev", prev),
                                b.kept_views("exp_avg_sq_fresh", fresh), b.kept_views("denom", denom), ups,
                                [_bias_correction(beta1, t) for t in self._steps(b)], beta1=beta1, beta2=beta2,
-                               eps=eps, eps_inside_sqrt=group["eps_inside_sqrt"], flat=flat, maxima=not kernel)
-        idx = self._mask(b)
-        if idx is not None:
+                               eps=eps, eps_inside_sqrt=group["eps_inside_sqrt"], flat=flat, stats=stats)
+        if maxima is not None and idx is not None:
             prelim.index_fill_(0, idx, 0.0)
         # every per-layer scalar: max ratio, ||u||^2, <u, p>, ||p||^2
         if not keep:
             return
         if maxima is None:
-            out, stats = self._stats_buffer(b, 4 if wd else 1)
-            layer_stats_(flat, ps, b.offsets, out, eps=eps, eps_inside_sqrt=group["eps_inside_sqrt"])
+            stats = rows
         else:
             us = self._flat_views(b, "scratch", ups)
             pf = [p if p.dtype == torch.float32 else p.float() for p in self._flat_views(b, "params", ps)]

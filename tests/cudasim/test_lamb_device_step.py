@@ -105,6 +105,31 @@ def test_the_layer_stats_kernel_sums_in_the_layout_order_and_takes_torch_s_ratio
         kc.lamb_stats(params, u, d, fresh[1:], offsets, out, eps=1e-3, eps_inside_sqrt=inside)
 
 
+@pytest.mark.parametrize("inside", [True, False])
+def test_the_layer_stats_kernel_writes_the_moments_with_the_cpu_kernel_s_bits(inside):
+    g = torch.Generator().manual_seed(2)
+    sizes, offsets = [300, 0, 5, 711], [0, 300, 300, 305]
+    n = sum(sizes)
+    m, prev, d = torch.randn(n, generator=g), torch.randn(n, generator=g), torch.rand(n, generator=g) + 0.5
+    fresh = torch.rand(n, generator=g)
+    params = [torch.randn(k, generator=g) for k in sizes]
+    kw = dict(beta1=0.9, beta2=0.999, eps=1e-6, eps_inside_sqrt=inside)
+    f_cpu, u_cpu = fresh.clone(), torch.empty(n)
+    split = [list(t.split(sizes)) for t in (m, prev, f_cpu, d, u_cpu)]
+    maxima = functional_lamb.lamb_moments_(*split, [0.7] * len(sizes), **kw)  # numba's CPU kernel
+    mask = torch.tensor([3, 310, 700])
+    u_cpu[mask] = 0.0
+    f_dev, u_dev, out = fresh.clone(), torch.full((n,), 9.0), torch.empty(4, len(sizes))
+    kc.lamb_stats(params, u_dev, d, f_dev, offsets, out, exp_avg=m, prev=prev, mask=mask, bias_correction=0.7,
+                  **kw)
+    assert torch.equal(f_dev, f_cpu) and torch.equal(u_dev, u_cpu)
+    assert torch.equal(out[0], maxima)
+    # the dot products are those of the update it wrote, masked
+    ref = torch.empty(4, len(sizes))
+    kc.lamb_stats(params, u_cpu, d, f_cpu, offsets, ref, eps=1e-6, eps_inside_sqrt=inside)
+    assert torch.equal(out, ref)
+
+
 VOCAB = 24
 
 

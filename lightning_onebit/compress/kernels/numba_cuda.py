@@ -384,8 +384,8 @@ def kernel_signatures() -> dict[str, tuple]:
         "_decode_kernel": (i64, u8m, f32m, i64, i64, i64m, i64v, f32v, flag, flag, b1, b1, f32v, b1, nt.float64,
                            f32v, i64v, i64v, nt.float32, nt.float32, f32v, i64v, i64),
         "_scaled_step_kernel": (i64v, i64v, f32v, f32v, f32v, i64),
-        "_lamb_stats_kernel": (i64v, i64v, f32v, f32v, f32v, nt.float32, flag, flag, i64v, i64v, i64v, f64m, i32v,
-                               f32m),
+        "_lamb_stats_kernel": (i64v, i64v, f32v, f32v, f32v, f32v, f32v, i64v, nt.float32, nt.float32, nt.float32,
+                               nt.float32, flag, nt.float32, flag, flag, i64v, i64v, i64v, f64m, i32v, f32m),
     }
 
 

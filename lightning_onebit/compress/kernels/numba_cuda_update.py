@@ -34,7 +34,7 @@ from .layout import REDUCE_LANES, REDUCE_TILE
 from .numba_cuda_kernels import RTHREADS, THREADS
 from .numba_cuda_launch import _grid, _launcher, _on, _stream
 from .numba_cuda_sink import address_tables, f32_load, f32_store
-from .numba_cuda_source import SIMULATED, _fma32, _group_at, _mul32, arr, last_at_most, memo
+from .numba_cuda_source import SIMULATED, _fma32, _group_at, _in_sorted, _mul32, arr, empty_arrays, last_at_most, memo
 
 __all__ = ["lamb_stats", "scaled_step"]
 
@@ -46,6 +46,10 @@ if SIMULATED:  # numpy fp32 scalars; a square root of an fp32 value rounded twic
     def _ratio32(d, f, eps, inside):
         df = float32(math.sqrt(float32(f + eps))) if inside else float32(float32(math.sqrt(f)) + eps)
         return float32(d / df)
+
+    @cuda.jit(device=True)
+    def _div32(a, b):
+        return float32(a / b)
 
 else:
     from numba.cuda import libdevice
@@ -59,6 +63,10 @@ else:
             df = libdevice.fadd_rn(libdevice.fsqrt_rn(f), eps)
         return libdevice.fdiv_rn(d, df)
 
+    @cuda.jit(device=True, inline=True)
+    def _div32(a, b):
+        return libdevice.fdiv_rn(a, b)
+
 
 @cuda.jit(device=True, inline=True)
 def _max_nan(a, b):
@@ -70,13 +78,30 @@ def _max_nan(a, b):
     return a
 
 
+@cuda.jit(device=True, inline=True)
+def _moments_at(m, prev, f, d, u, mask, nb, c, b2, eps, inside, inv_bc, i):
+    """Element i of 1-bit LAMB's moments, in the CPU kernel's roundings (``functional_lamb._lamb_stats``):
+    ``w = m - beta1 prev`` and ``f <- f b2 + c w^2`` by fused multiply-adds, ``u = (m / d) / bc`` (0 where
+    ``mask`` holds i); writes ``f`` and ``u``, returns the new ``f``."""
+    w = _fma32(nb, prev[i], m[i])
+    fi = _fma32(_mul32(c, w), w, _mul32(f[i], b2))
+    f[i] = fi
+    if mask.size and _in_sorted(mask, i):
+        u[i] = float32(0.0)
+    else:
+        u[i] = _mul32(_div32(m[i], d[i]), inv_bc)
+    return fi
+
+
 @cuda.jit(cache=True)
-def _lamb_stats_kernel(addr, bounds, u, d, f, eps, inside, dots, t_lo, t_hi, ptr, partials, count, out):
+def _lamb_stats_kernel(addr, bounds, u, d, f, m, prev, mask, nb, c, b2, eps, inside, inv_bc, moments, dots, t_lo,
+                       t_hi, ptr, partials, count, out):
     """Each layer's ``[max d / d_fresh, <u, u>, <u, p>, <p, p>]`` into ``out[:, k]`` (the dot products only
-    with ``dots``). Tile t (``t_lo[t]:t_hi[t]``, inside one layer) is summed by one thread block into
-    ``partials[t]``; the block that finishes layer k's last tile (``count[k]``, tiles done, counted atomically
-    after a fence and zeroed again) combines its tiles in order, reading them through atomics (the L2 copy),
-    as ``_reduce_scales_kernel`` does. Layers without elements get ``-inf, 0, 0, 0``."""
+    with ``dots``), with ``moments`` after writing each element's moments (``_moments_at``) as it is read. Tile
+    t (``t_lo[t]:t_hi[t]``, inside one layer) is summed by one thread block into ``partials[t]``; the block that
+    finishes layer k's last tile (``count[k]``, tiles done, counted atomically after a fence and zeroed again)
+    combines its tiles in order, reading them through atomics (the L2 copy), as ``_reduce_scales_kernel`` does.
+    Layers without elements get ``-inf, 0, 0, 0``."""
     s_r = cuda.shared.array(LANES, float64)
     s_uu = cuda.shared.array(LANES, float64)
     s_up = cuda.shared.array(LANES, float64)
@@ -107,7 +132,11 @@ def _lamb_stats_kernel(addr, bounds, u, d, f, eps, inside, dots, t_lo, t_hi, ptr
             pp = 0.0
             i = t_lo[t] + lane
             while i < t_hi[t]:
-                mx = _max_nan(mx, float64(_ratio32(d[i], f[i], eps, inside)))
+                if moments:
+                    fi = _moments_at(m, prev, f, d, u, mask, nb, c, b2, eps, inside, inv_bc, i)
+                else:
+                    fi = f[i]
+                mx = _max_nan(mx, float64(_ratio32(d[i], fi, eps, inside)))
                 if dots:
                     x = float64(u[i])
                     q = float64(f32_load(a, i - base)) if a != 0 else 0.0
@@ -148,25 +177,25 @@ def _lamb_stats_kernel(addr, bounds, u, d, f, eps, inside, dots, t_lo, t_hi, ptr
             uu = 0.0
             up = 0.0
             pp = 0.0
-            c = ptr[k]
-            while c < ptr[k + 1]:  # LANES partials at a time read by the threads, combined in order by thread 0
+            j0 = ptr[k]  # (not c: the moments' coefficient)
+            while j0 < ptr[k + 1]:  # LANES partials at a time read by the threads, combined in order by thread 0
                 lane = tid
                 while lane < LANES:
-                    if c + lane < ptr[k + 1]:
-                        s_r[lane] = cuda.atomic.add(partials, (c + lane, 0), 0.0)
-                        s_uu[lane] = cuda.atomic.add(partials, (c + lane, 1), 0.0)
-                        s_up[lane] = cuda.atomic.add(partials, (c + lane, 2), 0.0)
-                        s_pp[lane] = cuda.atomic.add(partials, (c + lane, 3), 0.0)
+                    if j0 + lane < ptr[k + 1]:
+                        s_r[lane] = cuda.atomic.add(partials, (j0 + lane, 0), 0.0)
+                        s_uu[lane] = cuda.atomic.add(partials, (j0 + lane, 1), 0.0)
+                        s_up[lane] = cuda.atomic.add(partials, (j0 + lane, 2), 0.0)
+                        s_pp[lane] = cuda.atomic.add(partials, (j0 + lane, 3), 0.0)
                     lane += RTHREADS
                 cuda.syncthreads()
                 if tid == 0:
-                    for q in range(min(LANES, ptr[k + 1] - c)):
+                    for q in range(min(LANES, ptr[k + 1] - j0)):
                         mx = _max_nan(mx, s_r[q])
                         uu += s_uu[q]
                         up += s_up[q]
                         pp += s_pp[q]
                 cuda.syncthreads()
-                c += LANES
+                j0 += LANES
             if tid == 0:
                 count[k] = 0
                 out[0, k] = float32(mx)
@@ -235,12 +264,16 @@ def _stats_geometry(offsets: Sequence[int], valid: int, device: torch.device) ->
 
 def lamb_stats(params: Sequence[torch.Tensor | None], update: torch.Tensor, denom: torch.Tensor,
                fresh: torch.Tensor, offsets: Sequence[int], out: torch.Tensor, *, eps: float,
-               eps_inside_sqrt: bool) -> torch.Tensor:
+               eps_inside_sqrt: bool, exp_avg: torch.Tensor | None = None, prev: torch.Tensor | None = None,
+               mask: torch.Tensor | None = None, beta1: float = 0.0, beta2: float = 0.0,
+               bias_correction: float = 1.0) -> torch.Tensor:
     """Each parameter's ``[max(denom / d_fresh), <u, u>, <u, p>, <p, p>]`` into the columns of ``out`` (fp32,
     ``[4, len(params)]``; ``[1, len(params)]``: the maxima alone) on torch's current stream, with
     ``d_fresh = sqrt(fresh + eps)`` (``eps_inside_sqrt``) or ``sqrt(fresh) + eps``. ``update``, ``denom``, ``fresh``:
     the bucket's flat fp32 buffers; ``params``: contiguous fp32 tensors laid out at ``offsets`` in them (None
-    for one without elements). Returns ``out``."""
+    for one without elements). With ``exp_avg`` and ``prev`` (the momentum and the previous one, flat) the same
+    launch first writes ``fresh`` and ``update`` (0 at the sorted int64 positions ``mask``) element by element, in
+    the CPU kernel's roundings (``optim.functional_lamb.lamb_moments_``). Returns ``out``."""
     device = update.device
     valid = update.numel()
     _check_flat("lamb_stats: update", update, device)
@@ -253,12 +286,22 @@ def lamb_stats(params: Sequence[torch.Tensor | None], update: torch.Tensor, deno
         raise ValueError(f"lamb_stats: out must be a contiguous fp32 [4 or 1, {len(params)}] tensor on {device}")
     dots = out.shape[0] == 4
     _check_params("lamb_stats", params if dots else [None] * len(params), offsets, valid, device)
+    f32 = np.float32
+    _, i64, _ = empty_arrays(device)
+    moments = exp_avg is not None
+    if not moments:
+        exp_avg = prev = update
+    _check_flat("lamb_stats: exp_avg", exp_avg, device, valid)
+    _check_flat("lamb_stats: prev", prev, device, valid)
+    c = (1 - beta2) / (1 - beta1) ** 2 if moments else 0.0  # as lamb_moments_ computes it
+    nums = (f32(-beta1), f32(c), f32(beta2), f32(1 / bias_correction))
+    mask = i64 if mask is None else arr(mask)
     with _on(device):
         addr, bounds = address_tables(params if dots else [None] * len(params), offsets, valid, device)
         t_lo, t_hi, ptr, partials, count, tiles = _stats_geometry(offsets, valid, device)
         launch = _launcher(_lamb_stats_kernel, _grid(max(tiles, len(params)), 1), RTHREADS, _stream(device))
-        launch(addr, bounds, arr(update), arr(denom), arr(fresh), np.float32(eps), bool(eps_inside_sqrt), dots,
-               t_lo, t_hi, ptr, partials, count, arr(out))
+        launch(addr, bounds, arr(update), arr(denom), arr(fresh), arr(exp_avg), arr(prev), mask, *nums[:3], f32(eps),
+               bool(eps_inside_sqrt), nums[3], moments, dots, t_lo, t_hi, ptr, partials, count, arr(out))
     return out
 
 
