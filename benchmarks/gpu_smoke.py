@@ -805,7 +805,7 @@ def _layout_sum(v) -> float:
 def check_lamb_stats(device: torch.device, n: int) -> None:
     """1-bit LAMB's layer statistics by the cuda backend's kernel (one launch a bucket) against their definition:
     the maxima of d / d_fresh in IEEE's fp32 roundings (a GPU's torch ops', reported), the dot products summed in
-    fp64 in the layout's order."""
+    fp64 in the layout's order; and with the moments written in the same pass, the CPU kernel's bits."""
     import numpy as np
 
     from lightning_onebit.compress.kernels import numba_cuda as kc
@@ -826,8 +826,22 @@ def check_lamb_stats(device: torch.device, n: int) -> None:
         want[0, k] = ratio[lo:lo + size].max() if size else -float("inf")
         for r, (a, b) in enumerate(((x, x), (x, q), (q, q)), 1):
             want[r, k] = float(np.float32(_layout_sum(a * b)))
-    same = _same(out.cpu(), want)
+    # with the moments written in the same pass: the CPU kernel's fresh variance, u and maxima, bit for bit
+    from lightning_onebit.optim import functional_lamb as FL
+
+    m, prev, mask = torch.randn(n, generator=g), torch.randn(n, generator=g), torch.arange(0, n, 7)
+    f_cpu, u_cpu = f.clone(), torch.empty(n)
+    maxima = FL.lamb_moments_(*(list(t.split(sizes)) for t in (m, prev, f_cpu, d, u_cpu)), [0.7] * len(sizes),
+                              beta1=0.9, beta2=0.999, eps=1e-8, eps_inside_sqrt=True)
+    u_cpu[mask] = 0.0
+    f_dev, u_dev, both = f.to(device), torch.empty(n, device=device), torch.empty(4, len(sizes), device=device)
+    kc.lamb_stats([p.to(device) for p in params], u_dev, d.to(device), f_dev, cuts, both, eps=1e-8,
+                  eps_inside_sqrt=True, exp_avg=m.to(device), prev=prev.to(device), mask=mask.to(device), beta1=0.9,
+                  beta2=0.999, bias_correction=0.7)
+    moments = _same(f_dev.cpu(), f_cpu) and _same(u_dev.cpu(), u_cpu) and _same(both[0].cpu(), maxima)
+    same = _same(out.cpu(), want) and moments
     row(f"1-bit LAMB's layer statistics in one kernel, n={n}", same,
+        f"moments in the same pass: {'equal to' if moments else 'differ from'} the CPU kernel's bits; "
         f"{len(cuts)} tensors: the maxima and dot products {'equal to' if same else 'differ from'} IEEE's ratios' "
         f"maxima and fp64 sums in the layout's order (torch's ratios on {device.type}: "
         f"{'the same' if torch.equal(by_torch, ratio) else 'other'} bits)")
