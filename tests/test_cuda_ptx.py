@@ -31,7 +31,7 @@ def test_every_kernel_compiles_to_ptx(cc):
     ptx = kc.compile_ptx(cc)
     assert set(ptx) == set(kc.kernel_signatures()) == {
         "_reduce_kernel", "_combine_kernel", "_reduce_scales_kernel", "_encode_kernel", "_decode_kernel",
-        "_scaled_step_kernel", "_lamb_stats_kernel"}
+        "_scaled_step_kernel", "_lamb_stats_kernel", "_lamb_factors_kernel"}
     for name, text in ptx.items():
         assert f".target sm_{cc[0]}{cc[1]}" in text, name
         assert ".visible .entry" in text and name in text, name
@@ -49,6 +49,10 @@ def test_every_kernel_compiles_to_ptx(cc):
     stats = ptx["_lamb_stats_kernel"]
     assert all(op in stats for op in ("sqrt.rn.f32", "div.rn.f32", "add.rn.f32", "mul.rn.f32", "fma.rn.f32"))
     assert not re.search(r"\b(add|sub|mul|div|sqrt)\.(f32|approx|full)", stats), "an fp32 op of the compiler's rounding"
+    # 1-bit LAMB's layer factors: the fp64 torch ops' roundings, each op rounded alone (no fused multiply-add)
+    factors = ptx["_lamb_factors_kernel"]
+    assert all(op in factors for op in ("add.rn.f64", "mul.rn.f64", "div.rn.f64", "sqrt.rn.f64"))
+    assert not re.search(r"\b(fma|add|sub|mul|div|sqrt)\.(f64|rn\.f32|approx)|\bfma\.rn\.f64", factors)
     # the scales: torch's fp64 quotient and square root, correctly rounded, then one rounding to fp32
     assert "div.rn.f64" in ptx["_reduce_scales_kernel"] and "sqrt.rn.f64" in ptx["_reduce_scales_kernel"]
 

@@ -175,14 +175,15 @@ def local_counted(one_rank_counted) -> dict[str, dict[str, list[int]]]:
 
 # 1-bit LAMB's compressed step as a GPU takes it: ceilings, today's counts. Its moments, u and its layer
 # statistics (maxima and dot products) are one launch a bucket, its momentum's shift three foreach ops, its layer
-# factors computed on the device once a step for all buckets (about thirty fp64 ops on tensors as long as the
-# model's layers) and its scaled step one launch a bucket: 7 launches a bucket, not 5, nothing per tensor, nothing
-# allocated. It reads the calls' finiteness flags once a step (the gathered server scales' check rides in the
-# next call's agreement, as on a GPU)
-LAMB_TORCH_OPS = {"mlp": 59, "gpt": 119}
+# factors one launch a step for all buckets, its scaled step one launch a bucket: 7 launches a bucket, not 5, and
+# one a step; a few torch ops a bucket (the gradients' copy, the shift) and a step (the statistics gathered, the
+# flags), nothing per tensor, nothing allocated. It reads the calls' finiteness flags once a step (the gathered
+# server scales' check rides in the next call's agreement, as on a GPU)
+LAMB_TORCH_OPS = {"mlp": 26, "gpt": 86}
 LAMB_ALLOCATIONS = {"mlp": 0, "gpt": 0}
 LAMB_READS = {"mlp": 1, "gpt": 1}
 LAMB_LAUNCHES_PER_BUCKET = 7
+LAMB_LAUNCHES_PER_STEP = 1
 
 
 @pytest.mark.cudasim
@@ -191,7 +192,8 @@ def test_onebit_lamb_step_within_budget(one_rank_counted):
     for model in BUCKETS:
         counts = one_rank_counted[("OnebitLamb", model)]["compression"]
         assert {c: max(counts[c]) for c in ("conversions", "h2d")} == {"conversions": 0, "h2d": 0}, (model, counts)
-        assert max(counts["launches"]) <= LAMB_LAUNCHES_PER_BUCKET * BUCKETS[model], (model, counts["launches"])
+        launches = LAMB_LAUNCHES_PER_BUCKET * BUCKETS[model] + LAMB_LAUNCHES_PER_STEP
+        assert max(counts["launches"]) <= launches, (model, counts["launches"])
         assert max(counts["torch_ops"]) <= LAMB_TORCH_OPS[model], (model, counts["torch_ops"])
         assert max(counts["allocations"]) <= LAMB_ALLOCATIONS[model], (model, counts["allocations"])
         assert max(counts["d2h"]) <= LAMB_READS[model], (model, counts["d2h"])

@@ -22,7 +22,7 @@ from ..compress.kernels.threads import parallel_and_serial, parallel_kernel
 from . import functional as _core
 from .functional import _CH, _CHUNK, _np
 
-__all__ = ["Flat", "LayerStats", "lamb_moments_", "scaled_step_", "shift_in_", "stats_kernel"]
+__all__ = ["Flat", "LayerStats", "lamb_moments_", "layer_factors_", "scaled_step_", "shift_in_", "stats_kernel"]
 
 
 @parallel_and_serial
@@ -162,6 +162,21 @@ def stats_kernel(flat: Flat, params: Sequence[torch.Tensor]) -> bool:
     u = flat.update
     return (not _core._fusable(flat.exp_avg, u) and getattr(_core.get_backend(u.device), "lamb_stats", None) is not None
             and all(p.device == u.device and p.dtype == torch.float32 and p.is_contiguous() for p in params))
+
+
+def layer_factors_(stats: torch.Tensor, last: torch.Tensor, freeze: torch.Tensor, steps: torch.Tensor,
+                   decays: torch.Tensor, *, weight_decay: float, lr: float, factor_threshold: float,
+                   factor_min: float, factor_max: float) -> bool:
+    """1-bit LAMB's layer factors (the arithmetic of :meth:`~lightning_onebit.optim.OnebitLamb._layer_steps`) by
+    the compression backend's kernel, one launch for all the layers of a param group, where it has one (the cuda
+    backend's): the fp64 ``last`` factors updated in place, the fp32 ``steps`` and ``decays`` written, nothing read;
+    returns whether it ran."""
+    kernel = getattr(_core.get_backend(last.device), "lamb_factors", None)
+    if kernel is None:
+        return False
+    kernel(stats, last, freeze, steps, decays, weight_decay=weight_decay, lr=lr, factor_threshold=factor_threshold,
+           factor_min=factor_min, factor_max=factor_max)
+    return True
 
 
 @parallel_kernel

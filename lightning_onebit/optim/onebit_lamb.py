@@ -14,7 +14,7 @@ from . import local_steps
 from .base import CompressedOptimizer
 from .buckets import Bucket
 from .conversion import _is_lamb
-from .functional_lamb import Flat, LayerStats, lamb_moments_, scaled_step_, shift_in_, stats_kernel
+from .functional_lamb import Flat, LayerStats, lamb_moments_, layer_factors_, scaled_step_, shift_in_, stats_kernel
 from .onebit_adam import OnebitAdam, _bias_correction
 
 __all__ = ["OnebitLamb"]
@@ -337,6 +337,11 @@ class OnebitLamb(OnebitAdam):
         last, work = fs.last, fs.work
         for row, col in zip(fs.stats, zip(*(e[5] for e in entries), strict=True), strict=True):
             torch.cat(col, out=row) if len(col) > 1 else row.copy_(col[0])  # one kernel (a GPU's cat of one dtype)
+        on_device = local_steps.flags_stay_on_device(last.device)
+        if on_device and layer_factors_(fs.stats, last, fs.freeze, fs.steps, fs.decays, weight_decay=wd, lr=lr,
+                                        factor_threshold=thr, factor_min=group["factor_min"],
+                                        factor_max=group["factor_max"]):
+            return fs.slices  # the arithmetic below in one launch
         work[:-1].copy_(fs.stats)  # fp32 -> fp64: exact
         factor, bound = work[0], work[-1]  # in place from here: nothing allocated
         if wd:
@@ -349,7 +354,7 @@ class OnebitLamb(OnebitAdam):
         torch.maximum(factor, torch.mul(last, 1 - thr, out=bound), out=factor)
         torch.minimum(factor, torch.mul(last, 1 + thr, out=bound), out=last)
         steps = torch.mul(fs.freeze, lr, out=bound).mul_(last)
-        if local_steps.flags_stay_on_device(last.device):
+        if on_device:
             fs.steps.copy_(steps)
             fs.decays.copy_(steps.mul_(wd).neg_().add_(1.0))  # 1 - s wd, rounded as the host's
             return fs.slices

@@ -366,6 +366,9 @@ def test_launch_arguments_match_the_compiled_signatures(monkeypatch):
     u, d, f = (torch.rand(90, generator=g) for _ in range(3))
     for rows in (4, 1):  # with the dot products, and the maxima alone
         kc.lamb_stats(params, u, d, f, [0, 7, 40], torch.empty(rows, 3), eps=1e-8, eps_inside_sqrt=rows == 4)
+        kc.lamb_factors(torch.rand(rows, 3), torch.ones(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64),
+                        torch.empty(3), torch.empty(3), weight_decay=0.01 if rows == 4 else 0.0, lr=0.1,
+                        factor_threshold=0.1, factor_min=0.5, factor_max=4.0)
     assert set(seen) == set(sigs)
     for name, types in seen.items():
         assert types == {sigs[name]}, (name, types, sigs[name])

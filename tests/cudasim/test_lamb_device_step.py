@@ -130,6 +130,46 @@ def test_the_layer_stats_kernel_writes_the_moments_with_the_cpu_kernel_s_bits(in
     assert torch.equal(out, ref)
 
 
+def _factors_by_torch(stats, last, freeze, wd, lr, thr, lo, hi):
+    """The fp64 torch ops of OnebitLamb._layer_steps, written out: (last, steps, decays)."""
+    st = stats.double()
+    factor, last = st[0].clone(), last.clone()
+    if wd:
+        uu, un2, pp = st[1].clone(), st[2].clone(), st[3].clone()
+        un2.mul_(2 * wd).add_(uu).add_(pp.mul_(wd * wd)).clamp_min_(0.0)
+        share = uu.div_(un2).sqrt_().clamp_max_(1.0).masked_fill_((un2 > 0).logical_not_(), 1.0)
+        factor.mul_(share).add_(share.neg_().add_(1.0))
+    factor.clamp_(lo, hi)
+    torch.maximum(factor, last * (1 - thr), out=factor)
+    torch.minimum(factor, last * (1 + thr), out=last)
+    steps = (freeze * lr).mul_(last)
+    return last, steps.float(), steps.mul_(wd).neg_().add_(1.0).float()
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.07])
+def test_the_factors_kernel_has_the_bits_of_the_torch_ops(wd):
+    g = torch.Generator().manual_seed(3)
+    n = 40
+    stats = torch.rand(4, n, generator=g) * 3
+    stats[2] -= 1.5  # <u, p> of either sign
+    stats[0, :6] = torch.tensor([9.0, 0.1, 1.0, float("nan"), 2.0, 1.0])  # clipped both ways, NaN
+    stats[1:, 6] = 0.0  # ||u + wd p|| = 0: the share is undefined
+    stats[1, 7], stats[2, 7] = 1e-30, -1e-30  # a tiny norm
+    stats[2, 8] = float("nan")
+    last = (torch.rand(n, generator=g, dtype=torch.float64) + 0.5)
+    freeze = torch.rand(n, generator=g, dtype=torch.float64) * 2
+    kw = dict(lr=3e-3, factor_threshold=0.1, factor_min=0.5, factor_max=4.0)
+    rows = stats if wd else stats[:1].contiguous()
+    want = _factors_by_torch(rows, last, freeze, wd, kw["lr"], kw["factor_threshold"], 0.5, 4.0)
+    got_last, steps, decays = last.clone(), torch.empty(n), torch.empty(n)
+    kc.lamb_factors(rows, got_last, freeze, steps, decays, weight_decay=wd, **kw)
+    for a, b in zip((got_last, steps, decays), want, strict=True):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert got_last[3].isnan() and not got_last[8].isnan()  # a NaN norm makes the share undefined: 1
+    with pytest.raises(ValueError, match=r"stats must be a contiguous fp32 \[4, 40\]"):
+        kc.lamb_factors(stats[:1].contiguous(), got_last, freeze, steps, decays, weight_decay=0.1, **kw)
+
+
 VOCAB = 24
 
 
@@ -193,15 +233,16 @@ def test_the_factors_and_the_step_on_the_device_have_the_bits_of_the_host_s(monk
     read_model, read_opt = _run(False, monkeypatch)
     assert len(stored) == 3  # on the host the per-parameter factors are written every compression step
     stored.clear()
-    launches, stats = [], []
-    kernel, stats_kernel = kc.scaled_step, kc.lamb_stats
+    launches, stats, factors = [], [], []
+    kernel, stats_kernel, factors_kernel = kc.scaled_step, kc.lamb_stats, kc.lamb_factors
     monkeypatch.setattr(kc, "scaled_step", lambda *a: launches.append(1) or kernel(*a))
     monkeypatch.setattr(kc, "lamb_stats", lambda *a, **k: stats.append(1) or stats_kernel(*a, **k))
+    monkeypatch.setattr(kc, "lamb_factors", lambda *a, **k: factors.append(1) or factors_kernel(*a, **k))
     dev_model, dev_opt = _run(True, monkeypatch)
     assert not stored and dev_opt._factors  # on the device they stay there
     whole = [b for b in dev_opt._buckets if all(p.grad is not None for p in b.params)]
-    # one launch of each a bucket whose parameters all got a gradient, a step
-    assert len(launches) == len(stats) == 3 * len(whole) > 0
+    # one launch of each a bucket whose parameters all got a gradient, a step; the factors one a step
+    assert len(launches) == len(stats) == 3 * len(whole) > 0 and len(factors) == 3
     assert dev_opt.compressing and len(dev_opt._buckets) >= 3
     assert any(0 < sum(h) < len(h) for h in ([p.grad is not None for p in b.params] for b in dev_opt._buckets))
     for p, q in zip(read_model.parameters(), dev_model.parameters(), strict=True):

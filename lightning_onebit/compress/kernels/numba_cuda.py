@@ -31,9 +31,10 @@ from .numba_cuda_launch import _grid, _launcher, _on, _stream, planned
 from .numba_cuda_sink import fusable, sink_args, sink_numbers
 from .numba_cuda_source import ROWS_MEAN, SIMULATED, accepts, empty_arrays, empty_tensors, kernel_input, memo
 from .numba_cuda_source import arr as _arr
-from .numba_cuda_update import _lamb_stats_kernel as _lamb_stats_kernel  # compile_ptx finds them here
+from .numba_cuda_update import _lamb_factors_kernel as _lamb_factors_kernel  # compile_ptx finds them here
+from .numba_cuda_update import _lamb_stats_kernel as _lamb_stats_kernel
 from .numba_cuda_update import _scaled_step_kernel as _scaled_step_kernel
-from .numba_cuda_update import lamb_stats, scaled_step  # 1-bit LAMB's statistics and step, a launch each a bucket
+from .numba_cuda_update import lamb_factors, lamb_stats, scaled_step  # 1-bit LAMB's statistics, factors and step
 
 #: ``reduce``/``encode`` evaluate a :class:`~..source.Source` in place (see :func:`accepts`)
 FUSES_SOURCES = True
@@ -386,6 +387,8 @@ def kernel_signatures() -> dict[str, tuple]:
         "_scaled_step_kernel": (i64v, i64v, f32v, f32v, f32v, i64),
         "_lamb_stats_kernel": (i64v, i64v, f32v, f32v, f32v, f32v, f32v, i64v, nt.float32, nt.float32, nt.float32,
                                nt.float32, flag, nt.float32, flag, flag, i64v, i64v, i64v, f64m, i32v, f32m),
+        "_lamb_factors_kernel": (f32m, nt.Array(nt.float64, 1, "C"), nt.Array(nt.float64, 1, "C"), f32v, f32v,
+                                 *(nt.float64,) * 8, flag),
     }
 
 
@@ -405,4 +408,5 @@ def compile_ptx(cc: tuple[int, int] = (8, 0)) -> dict[str, str]:
 
 
 __all__ = ["FUSES_SOURCES", "PREDICATES", "ROWS_MEAN_MAX", "RowsMean", "accepts", "accepts_sink", "compile_ptx",
-           "decode", "encode", "kernel_signatures", "lamb_stats", "reduce", "reduce_to_scales", "scaled_step"]
+           "decode", "encode", "kernel_signatures", "lamb_factors", "lamb_stats", "reduce", "reduce_to_scales",
+           "scaled_step"]

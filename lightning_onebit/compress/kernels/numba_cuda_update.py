@@ -34,9 +34,20 @@ from .layout import REDUCE_LANES, REDUCE_TILE
 from .numba_cuda_kernels import RTHREADS, THREADS
 from .numba_cuda_launch import _grid, _launcher, _on, _stream
 from .numba_cuda_sink import address_tables, f32_load, f32_store
-from .numba_cuda_source import SIMULATED, _fma32, _group_at, _in_sorted, _mul32, arr, empty_arrays, last_at_most, memo
+from .numba_cuda_source import (
+    SIMULATED,
+    _fma32,
+    _group_at,
+    _in_sorted,
+    _mul32,
+    _mul64,
+    arr,
+    empty_arrays,
+    last_at_most,
+    memo,
+)
 
-__all__ = ["lamb_stats", "scaled_step"]
+__all__ = ["lamb_factors", "lamb_stats", "scaled_step"]
 
 LANES = REDUCE_LANES
 
@@ -50,6 +61,18 @@ if SIMULATED:  # numpy fp32 scalars; a square root of an fp32 value rounded twic
     @cuda.jit(device=True)
     def _div32(a, b):
         return float32(a / b)
+
+    @cuda.jit(device=True)
+    def _add64(a, b):
+        return float64(a) + float64(b)
+
+    @cuda.jit(device=True)
+    def _div64(a, b):
+        return float64(a) / float64(b)
+
+    @cuda.jit(device=True)
+    def _sqrt64(a):
+        return math.sqrt(a) if a >= 0.0 else math.nan  # (a NaN too)
 
 else:
     from numba.cuda import libdevice
@@ -66,6 +89,18 @@ else:
     @cuda.jit(device=True, inline=True)
     def _div32(a, b):
         return libdevice.fdiv_rn(a, b)
+
+    @cuda.jit(device=True, inline=True)
+    def _add64(a, b):
+        return libdevice.dadd_rn(a, b)
+
+    @cuda.jit(device=True, inline=True)
+    def _div64(a, b):
+        return libdevice.ddiv_rn(a, b)
+
+    @cuda.jit(device=True, inline=True)
+    def _sqrt64(a):
+        return libdevice.dsqrt_rn(a)
 
 
 @cuda.jit(device=True, inline=True)
@@ -207,6 +242,52 @@ def _lamb_stats_kernel(addr, bounds, u, d, f, m, prev, mask, nb, c, b2, eps, ins
         t += cuda.gridDim.x
 
 
+@cuda.jit(device=True, inline=True)
+def _nan_or(a, b, bigger):
+    """torch's maximum (``bigger``) or minimum of a and b: NaN where either is."""
+    if b != b:
+        return b
+    if a == a and (b > a if bigger else b < a):
+        return b
+    return a
+
+
+@cuda.jit
+def _lamb_factors_kernel(stats, last, freeze, steps, decays, wd, twd, wd2, lr, lo, hi, fmin, fmax, blend):
+    """Each layer's factor from its statistics (``stats[:, k]``: the maximum and, with ``blend``, the dot
+    products), clipped against its last one, which it replaces, and its step size and decay: the fp64 torch ops of
+    ``OnebitLamb._layer_steps``, one thread a layer, operation for operation, each explicitly rounded (nothing
+    contracted). ``twd``, ``wd2``, ``lo``, ``hi``: ``2 wd``, ``wd^2``, ``1 - threshold``, ``1 + threshold``, the
+    host's doubles."""
+    k = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while k < last.size:
+        f = float64(stats[0, k])
+        if blend:
+            uu = float64(stats[1, k])
+            un2 = _add64(_add64(_mul64(float64(stats[2, k]), twd), uu), _mul64(float64(stats[3, k]), wd2))
+            if un2 < 0.0:  # clamp_min: NaN stays
+                un2 = 0.0
+            share = 1.0
+            if un2 > 0.0:  # else undefined (NaN too): 1
+                share = _sqrt64(_div64(uu, un2))
+                if share > 1.0:  # clamp_max: NaN stays
+                    share = 1.0
+            f = _add64(_mul64(f, share), _add64(-share, 1.0))
+        if f < fmin:  # clamp: NaN stays
+            f = fmin
+        if f > fmax:
+            f = fmax
+        was = last[k]
+        f = _nan_or(f, _mul64(was, lo), True)
+        f = _nan_or(f, _mul64(was, hi), False)
+        last[k] = f
+        s = _mul64(_mul64(freeze[k], lr), f)
+        steps[k] = float32(s)
+        decays[k] = float32(_add64(-_mul64(s, wd), 1.0))
+        k += stride
+
+
 @cuda.jit
 def _scaled_step_kernel(addr, bounds, u, steps, decays, valid):
     e = cuda.grid(1)
@@ -303,6 +384,31 @@ def lamb_stats(params: Sequence[torch.Tensor | None], update: torch.Tensor, deno
         launch(addr, bounds, arr(update), arr(denom), arr(fresh), arr(exp_avg), arr(prev), mask, *nums[:3], f32(eps),
                bool(eps_inside_sqrt), nums[3], moments, dots, t_lo, t_hi, ptr, partials, count, arr(out))
     return out
+
+
+def lamb_factors(stats: torch.Tensor, last: torch.Tensor, freeze: torch.Tensor, steps: torch.Tensor,
+                 decays: torch.Tensor, *, weight_decay: float, lr: float, factor_threshold: float, factor_min: float,
+                 factor_max: float) -> None:
+    """1-bit LAMB's layer factors on torch's current stream, one launch for a param group's layers: from ``stats``
+    (fp32 ``[4 or 1, layers]``: each layer's maximum of ``d / d_fresh`` and, with weight decay, ``<u, u>``,
+    ``<u, p>``, ``<p, p>``) and each layer's ``freeze`` coefficient, the factor clipped against ``last`` (fp64,
+    updated in place), and fp32 ``steps`` ``lr c f`` and ``decays`` ``1 - s wd``: the roundings of the torch ops
+    of ``OnebitLamb._layer_steps``."""
+    device = last.device
+    n = last.numel()
+    for name, t, dtype in (("last", last, torch.float64), ("freeze", freeze, torch.float64),
+                           ("steps", steps, torch.float32), ("decays", decays, torch.float32)):
+        if t.dtype != dtype or t.dim() != 1 or t.numel() != n or not t.is_contiguous() or t.device != device:
+            raise ValueError(f"lamb_factors: {name} must be a 1-d contiguous {dtype} tensor of {n} on {device}")
+    blend = bool(weight_decay)
+    if (stats.dtype != torch.float32 or stats.shape != (4 if blend else 1, n) or not stats.is_contiguous()
+            or stats.device != device):
+        raise ValueError(f"lamb_factors: stats must be a contiguous fp32 [{4 if blend else 1}, {n}] tensor on {device}")
+    wd, thr = float(weight_decay), float(factor_threshold)
+    with _on(device):
+        launch = _launcher(_lamb_factors_kernel, _grid(n, THREADS), THREADS, _stream(device))
+        launch(arr(stats), arr(last), arr(freeze), arr(steps), arr(decays), wd, 2 * wd, wd * wd, float(lr), 1 - thr,
+               1 + thr, float(factor_min), float(factor_max), blend)
 
 
 def scaled_step(params: Sequence[torch.Tensor | None], update: torch.Tensor, offsets: Sequence[int],
