@@ -847,6 +847,38 @@ def check_lamb_stats(device: torch.device, n: int) -> None:
         f"{'the same' if torch.equal(by_torch, ratio) else 'other'} bits)")
 
 
+def check_lamb_factors(device: torch.device) -> None:
+    """1-bit LAMB's layer factors by the cuda backend's kernel (one launch for a param group's layers) against the
+    fp64 torch ops it replaces, on the device: the same bits (NaN and an undefined share among the layers)."""
+    from lightning_onebit.optim import functional as F
+    from lightning_onebit.optim import functional_lamb as FL
+
+    g = torch.Generator().manual_seed(13)
+    n = 300
+    stats = torch.rand(4, n, generator=g) * 3
+    stats[2] -= 1.5
+    stats[0, :3] = torch.tensor([9.0, 0.1, float("nan")])
+    stats[1:, 3] = 0.0
+    last = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    freeze = torch.rand(n, generator=g, dtype=torch.float64) * 2
+    kw = dict(weight_decay=0.05, lr=3e-3, factor_threshold=0.1, factor_min=0.5, factor_max=4.0)
+    runs = []
+    for kernel in (True, False):
+        ls, out = last.to(device, copy=True), (torch.empty(n, device=device), torch.empty(n, device=device))
+        steps = FL.layer_factors_(stats.to(device), ls, freeze.to(device), **kw, out=out if kernel else None,
+                                  work=torch.empty(5, n, dtype=torch.float64, device=device),
+                                  undefined=torch.empty(n, dtype=torch.bool, device=device))
+        if not kernel:  # the torch ops' own fp32 step sizes and decays
+            out[0].copy_(steps)
+            out[1].copy_(steps.mul_(kw["weight_decay"]).neg_().add_(1.0))
+        runs.append([t.cpu().nan_to_num(7.0) for t in (ls, *out)])
+    same = all(_same(a, b) for a, b in zip(*runs, strict=True))
+    ran = getattr(F.get_backend(device), "lamb_factors", None) is not None
+    row("1-bit LAMB's layer factors in one kernel", same,
+        f"{n} layers: {'equal to' if same else 'differ from'} the fp64 torch ops on {device.type}"
+        + ("" if ran else f" (the {device.type} backend has no kernel: the torch ops both times)"))
+
+
 def check_lamb_flat(device: torch.device) -> None:
     """1-bit LAMB's moments and momentum shift on a bucket's whole buffers against the same torch ops per tensor,
     on the device: the same bits (elementwise ops; a maximum is exact; a GPU's square root is IEEE's)."""
@@ -881,6 +913,7 @@ def run_checks(device: torch.device, sizes: list[int], args: argparse.Namespace)
         check_sink_parity(device, 100 if args.cudasim else (1 << 20) + 3)
         check_lamb_scaled_step(device, 100 if args.cudasim else (1 << 20) + 3)
         check_lamb_stats(device, 100 if args.cudasim else (1 << 20) + 3)
+        check_lamb_factors(device)
         if gpu:  # on a CPU the numba kernels run instead (tests/test_fused.py compares the torch ops there)
             check_lamb_flat(device)
     if "device" in want:

@@ -164,19 +164,44 @@ def stats_kernel(flat: Flat, params: Sequence[torch.Tensor]) -> bool:
             and all(p.device == u.device and p.dtype == torch.float32 and p.is_contiguous() for p in params))
 
 
-def layer_factors_(stats: torch.Tensor, last: torch.Tensor, freeze: torch.Tensor, steps: torch.Tensor,
-                   decays: torch.Tensor, *, weight_decay: float, lr: float, factor_threshold: float,
-                   factor_min: float, factor_max: float) -> bool:
-    """1-bit LAMB's layer factors (the arithmetic of :meth:`~lightning_onebit.optim.OnebitLamb._layer_steps`) by
-    the compression backend's kernel, one launch for all the layers of a param group, where it has one (the cuda
-    backend's): the fp64 ``last`` factors updated in place, the fp32 ``steps`` and ``decays`` written, nothing read;
-    returns whether it ran."""
-    kernel = getattr(_core.get_backend(last.device), "lamb_factors", None)
-    if kernel is None:
-        return False
-    kernel(stats, last, freeze, steps, decays, weight_decay=weight_decay, lr=lr, factor_threshold=factor_threshold,
-           factor_min=factor_min, factor_max=factor_max)
-    return True
+@torch.no_grad()
+def layer_factors_(stats: torch.Tensor, last: torch.Tensor, freeze: torch.Tensor, *, weight_decay: float, lr: float,
+                   factor_threshold: float, factor_min: float, factor_max: float, work: torch.Tensor,
+                   undefined: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> torch.Tensor | None:
+    r"""1-bit LAMB's layer factors from each layer's statistics (``stats``, fp32 ``[4 or 1, layers]``: the maximum
+    of :math:`d / d^{fresh}` and, with weight decay, :math:`\langle u, u\rangle, \langle u, \theta\rangle,
+    \langle\theta, \theta\rangle`): the factor blended with the weight-decay share, clipped to the bounds and to
+    ``factor_threshold`` around ``last`` (fp64, updated in place), times ``lr`` and the ``freeze`` coefficients.
+    Torch's fp64 ops in ``work`` (``[rows + 1, layers]``; ``undefined``, bool, the undefined shares), in place,
+    nothing allocated, with Python's float roundings operation for operation; returns the fp64 step sizes (a row of
+    ``work``). With ``out`` (fp32 step sizes and decays ``1 - s wd``) they are written there instead and None is
+    returned: by the compression backend's kernel in one launch where it has one (the cuda backend's, the same
+    roundings), else by these ops."""
+    wd, thr = weight_decay, factor_threshold
+    if out is not None:
+        kernel = getattr(_core.get_backend(last.device), "lamb_factors", None)
+        if kernel is not None:
+            kernel(stats, last, freeze, *out, weight_decay=wd, lr=lr, factor_threshold=thr, factor_min=factor_min,
+                   factor_max=factor_max)
+            return None
+    work[:-1].copy_(stats)  # fp32 -> fp64: exact
+    factor, bound = work[0], work[-1]
+    if wd:
+        uu, un2, pp = work[1:4]
+        un2.mul_(2 * wd).add_(uu).add_(pp.mul_(wd * wd)).clamp_min_(0.0)  # ||u + wd p||^2
+        torch.gt(un2, 0.0, out=undefined).logical_not_()  # NaN: undefined too
+        share = uu.div_(un2).sqrt_().clamp_max_(1.0).masked_fill_(undefined, 1.0)
+        factor.mul_(share).add_(share.neg_().add_(1.0))  # f * share + (1 - share)
+    factor.clamp_(factor_min, factor_max)
+    torch.maximum(factor, torch.mul(last, 1 - thr, out=bound), out=factor)
+    torch.minimum(factor, torch.mul(last, 1 + thr, out=bound), out=last)
+    steps = torch.mul(freeze, lr, out=bound).mul_(last)
+    if out is None:
+        return steps
+    out[0].copy_(steps)
+    out[1].copy_(steps.mul_(wd).neg_().add_(1.0))  # 1 - s wd, rounded as the host's
+    return None
 
 
 @parallel_kernel

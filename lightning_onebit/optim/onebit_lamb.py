@@ -327,36 +327,22 @@ class OnebitLamb(OnebitAdam):
         tensors on their device, kept from step to step (on the CPU: read, lists). Each layer's last factor is
         updated with them.
 
-        The factor arithmetic of the class docstring runs in fp64 on the device, once for all the buckets of the
-        group: no host read (a GPU's queue is not waited for, and the step sizes go to the scaled-step kernel
-        where they are), and a step's ops do not grow with its buckets or layers. The roundings are Python's
-        float arithmetic's, operation for operation (IEEE fp64; a square root where it raised to 0.5; only
-        infinite statistics, which make the step non-finite anyway, can blend otherwise)."""
+        The factor arithmetic of the class docstring (:func:`~.functional_lamb.layer_factors_`: on a GPU one kernel)
+        runs in fp64 on the device, once for all the buckets of the group: no host read (a GPU's queue is not waited
+        for, and the step sizes go to the scaled-step kernel where they are), and a step's ops do not grow with its
+        buckets or layers. The roundings are Python's float arithmetic's, operation for operation (IEEE fp64; a
+        square root where it raised to 0.5; only infinite statistics, which make the step non-finite anyway, can
+        blend otherwise)."""
         wd, lr, thr = group["weight_decay"], group["lr"], group["factor_threshold"]
         fs = self._factor_state(entries, 4 if wd else 1)
-        last, work = fs.last, fs.work
+        last = fs.last
         for row, col in zip(fs.stats, zip(*(e[5] for e in entries), strict=True), strict=True):
             torch.cat(col, out=row) if len(col) > 1 else row.copy_(col[0])  # one kernel (a GPU's cat of one dtype)
         on_device = local_steps.flags_stay_on_device(last.device)
-        if on_device and layer_factors_(fs.stats, last, fs.freeze, fs.steps, fs.decays, weight_decay=wd, lr=lr,
-                                        factor_threshold=thr, factor_min=group["factor_min"],
-                                        factor_max=group["factor_max"]):
-            return fs.slices  # the arithmetic below in one launch
-        work[:-1].copy_(fs.stats)  # fp32 -> fp64: exact
-        factor, bound = work[0], work[-1]  # in place from here: nothing allocated
-        if wd:
-            uu, un2, pp = work[1:4]
-            un2.mul_(2 * wd).add_(uu).add_(pp.mul_(wd * wd)).clamp_min_(0.0)  # ||u + wd p||^2
-            undefined = torch.gt(un2, 0.0, out=fs.undefined).logical_not_()  # NaN: undefined too
-            share = uu.div_(un2).sqrt_().clamp_max_(1.0).masked_fill_(undefined, 1.0)
-            factor.mul_(share).add_(share.neg_().add_(1.0))  # f * share + (1 - share)
-        factor.clamp_(group["factor_min"], group["factor_max"])
-        torch.maximum(factor, torch.mul(last, 1 - thr, out=bound), out=factor)
-        torch.minimum(factor, torch.mul(last, 1 + thr, out=bound), out=last)
-        steps = torch.mul(fs.freeze, lr, out=bound).mul_(last)
-        if on_device:
-            fs.steps.copy_(steps)
-            fs.decays.copy_(steps.mul_(wd).neg_().add_(1.0))  # 1 - s wd, rounded as the host's
+        steps = layer_factors_(fs.stats, last, fs.freeze, weight_decay=wd, lr=lr, factor_threshold=thr,
+                               factor_min=group["factor_min"], factor_max=group["factor_max"], work=fs.work,
+                               undefined=fs.undefined, out=(fs.steps, fs.decays) if on_device else None)
+        if on_device:  # where the scaled-step kernel reads them
             return fs.slices
         # on the CPU a read waits for nothing: one, and the per-parameter floats stay current
         n = last.numel()

@@ -130,22 +130,6 @@ def test_the_layer_stats_kernel_writes_the_moments_with_the_cpu_kernel_s_bits(in
     assert torch.equal(out, ref)
 
 
-def _factors_by_torch(stats, last, freeze, wd, lr, thr, lo, hi):
-    """The fp64 torch ops of OnebitLamb._layer_steps, written out: (last, steps, decays)."""
-    st = stats.double()
-    factor, last = st[0].clone(), last.clone()
-    if wd:
-        uu, un2, pp = st[1].clone(), st[2].clone(), st[3].clone()
-        un2.mul_(2 * wd).add_(uu).add_(pp.mul_(wd * wd)).clamp_min_(0.0)
-        share = uu.div_(un2).sqrt_().clamp_max_(1.0).masked_fill_((un2 > 0).logical_not_(), 1.0)
-        factor.mul_(share).add_(share.neg_().add_(1.0))
-    factor.clamp_(lo, hi)
-    torch.maximum(factor, last * (1 - thr), out=factor)
-    torch.minimum(factor, last * (1 + thr), out=last)
-    steps = (freeze * lr).mul_(last)
-    return last, steps.float(), steps.mul_(wd).neg_().add_(1.0).float()
-
-
 @pytest.mark.parametrize("wd", [0.0, 0.07])
 def test_the_factors_kernel_has_the_bits_of_the_torch_ops(wd):
     g = torch.Generator().manual_seed(3)
@@ -160,7 +144,10 @@ def test_the_factors_kernel_has_the_bits_of_the_torch_ops(wd):
     freeze = torch.rand(n, generator=g, dtype=torch.float64) * 2
     kw = dict(lr=3e-3, factor_threshold=0.1, factor_min=0.5, factor_max=4.0)
     rows = stats if wd else stats[:1].contiguous()
-    want = _factors_by_torch(rows, last, freeze, wd, kw["lr"], kw["factor_threshold"], 0.5, 4.0)
+    want = (last.clone(), torch.empty(n), torch.empty(n))  # the torch ops (the CPU's backend has no kernel)
+    functional_lamb.layer_factors_(rows, want[0], freeze, weight_decay=wd, **kw, out=want[1:],
+                                   work=torch.empty(len(rows) + 1, n, dtype=torch.float64),
+                                   undefined=torch.empty(n, dtype=torch.bool))
     got_last, steps, decays = last.clone(), torch.empty(n), torch.empty(n)
     kc.lamb_factors(rows, got_last, freeze, steps, decays, weight_decay=wd, **kw)
     for a, b in zip((got_last, steps, decays), want, strict=True):
