@@ -9,11 +9,12 @@ a Source into the kernels' arguments, once per expression. The CUDA counterpart 
 from __future__ import annotations
 
 import ctypes
+import math
 
 import numpy as np
 import torch
 from numba import config as numba_config
-from numba import cuda, float32
+from numba import cuda, float32, float64
 
 from ..source import Source
 from .numba_common import first_at_least
@@ -54,6 +55,22 @@ if SIMULATED:
     def _mul64(a, b):
         return a * b
 
+    @cuda.jit(device=True)
+    def _div32(a, b):
+        return float32(a / b)
+
+    @cuda.jit(device=True)
+    def _add64(a, b):
+        return float64(a) + float64(b)
+
+    @cuda.jit(device=True)
+    def _div64(a, b):
+        return float64(a) / float64(b)
+
+    @cuda.jit(device=True)
+    def _sqrt64(a):
+        return math.sqrt(a) if a >= 0.0 else math.nan  # (a NaN too)
+
 else:
     from numba.cuda import libdevice
 
@@ -69,6 +86,23 @@ else:
     def _mul64(a, b):
         # min-max decode, lo + code * step: contracted, it rounds once where the CPU rounds twice
         return libdevice.dmul_rn(a, b)
+
+    # 1-bit LAMB's kernels: torch's fp32 division and its fp64 ops, each rounded alone
+    @cuda.jit(device=True, inline=True)
+    def _div32(a, b):
+        return libdevice.fdiv_rn(a, b)
+
+    @cuda.jit(device=True, inline=True)
+    def _add64(a, b):
+        return libdevice.dadd_rn(a, b)
+
+    @cuda.jit(device=True, inline=True)
+    def _div64(a, b):
+        return libdevice.ddiv_rn(a, b)
+
+    @cuda.jit(device=True, inline=True)
+    def _sqrt64(a):
+        return libdevice.dsqrt_rn(a)
 
 
 #: The group k of position ``pos`` (the last k with bounds[k] <= pos; bounds: starts, then the end),

@@ -36,11 +36,15 @@ from .numba_cuda_launch import _grid, _launcher, _on, _stream
 from .numba_cuda_sink import address_tables, f32_load, f32_store
 from .numba_cuda_source import (
     SIMULATED,
+    _add64,
+    _div32,
+    _div64,
     _fma32,
     _group_at,
     _in_sorted,
     _mul32,
     _mul64,
+    _sqrt64,
     arr,
     empty_arrays,
     last_at_most,
@@ -58,22 +62,6 @@ if SIMULATED:  # numpy fp32 scalars; a square root of an fp32 value rounded twic
         df = float32(math.sqrt(float32(f + eps))) if inside else float32(float32(math.sqrt(f)) + eps)
         return float32(d / df)
 
-    @cuda.jit(device=True)
-    def _div32(a, b):
-        return float32(a / b)
-
-    @cuda.jit(device=True)
-    def _add64(a, b):
-        return float64(a) + float64(b)
-
-    @cuda.jit(device=True)
-    def _div64(a, b):
-        return float64(a) / float64(b)
-
-    @cuda.jit(device=True)
-    def _sqrt64(a):
-        return math.sqrt(a) if a >= 0.0 else math.nan  # (a NaN too)
-
 else:
     from numba.cuda import libdevice
 
@@ -85,22 +73,6 @@ else:
         else:
             df = libdevice.fadd_rn(libdevice.fsqrt_rn(f), eps)
         return libdevice.fdiv_rn(d, df)
-
-    @cuda.jit(device=True, inline=True)
-    def _div32(a, b):
-        return libdevice.fdiv_rn(a, b)
-
-    @cuda.jit(device=True, inline=True)
-    def _add64(a, b):
-        return libdevice.dadd_rn(a, b)
-
-    @cuda.jit(device=True, inline=True)
-    def _div64(a, b):
-        return libdevice.ddiv_rn(a, b)
-
-    @cuda.jit(device=True, inline=True)
-    def _sqrt64(a):
-        return libdevice.dsqrt_rn(a)
 
 
 @cuda.jit(device=True, inline=True)
