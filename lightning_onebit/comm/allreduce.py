@@ -267,10 +267,11 @@ class CompressedAllreduce(AgreementRound, TwoStageRank):
         if defer:
             go = None
             if call.go is not None:  # the decode needs this call's server scales finite too
-                if self._decode_flags is None or self._decode_flags[0] != srv_ok.data_ptr():
-                    flags = torch.ones(2, dtype=torch.bool, device=call.go.device)
+                key = (srv_ok.data_ptr(), self._flag_row.data_ptr())
+                if self._decode_flags is None or self._decode_flags[0] != key:
+                    flags = self._flag_row[:2]  # beside the input's flag (two_stage's bind)
                     decay = torch.ones(1, dtype=torch.float32, device=call.go.device)
-                    self._decode_flags = (srv_ok.data_ptr(), flags, flags[1:], srv_ok.view(1), decay, decay.view(()))
+                    self._decode_flags = (key, flags, flags[1:], srv_ok.view(1), decay, decay.view(()))
                 _, flags, prev, srv1, decay, decay0 = self._decode_flags
                 go = Predicate(call.go, srv1, flags, decay, decay0)
                 # the decode writes [go and srv_ok, srv_ok or not go]: the second for the next call, since a

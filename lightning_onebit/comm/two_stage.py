@@ -230,7 +230,10 @@ class TwoStageRank(Stage4, RankState):
             self._worker_scales = sent if tuple(sent.shape) == shape else None
         else:  # pieces: only block-scale codecs are cut into them
             self._worker_scales = torch.empty(shape, dtype=torch.float32, device=dev)
-        self._ok = torch.ones(1, dtype=torch.bool, device=dev)
+        # [a decode's two flags (see complete), this call's input finite]: the last call's server flag and this
+        # call's input flag side by side, so the agreement copies both into its signature in one op
+        self._flag_row = torch.ones(3, dtype=torch.bool, device=dev)
+        self._ok, self._flag_pair = self._flag_row[2:], self._flag_row[1:]
         # one piece: the server row's scales are finite, written by the server encode's own reduction
         self._srv_ok = torch.ones(1, dtype=torch.bool, device=dev) if len(self.plan) == 1 else None
         self._srv_ok0 = None if self._srv_ok is None else self._srv_ok.view(())

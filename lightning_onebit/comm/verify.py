@@ -104,14 +104,20 @@ class AgreementRound:
             return Agreement(prev, ok)  # no round: _agree_finish checks locally
         dev = collective_device(self.group, x.device)
         sig = self._signature(x, mine_flag, ok if isinstance(ok, bool) else True)
-        stage, stage_np, mine, allsig, _, mine_prev, mine_ok, fan, mine_row = self._sig_buffers(dev, len(sig))
+        stage, stage_np, mine, allsig, _, mine_prev, mine_ok, fan, mine_row, mine_flags = self._sig_buffers(dev,
+                                                                                                         len(sig))
         stage_np[:] = sig  # numpy's write: no torch op, no host tensor per call
         if mine is not stage:  # pinned: the copy does not wait for the stream, as a pageable one would
             mine.copy_(stage, non_blocking=True)
-        if isinstance(ok, torch.Tensor):  # on the same device no wait; CUDA -> CPU (gloo) waits here
-            mine_ok.copy_(ok)
-        if prev is not None:
-            mine_prev.copy_(prev)
+        pair = getattr(self, "_flag_pair", None)
+        if (prev is not None and isinstance(ok, torch.Tensor) and pair is not None and pair.device == dev
+                and prev.data_ptr() == pair.data_ptr() and ok.data_ptr() == pair.data_ptr() + 1):
+            mine_flags.copy_(pair)  # a call decided on the device: its two flags lie side by side, one copy
+        else:
+            if isinstance(ok, torch.Tensor):  # on the same device no wait; CUDA -> CPU (gloo) waits here
+                mine_ok.copy_(ok)
+            if prev is not None:
+                mine_prev.copy_(prev)
         return Agreement(prev, ok, allsig, all_gather_rows(allsig, mine_row, group=self.group, async_op=True,
                                                                send=fan))
 
@@ -119,9 +125,9 @@ class AgreementRound:
         """The agreement's buffers, made once per device and reused by every call: (host staging, its
         numpy view, this rank's signature on ``dev``, every rank's, their host copy, views of the
         signature's last two fields, a fanout's staging of this rank's copies, the signature as a
-        ``[1, len]`` row, which a gather takes without a view). A call's buffers are
-        free again once its round was read (a call is begun only after the previous one completed, and
-        the read waits for the round), so a staging copy still in flight is never overwritten."""
+        ``[1, len]`` row, which a gather takes without a view, and its last two fields as one view). A
+        call's buffers are free again once its round was read (a call is begun only after the previous one
+        completed, and the read waits for the round), so a staging copy still in flight is never overwritten."""
         bufs = self._sig_bufs
         if bufs is None or bufs[2].device != dev:
             on_cpu = dev.type == "cpu"
@@ -132,7 +138,7 @@ class AgreementRound:
             allsig = torch.empty(self.world_size, length, dtype=torch.int64, device=dev)
             host = torch.empty(self.world_size, length, dtype=torch.int64, pin_memory=not on_cpu)
             bufs = self._sig_bufs = (stage, stage.numpy(), mine, allsig, host, mine[-2:-1], mine[-1:],
-                                     torch.empty_like(allsig), mine.view(1, -1))
+                                     torch.empty_like(allsig), mine.view(1, -1), mine[-2:])
         return bufs
 
     def _agree_finish(self, started: Agreement) -> None:

@@ -1,7 +1,7 @@
 """A compression step decided on the device (the cuda backend): the kernels' predicates, and 1-bit Adam /
 QAdam skipping a step with a NaN gradient with no host read, learnt at the next step, on one rank and on two
-gloo ranks (the NaN on one of them), in `step()` and bucket by bucket in DDP's hook; and 0/1 Adam's
-synchronisations on the cuda backend against the CPU's bits.
+gloo ranks (the NaN on one of them), in `step()` and bucket by bucket in DDP's hook; a server's overflow learnt
+from the next agreement on two ranks; and 0/1 Adam's synchronisations on the cuda backend against the CPU's bits.
 
 Runs under numba's CUDA simulator (tests/test_cuda_simulator.py starts it), where CPU tensors stand in for
 device memory: the cuda backend's kernels, flags and predicated writes run as on a GPU.
@@ -357,3 +357,38 @@ def test_zero_one_adams_synchronisations_on_the_cuda_backend_have_the_cpus_bits(
     cpu_params, cpu = _zero_one_run("numba", monkeypatch)
     assert all(torch.equal(a, b) for a, b in zip(params, cpu_params, strict=True))
     assert _same(opt.state_dict()["state"], cpu.state_dict()["state"])
+
+
+def _overflow_rank(rank: int, world: int) -> tuple:
+    """A rank of the server-overflow test: three calls of one collective, the last two decided on the device;
+    rank 1's server state is pushed past fp32's limit before the second."""
+    from lightning_onebit.comm import CompressedAllreduce, check_together
+
+    car = CompressedAllreduce(SignCodec(backend="cuda"), "error_feedback")
+    car.skip_on_device = True
+    g, out, seen, paired = torch.Generator().manual_seed(rank), torch.empty(96), [], []
+    for t in range(3):
+        if t == 1 and rank == 1:
+            car.server.fill_(float("inf"))
+        paired.append(car._gathered_ok is not None and car._gathered_ok.data_ptr() == car._flag_pair.data_ptr())
+        car.begin(torch.randn(96, generator=g))
+        verdict = check_together([car])
+        car.send()
+        car.relay()
+        car.complete(out, defer=True)
+        car.decode_pending()
+        if verdict is not None:
+            finite, overflowed = verdict.read()
+            seen.append((finite, len(overflowed)))
+    return seen, paired
+
+
+@pytest.mark.budget(40)  # two ranks of three small calls under the simulator
+def test_two_ranks_learn_a_server_overflow_from_the_next_agreement_on_the_device(monkeypatch):
+    """A call decided on the device whose gathered server scales are not finite leaves its flag beside the next
+    call's input flag, and the next agreement carries both in one copy: every rank's verdict names the
+    collective, as the host's check would have raised on every rank."""
+    ranks = values(run_ranks(_overflow_rank, 2, timeout_s=120))
+    for seen, paired in ranks:
+        assert seen == [(True, 0), (True, 1)], seen  # the first call was verified on the host
+        assert paired == [False, False, True], paired  # the overflowed call's flag went out with the pair
