@@ -98,8 +98,8 @@ def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor
     ``torch.sub(m, prev, alpha=beta1)``, ``fresh.mul_(beta2).addcmul_(w, w, value=...)``, the
     divisions and ``torch.segment_reduce(..., "max")``; one pass on the CPU instead of eight. One
     rounding differs: the kernel's square root is IEEE's (correctly rounded), while torch's
-    vectorised ``sqrt`` on AVX-512 builds is one ulp off for about 0.7% of fp32 values, so a layer's
-    maximum can differ from the torch ops' by an ulp (the tests bound it there).
+    vectorised ``sqrt`` on AVX-512 builds is one ulp off for some fp32 values (0.7% on an Intel Xeon, 20% on
+    an AMD EPYC), so a layer's maximum can differ from the torch ops' by an ulp (the tests bound it there).
 
     ``flat``: the buffers the tensors are views of (:class:`Flat`). Where the torch ops run (a GPU) and the bias
     corrections are one, they run once on the whole buffers, the maxima by one segmented reduction, so a bucket's
