@@ -1,8 +1,12 @@
-"""1-bit LAMB's kernels: each layer's statistics in one launch a bucket, and its scaled step in one more.
+"""1-bit LAMB's kernels: its moments with each layer's statistics in one launch a bucket, its layer factors in
+one launch a step, and its scaled step in one launch a bucket.
 
-**The layer statistics** (``lamb_stats``): for every parameter k of a bucket, ``max(d / d_fresh)`` over its
-elements and, with weight decay, ``<u, u>``, ``<u, p>`` and ``<p, p>``, into a ``[4, layers]`` fp32 buffer that
-stays on the device (:meth:`~lightning_onebit.optim.OnebitLamb._layer_steps` reads it there). It replaces a
+**The moments and layer statistics** (``lamb_stats``): with the momentum and the previous one given, each element's
+``w = m - beta1 m_prev``, fresh variance ``f <- f beta2 + c w^2`` and update ``u = (m / d) * (1 / bc)`` (0 where
+masked) are written as they are read, in the CPU kernel's roundings (``optim.functional_lamb``'s numba kernel:
+fused multiply-adds, IEEE's division), so a GPU gives the CPU's bits; then for every parameter k of the bucket,
+``max(d / d_fresh)`` over its elements and, with weight decay, ``<u, u>``, ``<u, p>`` and ``<p, p>``, into a
+``[4, layers]`` fp32 buffer that stays on the device. It replaces eleven torch ops on the bucket's buffers, a
 segmented maximum (CUB's, one thread block a layer: a 16M-element layer is one SM's work) and three dot
 products a parameter with their stacks (an allocation each). The sums follow :mod:`.layout`'s summation order,
 per layer instead of per scale block: tiles of ``REDUCE_TILE`` elements from the layer's first, ``REDUCE_LANES``
@@ -11,6 +15,10 @@ block that finishes a layer's last tile), one rounding to fp32 at the end - so t
 GPU, the grid or the simulator's thread count, and is closer to the exact value than an fp32 dot product. The
 ratio ``d / d_fresh`` is rounded as torch rounds it (``sqrt(f + eps)`` or ``sqrt(f) + eps``, then the division,
 each in fp32, correctly rounded); a maximum is exact, and a NaN ratio makes the layer's maximum NaN, as torch's.
+
+**The layer factors** (``lamb_factors``): :func:`~lightning_onebit.optim.functional_lamb.layer_factors_`'s fp64
+arithmetic, one thread a layer, each operation explicitly rounded (never contracted), torch's NaN rules written
+out: its bits, in place of about thirty torch ops a step.
 
 **The scaled step** (``scaled_step``): ``p <- p * decay_k - s_k * u`` for every parameter k. The step sizes and
 decays are fp32 arrays on the device, computed there from the layer statistics, so the host never reads them;
@@ -88,7 +96,7 @@ def _max_nan(a, b):
 @cuda.jit(device=True, inline=True)
 def _moments_at(m, prev, f, d, u, mask, nb, c, b2, eps, inside, inv_bc, i):
     """Element i of 1-bit LAMB's moments, in the CPU kernel's roundings (``functional_lamb._lamb_stats``):
-    ``w = m - beta1 prev`` and ``f <- f b2 + c w^2`` by fused multiply-adds, ``u = (m / d) / bc`` (0 where
+    ``w = m - beta1 prev`` and ``f <- f b2 + c w^2`` by fused multiply-adds, ``u = (m / d) * (1 / bc)`` (0 where
     ``mask`` holds i); writes ``f`` and ``u``, returns the new ``f``."""
     w = _fma32(nb, prev[i], m[i])
     fi = _fma32(_mul32(c, w), w, _mul32(f[i], b2))
