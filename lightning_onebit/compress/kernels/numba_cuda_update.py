@@ -84,11 +84,11 @@ else:
 
 
 @cuda.jit(device=True, inline=True)
-def _max_nan(a, b):
-    """The larger of a and b, NaN where either is (torch's maximum): NaN stays once it is in."""
-    if a != a:
-        return a
-    if b != b or b > a:
+def _extremum(a, b, bigger):
+    """torch's maximum (``bigger``) or minimum of a and b: NaN where either is, so a NaN stays once it is in."""
+    if b != b:
+        return b
+    if a == a and (b > a if bigger else b < a):
         return b
     return a
 
@@ -151,7 +151,7 @@ def _lamb_stats_kernel(addr, bounds, u, d, f, m, prev, mask, nb, c, b2, eps, ins
                     fi = _moments_at(m, prev, f, d, u, mask, nb, c, b2, eps, inside, inv_bc, i)
                 else:
                     fi = f[i]
-                mx = _max_nan(mx, float64(_ratio32(d[i], fi, eps, inside)))
+                mx = _extremum(mx, float64(_ratio32(d[i], fi, eps, inside)), True)
                 if dots:
                     x = float64(u[i])
                     q = float64(f32_load(a, i - base)) if a != 0 else 0.0
@@ -169,7 +169,7 @@ def _lamb_stats_kernel(addr, bounds, u, d, f, m, prev, mask, nb, c, b2, eps, ins
         while h > 0:
             lane = tid
             while lane < h:
-                s_r[lane] = _max_nan(s_r[lane], s_r[lane + h])
+                s_r[lane] = _extremum(s_r[lane], s_r[lane + h], True)
                 s_uu[lane] += s_uu[lane + h]
                 s_up[lane] += s_up[lane + h]
                 s_pp[lane] += s_pp[lane + h]
@@ -205,7 +205,7 @@ def _lamb_stats_kernel(addr, bounds, u, d, f, m, prev, mask, nb, c, b2, eps, ins
                 cuda.syncthreads()
                 if tid == 0:
                     for q in range(min(LANES, ptr[k + 1] - j0)):
-                        mx = _max_nan(mx, s_r[q])
+                        mx = _extremum(mx, s_r[q], True)
                         uu += s_uu[q]
                         up += s_up[q]
                         pp += s_pp[q]
@@ -220,16 +220,6 @@ def _lamb_stats_kernel(addr, bounds, u, d, f, m, prev, mask, nb, c, b2, eps, ins
                     out[3, k] = float32(pp)
         cuda.syncthreads()
         t += cuda.gridDim.x
-
-
-@cuda.jit(device=True, inline=True)
-def _nan_or(a, b, bigger):
-    """torch's maximum (``bigger``) or minimum of a and b: NaN where either is."""
-    if b != b:
-        return b
-    if a == a and (b > a if bigger else b < a):
-        return b
-    return a
 
 
 @cuda.jit
@@ -259,8 +249,8 @@ def _lamb_factors_kernel(stats, last, freeze, steps, decays, wd, twd, wd2, lr, l
         if f > fmax:
             f = fmax
         was = last[k]
-        f = _nan_or(f, _mul64(was, lo), True)
-        f = _nan_or(f, _mul64(was, hi), False)
+        f = _extremum(f, _mul64(was, lo), True)
+        f = _extremum(f, _mul64(was, hi), False)
         last[k] = f
         s = _mul64(_mul64(freeze[k], lr), f)
         steps[k] = float32(s)
