@@ -155,13 +155,12 @@ def _lamb_moments_flat(flat: Flat, bc: float, beta1: float, c: float, beta2: flo
     return top
 
 
-def stats_kernel(flat: Flat, params: Sequence[torch.Tensor]) -> bool:
-    """Whether :func:`lamb_moments_` can take ``stats=`` for these buffers and parameters: where torch's ops run (a
-    GPU) and the compression backend has 1-bit LAMB's statistics kernel (the cuda backend's) that takes them
-    (contiguous fp32 parameters on the buffers' device)."""
+def stats_kernel(flat: Flat) -> bool:
+    """Whether :func:`lamb_moments_` can take ``stats=`` for these buffers: where torch's ops run (a GPU) and the
+    compression backend has 1-bit LAMB's statistics kernel (the cuda backend's). Its parameters must be contiguous
+    fp32 tensors on the buffers' device (the caller knows whether they are; the kernel's wrapper raises if not)."""
     u = flat.update
-    return (not _core._fusable(flat.exp_avg, u) and getattr(_core.get_backend(u.device), "lamb_stats", None) is not None
-            and all(p.device == u.device and p.dtype == torch.float32 and p.is_contiguous() for p in params))
+    return not _core._fusable(flat.exp_avg, u) and getattr(_core.get_backend(u.device), "lamb_stats", None) is not None
 
 
 @torch.no_grad()

@@ -276,9 +276,10 @@ class OnebitLamb(OnebitAdam):
         everyone = len(keep) == len(has_grad)
         ps = self._detached(b)
         idx = self._mask(b)
-        # on a GPU one kernel a bucket: the moments, u and every layer's maximum and dot products in one pass
+        # on a GPU one kernel a bucket: the moments, u and every layer's maximum and dot products in one pass (its
+        # parameters fp32 and contiguous: _detached found out once)
         stats = None
-        if everyone and stats_kernel(flat, ps):
+        if everyone and b.cache["params_fp32"] and stats_kernel(flat):
             out, rows = self._stats_buffer(b, 4 if wd else 1)
             stats = LayerStats(ps, b.offsets, out, idx)
         maxima = lamb_moments_(b.kept_views("exp_avg", m), b.kept_views("exp_avg_prev", prev),
