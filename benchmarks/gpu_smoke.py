@@ -717,12 +717,17 @@ def main(argv: list[str] | None = None) -> int:
 GROUPS = ("parity", "device", "throughput", "step", "profile", "capture")
 
 
+def _random_layers(n: int, draws: int, g: torch.Generator) -> tuple[list[int], list[int]]:
+    """(offsets, sizes) of up to ``draws`` + 1 layers of random sizes that cover ``n`` elements."""
+    cuts = sorted({0, *torch.randint(1, max(n, 2), (draws,), generator=g).tolist()}) if n > 1 else [0]
+    return cuts, [b - a for a, b in zip(cuts, (*cuts[1:], n), strict=True)]
+
+
 def check_sink_parity(device: torch.device, n: int) -> None:
     """The update a predicated decode applies in its kernel (a Sink: a compression-phase step's last line) against
     the CPU's bits (the numba CPU backend's decode with the Sink fused), and, reported, torch's own on the device."""
     g = torch.Generator().manual_seed(7)
-    cuts = sorted({0, *torch.randint(1, max(n, 2), (40,), generator=g).tolist()}) if n > 1 else [0]
-    sizes = [b - a for a, b in zip(cuts, (*cuts[1:], n), strict=True)]
+    cuts, sizes = _random_layers(n, 40, g)
     codec_g, codec_c = SignCodec(backend="cuda"), SignCodec(backend="numba")
     x = torch.randn(n, generator=g)
     denom, mask = torch.rand(n, generator=g) + 1e-3, torch.randperm(n, generator=g)[: n // 50].sort().values
@@ -762,8 +767,7 @@ def check_lamb_scaled_step(device: torch.device, n: int) -> None:
     from lightning_onebit.optim import functional_lamb as FL
 
     g = torch.Generator().manual_seed(11)
-    cuts = sorted({0, *torch.randint(1, max(n, 2), (30,), generator=g).tolist()}) if n > 1 else [0]
-    sizes = [b - a for a, b in zip(cuts, (*cuts[1:], n), strict=True)]
+    cuts, sizes = _random_layers(n, 30, g)
     u, steps = torch.randn(n, generator=g), torch.rand(len(cuts), generator=g) * 0.1
     decays = (1 - steps * 0.01).float()
     params = [torch.randn(k, generator=g) for k in sizes]
@@ -811,8 +815,7 @@ def check_lamb_stats(device: torch.device, n: int) -> None:
     from lightning_onebit.compress.kernels import numba_cuda as kc
 
     g = torch.Generator().manual_seed(12)
-    cuts = sorted({0, *torch.randint(1, max(n, 2), (30,), generator=g).tolist()}) if n > 1 else [0]
-    sizes = [b - a for a, b in zip(cuts, (*cuts[1:], n), strict=True)]
+    cuts, sizes = _random_layers(n, 30, g)
     u, d, f = torch.randn(n, generator=g), torch.rand(n, generator=g) + 0.5, torch.rand(n, generator=g)
     params = [torch.randn(k, generator=g) for k in sizes]
     out = torch.empty(4, len(sizes), device=device)
