@@ -271,9 +271,9 @@ class CompressedAllreduce(AgreementRound, TwoStageRank):
                 if self._decode_flags is None or self._decode_flags[0] != key:
                     flags = self._flag_row[:2]  # beside the input's flag (two_stage's bind)
                     decay = torch.ones(1, dtype=torch.float32, device=call.go.device)
-                    self._decode_flags = (key, flags, flags[1:], srv_ok.view(1), decay, decay.view(()))
-                _, flags, prev, srv1, decay, decay0 = self._decode_flags
-                go = Predicate(call.go, srv1, flags, decay, decay0)
+                    self._decode_flags = (key, flags, flags[1:], srv_ok.view(1), decay, decay.view(()), flags[:1])
+                _, flags, prev, srv1, decay, decay0, took = self._decode_flags
+                go = Predicate(call.go, srv1, flags, decay, decay0, took)
                 # the decode writes [go and srv_ok, srv_ok or not go]: the second for the next call, since a
                 # skipped call's server read the worker's new scales beside its old codes and says nothing
                 self._gathered_ok = prev

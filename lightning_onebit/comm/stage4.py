@@ -23,6 +23,7 @@ class Predicate(NamedTuple):
     flags: torch.Tensor  # written by the decode: [go and server_ok, server_ok or not go]
     decay: torch.Tensor  # written by the decode: the update's decay, 1 where it was skipped (1 element)
     decay0: torch.Tensor  # ``decay`` as 0-d, what the sink reads
+    took: torch.Tensor  # ``flags[:1]``: the call's result was written (what ops after the decode are predicated on)
 
 
 class Stage4:
@@ -115,6 +116,11 @@ class Stage4:
     def pending(self) -> bool:
         """A call's result is gathered and checked, and waits for :meth:`decode_pending`."""
         return self._pending is not None
+
+    @property
+    def pending_predicate(self) -> Predicate | None:
+        """What the waiting call's decode is predicated on, if the device decided it (else None)."""
+        return None if self._pending is None else self._pending[4]
 
     def _keep_pending(self, gathered: list[torch.Tensor], dst: torch.Tensor, out: torch.Tensor | None,
                       dtype: torch.dtype, go: Predicate | None = None) -> None:

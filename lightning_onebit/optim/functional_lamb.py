@@ -59,12 +59,16 @@ def _lamb_stats(m, prev, fresh, d, prelim, beta1, c, b2, eps, inside, inv_bc, ma
 class LayerStats(NamedTuple):
     """Where :func:`lamb_moments_`'s kernel puts each layer's statistics: the layers' parameters, laid out at
     ``offsets`` in the bucket's buffers, an fp32 ``[4 or 1, layers]`` output, and the positions whose update is
-    0 (sorted int64, or None)."""
+    0 (sorted int64, or None). ``shift``: the synced momentum (flat) and each layer's divisor (fp32, on the
+    device), shifted in by the same pass (:func:`shift_in_`'s bits, then 0 at ``mask``); ``go``: a one-element
+    bool tensor, the kernel writes nothing unless it holds (a step the device decided to skip)."""
 
     params: Sequence[torch.Tensor]
     offsets: Sequence[int]
     out: torch.Tensor
     mask: torch.Tensor | None
+    shift: tuple[torch.Tensor, torch.Tensor] | None = None
+    go: torch.Tensor | None = None
 
 
 class Flat(NamedTuple):
@@ -116,13 +120,18 @@ def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor
     Elsewhere the maxima are returned as without it."""
     c = (1 - beta2) / (1 - beta1) ** 2
     fusable = _core._fusable(*exp_avgs, *prevs, *fresh, *denoms, *updates)
+    if stats is not None and (stats.shift is not None or stats.go is not None) and (
+            fusable or flat is None or len(set(bias_corrections)) > 1):
+        raise ValueError("lamb_moments_: stats with a shift or go= need the statistics kernel (stats_kernel(flat)) "
+                         "and one bias correction")
     if not fusable and flat is not None and len(set(bias_corrections)) <= 1:
         bc = bias_corrections[0] if bias_corrections else 1.0
         if stats is not None:
+            synced, divisors = stats.shift if stats.shift is not None else (None, None)
             _core.get_backend(flat.update.device).lamb_stats(
                 stats.params, flat.update, flat.denom, flat.fresh, stats.offsets, stats.out, eps=eps,
                 eps_inside_sqrt=eps_inside_sqrt, exp_avg=flat.exp_avg, prev=flat.prev, mask=stats.mask, beta1=beta1,
-                beta2=beta2, bias_correction=bc)
+                beta2=beta2, bias_correction=bc, synced=synced, divisors=divisors, go=stats.go)
             return None
         return _lamb_moments_flat(flat, bc, beta1, c, beta2, eps, eps_inside_sqrt)
     if not fusable:
@@ -155,19 +164,20 @@ def _lamb_moments_flat(flat: Flat, bc: float, beta1: float, c: float, beta2: flo
     return top
 
 
-def stats_kernel(flat: Flat) -> bool:
-    """Whether :func:`lamb_moments_` can take ``stats=`` for these buffers: where torch's ops run (a GPU) and the
-    compression backend has 1-bit LAMB's statistics kernel (the cuda backend's). Its parameters must be contiguous
-    fp32 tensors on the buffers' device (the caller knows whether they are; the kernel's wrapper raises if not)."""
-    u = flat.update
-    return not _core._fusable(flat.exp_avg, u) and getattr(_core.get_backend(u.device), "lamb_stats", None) is not None
+def stats_kernel(flat: Flat | torch.Tensor) -> bool:
+    """Whether :func:`lamb_moments_` can take ``stats=`` for these buffers (or buffers like this tensor): where
+    torch's ops run (a GPU) and the compression backend has 1-bit LAMB's statistics kernel (the cuda backend's). Its
+    parameters must be contiguous fp32 tensors on the buffers' device (the caller knows whether they are; the
+    kernel's wrapper raises if not)."""
+    u = flat if isinstance(flat, torch.Tensor) else flat.update
+    return not _core._fusable(u) and getattr(_core.get_backend(u.device), "lamb_stats", None) is not None
 
 
 @torch.no_grad()
 def layer_factors_(stats: torch.Tensor, last: torch.Tensor, freeze: torch.Tensor, *, weight_decay: float, lr: float,
                    factor_threshold: float, factor_min: float, factor_max: float, work: torch.Tensor,
-                   undefined: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
-                   ) -> torch.Tensor | None:
+                   undefined: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   go: torch.Tensor | None = None, owner: torch.Tensor | None = None) -> torch.Tensor | None:
     r"""1-bit LAMB's layer factors from each layer's statistics (``stats``, fp32 ``[4 or 1, layers]``: the maximum
     of :math:`d / d^{fresh}` and, with weight decay, :math:`\langle u, u\rangle, \langle u, \theta\rangle,
     \langle\theta, \theta\rangle`): the factor blended with the weight-decay share, clipped to the bounds and to
@@ -176,14 +186,17 @@ def layer_factors_(stats: torch.Tensor, last: torch.Tensor, freeze: torch.Tensor
     nothing allocated, with Python's float roundings operation for operation; returns the fp64 step sizes (a row of
     ``work``). With ``out`` (fp32 step sizes and decays ``1 - s wd``) they are written there instead and None is
     returned: by the compression backend's kernel in one launch where it has one (the cuda backend's, the same
-    roundings), else by these ops."""
+    roundings), else by these ops. ``go`` (bool) and ``owner`` (int64, one a layer; the kernel's only): layer k is
+    left alone unless ``go[owner[k]]`` (its bucket's step was not skipped on the device)."""
     wd, thr = weight_decay, factor_threshold
     if out is not None:
         kernel = getattr(_core.get_backend(last.device), "lamb_factors", None)
         if kernel is not None:
             kernel(stats, last, freeze, *out, weight_decay=wd, lr=lr, factor_threshold=thr, factor_min=factor_min,
-                   factor_max=factor_max)
+                   factor_max=factor_max, go=go, owner=owner)
             return None
+    if go is not None:
+        raise ValueError("layer_factors_: go= needs the compression backend's factors kernel")
     work[:-1].copy_(stats)  # fp32 -> fp64: exact
     factor, bound = work[0], work[-1]
     if wd:
@@ -218,17 +231,20 @@ def _lamb_fused(ms, ps, fs, ds, us, bcs, beta1, c, beta2, eps, inside) -> torch.
 @torch.no_grad()
 def scaled_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor],
                  steps: Sequence[float] | torch.Tensor, decays: Sequence[float] | torch.Tensor, *,
-                 flat: tuple[torch.Tensor, Sequence[int]] | None = None) -> None:
+                 flat: tuple[torch.Tensor, Sequence[int]] | None = None, go: torch.Tensor | None = None) -> None:
     r""":math:`\theta \leftarrow \theta \cdot \text{decay} - s\, u` per tensor (LAMB's last line): the bits
     of ``p.mul_(decay)`` (skipped at 1) and ``p.add_(u, alpha=-s)``, in one pass on the CPU.
 
     ``steps``, ``decays`` may be fp32 tensors on the tensors' device (one number a tensor). With ``flat`` (the
     flat buffer ``updates`` are views of, and their offsets in it), where the torch ops would run and the
     compression backend has a scaled-step kernel (the cuda backend's), every tensor's step is one launch that
-    reads them there: no host read, and the same bits. Otherwise they are read first."""
+    reads them there: no host read, and the same bits. Otherwise they are read first. ``go`` (a one-element bool
+    tensor): the step is taken only where it holds (the kernel's predicate; read first elsewhere)."""
     if isinstance(steps, torch.Tensor):
         on_device = flat is not None and not _core._fusable(*params, *updates)
-        if on_device and _device_scaled_step(params, flat, steps, decays):
+        if on_device and _device_scaled_step(params, flat, steps, decays, go):
+            return
+        if go is not None and not bool(go[0]):  # what the kernel would have skipped
             return
         n = steps.numel()
         both = torch.cat([steps, decays]).tolist()  # one read
@@ -243,7 +259,7 @@ def scaled_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
 
 
 def _device_scaled_step(params: Sequence[torch.Tensor], flat: tuple[torch.Tensor, Sequence[int]],
-                        steps: torch.Tensor, decays: torch.Tensor) -> bool:
+                        steps: torch.Tensor, decays: torch.Tensor, go: torch.Tensor | None) -> bool:
     """:func:`scaled_step_` by the compression backend's kernel, if it has one that takes these tensors (contiguous
     fp32 parameters on the update's device); returns whether it ran."""
     update, offsets = flat
@@ -251,7 +267,7 @@ def _device_scaled_step(params: Sequence[torch.Tensor], flat: tuple[torch.Tensor
     if kernel is None or not all(p.device == update.device and p.dtype == torch.float32 and p.is_contiguous()
                                  for p in params):
         return False
-    kernel(params, update, offsets, steps, decays)
+    kernel(params, update, offsets, steps, decays, go=go)
     return True
 
 

@@ -41,6 +41,9 @@ class _Factors(NamedTuple):
     work: torch.Tensor  #: fp64 rows the arithmetic runs in: the statistics, and one for the bounds and step sizes
     stats: torch.Tensor  #: the buckets' statistics gathered, fp32
     undefined: torch.Tensor  #: where a layer's update norm is undefined (bool)
+    go: torch.Tensor  #: each bucket's flag, gathered: its call went through (bool)
+    owner: torch.Tensor  #: each layer's bucket, an index into ``go`` (int64)
+    true: torch.Tensor  #: the flag of a bucket whose call the host decided (one True)
 
 
 class OnebitLamb(OnebitAdam):
@@ -83,7 +86,9 @@ class OnebitLamb(OnebitAdam):
     Memory per parameter: m, v, v_fresh, m_prev (fp32) + worker error + 1/n server error.
     """
 
-    skips_on_device = False  # its compressed update (trust ratios) runs torch ops after the decode
+    # on a GPU its compressed update is three kernels predicated on the call's flag (the decode's shift folded into
+    # the statistics kernel, the factors, the scaled step): see _defers
+    skips_on_device = True
 
     strategy_name = "onebit_lamb"
     converts_lamb = True
@@ -225,6 +230,22 @@ class OnebitLamb(OnebitAdam):
     def _sync_target(self, b: Bucket) -> torch.Tensor:
         return b.synced  # exp_avg is still needed: _absorb keeps it as exp_avg_prev first
 
+    def _defers(self, b: Bucket) -> bool:
+        """Where the statistics kernel runs (a GPU, whole tensors, contiguous fp32 parameters) the update decodes
+        the result and its statistics kernel shifts it in: every write of the step is then a kernel's, predicated
+        on the call's flag, so the device can decide the step."""
+        return (self.whole_tensor_stats is None and self._sink_targets(b) is not None
+                and stats_kernel(b.flat["exp_avg"]))
+
+    def _divisors(self, b: Bucket) -> torch.Tensor:
+        """Each parameter's ``scaling_coeff`` as fp32 on the bucket's device (what the shift divides by), made
+        again only when they change (at a switch or a load)."""
+        key = tuple(self._scaling(b))
+        hit = b.cache.get("divisors")
+        if hit is None or hit[0] != key or hit[1].device != b.device:
+            hit = b.cache["divisors"] = (key, torch.tensor(key, dtype=torch.float32).to(b.device))
+        return hit[1]
+
     def _absorb(self, b: Bucket, synced: torch.Tensor) -> None:
         m = b.flat["exp_avg"]
         shift_in_(b.kept_views("exp_avg_prev", b.flat["exp_avg_prev"]), b.kept_views("exp_avg", m),
@@ -276,16 +297,29 @@ class OnebitLamb(OnebitAdam):
         everyone = len(keep) == len(has_grad)
         ps = self._detached(b)
         idx = self._mask(b)
+        bcs = [_bias_correction(beta1, t) for t in self._steps(b)]
+        shift = go = None
+        if b.sync.deferred:  # _defers: the result is decoded and shifted in here, on the device
+            predicate = b.sync.comm.pending_predicate
+            b.sync.comm.decode_pending(out=b.synced)  # written only if the call went through
+            go = None if predicate is None else predicate.took
+            if everyone and len(set(bcs)) == 1:
+                shift = (b.synced, self._divisors(b))
+            else:  # the torch ops (a parameter without a gradient, or behind): the host must know whether to step
+                if go is not None and not bool(go[0]):
+                    return
+                go = None
+                self._absorb(b, b.synced)
         # on a GPU one kernel a bucket: the moments, u and every layer's maximum and dot products in one pass (its
         # parameters fp32 and contiguous: _detached found out once)
         stats = None
         if everyone and b.cache["params_fp32"] and stats_kernel(flat):
             out, rows = self._stats_buffer(b, 4 if wd else 1)
-            stats = LayerStats(ps, b.offsets, out, idx)
+            stats = LayerStats(ps, b.offsets, out, idx, shift, go)
         maxima = lamb_moments_(b.kept_views("exp_avg", m), b.kept_views("exp_avg_prev", prev),
-                               b.kept_views("exp_avg_sq_fresh", fresh), b.kept_views("denom", denom), ups,
-                               [_bias_correction(beta1, t) for t in self._steps(b)], beta1=beta1, beta2=beta2,
-                               eps=eps, eps_inside_sqrt=group["eps_inside_sqrt"], flat=flat, stats=stats)
+                               b.kept_views("exp_avg_sq_fresh", fresh), b.kept_views("denom", denom), ups, bcs,
+                               beta1=beta1, beta2=beta2, eps=eps, eps_inside_sqrt=group["eps_inside_sqrt"], flat=flat,
+                               stats=stats)
         if maxima is not None and idx is not None:
             prelim.index_fill_(0, idx, 0.0)
         # every per-layer scalar: max ratio, ||u||^2, <u, p>, ||p||^2
@@ -307,7 +341,7 @@ class OnebitLamb(OnebitAdam):
             sums, top = self.whole_tensor_stats(torch.cat(stats[1:]) if wd else stats[0][:0], stats[0])
             stats = [top, *sums.view(len(stats) - 1, -1)]
         # turned into step sizes with every other bucket's of its group at the end of the step (_finish_updates)
-        self._lamb_pending.append((self._step, b, group, keep, ups, stats))
+        self._lamb_pending.append((self._step, b, group, keep, ups, stats, go))
 
     def _finish_updates(self) -> None:
         pending, self._lamb_pending = self._lamb_pending, []
@@ -315,10 +349,10 @@ class OnebitLamb(OnebitAdam):
         for group in {id(e[2]): e[2] for e in pending}.values():
             entries = [e for e in pending if e[2] is group]
             sizes = self._layer_steps(entries, group)
-            for (_, b, _, keep, ups, _), (steps, decays) in zip(entries, sizes, strict=True):
+            for (_, b, _, keep, ups, _, go), (steps, decays) in zip(entries, sizes, strict=True):
                 ps = self._detached(b)
                 if len(keep) == len(b.params):  # the whole bucket: one launch where the backend has the kernel
-                    scaled_step_(ps, ups, steps, decays, flat=(self._scratch(b), b.offsets))
+                    scaled_step_(ps, ups, steps, decays, flat=(self._scratch(b), b.offsets), go=go)
                 else:
                     scaled_step_([ps[i] for i in keep], [ups[i] for i in keep], steps, decays)
 
@@ -340,9 +374,14 @@ class OnebitLamb(OnebitAdam):
         for row, col in zip(fs.stats, zip(*(e[5] for e in entries), strict=True), strict=True):
             torch.cat(col, out=row) if len(col) > 1 else row.copy_(col[0])  # one kernel (a GPU's cat of one dtype)
         on_device = local_steps.flags_stay_on_device(last.device)
+        go = owner = None
+        if any(e[6] is not None for e in entries):  # a bucket's layers keep their factors where its step was skipped
+            flags = [fs.true if e[6] is None else e[6] for e in entries]
+            go, owner = flags[0] if len(flags) == 1 else torch.cat(flags, out=fs.go), fs.owner
         steps = layer_factors_(fs.stats, last, fs.freeze, weight_decay=wd, lr=lr, factor_threshold=thr,
                                factor_min=group["factor_min"], factor_max=group["factor_max"], work=fs.work,
-                               undefined=fs.undefined, out=(fs.steps, fs.decays) if on_device else None)
+                               undefined=fs.undefined, out=(fs.steps, fs.decays) if on_device else None, go=go,
+                               owner=owner)
         if on_device:  # where the scaled-step kernel reads them
             return fs.slices
         # on the CPU a read waits for nothing: one, and the per-parameter floats stay current
@@ -372,8 +411,10 @@ class OnebitLamb(OnebitAdam):
         work = torch.empty(rows + 1, len(params), dtype=torch.float64, device=dev)
         stats = torch.empty(rows, len(params), dtype=torch.float32, device=dev)
         undefined = torch.empty(len(params), dtype=torch.bool, device=dev)
+        go = torch.ones(len(layers), dtype=torch.bool, device=dev)
+        owner = torch.tensor([j for j, (_, keep) in enumerate(layers) for _ in keep], dtype=torch.int64).to(dev)
         fs = self._factors[id(entries[0][2])] = _Factors(layers, last, freeze, steps, decays, slices, work, stats,
-                                                         undefined)
+                                                         undefined, go, owner, go[:1].clone())
         return fs
 
     def _store_factors(self, layers: tuple, last: torch.Tensor | list[float]) -> None:

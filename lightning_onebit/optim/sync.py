@@ -248,10 +248,13 @@ class BucketSync:
         self.finish(algorithm, worker_grads, simulated=True)
 
     def decode(self, algorithm: Algorithm) -> None:
-        """Decode a result left for the update now (before anything reads the state)."""
+        """Decode a result left for the update now (before anything reads the state). A call the device decided
+        is folded in only if it went through: the host reads that here, off the step's path."""
         if self.deferred:
+            predicate = getattr(self.comm, "pending_predicate", None)
             self.comm.decode_pending()
-            algorithm._absorb(self.bucket, algorithm._sync_target(self.bucket))
+            if predicate is None or bool(predicate.took[0]):
+                algorithm._absorb(self.bucket, algorithm._sync_target(self.bucket))
 
 
 def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequence | None, torch.Tensor | None]],

@@ -204,9 +204,14 @@ def _run(algorithm: str, *, nan_at: int = -1, omit: int = -1, steps: int = 5, po
 
 
 @pytest.mark.budget(40)  # three 5-step runs under the simulator, which pays per launch (a thread per CUDA thread)
-@pytest.mark.parametrize("algorithm", ["OnebitAdam", "QAdam"])
+@pytest.mark.parametrize("algorithm", ["OnebitAdam", "QAdam", "OnebitLamb"])
 def test_a_nan_step_decided_on_the_device_changes_nothing(algorithm, monkeypatch):
     from lightning_onebit.compress.kernels import numba_cuda
+    from lightning_onebit.optim import functional, local_steps
+
+    if algorithm == "OnebitLamb":  # its update's kernels run where torch's ops would (a GPU), its factors stay there
+        monkeypatch.setattr(functional, "_fusable", lambda *tensors: False)
+        monkeypatch.setattr(local_steps, "flags_stay_on_device", lambda device: True)
 
     made, planned = [0], numba_cuda.planned
 

@@ -1,7 +1,9 @@
-"""1-bit LAMB's compressed step as a GPU takes it: its layer statistics and its scaled step by the cuda backend's
-kernels, one launch each a bucket, and its layer factors computed on the device, with no host read, against the
-same step with the factors read and the scaled step run by torch's ops; and a checkpoint of the device's factors
-written and reloaded. The statistics kernel against its summation order and torch's ratios.
+"""1-bit LAMB's compressed step as a GPU takes it: the synced momentum decoded by the update and shifted in by the
+statistics kernel, its layer statistics and its scaled step by the cuda backend's kernels, one launch each a
+bucket, and its layer factors computed on the device, with no host read, against the same step with the result
+shifted in by torch's ops as the sync finishes, the factors read and the scaled step run by torch's ops; and a
+checkpoint of the device's factors written and reloaded. The statistics kernel against its summation order and
+torch's ratios.
 
 Runs under numba's CUDA simulator (tests/test_cuda_simulator.py starts it), where CPU tensors stand in for
 device memory; ``optim.functional``'s CPU kernels are switched off, as on a GPU, where torch's ops run.
@@ -45,6 +47,8 @@ def test_the_scaled_step_kernel_has_the_bits_of_the_cpu_step():
     kc.scaled_step([out[0], None, out[2]], u, offsets, steps, decays)  # the middle parameter is left alone
     assert torch.equal(out[0], torch_ref[0]) and torch.equal(out[2], torch_ref[2])
     assert torch.equal(out[1], params[1])
+    kc.scaled_step(out, u, offsets, steps, decays, go=torch.zeros(1, dtype=torch.bool))  # a step skipped: nothing
+    assert torch.equal(out[0], torch_ref[0]) and torch.equal(out[1], params[1])
     with pytest.raises(ValueError, match="fp32"):
         kc.scaled_step(out, u, offsets, steps.double(), decays)
     with pytest.raises(ValueError, match="of their offsets' sizes"):  # it would write past the parameter
@@ -130,6 +134,38 @@ def test_the_layer_stats_kernel_writes_the_moments_with_the_cpu_kernel_s_bits(in
     assert torch.equal(out, ref)
 
 
+def test_the_layer_stats_kernel_shifts_the_synced_momentum_in_as_torch_does_and_writes_nothing_unless_go():
+    g = torch.Generator().manual_seed(4)
+    sizes, offsets = [300, 0, 5, 711], [0, 300, 300, 305]
+    n = sum(sizes)
+    m, synced, d = torch.randn(n, generator=g), torch.randn(n, generator=g) * 3, torch.rand(n, generator=g) + 0.5
+    fresh, prev = torch.rand(n, generator=g), torch.randn(n, generator=g)
+    params = [torch.randn(k, generator=g) for k in sizes]
+    divisors = [0.37, 1.0, 3.1, 0.9]  # the layers' scaling coefficients: a division each, not a reciprocal's product
+    mask = torch.tensor([3, 310, 700])
+    kw = dict(beta1=0.9, beta2=0.999, eps=1e-6, eps_inside_sqrt=True, bias_correction=0.7, mask=mask)
+    # what the host does: torch's shift (copy, foreach division), the mask's fill, then the kernel
+    want = [t.clone() for t in (m, prev, fresh)]
+    functional_lamb.shift_in_(want[1].split(sizes), want[0].split(sizes), synced.split(sizes), divisors)
+    want[0][mask] = 0.0
+    u_want, out_want = torch.empty(n), torch.empty(4, 4)
+    kc.lamb_stats(params, u_want, d, want[2], offsets, out_want, exp_avg=want[0], prev=want[1], **kw)
+    got = [t.clone() for t in (m, prev, fresh)]
+    u, out = torch.empty(n), torch.empty(4, 4)
+    div = torch.tensor(divisors)
+    kc.lamb_stats(params, u, d, got[2], offsets, out, exp_avg=got[0], prev=got[1], synced=synced, divisors=div, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert torch.equal(u, u_want) and torch.equal(out, out_want)
+    # a step the device decided to skip: no buffer, statistic or counter written
+    before = [t.clone() for t in (*got, u, out)]
+    kc.lamb_stats(params, u, d, got[2], offsets, out, exp_avg=got[0], prev=got[1], synced=synced, divisors=div,
+                  go=torch.zeros(1, dtype=torch.bool), **kw)
+    assert all(torch.equal(a, b) for a, b in zip((*got, u, out), before, strict=True))
+    with pytest.raises(ValueError, match="divisors has 3 elements"):
+        kc.lamb_stats(params, u, d, got[2], offsets, out, exp_avg=got[0], prev=got[1], synced=synced,
+                      divisors=div[:3], **kw)
+
+
 @pytest.mark.parametrize("wd", [0.0, 0.07])
 def test_the_factors_kernel_has_the_bits_of_the_torch_ops(wd):
     g = torch.Generator().manual_seed(3)
@@ -153,11 +189,21 @@ def test_the_factors_kernel_has_the_bits_of_the_torch_ops(wd):
     for a, b in zip((got_last, steps, decays), want, strict=True):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
     assert got_last[3].isnan() and not got_last[8].isnan()  # a NaN norm makes the share undefined: 1
+    # layers of a bucket whose step the device skipped keep their factor, step size and decay
+    go, owner = torch.tensor([True, False, True]), torch.arange(n) % 3
+    kept = (last.clone(), torch.full((n,), 5.0), torch.full((n,), 6.0))
+    kc.lamb_factors(rows, kept[0], freeze, *kept[1:], weight_decay=wd, **kw, go=go, owner=owner)
+    skip = owner == 1
+    for a, b, old in zip(kept, (got_last, steps, decays), (last, torch.full((n,), 5.0), torch.full((n,), 6.0)),
+                         strict=True):
+        assert torch.equal(a[skip], old[skip].to(a.dtype))
+        assert torch.equal(a[~skip].nan_to_num(), b[~skip].nan_to_num())
     with pytest.raises(ValueError, match=r"stats must be a contiguous fp32 \[4, 40\]"):
         kc.lamb_factors(stats[:1].contiguous(), got_last, freeze, steps, decays, weight_decay=0.1, **kw)
 
 
 VOCAB = 24
+DEFERS = OnebitLamb._defers
 
 
 class TinyLM(nn.Module):
@@ -187,10 +233,12 @@ def _train(model: TinyLM, opt: OnebitLamb, steps: range) -> None:
 
 def _run(on_device: bool, monkeypatch, *, reload_at: int | None = None) -> tuple[TinyLM, OnebitLamb]:
     # the codec's kernels stay the CPU's (the simulator's would take minutes); the scaled step finds the cuda
-    # backend's kernel, and torch's ops run where the CPU's kernels would, as on a GPU
+    # backend's kernel, and torch's ops run where the CPU's kernels would, as on a GPU. Off the device the sync's
+    # result is shifted in by torch's ops as it finishes (the update does not decode it)
     monkeypatch.setattr(functional, "get_backend", lambda device, forced=None: kc)
     monkeypatch.setattr(functional, "_fusable", lambda *tensors: False)
     monkeypatch.setattr(local_steps, "flags_stay_on_device", lambda device: on_device)
+    monkeypatch.setattr(OnebitLamb, "_defers", DEFERS if on_device else lambda self, b: False)
     kw = dict(lr=2e-2, warmup_steps=2, weight_decay=0.1, factor_threshold=0.05, bucket_cap_mb=0.0012)
     torch.manual_seed(0)
     model = TinyLM()
@@ -222,14 +270,21 @@ def test_the_factors_and_the_step_on_the_device_have_the_bits_of_the_host_s(monk
     stored.clear()
     launches, stats, factors = [], [], []
     kernel, stats_kernel, factors_kernel = kc.scaled_step, kc.lamb_stats, kc.lamb_factors
-    monkeypatch.setattr(kc, "scaled_step", lambda *a: launches.append(1) or kernel(*a))
-    monkeypatch.setattr(kc, "lamb_stats", lambda *a, **k: stats.append(1) or stats_kernel(*a, **k))
+    monkeypatch.setattr(kc, "scaled_step", lambda *a, **k: launches.append(1) or kernel(*a, **k))
+    def shifting(*a, **k):
+        stats.append(k["synced"] is not None)
+        return stats_kernel(*a, **k)
+
+    monkeypatch.setattr(kc, "lamb_stats", shifting)
     monkeypatch.setattr(kc, "lamb_factors", lambda *a, **k: factors.append(1) or factors_kernel(*a, **k))
     dev_model, dev_opt = _run(True, monkeypatch)
     assert not stored and dev_opt._factors  # on the device they stay there
     whole = [b for b in dev_opt._buckets if all(p.grad is not None for p in b.params)]
     # one launch of each a bucket whose parameters all got a gradient, a step; the factors one a step
     assert len(launches) == len(stats) == 3 * len(whole) > 0 and len(factors) == 3
+    # the synced momentum shifted in by the kernel, but where a masked coordinate's gradient came (an embedding
+    # row first used): that call's result is folded in as it finishes
+    assert any(stats) and stats.count(False) <= 2, stats
     assert dev_opt.compressing and len(dev_opt._buckets) >= 3
     assert any(0 < sum(h) < len(h) for h in ([p.grad is not None for p in b.params] for b in dev_opt._buckets))
     for p, q in zip(read_model.parameters(), dev_model.parameters(), strict=True):

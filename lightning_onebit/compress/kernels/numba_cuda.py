@@ -29,7 +29,7 @@ from .numba_cuda_kernels import (
 )
 from .numba_cuda_launch import _grid, _launcher, _on, _stream, planned
 from .numba_cuda_sink import fusable, sink_args, sink_numbers
-from .numba_cuda_source import ROWS_MEAN, SIMULATED, accepts, empty_arrays, empty_tensors, kernel_input, memo
+from .numba_cuda_source import ROWS_MEAN, SIMULATED, accepts, empty_arrays, empty_tensors, go_array, kernel_input, memo
 from .numba_cuda_source import arr as _arr
 from .numba_cuda_update import _lamb_factors_kernel as _lamb_factors_kernel  # compile_ptx finds them here
 from .numba_cuda_update import _lamb_stats_kernel as _lamb_stats_kernel
@@ -273,16 +273,6 @@ def _starts(layout: Layout, device: torch.device):
 #: ``encode`` and ``decode`` take ``go`` (see :meth:`~..base.Codec.decode_predicated`)
 PREDICATES = True
 
-_ALWAYS: dict[str, torch.Tensor] = {}
-
-
-def _go(go: torch.Tensor | None, device: torch.device):
-    """``go`` as a kernel array, or a True flag made once per device."""
-    if go is None:
-        go = memo(_ALWAYS, str(device), lambda: torch.ones(1, dtype=torch.bool, device=device))
-    elif go.dtype != torch.bool or go.shape != (1,) or go.device != device:
-        raise ValueError(f"go must be a one-element 1-d bool tensor on {device}")
-    return _arr(go)
 
 
 def encode(kind, mode, layout: Layout, x, st, scales, codes, go: torch.Tensor | None = None) -> None:
@@ -311,7 +301,7 @@ def _plan_encode(kind, mode, layout: Layout, x, st, scales, codes, go, device, s
         return None
     launch = _launcher(_encode_kernel, _grid(layout.nseg * -(-layout.seg_len // THREADS), 1), THREADS, stream)
     tail = (_state(st, device), layout.seg_len, *_starts(layout, device), rows, col0, _codes_arr(codes),
-            _go(go, device))
+            go_array(go, device))
     head, tail = ((kind, mode), tail) if src else ((kind, mode, *kernel_input(x, device), *tail), ())
     return launch, head, tail, copy
 
@@ -353,7 +343,7 @@ def _plan_decode(kind, layout: Layout, codes, scales, out, accumulate, mean_rows
     tiles = (1 if mean_rows else layout.nseg) * -(-layout.seg_len // THREADS)
     f32, i64, b1 = empty_arrays(device)
     head = (kind, _codes_arr(codes), rows, col0, layout.seg_len, *_starts(layout, device), _arr(out), accumulate,
-            mean_rows, _go(go, device), _go(and_go, device), f32 if copy is None else _arr(copy),
+            mean_rows, go_array(go, device), go_array(and_go, device), f32 if copy is None else _arr(copy),
             b1 if flags is None else _arr(flags))
     addr, bounds, _, _, denom, mask, valid = sink_args(sink, device)
     return (_launcher(_decode_kernel, _grid(tiles, 1), THREADS, stream), head,
@@ -384,11 +374,12 @@ def kernel_signatures() -> dict[str, tuple]:
         "_encode_kernel": (i64, i64, *src, f32v, i64, i64m, i64v, f32m, i64, u8m, b1),
         "_decode_kernel": (i64, u8m, f32m, i64, i64, i64m, i64v, f32v, flag, flag, b1, b1, f32v, b1, nt.float64,
                            f32v, i64v, i64v, nt.float32, nt.float32, f32v, i64v, i64),
-        "_scaled_step_kernel": (i64v, i64v, f32v, f32v, f32v, i64),
-        "_lamb_stats_kernel": (i64v, i64v, f32v, f32v, f32v, f32v, f32v, i64v, nt.float32, nt.float32, nt.float32,
-                               nt.float32, flag, nt.float32, flag, flag, i64v, i64v, i64v, f64m, i32v, f32m),
-        "_lamb_factors_kernel": (f32m, nt.Array(nt.float64, 1, "C"), nt.Array(nt.float64, 1, "C"), f32v, f32v,
-                                 *(nt.float64,) * 8, flag),
+        "_scaled_step_kernel": (i64v, i64v, f32v, f32v, f32v, b1, i64),
+        "_lamb_stats_kernel": (i64v, i64v, f32v, f32v, f32v, f32v, f32v, i64v, f32v, f32v, flag, b1, nt.float32,
+                               nt.float32, nt.float32, nt.float32, flag, nt.float32, flag, flag, i64v, i64v, i64v, f64m,
+                               i32v, f32m),
+        "_lamb_factors_kernel": (f32m, nt.Array(nt.float64, 1, "C"), nt.Array(nt.float64, 1, "C"), f32v, f32v, b1,
+                                 i64v, *(nt.float64,) * 8, flag),
     }
 
 

@@ -182,6 +182,19 @@ def arr(t: torch.Tensor):
                 _ARRAYS_MAX)
 
 
+_ALWAYS: dict[str, torch.Tensor] = {}
+
+
+def go_array(go: torch.Tensor | None, device: torch.device):
+    """A kernel's predicate ``go`` (a one-element bool tensor on ``device``) as a kernel array, or a True flag
+    made once per device."""
+    if go is None:
+        go = memo(_ALWAYS, str(device), lambda: torch.ones(1, dtype=torch.bool, device=device))
+    elif go.dtype != torch.bool or go.shape != (1,) or go.device != device:
+        raise ValueError(f"go must be a one-element 1-d bool tensor on {device}")
+    return arr(go)
+
+
 def _describe(t: torch.Tensor):
     """A kernel array on ``t``'s memory that does not own it."""
     if t.is_cuda:

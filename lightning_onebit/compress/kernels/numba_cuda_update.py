@@ -55,6 +55,7 @@ from .numba_cuda_source import (
     _sqrt64,
     arr,
     empty_arrays,
+    go_array,
     last_at_most,
     memo,
 )
@@ -94,29 +95,43 @@ def _extremum(a, b, bigger):
 
 
 @cuda.jit(device=True, inline=True)
-def _moments_at(m, prev, f, d, u, mask, nb, c, b2, eps, inside, inv_bc, i):
+def _moments_at(m, prev, f, d, u, mask, synced, divisors, shift, nb, c, b2, eps, inside, inv_bc, i, k):
     """Element i of 1-bit LAMB's moments, in the CPU kernel's roundings (``functional_lamb._lamb_stats``):
     ``w = m - beta1 prev`` and ``f <- f b2 + c w^2`` by fused multiply-adds, ``u = (m / d) * (1 / bc)`` (0 where
-    ``mask`` holds i); writes ``f`` and ``u``, returns the new ``f``."""
-    w = _fma32(nb, prev[i], m[i])
+    ``mask`` holds i); writes ``f`` and ``u``, returns the new ``f``. With ``shift`` the momentum is shifted in
+    first, as ``functional_lamb.shift_in_`` and the mask's fill do it: ``prev <- m``, ``m <- synced / divisors[k]``
+    (IEEE's division; 0 where masked)."""
+    masked = mask.size and _in_sorted(mask, i)
+    if shift:
+        mp = m[i]
+        mi = float32(0.0) if masked else _div32(synced[i], divisors[k])
+        prev[i] = mp
+        m[i] = mi
+    else:
+        mp = prev[i]
+        mi = m[i]
+    w = _fma32(nb, mp, mi)
     fi = _fma32(_mul32(c, w), w, _mul32(f[i], b2))
     f[i] = fi
-    if mask.size and _in_sorted(mask, i):
+    if masked:
         u[i] = float32(0.0)
     else:
-        u[i] = _mul32(_div32(m[i], d[i]), inv_bc)
+        u[i] = _mul32(_div32(mi, d[i]), inv_bc)
     return fi
 
 
 @cuda.jit(cache=True)
-def _lamb_stats_kernel(addr, bounds, u, d, f, m, prev, mask, nb, c, b2, eps, inside, inv_bc, moments, dots, t_lo,
-                       t_hi, ptr, partials, count, out):
+def _lamb_stats_kernel(addr, bounds, u, d, f, m, prev, mask, synced, divisors, shift, go, nb, c, b2, eps, inside,
+                       inv_bc, moments, dots, t_lo, t_hi, ptr, partials, count, out):
     """Each layer's ``[max d / d_fresh, <u, u>, <u, p>, <p, p>]`` into ``out[:, k]`` (the dot products only
     with ``dots``), with ``moments`` after writing each element's moments (``_moments_at``) as it is read. Tile
     t (``t_lo[t]:t_hi[t]``, inside one layer) is summed by one thread block into ``partials[t]``; the block that
     finishes layer k's last tile (``count[k]``, tiles done, counted atomically after a fence and zeroed again)
     combines its tiles in order, reading them through atomics (the L2 copy), as ``_reduce_scales_kernel`` does.
-    Layers without elements get ``-inf, 0, 0, 0``."""
+    Layers without elements get ``-inf, 0, 0, 0``. Nothing is written unless ``go[0]`` (a step the device
+    decided to skip)."""
+    if not go[0]:  # uniform: every block returns before its first barrier
+        return
     s_r = cuda.shared.array(LANES, float64)
     s_uu = cuda.shared.array(LANES, float64)
     s_up = cuda.shared.array(LANES, float64)
@@ -148,7 +163,8 @@ def _lamb_stats_kernel(addr, bounds, u, d, f, m, prev, mask, nb, c, b2, eps, ins
             i = t_lo[t] + lane
             while i < t_hi[t]:
                 if moments:
-                    fi = _moments_at(m, prev, f, d, u, mask, nb, c, b2, eps, inside, inv_bc, i)
+                    fi = _moments_at(m, prev, f, d, u, mask, synced, divisors, shift, nb, c, b2, eps, inside, inv_bc,
+                                     i, k)
                 else:
                     fi = f[i]
                 mx = _extremum(mx, float64(_ratio32(d[i], fi, eps, inside)), True)
@@ -223,15 +239,18 @@ def _lamb_stats_kernel(addr, bounds, u, d, f, m, prev, mask, nb, c, b2, eps, ins
 
 
 @cuda.jit
-def _lamb_factors_kernel(stats, last, freeze, steps, decays, wd, twd, wd2, lr, lo, hi, fmin, fmax, blend):
+def _lamb_factors_kernel(stats, last, freeze, steps, decays, go, owner, wd, twd, wd2, lr, lo, hi, fmin, fmax, blend):
     """Each layer's factor from its statistics (``stats[:, k]``: the maximum and, with ``blend``, the dot
     products), clipped against its last one, which it replaces, and its step size and decay: the fp64 torch ops of
     ``OnebitLamb._layer_steps``, one thread a layer, operation for operation, each explicitly rounded (nothing
     contracted). ``twd``, ``wd2``, ``lo``, ``hi``: ``2 wd``, ``wd^2``, ``1 - threshold``, ``1 + threshold``, the
-    host's doubles."""
+    host's doubles. Layer k is left alone unless ``go[owner[k]]`` (its bucket's step was not skipped)."""
     k = cuda.grid(1)
     stride = cuda.gridsize(1)
     while k < last.size:
+        if not go[owner[k]]:
+            k += stride
+            continue
         f = float64(stats[0, k])
         if blend:
             uu = float64(stats[1, k])
@@ -259,7 +278,9 @@ def _lamb_factors_kernel(stats, last, freeze, steps, decays, wd, twd, wd2, lr, l
 
 
 @cuda.jit
-def _scaled_step_kernel(addr, bounds, u, steps, decays, valid):
+def _scaled_step_kernel(addr, bounds, u, steps, decays, go, valid):
+    if not go[0]:
+        return
     e = cuda.grid(1)
     stride = cuda.gridsize(1)
     while e < valid:
@@ -317,14 +338,19 @@ def lamb_stats(params: Sequence[torch.Tensor | None], update: torch.Tensor, deno
                fresh: torch.Tensor, offsets: Sequence[int], out: torch.Tensor, *, eps: float,
                eps_inside_sqrt: bool, exp_avg: torch.Tensor | None = None, prev: torch.Tensor | None = None,
                mask: torch.Tensor | None = None, beta1: float = 0.0, beta2: float = 0.0,
-               bias_correction: float = 1.0) -> torch.Tensor:
+               bias_correction: float = 1.0, synced: torch.Tensor | None = None,
+               divisors: torch.Tensor | None = None, go: torch.Tensor | None = None) -> torch.Tensor:
     """Each parameter's ``[max(denom / d_fresh), <u, u>, <u, p>, <p, p>]`` into the columns of ``out`` (fp32,
     ``[4, len(params)]``; ``[1, len(params)]``: the maxima alone) on torch's current stream, with
     ``d_fresh = sqrt(fresh + eps)`` (``eps_inside_sqrt``) or ``sqrt(fresh) + eps``. ``update``, ``denom``, ``fresh``:
     the bucket's flat fp32 buffers; ``params``: contiguous fp32 tensors laid out at ``offsets`` in them (None
     for one without elements). With ``exp_avg`` and ``prev`` (the momentum and the previous one, flat) the same
     launch first writes ``fresh`` and ``update`` (0 at the sorted int64 positions ``mask``) element by element, in
-    the CPU kernel's roundings (``optim.functional_lamb.lamb_moments_``). Returns ``out``."""
+    the CPU kernel's roundings (``optim.functional_lamb.lamb_moments_``); with ``synced`` too (flat) and
+    ``divisors`` (fp32, one a parameter) it first shifts the momentum in, ``prev <- exp_avg``,
+    ``exp_avg <- synced / divisors[k]`` (0 at ``mask``), as ``functional_lamb.shift_in_`` does. ``go`` (a
+    one-element bool tensor): nothing is written unless it holds (a step the device decided to skip). Returns
+    ``out``."""
     device = update.device
     valid = update.numel()
     _check_flat("lamb_stats: update", update, device)
@@ -338,32 +364,45 @@ def lamb_stats(params: Sequence[torch.Tensor | None], update: torch.Tensor, deno
     dots = out.shape[0] == 4
     _check_params("lamb_stats", params if dots else [None] * len(params), offsets, valid, device)
     f32 = np.float32
-    _, i64, _ = empty_arrays(device)
+    f32v, i64, _ = empty_arrays(device)
     moments = exp_avg is not None
     if not moments:
         exp_avg = prev = update
     _check_flat("lamb_stats: exp_avg", exp_avg, device, valid)
     _check_flat("lamb_stats: prev", prev, device, valid)
+    shift = synced is not None
+    if shift:
+        if not moments:
+            raise ValueError("lamb_stats: the shift (synced=) needs exp_avg and prev")
+        _check_flat("lamb_stats: synced", synced, device, valid)
+        _check_flat("lamb_stats: divisors", divisors, device, len(params))
     c = (1 - beta2) / (1 - beta1) ** 2 if moments else 0.0  # as lamb_moments_ computes it
     nums = (f32(-beta1), f32(c), f32(beta2), f32(1 / bias_correction))
     mask = i64 if mask is None else arr(mask)
+    shifted = (arr(synced), arr(divisors)) if shift else (f32v, f32v)
     with _on(device):
         addr, bounds = address_tables(params if dots else [None] * len(params), offsets, valid, device)
         t_lo, t_hi, ptr, partials, count, tiles = _stats_geometry(offsets, valid, device)
         launch = _launcher(_lamb_stats_kernel, _grid(max(tiles, len(params)), 1), RTHREADS, _stream(device))
-        launch(addr, bounds, arr(update), arr(denom), arr(fresh), arr(exp_avg), arr(prev), mask, *nums[:3], f32(eps),
-               bool(eps_inside_sqrt), nums[3], moments, dots, t_lo, t_hi, ptr, partials, count, arr(out))
+        launch(addr, bounds, arr(update), arr(denom), arr(fresh), arr(exp_avg), arr(prev), mask, *shifted, shift,
+               go_array(go, device), *nums[:3], f32(eps), bool(eps_inside_sqrt), nums[3], moments, dots, t_lo, t_hi,
+               ptr, partials, count, arr(out))
     return out
+
+
+_OWNERS: dict = {}
 
 
 def lamb_factors(stats: torch.Tensor, last: torch.Tensor, freeze: torch.Tensor, steps: torch.Tensor,
                  decays: torch.Tensor, *, weight_decay: float, lr: float, factor_threshold: float, factor_min: float,
-                 factor_max: float) -> None:
+                 factor_max: float, go: torch.Tensor | None = None, owner: torch.Tensor | None = None) -> None:
     """1-bit LAMB's layer factors on torch's current stream, one launch for a param group's layers: from ``stats``
     (fp32 ``[4 or 1, layers]``: each layer's maximum of ``d / d_fresh`` and, with weight decay, ``<u, u>``,
     ``<u, p>``, ``<p, p>``) and each layer's ``freeze`` coefficient, the factor clipped against ``last`` (fp64,
     updated in place), and fp32 ``steps`` ``lr c f`` and ``decays`` ``1 - s wd``: the roundings of the torch ops
-    of ``OnebitLamb._layer_steps``."""
+    of ``OnebitLamb._layer_steps``. ``go`` (bool) and ``owner`` (int64, one a layer, indices into ``go``): layer k
+    is left alone (``last``, its step size and decay) unless ``go[owner[k]]``, the flag of the bucket it is in (a
+    step the device decided to skip); without them every layer is updated."""
     device = last.device
     n = last.numel()
     for name, t, dtype in (("last", last, torch.float64), ("freeze", freeze, torch.float64),
@@ -374,19 +413,30 @@ def lamb_factors(stats: torch.Tensor, last: torch.Tensor, freeze: torch.Tensor, 
     if (stats.dtype != torch.float32 or stats.shape != (4 if blend else 1, n) or not stats.is_contiguous()
             or stats.device != device):
         raise ValueError(f"lamb_factors: stats must be a contiguous fp32 [{4 if blend else 1}, {n}] tensor on {device}")
+    if (go is None) != (owner is None):
+        raise ValueError("lamb_factors takes go and owner together")
+    if go is None:  # one True flag that every layer reads
+        owner = memo(_OWNERS, (n, str(device)), lambda: torch.zeros(n, dtype=torch.int64, device=device))
+    elif go.dtype != torch.bool or go.dim() != 1 or not go.is_contiguous() or go.device != device:
+        raise ValueError(f"lamb_factors: go must be a 1-d contiguous bool tensor on {device}")
+    if (owner.dtype != torch.int64 or owner.dim() != 1 or owner.numel() != n or not owner.is_contiguous()
+            or owner.device != device):
+        raise ValueError(f"lamb_factors: owner must be a 1-d contiguous int64 tensor of {n} on {device}")
     wd, thr = float(weight_decay), float(factor_threshold)
     with _on(device):
         launch = _launcher(_lamb_factors_kernel, _grid(n, THREADS), THREADS, _stream(device))
-        launch(arr(stats), arr(last), arr(freeze), arr(steps), arr(decays), wd, 2 * wd, wd * wd, float(lr), 1 - thr,
-               1 + thr, float(factor_min), float(factor_max), blend)
+        flags = go_array(None, device) if go is None else arr(go)
+        launch(arr(stats), arr(last), arr(freeze), arr(steps), arr(decays), flags, arr(owner), wd, 2 * wd, wd * wd,
+               float(lr), 1 - thr, 1 + thr, float(factor_min), float(factor_max), blend)
 
 
 def scaled_step(params: Sequence[torch.Tensor | None], update: torch.Tensor, offsets: Sequence[int],
-                steps: torch.Tensor, decays: torch.Tensor) -> None:
+                steps: torch.Tensor, decays: torch.Tensor, go: torch.Tensor | None = None) -> None:
     """``params[k] <- params[k] * decays[k] - steps[k] * update[offsets[k]:...]`` on torch's current stream
     (``None``: parameter k is left alone). ``params``: contiguous fp32 tensors of their groups' sizes; ``update``
     the flat fp32 buffer they are laid out in; ``steps``, ``decays``: fp32, one a parameter, on its device (all
-    three 1-d: a kernel array is described once per memory, so they should be the same tensors every step)."""
+    three 1-d: a kernel array is described once per memory, so they should be the same tensors every step).
+    ``go`` (a one-element bool tensor): nothing is written unless it holds."""
     device = update.device
     for name, t in (("update", update), ("steps", steps), ("decays", decays)):
         _check_flat(f"scaled_step: {name}", t, device)
@@ -397,4 +447,4 @@ def scaled_step(params: Sequence[torch.Tensor | None], update: torch.Tensor, off
     with _on(device):
         addr, bounds = address_tables(params, offsets, valid, device)
         launch = _launcher(_scaled_step_kernel, _grid(valid, THREADS), THREADS, _stream(device))
-        launch(addr, bounds, arr(update), arr(steps), arr(decays), valid)
+        launch(addr, bounds, arr(update), arr(steps), arr(decays), go_array(go, device), valid)
