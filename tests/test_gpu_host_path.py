@@ -174,15 +174,15 @@ def local_counted(one_rank_counted) -> dict[str, dict[str, list[int]]]:
     return {m: kinds["local"] for (a, m), kinds in one_rank_counted.items() if a == "ZeroOneAdam"}
 
 
-# 1-bit LAMB's compressed step as a GPU takes it: ceilings, today's counts. Its moments, u and its layer
-# statistics (maxima and dot products) are one launch a bucket, its momentum's shift three foreach ops, its layer
-# factors one launch a step for all buckets, its scaled step one launch a bucket: 7 launches a bucket, not 5, and
-# one a step; a few torch ops a bucket (the gradients' copy, the shift) and a step (the statistics gathered, the
-# flags), nothing per tensor, nothing allocated. It reads the calls' finiteness flags once a step (the gathered
-# server scales' check rides in the next call's agreement, as on a GPU)
-LAMB_TORCH_OPS = {"mlp": 26, "gpt": 86}
+# 1-bit LAMB's compressed step as a GPU takes it: ceilings, today's counts. The update decodes the synced momentum
+# and one launch a bucket shifts it in and writes its moments, u and its layer statistics (maxima and dot products,
+# in the group's buffer), its layer factors are one launch a step for all buckets, its scaled step one launch a
+# bucket: 7 launches a bucket, not 5, and one a step; a torch op a bucket (the gradients' copy) and a few a step
+# (the flags, the buckets' flags gathered for the factors), nothing per tensor, nothing allocated. Every write is
+# predicated on the calls' flags: no read
+LAMB_TORCH_OPS = {"mlp": 7, "gpt": 17}
 LAMB_ALLOCATIONS = {"mlp": 0, "gpt": 0}
-LAMB_READS = {"mlp": 1, "gpt": 1}
+LAMB_READS = {"mlp": 0, "gpt": 0}
 LAMB_LAUNCHES_PER_BUCKET = 7
 LAMB_LAUNCHES_PER_STEP = 1
 

@@ -61,7 +61,8 @@ class LayerStats(NamedTuple):
     ``offsets`` in the bucket's buffers, an fp32 ``[4 or 1, layers]`` output, and the positions whose update is
     0 (sorted int64, or None). ``shift``: the synced momentum (flat) and each layer's divisor (fp32, on the
     device), shifted in by the same pass (:func:`shift_in_`'s bits, then 0 at ``mask``); ``go``: a one-element
-    bool tensor, the kernel writes nothing unless it holds (a step the device decided to skip)."""
+    bool tensor, the kernel writes nothing unless it holds (a step the device decided to skip); ``column``: the
+    layers' first column in ``out``, where it is wider (a buffer that gathers several buckets' statistics)."""
 
     params: Sequence[torch.Tensor]
     offsets: Sequence[int]
@@ -69,6 +70,7 @@ class LayerStats(NamedTuple):
     mask: torch.Tensor | None
     shift: tuple[torch.Tensor, torch.Tensor] | None = None
     go: torch.Tensor | None = None
+    column: int = 0
 
 
 class Flat(NamedTuple):
@@ -131,7 +133,7 @@ def lamb_moments_(exp_avgs: Sequence[torch.Tensor], prevs: Sequence[torch.Tensor
             _core.get_backend(flat.update.device).lamb_stats(
                 stats.params, flat.update, flat.denom, flat.fresh, stats.offsets, stats.out, eps=eps,
                 eps_inside_sqrt=eps_inside_sqrt, exp_avg=flat.exp_avg, prev=flat.prev, mask=stats.mask, beta1=beta1,
-                beta2=beta2, bias_correction=bc, synced=synced, divisors=divisors, go=stats.go)
+                beta2=beta2, bias_correction=bc, synced=synced, divisors=divisors, go=stats.go, column=stats.column)
             return None
         return _lamb_moments_flat(flat, bc, beta1, c, beta2, eps, eps_inside_sqrt)
     if not fusable:

@@ -40,10 +40,13 @@ class _Factors(NamedTuple):
     slices: list  #: (steps, decays) views of each bucket
     work: torch.Tensor  #: fp64 rows the arithmetic runs in: the statistics, and one for the bounds and step sizes
     stats: torch.Tensor  #: the buckets' statistics gathered, fp32
+    rows: list  #: its rows
     undefined: torch.Tensor  #: where a layer's update norm is undefined (bool)
     go: torch.Tensor  #: each bucket's flag, gathered: its call went through (bool)
     owner: torch.Tensor  #: each layer's bucket, an index into ``go`` (int64)
     true: torch.Tensor  #: the flag of a bucket whose call the host decided (one True)
+    cuts: list  #: each bucket's first column in ``stats``, and the end
+    columns: dict  #: id(bucket) -> its first column, for a bucket whose every layer is kept (where its kernel writes)
 
 
 class OnebitLamb(OnebitAdam):
@@ -270,14 +273,19 @@ class OnebitLamb(OnebitAdam):
             hit = b.cache["lengths"] = torch.tensor(b.numels, dtype=torch.int64).to(b.device)
         return hit
 
-    @staticmethod
-    def _stats_buffer(b: Bucket, rows: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The bucket's layer statistics where the kernel writes them (fp32 ``[rows, layers]`` on its device, kept
-        from step to step) and its rows."""
+    def _stats_buffer(self, b: Bucket, rows: int) -> tuple[torch.Tensor, int, list[torch.Tensor]]:
+        """Where the kernel writes the bucket's layer statistics (fp32 ``[rows, columns]`` on its device, kept from
+        step to step), its first column there and its rows: the columns of its group's gathered statistics where the
+        last step's layers hold it (so that ``_layer_steps`` copies nothing), else a buffer of its own."""
+        fs = self._factors.get(id(self.param_groups[b.group_index]))
+        col = None if fs is None or fs.stats.shape[0] != rows else fs.columns.get(id(b))
         hit = b.cache.get("layer stats")
-        if hit is None or hit[0].shape[0] != rows or hit[0].device != b.device:
+        if col is not None:
+            if hit is None or hit[0] is not fs.stats or hit[1] != col:
+                hit = b.cache["layer stats"] = (fs.stats, col, list(fs.stats[:, col:col + len(b.params)].unbind()))
+        elif hit is None or hit[0].shape != (rows, len(b.params)) or hit[0].device != b.device or hit[1]:
             out = torch.empty(rows, len(b.params), dtype=torch.float32, device=b.device)
-            hit = b.cache["layer stats"] = (out, list(out.unbind()))
+            hit = b.cache["layer stats"] = (out, 0, list(out.unbind()))
         return hit
 
     def _update_compressed(self, b: Bucket, group: dict, has_grad: list[bool]) -> None:
@@ -314,8 +322,8 @@ class OnebitLamb(OnebitAdam):
         # parameters fp32 and contiguous: _detached found out once)
         stats = None
         if everyone and b.cache["params_fp32"] and stats_kernel(flat):
-            out, rows = self._stats_buffer(b, 4 if wd else 1)
-            stats = LayerStats(ps, b.offsets, out, idx, shift, go)
+            out, col, rows = self._stats_buffer(b, 4 if wd else 1)
+            stats = LayerStats(ps, b.offsets, out, idx, shift, go, col)
         maxima = lamb_moments_(b.kept_views("exp_avg", m), b.kept_views("exp_avg_prev", prev),
                                b.kept_views("exp_avg_sq_fresh", fresh), b.kept_views("denom", denom), ups, bcs,
                                beta1=beta1, beta2=beta2, eps=eps, eps_inside_sqrt=group["eps_inside_sqrt"], flat=flat,
@@ -371,8 +379,15 @@ class OnebitLamb(OnebitAdam):
         wd, lr, thr = group["weight_decay"], group["lr"], group["factor_threshold"]
         fs = self._factor_state(entries, 4 if wd else 1)
         last = fs.last
-        for row, col in zip(fs.stats, zip(*(e[5] for e in entries), strict=True), strict=True):
-            torch.cat(col, out=row) if len(col) > 1 else row.copy_(col[0])  # one kernel (a GPU's cat of one dtype)
+        # each bucket's statistics into the group's, unless the kernel wrote them there (_stats_buffer)
+        at, cuts = fs.stats.data_ptr(), fs.cuts
+        moved = [j for j, e in enumerate(entries) if e[5][0].data_ptr() != at + 4 * cuts[j]]
+        if len(moved) == len(entries):
+            for row, col in zip(fs.rows, zip(*(e[5] for e in entries), strict=True), strict=True):
+                torch.cat(col, out=row) if len(col) > 1 else row.copy_(col[0])  # one kernel (a GPU's cat)
+        for j in moved if len(moved) < len(entries) else ():
+            for row, part in zip(fs.rows, entries[j][5], strict=True):
+                row[cuts[j]:cuts[j + 1]].copy_(part)
         on_device = local_steps.flags_stay_on_device(last.device)
         go = owner = None
         if any(e[6] is not None for e in entries):  # a bucket's layers keep their factors where its step was skipped
@@ -413,8 +428,10 @@ class OnebitLamb(OnebitAdam):
         undefined = torch.empty(len(params), dtype=torch.bool, device=dev)
         go = torch.ones(len(layers), dtype=torch.bool, device=dev)
         owner = torch.tensor([j for j, (_, keep) in enumerate(layers) for _ in keep], dtype=torch.int64).to(dev)
+        columns = {id(b): cut for (b, keep), cut in zip(layers, cuts, strict=False) if len(keep) == len(b.params)}
         fs = self._factors[id(entries[0][2])] = _Factors(layers, last, freeze, steps, decays, slices, work, stats,
-                                                         undefined, go, owner, go[:1].clone())
+                                                         list(stats.unbind()), undefined, go, owner, go[:1].clone(),
+                                                         cuts, columns)
         return fs
 
     def _store_factors(self, layers: tuple, last: torch.Tensor | list[float]) -> None:

@@ -263,12 +263,19 @@ def test_two_ranks_skip_a_nan_on_one_of_them_on_the_device(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(ranks[0][2], ranks[1][2], strict=True))  # the ranks agree
 
 
-def _hook_rank(rank: int, world: int) -> tuple:
-    """A rank of the DDP hook test: 1-bit Adam attached to DDP (the policy "raise": the sync in the hook), a
+def _hook_rank(rank: int, world: int, algorithm: str) -> tuple:
+    """A rank of the DDP hook test: ``algorithm`` attached to DDP (the policy "raise": the sync in the hook), a
     NaN in rank 1's LayerNorm bias gradient at step 3."""
+    from lightning_onebit.optim import functional, local_steps
+
+    if algorithm == "OnebitLamb":  # its update's kernels run where torch's ops would (a GPU)
+        functional._fusable = lambda *tensors: False
+        local_steps.flags_stay_on_device = lambda device: True
     torch.manual_seed(0)
     net = Tiny()
-    opt = lo.OnebitAdam(net.parameters(), lr=1e-2, warmup_steps=2, bucket_cap_mb=0.002)
+    # 1-bit LAMB: a factor clipped every step (to 0.01% a step), so that one computed from stale statistics moves
+    kw = dict(factor_threshold=1e-4) if algorithm == "OnebitLamb" else {}
+    opt = getattr(lo, algorithm)(net.parameters(), lr=1e-2, warmup_steps=2, bucket_cap_mb=0.002, **kw)
     ddp = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=0.002)
     opt.attach(ddp)
     poison = []
@@ -277,13 +284,14 @@ def _hook_rank(rank: int, world: int) -> tuple:
     nan_bucket = next([names[id(p)] for p in b.params] for b in opt._buckets
                       if any(p is net.norm.bias for p in b.params))
     g = torch.Generator().manual_seed(1 + rank)
-    before, raised = None, None
+    before, raised, factors = None, None, []
     for t in range(5):
         poison[:] = [True] if (t == 3 and rank == 1) else []
         opt.zero_grad()
         ddp(torch.randint(0, 16, (2, 5), generator=g)).square().mean().backward()
         if t == 3:  # the hook's syncs left their decode to step(): the parameters are still step 2's
             before = {n: p.detach().clone() for n, p in net.named_parameters()}
+            factors.append(_last_factors(opt, net))
         try:
             opt.step()
         except NonFiniteGradientError as exc:
@@ -291,16 +299,30 @@ def _hook_rank(rank: int, world: int) -> tuple:
             break
     after = {n: p.detach().clone() for n, p in net.named_parameters()}
     counts = {n: opt.state[p]["step"] for n, p in net.named_parameters()}
-    return raised, nan_bucket, before, after, counts
+    factors.append(_last_factors(opt, net))
+    return raised, nan_bucket, before, after, counts, factors
+
+
+def _last_factors(opt, net) -> dict:
+    """1-bit LAMB's layer factors, brought to the host (empty for another optimizer)."""
+    if not hasattr(opt, "_sync_factors"):
+        return {}
+    opt._sync_factors()
+    return {n: opt.state[p].get("last_factor") for n, p in net.named_parameters()}
 
 
 @pytest.mark.budget(60)  # two ranks of one 5-step run under the simulator
-def test_ddp_hook_decides_each_bucket_on_the_device_and_raise_comes_a_step_late(monkeypatch):
+@pytest.mark.parametrize("algorithm", ["OnebitAdam", "OnebitLamb"])
+def test_ddp_hook_decides_each_bucket_on_the_device_and_raise_comes_a_step_late(algorithm, monkeypatch):
     """In DDP's hook a bucket's sync is decided on the device as it comes: the bucket holding rank 1's NaN
-    skips step 3 on both ranks, the others take it, and "raise" comes at step 4, on both ranks alike."""
+    skips step 3 on both ranks, the others take it, and "raise" comes at step 4, on both ranks alike. 1-bit
+    LAMB's layer factors, computed for all buckets in one launch, change only in the buckets that took it."""
     monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", "cuda")
-    ranks = values(run_ranks(_hook_rank, 2, timeout_s=120))
-    for raised, nan_bucket, before, after, counts in ranks:
+    ranks = values(run_ranks(_hook_rank, 2, algorithm, timeout_s=120))
+    for raised, nan_bucket, before, after, counts, (was, now) in ranks:
+        if algorithm == "OnebitLamb":
+            moved = {n for n in now if now[n] != was[n]}
+            assert moved and not moved & set(nan_bucket), (moved, nan_bucket)
         assert raised is not None and raised[0] == 4, raised
         assert "optimizer step 4" in raised[1] and "the others took the step" in raised[1], raised
         assert 0 < len(nan_bucket) < len(after), nan_bucket

@@ -94,6 +94,9 @@ def test_the_layer_stats_kernel_sums_in_the_layout_order_and_takes_torch_s_ratio
         assert out[:, k].tolist() == want
     exact = float((u[5:5 + sizes[2]].double() * params[2].double()).sum())
     assert out[2, 2].item() == pytest.approx(exact, rel=1e-6)
+    wide = torch.full((4, 9), 7.0)  # a group's buffer: this bucket's layers from column 3, the rest left alone
+    kc.lamb_stats(params, u, d, fresh, offsets, wide, eps=1e-3, eps_inside_sqrt=inside, column=3)
+    assert torch.equal(wide[:, 3:7], out) and (wide[:, :3] == 7).all() and (wide[:, 7:] == 7).all()
     # a NaN ratio makes its layer's maximum NaN (torch's maximum), the others' stay; without dot products
     # only the maxima are written
     fresh[7] = float("nan")
@@ -105,6 +108,8 @@ def test_the_layer_stats_kernel_sums_in_the_layout_order_and_takes_torch_s_ratio
                       eps_inside_sqrt=inside)
     with pytest.raises(ValueError, match=r"\[4 or 1, 4\]"):
         kc.lamb_stats(params, u, d, fresh, offsets, out[:, :3], eps=1e-3, eps_inside_sqrt=inside)
+    with pytest.raises(ValueError, match="4 columns from column 6"):  # it would write past the buffer
+        kc.lamb_stats(params, u, d, fresh, offsets, wide, eps=1e-3, eps_inside_sqrt=inside, column=6)
     with pytest.raises(ValueError, match="fresh has"):
         kc.lamb_stats(params, u, d, fresh[1:], offsets, out, eps=1e-3, eps_inside_sqrt=inside)
 

@@ -377,7 +377,7 @@ def kernel_signatures() -> dict[str, tuple]:
         "_scaled_step_kernel": (i64v, i64v, f32v, f32v, f32v, b1, i64),
         "_lamb_stats_kernel": (i64v, i64v, f32v, f32v, f32v, f32v, f32v, i64v, f32v, f32v, flag, b1, nt.float32,
                                nt.float32, nt.float32, nt.float32, flag, nt.float32, flag, flag, i64v, i64v, i64v, f64m,
-                               i32v, f32m),
+                               i32v, f32m, i64),
         "_lamb_factors_kernel": (f32m, nt.Array(nt.float64, 1, "C"), nt.Array(nt.float64, 1, "C"), f32v, f32v, b1,
                                  i64v, *(nt.float64,) * 8, flag),
     }

@@ -122,8 +122,8 @@ def _moments_at(m, prev, f, d, u, mask, synced, divisors, shift, nb, c, b2, eps,
 
 @cuda.jit(cache=True)
 def _lamb_stats_kernel(addr, bounds, u, d, f, m, prev, mask, synced, divisors, shift, go, nb, c, b2, eps, inside,
-                       inv_bc, moments, dots, t_lo, t_hi, ptr, partials, count, out):
-    """Each layer's ``[max d / d_fresh, <u, u>, <u, p>, <p, p>]`` into ``out[:, k]`` (the dot products only
+                       inv_bc, moments, dots, t_lo, t_hi, ptr, partials, count, out, col0):
+    """Each layer's ``[max d / d_fresh, <u, u>, <u, p>, <p, p>]`` into ``out[:, col0 + k]`` (the dot products only
     with ``dots``), with ``moments`` after writing each element's moments (``_moments_at``) as it is read. Tile
     t (``t_lo[t]:t_hi[t]``, inside one layer) is summed by one thread block into ``partials[t]``; the block that
     finishes layer k's last tile (``count[k]``, tiles done, counted atomically after a fence and zeroed again)
@@ -143,11 +143,11 @@ def _lamb_stats_kernel(addr, bounds, u, d, f, m, prev, mask, synced, divisors, s
         k = cuda.blockIdx.x
         while k < nl:
             if ptr[k] == ptr[k + 1]:
-                out[0, k] = -math.inf
+                out[0, col0 + k] = -math.inf
                 if dots:
-                    out[1, k] = 0.0
-                    out[2, k] = 0.0
-                    out[3, k] = 0.0
+                    out[1, col0 + k] = 0.0
+                    out[2, col0 + k] = 0.0
+                    out[3, col0 + k] = 0.0
             k += cuda.gridDim.x
     t = cuda.blockIdx.x
     while t < t_lo.size:  # grid-stride over tiles; uniform per block
@@ -229,11 +229,11 @@ def _lamb_stats_kernel(addr, bounds, u, d, f, m, prev, mask, synced, divisors, s
                 j0 += LANES
             if tid == 0:
                 count[k] = 0
-                out[0, k] = float32(mx)
+                out[0, col0 + k] = float32(mx)
                 if dots:
-                    out[1, k] = float32(uu)
-                    out[2, k] = float32(up)
-                    out[3, k] = float32(pp)
+                    out[1, col0 + k] = float32(uu)
+                    out[2, col0 + k] = float32(up)
+                    out[3, col0 + k] = float32(pp)
         cuda.syncthreads()
         t += cuda.gridDim.x
 
@@ -339,9 +339,10 @@ def lamb_stats(params: Sequence[torch.Tensor | None], update: torch.Tensor, deno
                eps_inside_sqrt: bool, exp_avg: torch.Tensor | None = None, prev: torch.Tensor | None = None,
                mask: torch.Tensor | None = None, beta1: float = 0.0, beta2: float = 0.0,
                bias_correction: float = 1.0, synced: torch.Tensor | None = None,
-               divisors: torch.Tensor | None = None, go: torch.Tensor | None = None) -> torch.Tensor:
+               divisors: torch.Tensor | None = None, go: torch.Tensor | None = None, column: int = 0) -> torch.Tensor:
     """Each parameter's ``[max(denom / d_fresh), <u, u>, <u, p>, <p, p>]`` into the columns of ``out`` (fp32,
-    ``[4, len(params)]``; ``[1, len(params)]``: the maxima alone) on torch's current stream, with
+    ``[4, len(params)]``; ``[1, len(params)]``: the maxima alone; or wider, its columns from ``column`` on: a
+    buffer that gathers several buckets' statistics) on torch's current stream, with
     ``d_fresh = sqrt(fresh + eps)`` (``eps_inside_sqrt``) or ``sqrt(fresh) + eps``. ``update``, ``denom``, ``fresh``:
     the bucket's flat fp32 buffers; ``params``: contiguous fp32 tensors laid out at ``offsets`` in them (None
     for one without elements). With ``exp_avg`` and ``prev`` (the momentum and the previous one, flat) the same
@@ -358,9 +359,10 @@ def lamb_stats(params: Sequence[torch.Tensor | None], update: torch.Tensor, deno
     _check_flat("lamb_stats: fresh", fresh, device, valid)
     if len(offsets) != len(params):
         raise ValueError("lamb_stats needs one offset a parameter")
-    if (out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] not in (1, 4) or out.shape[1] != len(params)
-            or not out.is_contiguous() or out.device != device):
-        raise ValueError(f"lamb_stats: out must be a contiguous fp32 [4 or 1, {len(params)}] tensor on {device}")
+    if (out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] not in (1, 4) or column < 0
+            or out.shape[1] < column + len(params) or not out.is_contiguous() or out.device != device):
+        raise ValueError(f"lamb_stats: out must be a contiguous fp32 [4 or 1, {len(params)}] tensor on {device} (or "
+                         f"wider, with {len(params)} columns from column {column})")
     dots = out.shape[0] == 4
     _check_params("lamb_stats", params if dots else [None] * len(params), offsets, valid, device)
     f32 = np.float32
@@ -386,7 +388,7 @@ def lamb_stats(params: Sequence[torch.Tensor | None], update: torch.Tensor, deno
         launch = _launcher(_lamb_stats_kernel, _grid(max(tiles, len(params)), 1), RTHREADS, _stream(device))
         launch(addr, bounds, arr(update), arr(denom), arr(fresh), arr(exp_avg), arr(prev), mask, *shifted, shift,
                go_array(go, device), *nums[:3], f32(eps), bool(eps_inside_sqrt), nums[3], moments, dots, t_lo, t_hi,
-               ptr, partials, count, arr(out))
+               ptr, partials, count, arr(out), column)
     return out
 
 
