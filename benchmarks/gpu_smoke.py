@@ -41,7 +41,7 @@ Checks, each a row of the table it prints:
   ``OnebitAdam(fused=True)`` over ``AdamW(fused=True)``'s on the same MLP, at 17M and 100M parameters
   (the CPU's ``benchmarks/optimizer_step.py`` on the device), each against its target (3x at 17M, 2x
   from 100M: reported, not failed);
-* the compression-phase ``OnebitAdam`` step at world size 1 under
+* the compression-phase ``OnebitAdam`` and ``OnebitLamb`` steps at world size 1 under
   ``torch.cuda.set_sync_debug_mode("error")``: where it first waits for the device, if it does (the
   target is nowhere, as the step is decided on the device; reported, not failed);
 * a compression-phase ``OnebitAdam`` step captured with ``torch.cuda.graph`` and replayed 3 times
@@ -551,33 +551,35 @@ def _origin(e: BaseException) -> tuple[BaseException, str]:
     return e, f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
 
 
-def _compressing_adam(device: torch.device, n: int = 1 << 20, seed: int = 0):
-    """(params, OnebitAdam) at world size 1 past its warm-up, with fixed gradients on ``device``."""
+def _compressing_adam(device: torch.device, n: int = 1 << 20, seed: int = 0, cls: type = OnebitAdam):
+    """(params, ``cls`` (OnebitAdam)) at world size 1 past its warm-up, with fixed gradients on ``device``."""
     g = torch.Generator().manual_seed(seed)
     params = [torch.nn.Parameter(torch.randn(n, generator=g).to(device)),
               torch.nn.Parameter(torch.randn(n // 4, 3, generator=g).to(device))]
     for p in params:
         p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(device)
-    opt = OnebitAdam(params, lr=1e-3, warmup_steps=1)
+    opt = cls(params, lr=1e-3, warmup_steps=1)
     for _ in range(3):  # the warm-up step, the first compressed one (binds its buffers), one more
         opt.step()
     return params, opt
 
 
 def check_step_sync_free(device: torch.device) -> None:
-    """The compression-phase step under ``set_sync_debug_mode("error")``: the first host wait raises."""
-    params, opt = _compressing_adam(device)
-    torch.cuda.synchronize(device)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        opt.step()
-        detail, ok = "no host wait in the step", True
-    except RuntimeError as e:
-        e, at = _origin(e)
-        detail, ok = f"waits for the device{at}: {str(e).splitlines()[0]}", False
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    row("OnebitAdam step under sync debug 'error'", None, detail + ("" if ok else " (target: no wait)"))
+    """The compression-phase steps of 1-bit Adam and 1-bit LAMB under ``set_sync_debug_mode("error")``: the first
+    host wait raises."""
+    for cls in (OnebitAdam, OnebitLamb):
+        params, opt = _compressing_adam(device, cls=cls)
+        torch.cuda.synchronize(device)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+            detail, ok = "no host wait in the step", True
+        except RuntimeError as e:
+            e, at = _origin(e)
+            detail, ok = f"waits for the device{at}: {str(e).splitlines()[0]}", False
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        row(f"{cls.__name__} step under sync debug 'error'", None, detail + ("" if ok else " (target: no wait)"))
 
 
 def check_graph_replay(device: torch.device, replays: int = 3) -> None:
@@ -809,7 +811,8 @@ def _layout_sum(v) -> float:
 def check_lamb_stats(device: torch.device, n: int) -> None:
     """1-bit LAMB's layer statistics by the cuda backend's kernel (one launch a bucket) against their definition:
     the maxima of d / d_fresh in IEEE's fp32 roundings (a GPU's torch ops', reported), the dot products summed in
-    fp64 in the layout's order; and with the moments written in the same pass, the CPU kernel's bits."""
+    fp64 in the layout's order; and with the synced momentum shifted in and the moments written in the same pass,
+    the bits of the CPU's shift and moments kernels."""
     import numpy as np
 
     from lightning_onebit.compress.kernels import numba_cuda as kc
@@ -832,19 +835,26 @@ def check_lamb_stats(device: torch.device, n: int) -> None:
     # with the moments written in the same pass: the CPU kernel's fresh variance, u and maxima, bit for bit
     from lightning_onebit.optim import functional_lamb as FL
 
-    m, prev, mask = torch.randn(n, generator=g), torch.randn(n, generator=g), torch.arange(0, n, 7)
-    f_cpu, u_cpu = f.clone(), torch.empty(n)
+    old, synced, mask = torch.randn(n, generator=g), torch.randn(n, generator=g), torch.arange(0, n, 7)
+    divisors = (torch.rand(len(sizes), generator=g) + 0.3).tolist()  # the layers' scaling coefficients
+    m, prev, f_cpu, u_cpu = old.clone(), torch.empty(n), f.clone(), torch.empty(n)
+    FL.shift_in_(list(prev.split(sizes)), list(m.split(sizes)), list(synced.split(sizes)), divisors)
+    m[mask] = 0.0
     maxima = FL.lamb_moments_(*(list(t.split(sizes)) for t in (m, prev, f_cpu, d, u_cpu)), [0.7] * len(sizes),
                               beta1=0.9, beta2=0.999, eps=1e-8, eps_inside_sqrt=True)
     u_cpu[mask] = 0.0
     f_dev, u_dev, both = f.to(device), torch.empty(n, device=device), torch.empty(4, len(sizes), device=device)
+    m_dev, prev_dev = old.to(device), torch.empty(n, device=device)
     kc.lamb_stats([p.to(device) for p in params], u_dev, d.to(device), f_dev, cuts, both, eps=1e-8,
-                  eps_inside_sqrt=True, exp_avg=m.to(device), prev=prev.to(device), mask=mask.to(device), beta1=0.9,
-                  beta2=0.999, bias_correction=0.7)
-    moments = _same(f_dev.cpu(), f_cpu) and _same(u_dev.cpu(), u_cpu) and _same(both[0].cpu(), maxima)
+                  eps_inside_sqrt=True, exp_avg=m_dev, prev=prev_dev, mask=mask.to(device), beta1=0.9,
+                  beta2=0.999, bias_correction=0.7, synced=synced.to(device),
+                  divisors=torch.tensor(divisors, device=device))
+    moments = (_same(m_dev.cpu(), m) and _same(prev_dev.cpu(), prev) and _same(f_dev.cpu(), f_cpu)
+               and _same(u_dev.cpu(), u_cpu) and _same(both[0].cpu(), maxima))
     same = _same(out.cpu(), want) and moments
     row(f"1-bit LAMB's layer statistics in one kernel, n={n}", same,
-        f"moments in the same pass: {'equal to' if moments else 'differ from'} the CPU kernel's bits; "
+        f"the shift and the moments in the same pass: {'equal to' if moments else 'differ from'} the CPU kernels' "
+        "bits; "
         f"{len(cuts)} tensors: the maxima and dot products {'equal to' if same else 'differ from'} IEEE's ratios' "
         f"maxima and fp64 sums in the layout's order (torch's ratios on {device.type}: "
         f"{'the same' if torch.equal(by_torch, ratio) else 'other'} bits)")
