@@ -237,8 +237,8 @@ class OnebitLamb(OnebitAdam):
         """Where the statistics kernel runs (a GPU, whole tensors, contiguous fp32 parameters) the update decodes
         the result and its statistics kernel shifts it in: every write of the step is then a kernel's, predicated
         on the call's flag, so the device can decide the step."""
-        return (self.whole_tensor_stats is None and self._sink_targets(b) is not None
-                and stats_kernel(b.flat["exp_avg"]))
+        return (self.whole_tensor_stats is None and stats_kernel(b.flat["exp_avg"])
+                and self._sink_targets(b) is not None)
 
     def _divisors(self, b: Bucket) -> torch.Tensor:
         """Each parameter's ``scaling_coeff`` as fp32 on the bucket's device (what the shift divides by), made
