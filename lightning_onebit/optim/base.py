@@ -118,8 +118,9 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
     #: a NaN/inf gradient always makes the payload non-finite, so the collective's own check (its
     #: scale reduction, on every rank) finds it and no extra pass over the gradient is needed
     payload_shows_nonfinite: ClassVar[bool] = True
-    #: the compressed update of a deferred result is the collective's sink alone, so a compression step may
-    #: be decided on the device on the cuda backend (:mod:`.nonfinite`)
+    #: the compressed update of a deferred result writes only where the call's flag holds (the collective's
+    #: sink, or kernels predicated on it), so a compression step may be decided on the device on the cuda
+    #: backend (:mod:`.nonfinite`)
     skips_on_device: ClassVar[bool] = False
     #: ``(sums, maxima) -> (sums, maxima)`` of per-tensor statistics over every shard of each tensor, for rules
     #: that need whole tensors (1-bit LAMB's norms); ``None``: each tensor is whole on this rank. Set by

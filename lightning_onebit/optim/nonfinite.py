@@ -10,14 +10,13 @@ fails together before anything is written, and is the calls' own scale reduction
 payload go non-finite exactly when it does), with no pass over the gradients; elsewhere (warm-up,
 simulated workers, buckets synchronised in DDP's hook) it is one tiny OR across ranks first.
 
-On the cuda backend an optimizer whose compressed update is the collective's sink (``skips_on_device``:
-1-bit Adam, QAdam) decides a compression step on the device, as fused AdamW's ``found_inf`` does: the
-calls' flags (with several ranks every rank's, gathered in the calls' agreement rounds once each
-collective was verified on the host; in DDP's hook bucket by bucket) are ANDed there, every write of the
-step (codes, error state, momentum, parameters) is predicated on the result, and the host reads it a
-step later
-(:meth:`NonFinitePolicy.settle_device_skips`), so nothing on the step's path waits for the device. The
-skip count, the ``max_consecutive`` check and "raise" then act at the next ``step()`` (or
+On the cuda backend an optimizer whose compressed update is the collective's sink or kernels predicated on its
+flag (``skips_on_device``: 1-bit Adam, QAdam; 1-bit LAMB) decides a compression step on the device, as fused
+AdamW's ``found_inf`` does: the calls' flags (with several ranks every rank's, gathered in the calls' agreement
+rounds once each collective was verified on the host; in DDP's hook bucket by bucket) are ANDed there, every
+write of the step (codes, error state, momentum, parameters) is predicated on the result, and the host reads it
+a step later (:meth:`NonFinitePolicy.settle_device_skips`), so nothing on the step's path waits for the device.
+The skip count, the ``max_consecutive`` check and "raise" then act at the next ``step()`` (or
 ``state_dict()``), and a skipped step's step counts are taken back then.
 """
 

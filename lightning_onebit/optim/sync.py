@@ -121,8 +121,9 @@ class Algorithm(Protocol):
     def _absorb(self, b: Bucket, synced: torch.Tensor) -> None: ...
     def _defers(self, b: Bucket) -> bool: ...
 
-    #: its update of a deferred result is the collective's sink alone, so a step may be decided on the
-    #: device (the cuda backend): every write predicated on one flag, the host told a step later
+    #: its update of a deferred result writes only where the call's flag holds (the collective's sink, or
+    #: kernels predicated on it), so a step may be decided on the device (the cuda backend): every write
+    #: predicated on one flag, the host told a step later
     skips_on_device: bool
 
 
