@@ -336,14 +336,16 @@ def test_launch_arguments_match_the_compiled_signatures(monkeypatch):
 
             return call
 
+    from lightning_onebit.compress.kernels import numba_cuda_factors as kf
     from lightning_onebit.compress.kernels import numba_cuda_update as ku
 
     sigs = kc.kernel_signatures()
     for name in sigs:
         recorder = Recorder(name, getattr(kc, name))
         monkeypatch.setattr(kc, name, recorder)
-        if hasattr(ku, name):  # launched from the module that defines it
-            monkeypatch.setattr(ku, name, recorder)
+        for module in (ku, kf):
+            if hasattr(module, name):  # launched from the module that defines it
+                monkeypatch.setattr(module, name, recorder)
     g = torch.Generator().manual_seed(0)
     for codec in (SignCodec(backend="cuda"), SignCodec(backend="cuda", block_size=16),
                   MinMaxUInt8Codec(backend="cuda")):

@@ -17,6 +17,8 @@ import torch
 
 from ..source import Source
 from .layout import FORMATS, REDUCE_TILE, Layout, code_bytes_padded
+from .numba_cuda_factors import _lamb_factors_kernel as _lamb_factors_kernel  # compile_ptx finds them here
+from .numba_cuda_factors import lamb_factors  # 1-bit LAMB's factors, statistics and step
 from .numba_cuda_kernels import LANES as LANES  # the kernels moved there; their constants stay importable
 from .numba_cuda_kernels import (
     RTHREADS,
@@ -31,10 +33,9 @@ from .numba_cuda_launch import _grid, _launcher, _on, _stream, planned
 from .numba_cuda_sink import fusable, sink_args, sink_numbers
 from .numba_cuda_source import ROWS_MEAN, SIMULATED, accepts, empty_arrays, empty_tensors, go_array, kernel_input, memo
 from .numba_cuda_source import arr as _arr
-from .numba_cuda_update import _lamb_factors_kernel as _lamb_factors_kernel  # compile_ptx finds them here
 from .numba_cuda_update import _lamb_stats_kernel as _lamb_stats_kernel
 from .numba_cuda_update import _scaled_step_kernel as _scaled_step_kernel
-from .numba_cuda_update import lamb_factors, lamb_stats, scaled_step  # 1-bit LAMB's statistics, factors and step
+from .numba_cuda_update import lamb_stats, scaled_step
 
 #: ``reduce``/``encode`` evaluate a :class:`~..source.Source` in place (see :func:`accepts`)
 FUSES_SOURCES = True

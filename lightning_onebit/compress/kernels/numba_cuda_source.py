@@ -113,6 +113,16 @@ _first_at_least = cuda.jit(device=True, inline=True)(first_at_least)
 
 
 @cuda.jit(device=True, inline=True)
+def _extremum(a, b, bigger):
+    """torch's maximum (``bigger``) or minimum of a and b: NaN where either is, so a NaN stays once it is in."""
+    if b != b:
+        return b
+    if a == a and (b > a if bigger else b < a):
+        return b
+    return a
+
+
+@cuda.jit(device=True, inline=True)
 def _in_sorted(a, v):
     """Whether the sorted array ``a`` holds ``v`` (bisection)."""
     lo = _first_at_least(a, v)

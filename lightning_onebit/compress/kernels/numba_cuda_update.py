@@ -1,32 +1,31 @@
-"""1-bit LAMB's kernels: its moments with each layer's statistics in one launch a bucket, its layer factors in
-one launch a step, and its scaled step in one launch a bucket.
+"""1-bit LAMB's kernels a bucket: its momentum's shift, moments and layer statistics in one launch, its scaled step in
+one (its layer factors, one launch a step between them, are :mod:`.numba_cuda_factors`'). Each writes nothing unless
+its ``go`` flag holds (a step the device decided to skip).
 
-**The moments and layer statistics** (``lamb_stats``): with the momentum and the previous one given, each element's
-``w = m - beta1 m_prev``, fresh variance ``f <- f beta2 + c w^2`` and update ``u = (m / d) * (1 / bc)`` (0 where
-masked) are written as they are read, in the CPU kernel's roundings (``optim.functional_lamb``'s numba kernel:
-fused multiply-adds, IEEE's division), so a GPU gives the CPU's bits; then for every parameter k of the bucket,
-``max(d / d_fresh)`` over its elements and, with weight decay, ``<u, u>``, ``<u, p>`` and ``<p, p>``, into a
-``[4, layers]`` fp32 buffer that stays on the device. It replaces eleven torch ops on the bucket's buffers, a
-segmented maximum (CUB's, one thread block a layer: a 16M-element layer is one SM's work) and three dot
-products a parameter with their stacks (an allocation each). The sums follow :mod:`.layout`'s summation order,
-per layer instead of per scale block: tiles of ``REDUCE_TILE`` elements from the layer's first, ``REDUCE_LANES``
-lanes each summing its strided elements in order in fp64, the halving tree, the tiles in order (by the thread
-block that finishes a layer's last tile), one rounding to fp32 at the end - so the result does not depend on the
-GPU, the grid or the simulator's thread count, and is closer to the exact value than an fp32 dot product. The
-ratio ``d / d_fresh`` is rounded as torch rounds it (``sqrt(f + eps)`` or ``sqrt(f) + eps``, then the division,
-each in fp32, correctly rounded); a maximum is exact, and a NaN ratio makes the layer's maximum NaN, as torch's.
-
-**The layer factors** (``lamb_factors``): :func:`~lightning_onebit.optim.functional_lamb.layer_factors_`'s fp64
-arithmetic, one thread a layer, each operation explicitly rounded (never contracted), torch's NaN rules written
-out: its bits, in place of about thirty torch ops a step.
+**The moments and layer statistics** (``lamb_stats``): with the momentum and the previous one given (or the momentum
+and the synced one, shifted in first: ``prev <- m``, ``m <- synced / divisor``, as
+``optim.functional_lamb.shift_in_``), each element's ``w = m - beta1 m_prev``, fresh variance
+``f <- f beta2 + c w^2`` and update ``u = (m / d) * (1 / bc)`` (0 where masked) are written as they are read, in the
+CPU kernel's roundings (``optim.functional_lamb``'s numba kernel: fused multiply-adds, IEEE's division), so a GPU
+gives the CPU's bits; then for every parameter k of the bucket, ``max(d / d_fresh)`` over its elements and, with
+weight decay, ``<u, u>``, ``<u, p>`` and ``<p, p>``, into a ``[4, layers]`` fp32 buffer that stays on the device (or
+those columns of a group's). It replaces eleven torch ops on the bucket's buffers, a segmented maximum (CUB's, one
+thread block a layer: a 16M-element layer is one SM's work) and three dot products a parameter with their stacks (an
+allocation each). The sums follow :mod:`.layout`'s summation order, per layer instead of per scale block: tiles of
+``REDUCE_TILE`` elements from the layer's first, ``REDUCE_LANES`` lanes each summing its strided elements in order
+in fp64, the halving tree, the tiles in order (by the thread block that finishes a layer's last tile), one rounding
+to fp32 at the end - so the result does not depend on the GPU, the grid or the simulator's thread count, and is
+closer to the exact value than an fp32 dot product. The ratio ``d / d_fresh`` is rounded as torch rounds it
+(``sqrt(f + eps)`` or ``sqrt(f) + eps``, then the division, each in fp32, correctly rounded); a maximum is exact,
+and a NaN ratio makes the layer's maximum NaN, as torch's.
 
 **The scaled step** (``scaled_step``): ``p <- p * decay_k - s_k * u`` for every parameter k. The step sizes and
-decays are fp32 arrays on the device, computed there from the layer statistics, so the host never reads them;
-the update ``u`` is the bucket's flat buffer, and the parameters, separate tensors, are reached through the
-address table of :mod:`.numba_cuda_sink`. Each element is rounded as the CPU reference
-(:func:`~lightning_onebit.optim.functional_lamb.scaled_step_`): ``p * decay`` (``fmul_rn``, never contracted),
-then one fused multiply-add ``fma(-s, u, .)``, so a GPU gives the CPU's bits. Against the torch ops it replaces
-(a ``mul_`` and an ``add_`` a parameter) it is one pass over the bucket instead of two a parameter.
+decays are fp32 arrays on the device, computed there from the layer statistics, so the host never reads them; the
+update ``u`` is the bucket's flat buffer, and the parameters, separate tensors, are reached through the address
+table of :mod:`.numba_cuda_sink`. Each element is rounded as the CPU reference
+(:func:`~lightning_onebit.optim.functional_lamb.scaled_step_`): ``p * decay`` (``fmul_rn``, never contracted), then
+one fused multiply-add ``fma(-s, u, .)``, so a GPU gives the CPU's bits. Against the torch ops it replaces (a
+``mul_`` and an ``add_`` a parameter) it is one pass over the bucket instead of two a parameter.
 """
 
 from __future__ import annotations
@@ -44,15 +43,12 @@ from .numba_cuda_launch import _grid, _launcher, _on, _stream
 from .numba_cuda_sink import address_tables, f32_load, f32_store
 from .numba_cuda_source import (
     SIMULATED,
-    _add64,
     _div32,
-    _div64,
+    _extremum,
     _fma32,
     _group_at,
     _in_sorted,
     _mul32,
-    _mul64,
-    _sqrt64,
     arr,
     empty_arrays,
     go_array,
@@ -60,7 +56,7 @@ from .numba_cuda_source import (
     memo,
 )
 
-__all__ = ["lamb_factors", "lamb_stats", "scaled_step"]
+__all__ = ["lamb_stats", "scaled_step"]
 
 LANES = REDUCE_LANES
 
@@ -82,16 +78,6 @@ else:
         else:
             df = libdevice.fadd_rn(libdevice.fsqrt_rn(f), eps)
         return libdevice.fdiv_rn(d, df)
-
-
-@cuda.jit(device=True, inline=True)
-def _extremum(a, b, bigger):
-    """torch's maximum (``bigger``) or minimum of a and b: NaN where either is, so a NaN stays once it is in."""
-    if b != b:
-        return b
-    if a == a and (b > a if bigger else b < a):
-        return b
-    return a
 
 
 @cuda.jit(device=True, inline=True)
@@ -239,45 +225,6 @@ def _lamb_stats_kernel(addr, bounds, u, d, f, m, prev, mask, synced, divisors, s
 
 
 @cuda.jit
-def _lamb_factors_kernel(stats, last, freeze, steps, decays, go, owner, wd, twd, wd2, lr, lo, hi, fmin, fmax, blend):
-    """Each layer's factor from its statistics (``stats[:, k]``: the maximum and, with ``blend``, the dot
-    products), clipped against its last one, which it replaces, and its step size and decay: the fp64 torch ops of
-    ``OnebitLamb._layer_steps``, one thread a layer, operation for operation, each explicitly rounded (nothing
-    contracted). ``twd``, ``wd2``, ``lo``, ``hi``: ``2 wd``, ``wd^2``, ``1 - threshold``, ``1 + threshold``, the
-    host's doubles. Layer k is left alone unless ``go[owner[k]]`` (its bucket's step was not skipped)."""
-    k = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while k < last.size:
-        if not go[owner[k]]:
-            k += stride
-            continue
-        f = float64(stats[0, k])
-        if blend:
-            uu = float64(stats[1, k])
-            un2 = _add64(_add64(_mul64(float64(stats[2, k]), twd), uu), _mul64(float64(stats[3, k]), wd2))
-            if un2 < 0.0:  # clamp_min: NaN stays
-                un2 = 0.0
-            share = 1.0
-            if un2 > 0.0:  # else undefined (NaN too): 1
-                share = _sqrt64(_div64(uu, un2))
-                if share > 1.0:  # clamp_max: NaN stays
-                    share = 1.0
-            f = _add64(_mul64(f, share), _add64(-share, 1.0))
-        if f < fmin:  # clamp: NaN stays
-            f = fmin
-        if f > fmax:
-            f = fmax
-        was = last[k]
-        f = _extremum(f, _mul64(was, lo), True)
-        f = _extremum(f, _mul64(was, hi), False)
-        last[k] = f
-        s = _mul64(_mul64(freeze[k], lr), f)
-        steps[k] = float32(s)
-        decays[k] = float32(_add64(-_mul64(s, wd), 1.0))
-        k += stride
-
-
-@cuda.jit
 def _scaled_step_kernel(addr, bounds, u, steps, decays, go, valid):
     if not go[0]:
         return
@@ -390,46 +337,6 @@ def lamb_stats(params: Sequence[torch.Tensor | None], update: torch.Tensor, deno
                go_array(go, device), *nums[:3], f32(eps), bool(eps_inside_sqrt), nums[3], moments, dots, t_lo, t_hi,
                ptr, partials, count, arr(out), column)
     return out
-
-
-_OWNERS: dict = {}
-
-
-def lamb_factors(stats: torch.Tensor, last: torch.Tensor, freeze: torch.Tensor, steps: torch.Tensor,
-                 decays: torch.Tensor, *, weight_decay: float, lr: float, factor_threshold: float, factor_min: float,
-                 factor_max: float, go: torch.Tensor | None = None, owner: torch.Tensor | None = None) -> None:
-    """1-bit LAMB's layer factors on torch's current stream, one launch for a param group's layers: from ``stats``
-    (fp32 ``[4 or 1, layers]``: each layer's maximum of ``d / d_fresh`` and, with weight decay, ``<u, u>``,
-    ``<u, p>``, ``<p, p>``) and each layer's ``freeze`` coefficient, the factor clipped against ``last`` (fp64,
-    updated in place), and fp32 ``steps`` ``lr c f`` and ``decays`` ``1 - s wd``: the roundings of the torch ops
-    of ``OnebitLamb._layer_steps``. ``go`` (bool) and ``owner`` (int64, one a layer, indices into ``go``): layer k
-    is left alone (``last``, its step size and decay) unless ``go[owner[k]]``, the flag of the bucket it is in (a
-    step the device decided to skip); without them every layer is updated."""
-    device = last.device
-    n = last.numel()
-    for name, t, dtype in (("last", last, torch.float64), ("freeze", freeze, torch.float64),
-                           ("steps", steps, torch.float32), ("decays", decays, torch.float32)):
-        if t.dtype != dtype or t.dim() != 1 or t.numel() != n or not t.is_contiguous() or t.device != device:
-            raise ValueError(f"lamb_factors: {name} must be a 1-d contiguous {dtype} tensor of {n} on {device}")
-    blend = bool(weight_decay)
-    if (stats.dtype != torch.float32 or stats.shape != (4 if blend else 1, n) or not stats.is_contiguous()
-            or stats.device != device):
-        raise ValueError(f"lamb_factors: stats must be a contiguous fp32 [{4 if blend else 1}, {n}] tensor on {device}")
-    if (go is None) != (owner is None):
-        raise ValueError("lamb_factors takes go and owner together")
-    if go is None:  # one True flag that every layer reads
-        owner = memo(_OWNERS, (n, str(device)), lambda: torch.zeros(n, dtype=torch.int64, device=device))
-    elif go.dtype != torch.bool or go.dim() != 1 or not go.is_contiguous() or go.device != device:
-        raise ValueError(f"lamb_factors: go must be a 1-d contiguous bool tensor on {device}")
-    if (owner.dtype != torch.int64 or owner.dim() != 1 or owner.numel() != n or not owner.is_contiguous()
-            or owner.device != device):
-        raise ValueError(f"lamb_factors: owner must be a 1-d contiguous int64 tensor of {n} on {device}")
-    wd, thr = float(weight_decay), float(factor_threshold)
-    with _on(device):
-        launch = _launcher(_lamb_factors_kernel, _grid(n, THREADS), THREADS, _stream(device))
-        flags = go_array(None, device) if go is None else arr(go)
-        launch(arr(stats), arr(last), arr(freeze), arr(steps), arr(decays), flags, arr(owner), wd, 2 * wd, wd * wd,
-               float(lr), 1 - thr, 1 + thr, float(factor_min), float(factor_max), blend)
 
 
 def scaled_step(params: Sequence[torch.Tensor | None], update: torch.Tensor, offsets: Sequence[int],
