@@ -63,7 +63,8 @@ class LayerFactors:
         tensors on their device, kept from step to step (on the CPU: read, lists). Each layer's last factor is
         updated with them.
 
-        The factor arithmetic of the class docstring (:func:`~.functional_lamb.layer_factors_`: on a GPU one kernel)
+        The factor arithmetic of :class:`~lightning_onebit.optim.OnebitLamb`'s docstring
+        (:func:`~.functional_lamb.layer_factors_`: on a GPU one kernel)
         runs in fp64 on the device, once for all the buckets of the group: no host read (a GPU's queue is not waited
         for, and the step sizes go to the scaled-step kernel where they are), and a step's ops do not grow with its
         buckets or layers. The roundings are Python's float arithmetic's, operation for operation (IEEE fp64; a
@@ -96,7 +97,6 @@ class LayerFactors:
         n = last.numel()
         values = torch.cat([steps, 1 - steps * wd, last]).tolist()
         self._store_factors(fs.layers, values[2 * n:])
-        cuts = [0, *itertools.accumulate(len(e[3]) for e in entries)]
         return [(values[lo:hi], values[n + lo:n + hi]) for lo, hi in itertools.pairwise(cuts)]
 
     def _factor_state(self, entries: list[tuple], rows: int) -> _Factors:
@@ -121,7 +121,7 @@ class LayerFactors:
         undefined = torch.empty(len(params), dtype=torch.bool, device=dev)
         go = torch.ones(len(layers), dtype=torch.bool, device=dev)
         owner = torch.tensor([j for j, (_, keep) in enumerate(layers) for _ in keep], dtype=torch.int64).to(dev)
-        columns = {id(b): cut for (b, keep), cut in zip(layers, cuts, strict=False) if len(keep) == len(b.params)}
+        columns = {id(b): cut for (b, keep), cut in zip(layers, cuts[:-1], strict=True) if len(keep) == len(b.params)}
         fs = self._factors[id(entries[0][2])] = _Factors(layers, last, freeze, steps, decays, slices, work, stats,
                                                          list(stats.unbind()), undefined, go, owner, go[:1].clone(),
                                                          cuts, columns)

@@ -276,7 +276,7 @@ class OnebitLamb(LayerFactors, OnebitAdam):
             go = None if predicate is None else predicate.took
             if everyone and len(set(bcs)) == 1:
                 shift = (b.synced, self._divisors(b))
-            else:  # the torch ops (a parameter without a gradient, or behind): the host must know whether to step
+            else:  # torch's ops (a parameter without a gradient, or with fewer steps): the host reads whether to step
                 if go is not None and not bool(go[0]):
                     return
                 go = None
