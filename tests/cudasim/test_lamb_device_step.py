@@ -302,3 +302,25 @@ def test_the_factors_and_the_step_on_the_device_have_the_bits_of_the_host_s(monk
     resumed, _ = _run(True, monkeypatch, reload_at=4)
     for p, q in zip(dev_model.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def _simulated(on_device: bool, monkeypatch) -> list[torch.Tensor]:
+    monkeypatch.setattr(functional, "get_backend", lambda device, forced=None: kc)
+    monkeypatch.setattr(functional, "_fusable", lambda *tensors: False)
+    monkeypatch.setattr(local_steps, "flags_stay_on_device", lambda device: on_device)
+    monkeypatch.setattr(OnebitLamb, "_defers", DEFERS if on_device else lambda self, b: False)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 16))
+    params = list(net.parameters())
+    opt = OnebitLamb(params, lr=1e-2, warmup_steps=2, weight_decay=0.1, simulate_workers=2, bucket_cap_mb=0.0005)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        opt.step_workers([[torch.randn(p.shape, generator=g) for p in params] for _ in range(2)])
+    assert len(opt._buckets) > 1 and all(opt._defers(b) == on_device for b in opt._buckets)
+    return [p.detach().clone() for p in params]
+
+
+def test_simulated_workers_decode_and_shift_in_the_update_with_the_host_s_bits(monkeypatch):
+    """Simulated workers' collective leaves its result for the update too (no predicate: the host decided it)."""
+    host = _simulated(False, monkeypatch)
+    assert all(torch.equal(a, b) for a, b in zip(host, _simulated(True, monkeypatch), strict=True))
