@@ -246,8 +246,9 @@ def scaled_step_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
         on_device = flat is not None and not _core._fusable(*params, *updates)
         if on_device and _device_scaled_step(params, flat, steps, decays, go):
             return
-        if go is not None and not bool(go[0]):  # what the kernel would have skipped
-            return
+    if go is not None and not bool(go[0]):  # what the kernel would have skipped
+        return
+    if isinstance(steps, torch.Tensor):
         n = steps.numel()
         both = torch.cat([steps, decays]).tolist()  # one read
         steps, decays = both[:n], both[n:]

@@ -49,6 +49,8 @@ def test_the_scaled_step_kernel_has_the_bits_of_the_cpu_step():
     assert torch.equal(out[1], params[1])
     kc.scaled_step(out, u, offsets, steps, decays, go=torch.zeros(1, dtype=torch.bool))  # a step skipped: nothing
     assert torch.equal(out[0], torch_ref[0]) and torch.equal(out[1], params[1])
+    functional_lamb.scaled_step_(out, views, steps.tolist(), decays.tolist(), go=torch.zeros(1, dtype=torch.bool))
+    assert torch.equal(out[0], torch_ref[0]) and torch.equal(out[1], params[1])  # the CPU kernel's path alike
     with pytest.raises(ValueError, match="fp32"):
         kc.scaled_step(out, u, offsets, steps.double(), decays)
     with pytest.raises(ValueError, match="of their offsets' sizes"):  # it would write past the parameter
