@@ -25,10 +25,10 @@ Checks, each a row of the table it prints:
   instead folds the workers' check into its agreement round);
 * ``SimulatedCluster`` on CUDA tensors with 1 and 3 pieces gives the same result;
 * resume: a compression-phase ``OnebitAdam`` state saved and loaded on the GPU continues bit for bit;
-* a NaN gradient in a compression-phase ``OnebitAdam`` step at world size 1, decided on the device (no
-  host read): parameters and state afterwards bit for bit those of the run without that step, and the
-  skip counted at the next step; and the same with 2 gloo ranks sharing the GPU, the NaN on one of them
-  (the decision from the gathered signatures; the ranks alike afterwards);
+* a NaN gradient in a compression-phase ``OnebitAdam`` step (and on a GPU ``OnebitLamb``'s) at world size 1,
+  decided on the device (no host read): parameters and state afterwards bit for bit those of the run without
+  that step, and the skip counted at the next step; and the same with 2 gloo ranks sharing the GPU, the NaN on
+  one of them (the decision from the gathered signatures; the ranks alike afterwards);
 * 0/1 Adam's local steps: a NaN gradient of one of 2 simulated workers dropped on the device (its flag
   zeroes its gradients, no host wait under ``set_sync_debug_mode("error")``) equals the run where that
   gradient was zeros, bit for bit, through the next synchronisation;
@@ -174,14 +174,15 @@ def check_sync_debug(device: torch.device) -> None:
     row("host syncs (encode+EF, decode)", None, f"{len(syncs)} sync(s)" + (f": {syncs[0]}" if syncs else ""))
 
 
-def _skip_run(device: torch.device, at_nan: str, rank: int = 0, nan_at: int = 3, steps: int = 6) -> tuple:
-    """(params, OnebitAdam, steps decided on the device) of compression-phase steps, at step ``nan_at`` (``at_nan``)
+def _skip_run(device: torch.device, at_nan: str, rank: int = 0, nan_at: int = 3, steps: int = 6,
+              cls: type = OnebitAdam) -> tuple:
+    """(params, ``cls``, steps decided on the device) of compression-phase steps, at step ``nan_at`` (``at_nan``)
     one with a NaN gradient (``"nan"``), an ordinary one (``"step"``: another rank's NaN skips it) or none
     (``"omit"``); the gradients differ by ``rank``, the parameters do not."""
     g, gg = torch.Generator().manual_seed(3), torch.Generator().manual_seed(10 + rank)
     params = [torch.nn.Parameter(torch.randn(40, 7, generator=g).to(device)),
               torch.nn.Parameter(torch.randn(13, generator=g).to(device))]
-    opt = OnebitAdam(params, lr=1e-2, weight_decay=0.01, warmup_steps=2)
+    opt = cls(params, lr=1e-2, weight_decay=0.01, warmup_steps=2)
     opt.set_nonfinite_policy("skip")
     decided = 0
     for t in range(steps):
@@ -198,11 +199,12 @@ def _skip_run(device: torch.device, at_nan: str, rank: int = 0, nan_at: int = 3,
     return params, opt, decided
 
 
-def _skip_verdict(device: torch.device, rank: int = 0, nan_rank: int = 0) -> tuple[bool, int, int, list]:
+def _skip_verdict(device: torch.device, rank: int = 0, nan_rank: int = 0,
+                  cls: type = OnebitAdam) -> tuple[bool, int, int, list]:
     """(parameters and momentum equal the run without the NaN step, skipped steps, steps decided on the
     device, the parameters on the CPU)."""
-    params, opt, decided = _skip_run(device, "nan" if rank == nan_rank else "step", rank)
-    ref, ref_opt, _ = _skip_run(device, "omit", rank)
+    params, opt, decided = _skip_run(device, "nan" if rank == nan_rank else "step", rank, cls=cls)
+    ref, ref_opt, _ = _skip_run(device, "omit", rank, cls=cls)
     same = all(_same(a, b) for a, b in zip(params, ref, strict=True))
     state = [opt.state[p]["exp_avg"] for p in params], [ref_opt.state[p]["exp_avg"] for p in ref]
     same = same and all(_same(a, b) for a, b in zip(*state, strict=True))
@@ -277,12 +279,14 @@ def _forcing_cuda_backend(device: torch.device):
 
 
 def check_device_skip(device: torch.device) -> None:
-    """A NaN step of ``OnebitAdam`` at world size 1, decided on the device, against the run without it."""
-    with _forcing_cuda_backend(device):
-        same, skipped, decided, _ = _skip_verdict(device)
-    row("NaN step decided on the device", same and skipped == 1 and decided > 0,
-        f"{decided} steps decided on the device, {skipped} skipped; parameters and momentum "
-        f"{'equal' if same else 'differ from'} the run without that step")
+    """A NaN step of ``OnebitAdam`` (and on a GPU ``OnebitLamb``, whose kernels run where torch's ops would) at
+    world size 1, decided on the device, against the run without it."""
+    for cls in (OnebitAdam, OnebitLamb) if device.type == "cuda" else (OnebitAdam,):
+        with _forcing_cuda_backend(device):
+            same, skipped, decided, _ = _skip_verdict(device, cls=cls)
+        row("NaN step decided on the device" + ("" if cls is OnebitAdam else f" ({cls.__name__})"),
+            same and skipped == 1 and decided > 0, f"{decided} steps decided on the device, {skipped} skipped; "
+            f"parameters and momentum {'equal' if same else 'differ from'} the run without that step")
 
 
 def _skip_rank(rank: int, world: int, port: int, device_type: str, results) -> None:
