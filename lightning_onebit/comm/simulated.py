@@ -17,6 +17,7 @@ import torch
 
 from ..compress import Codec
 from .accounting import ByteCounter
+from .stage4 import Predicate
 from .two_stage import TwoStageRank
 
 __all__ = ["SimulatedCluster", "record_flags"]
@@ -74,6 +75,11 @@ class SimulatedCluster:
     @property
     def pending(self) -> bool:
         return self.workers[0].pending
+
+    @property
+    def pending_predicate(self) -> Predicate | None:
+        """Worker 0's (None: the host decides a simulated call; see :attr:`.stage4.Stage4.pending_predicate`)."""
+        return self.workers[0].pending_predicate
 
     def decode_pending(self, sink=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Worker 0 decodes the deferred result (see :meth:`allreduce_into`)."""

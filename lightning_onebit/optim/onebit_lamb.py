@@ -271,7 +271,7 @@ class OnebitLamb(LayerFactors, OnebitAdam):
         bcs = [_bias_correction(beta1, t) for t in self._steps(b)]
         shift = go = None
         if b.sync.deferred:  # _defers: the result is decoded and shifted in here, on the device
-            predicate = getattr(b.sync.comm, "pending_predicate", None)  # a call the device decided
+            predicate = b.sync.comm.pending_predicate  # a call the device decided
             b.sync.comm.decode_pending(out=b.synced)  # written only if the call went through
             go = None if predicate is None else predicate.took
             if everyone and len(set(bcs)) == 1:

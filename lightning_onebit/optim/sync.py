@@ -252,7 +252,7 @@ class BucketSync:
         """Decode a result left for the update now (before anything reads the state). A call the device decided
         is folded in only if it went through: the host reads that here, off the step's path."""
         if self.deferred:
-            predicate = getattr(self.comm, "pending_predicate", None)
+            predicate = self.comm.pending_predicate
             self.comm.decode_pending()
             if predicate is None or bool(predicate.took[0]):
                 algorithm._absorb(self.bucket, algorithm._sync_target(self.bucket))
