@@ -168,6 +168,8 @@ def test_the_layer_stats_kernel_shifts_the_synced_momentum_in_as_torch_does_and_
     kc.lamb_stats(params, u, d, got[2], offsets, out, exp_avg=got[0], prev=got[1], synced=synced, divisors=div,
                   go=torch.zeros(1, dtype=torch.bool), **kw)
     assert all(torch.equal(a, b) for a, b in zip((*got, u, out), before, strict=True))
+    with pytest.raises(ValueError, match="synced and divisors together"):
+        kc.lamb_stats(params, u, d, got[2], offsets, out, exp_avg=got[0], prev=got[1], synced=synced, **kw)
     with pytest.raises(ValueError, match="divisors has 3 elements"):
         kc.lamb_stats(params, u, d, got[2], offsets, out, exp_avg=got[0], prev=got[1], synced=synced,
                       divisors=div[:3], **kw)

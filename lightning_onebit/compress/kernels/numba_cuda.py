@@ -275,7 +275,6 @@ def _starts(layout: Layout, device: torch.device):
 PREDICATES = True
 
 
-
 def encode(kind, mode, layout: Layout, x, st, scales, codes, go: torch.Tensor | None = None) -> None:
     """Planned like :func:`reduce_to_scales`."""
     device = codes.device

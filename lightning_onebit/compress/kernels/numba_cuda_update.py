@@ -320,6 +320,8 @@ def lamb_stats(params: Sequence[torch.Tensor | None], update: torch.Tensor, deno
     _check_flat("lamb_stats: exp_avg", exp_avg, device, valid)
     _check_flat("lamb_stats: prev", prev, device, valid)
     shift = synced is not None
+    if shift != (divisors is not None):
+        raise ValueError("lamb_stats takes synced and divisors together")
     if shift:
         if not moments:
             raise ValueError("lamb_stats: the shift (synced=) needs exp_avg and prev")
