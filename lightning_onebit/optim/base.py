@@ -355,6 +355,9 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
         counted, decided = [], []  # decided: (verdict of a sync in DDP's hook, its bucket's counted params)
         for b, has, grad, saved in plan:
             hook_verdict = b.sync.verdict if b.sync is not None else None
+            # a state read between DDP's hook and step() found the device skipped this bucket's call: its update
+            # would run on the momentum as it was (the verdict still counts the step back a step later)
+            refused = b.sync is not None and b.sync.refused
             b.reset_step()
             if not any(has):
                 continue
@@ -366,7 +369,9 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
             else:
                 counted += mine
             group = self.param_groups[b.group_index]
-            if b.compressing:
+            if refused:
+                pass
+            elif b.compressing:
                 self._update_compressed(b, group, has)
             else:
                 self._update_warmup(b, grad, group, has)

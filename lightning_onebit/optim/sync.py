@@ -158,10 +158,11 @@ class BucketSync:
         self.done = False  #: the compressed sync of this step finished
         self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  #: state of locally unused parameters
         self.verdict: Verdict | None = None  #: this step's sync in DDP's hook, if the device decided it
+        self.refused = False  #: a state read decoded this step's result and found the device skipped it
 
     def reset_step(self, discard: bool = False) -> None:
         """Forget this step's progress; ``discard``: also a result left for the update (a failed step)."""
-        self.done, self.ready, self.pending, self.verdict = False, 0, [], None
+        self.done, self.ready, self.pending, self.verdict, self.refused = False, 0, [], None, False
         if discard and self.deferred:
             self.comm.discard_pending()
 
@@ -250,12 +251,15 @@ class BucketSync:
 
     def decode(self, algorithm: Algorithm) -> None:
         """Decode a result left for the update now (before anything reads the state). A call the device decided
-        is folded in only if it went through: the host reads that here, off the step's path."""
+        is folded in only if it went through: the host reads that here, off the step's path, and a call that did
+        not is ``refused``, so that the update the predicate would have stopped does not run in ``step()``."""
         if self.deferred:
             predicate = self.comm.pending_predicate
             self.comm.decode_pending()
             if predicate is None or bool(predicate.took[0]):
                 algorithm._absorb(self.bucket, algorithm._sync_target(self.bucket))
+            else:
+                self.refused = True
 
 
 def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequence | None, torch.Tensor | None]],

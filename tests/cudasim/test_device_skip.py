@@ -265,7 +265,8 @@ def test_two_ranks_skip_a_nan_on_one_of_them_on_the_device(monkeypatch):
 
 def _hook_rank(rank: int, world: int, algorithm: str) -> tuple:
     """A rank of the DDP hook test: ``algorithm`` attached to DDP (the policy "raise": the sync in the hook), a
-    NaN in rank 1's LayerNorm bias gradient at step 3."""
+    NaN in rank 1's LayerNorm bias gradient at step 3, and rank 0 reading its state between that backward and
+    ``step()`` (which decodes the hook's results there, the skipped one included)."""
     from lightning_onebit.optim import functional, local_steps
 
     if algorithm == "OnebitLamb":  # its update's kernels run where torch's ops would (a GPU)
@@ -292,6 +293,8 @@ def _hook_rank(rank: int, world: int, algorithm: str) -> tuple:
         if t == 3:  # the hook's syncs left their decode to step(): the parameters are still step 2's
             before = {n: p.detach().clone() for n, p in net.named_parameters()}
             factors.append(_last_factors(opt, net))
+            if rank == 0:
+                opt.state_dict()
         try:
             opt.step()
         except NonFiniteGradientError as exc:
@@ -316,7 +319,8 @@ def _last_factors(opt, net) -> dict:
 def test_ddp_hook_decides_each_bucket_on_the_device_and_raise_comes_a_step_late(algorithm, monkeypatch):
     """In DDP's hook a bucket's sync is decided on the device as it comes: the bucket holding rank 1's NaN
     skips step 3 on both ranks, the others take it, and "raise" comes at step 4, on both ranks alike. 1-bit
-    LAMB's layer factors, computed for all buckets in one launch, change only in the buckets that took it."""
+    LAMB's layer factors, computed for all buckets in one launch, change only in the buckets that took it. Rank
+    0's state read before ``step()`` (a checkpoint there) changes none of it: the ranks stay equal."""
     monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", "cuda")
     ranks = values(run_ranks(_hook_rank, 2, algorithm, timeout_s=120))
     for raised, nan_bucket, before, after, counts, (was, now) in ranks:
