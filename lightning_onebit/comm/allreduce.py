@@ -134,14 +134,18 @@ class CompressedAllreduce(AgreementRound, TwoStageRank):
             self._messages.keep([*self._recv, *self._gathered, *self._fan])
 
     # -- the collective ------------------------------------------------------------------
-    def __call__(self, x: torch.Tensor | Source, out: torch.Tensor | None = None, flag: int | None = None,
-                 defer: bool = False, finite: bool | torch.Tensor | None = None) -> torch.Tensor | None:
+    def __call__(self, x: torch.Tensor | Source, out: torch.Tensor | None = None,
+                 flag: int | torch.Tensor | None = None, defer: bool = False,
+                 finite: bool | torch.Tensor | None = None) -> torch.Tensor | None:
         """Return the compressed mean of ``x`` over the group (bit-identical on all ranks).
 
         ``flag``: a bool or non-negative int every rank contributes to the agreement round at no extra
         cost; after the call ``flag_values`` lists them in rank order and ``any_flag`` says one was
         nonzero (e.g. how many bytes each rank has to send about the coordinates the optimizer masks).
-        Needs ``verify="always"`` (with "first" later calls have no agreement round).
+        Needs ``verify="always"`` (with "first" later calls have no agreement round). A one-element device
+        tensor in a call decided on the device (``skip_on_device``, several ranks) is not read: it rides in the
+        gathered signatures, and the host learns whether some rank's was nonzero from the step's
+        :class:`~.inflight.Verdict` (``flagged``); elsewhere it is read.
 
         ``finite``: whether this rank's other data (e.g. the gradients of later buckets) is finite,
         ANDed into the agreement's finiteness bit (a bool, or a 0-d bool tensor left on its device):
@@ -157,7 +161,7 @@ class CompressedAllreduce(AgreementRound, TwoStageRank):
         self.start(x, flag=flag, finite=finite)
         return self.complete(out, defer=defer)
 
-    def start(self, x: torch.Tensor | Source, *, flag: int | None = None,
+    def start(self, x: torch.Tensor | Source, *, flag: int | torch.Tensor | None = None,
               finite: bool | torch.Tensor | None = None) -> None:
         """The first half of a call: :meth:`begin` and :meth:`send`, the stage-1 all-to-all left on the
         wire; :meth:`complete` does the rest. Between the two another collective's call may start
@@ -171,7 +175,7 @@ class CompressedAllreduce(AgreementRound, TwoStageRank):
     # call put on the wire one phase earlier, so with the phases of k calls interleaved (every call's
     # begin, then every send, every relay, every complete) their round trips overlap: about 3 a step where
     # the calls one after another wait 3 k. Every rank must issue the phases in the same order.
-    def begin(self, x: torch.Tensor | Source, *, flag: int | None = None,
+    def begin(self, x: torch.Tensor | Source, *, flag: int | torch.Tensor | None = None,
               finite: bool | torch.Tensor | None = None) -> None:
         """Phase 1: the worker scales of ``x`` and the agreement round put on the wire; no state written."""
         if self._inflight is not None:
@@ -183,7 +187,9 @@ class CompressedAllreduce(AgreementRound, TwoStageRank):
         xp, scales, ok = self.prepare(x)
         # with several ranks once a call was verified on the host (the collective's geometry cannot change),
         # and where the signatures are gathered on the data's device (not a group with a CPU backend only)
-        on_device = (self.skip_on_device and flag is None and self.num_pieces == 1 and self.mode != "markov"
+        # (a flag then a device tensor, which the gathered signatures carry)
+        flag_ok = flag is None or (isinstance(flag, torch.Tensor) and self.world_size > 1)
+        on_device = (self.skip_on_device and flag_ok and self.num_pieces == 1 and self.mode != "markov"
                      and self.codec.predicates(xp.device) and (self.world_size == 1 or (
                          self._verified and collective_device(self.group, xp.device) == xp.device)))
         self._inflight = Call(x, xp, scales, self._agree_start(x, ok, flag, finite, on_device=on_device), on_device)

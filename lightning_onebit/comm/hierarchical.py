@@ -201,7 +201,7 @@ class HierarchicalAllreduce(_Shards):
         probe = TwoStageRank(self.codec, self.mode, self.node, self.nodes, pieces=self.pieces, groups=sg)
         return probe.bytes_per_call(_shard_len(numel, self.ranks_per_node))
 
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, flag: int | None = None,
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None, flag: int | torch.Tensor | None = None,
                  finite: bool | torch.Tensor | None = None) -> torch.Tensor:
         """The compressed mean of ``x`` over every rank of every node (bit-identical on all ranks);
         ``flag`` and ``finite`` ride in the agreement round as in :class:`~.allreduce.CompressedAllreduce`."""

@@ -56,8 +56,9 @@ class Verdict:
     for the device on the step's path. ``calls``: the collective each flag belongs to and what it says
     (``"input"``: its input and what it vouched for are finite; ``"server"``: the server scales of its
     previous call were). ``flags``: one per call and kind (bool), or with several ranks the gathered
-    signatures (``[calls, ranks, 2]`` of their last two fields, or one call's ``[ranks, len]``), whose
-    fields the host ANDs over the ranks when it reads them, so that the device makes no flags of its own."""
+    signatures (``[calls, ranks, 3]`` of their last three fields, or one call's ``[ranks, len]``), whose
+    fields the host ANDs over the ranks when it reads them, so that the device makes no flags of its own; their
+    flag field says whether some rank raised a call's flag (:meth:`flagged`)."""
 
     #: host buffers a step's flags are copied into, reused in turn: a step has read the verdict two steps
     #: back before it makes a new one (:meth:`~lightning_onebit.optim.CompressedOptimizer.settle_device_skips`)
@@ -88,14 +89,25 @@ class Verdict:
     def read(self) -> tuple[bool, list]:
         """(every call's input finite, the collectives whose previous server scales were not); waits for
         the copy if it has not arrived yet."""
-        if self.event is not None:
-            self.event.synchronize()
-        flags = self.host.numpy()
+        flags = self.values()
         if self.gathered:  # each call's (server, input) fields, ANDed over the ranks
             flags = flags[..., -2:].astype(bool).all(axis=-2).reshape(-1)
         finite = all(bool(f) for f, (_, what) in zip(flags, self.calls, strict=True) if what == "input")
         overflowed = [c for f, (c, what) in zip(flags, self.calls, strict=True) if what == "server" and not f]
         return finite, overflowed
+
+    def flagged(self) -> bool:
+        """Some rank's flag (``CompressedAllreduce.__call__``'s ``flag=``) was nonzero in one of the calls: the
+        gathered signatures' flag field, the same on every rank (False without several ranks). Waits like
+        :meth:`read`."""
+        return self.gathered and bool(self.values()[..., -3].any())
+
+    def values(self) -> np.ndarray:
+        """The copied flags (or any small tensor given as ``flags``) as they reached the host; waits for the
+        copy if it has not arrived yet."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.numpy()
 
 
 def check_together(calls: Sequence[CompressedAllreduce]) -> Verdict | None:
@@ -191,24 +203,28 @@ def _decide_gathered_on_device(owner: CompressedAllreduce, rounds: list[tuple[Co
     key = (allsig.device, allsig.shape, *(id(c) for c, _ in rounds), *(id(call.agreement.allsig) for _, call in rounds))
     bufs = owner.__dict__.get("_step_sigs")
     if bufs is None or bufs[0] != key:
-        # one call's fields are ANDed where they were gathered; several calls' are stacked first
-        sigs = None if len(rounds) == 1 else torch.empty((len(rounds), allsig.shape[0], 2), dtype=allsig.dtype,
+        # one call's fields are ANDed where they were gathered; several calls' (flag, server, input) are stacked
+        # first, the flag for the host alone
+        sigs = None if len(rounds) == 1 else torch.empty((len(rounds), allsig.shape[0], 3), dtype=allsig.dtype,
                                                         device=allsig.device)
         go = torch.empty(1, dtype=torch.bool, device=allsig.device)
         what = [(collective, kind) for collective, _ in rounds for kind in ("server", "input")]
-        fields = [call.agreement.allsig[:, -2:] for _, call in rounds]
+        fields = [call.agreement.allsig[:, -2:] if sigs is None else call.agreement.allsig[:, -3:]
+                  for _, call in rounds]
         # what reaches the host: the one call's signatures as they were gathered, or the calls' fields stacked
         shown = allsig if len(rounds) == 1 else sigs
+        checked = None if sigs is None else sigs[..., 1:]
         bufs = owner.__dict__["_step_sigs"] = (key, sigs, go, go.view(()), shown, Verdict.buffers(shown), what,
-                                               fields)
-    _, sigs, go, go0, shown, ring, what, fields = bufs
+                                               fields, checked)
+    _, sigs, go, go0, shown, ring, what, fields, checked = bufs
     for _, call in rounds:
         call.agreement.work.wait()
     # go: every rank's server scales finite and every rank's input finite, for every call
     if len(fields) == 1:  # DDP's hook decides bucket by bucket: nothing to stack
         torch.all(fields[0], out=go0)
     else:
-        torch.all(torch.stack(fields, out=sigs), out=go0)
+        torch.stack(fields, out=sigs)
+        torch.all(checked, out=go0)
     for collective, call in rounds:
         call.agreement, call.go = Agreement(None, True), go
         collective.any_flag, collective.flag_values = False, [0] * collective.world_size

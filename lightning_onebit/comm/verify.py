@@ -69,7 +69,7 @@ class AgreementRound:
         return [x.numel(), _DTYPE_ID.get(x.dtype, 9), self.codec.kind, bs, _MODE_ID[self.mode],
                 int(getattr(self.codec, "scale", "l2") == "l1"), groups, flag, 1, int(ok)]
 
-    def _agree(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: int | None = None,
+    def _agree(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: int | torch.Tensor | None = None,
                finite: bool | torch.Tensor | None = None) -> None:
         """All ranks exchange (size, dtype, codec, mode, flag, finite) and raise together on disagreement.
 
@@ -79,7 +79,7 @@ class AgreementRound:
         call has the round they ride in."""
         self._agree_finish(self._agree_start(x, ok, flag, finite))
 
-    def _agree_start(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: int | None = None,
+    def _agree_start(self, x: torch.Tensor, ok: bool | torch.Tensor, flag: int | torch.Tensor | None = None,
                      finite: bool | torch.Tensor | None = None, *, on_device: bool = False) -> Agreement:
         """:meth:`_agree` up to its round on the wire (not waited for): what :meth:`_agree_finish` takes.
         Nothing is written but the flag of this rank alone; a local error raises here. ``on_device`` (a
@@ -95,7 +95,10 @@ class AgreementRound:
                 ok = ok.logical_and_(finite)  # this call's own flag buffer, rewritten by its next reduction
             else:
                 ok = torch.as_tensor(ok, device=x.device) & torch.as_tensor(finite, device=x.device)
-        mine_flag = int(flag or 0)
+        # a flag on the device (one element) goes into the signature there where the call is decided on the
+        # device: every rank learns it from the gathered signatures a step later (Verdict.flagged)
+        device_flag = flag if isinstance(flag, torch.Tensor) and on_device and self.world_size > 1 else None
+        mine_flag = 0 if device_flag is not None else int(flag or 0)
         if mine_flag < 0:
             raise ValueError(f"{type(self).__name__}: flag must be a bool or a non-negative int, got {flag}")
         self.any_flag, self.flag_values = bool(mine_flag), [mine_flag]
@@ -104,11 +107,13 @@ class AgreementRound:
             return Agreement(prev, ok)  # no round: _agree_finish checks locally
         dev = collective_device(self.group, x.device)
         sig = self._signature(x, mine_flag, ok if isinstance(ok, bool) else True)
-        stage, stage_np, mine, allsig, _, mine_prev, mine_ok, fan, mine_row, mine_flags = self._sig_buffers(dev,
-                                                                                                         len(sig))
+        (stage, stage_np, mine, allsig, _, mine_prev, mine_ok, fan, mine_row, mine_flags,
+         mine_flag_field) = self._sig_buffers(dev, len(sig))
         stage_np[:] = sig  # numpy's write: no torch op, no host tensor per call
         if mine is not stage:  # pinned: the copy does not wait for the stream, as a pageable one would
             mine.copy_(stage, non_blocking=True)
+        if device_flag is not None:
+            mine_flag_field.copy_(device_flag)
         pair = getattr(self, "_flag_pair", None)
         if (prev is not None and isinstance(ok, torch.Tensor) and pair is not None and pair.device == dev
                 and prev.data_ptr() == pair.data_ptr() and ok.data_ptr() == pair.data_ptr() + 1):
@@ -125,9 +130,9 @@ class AgreementRound:
         """The agreement's buffers, made once per device and reused by every call: (host staging, its
         numpy view, this rank's signature on ``dev``, every rank's, their host copy, views of the
         signature's last two fields, a fanout's staging of this rank's copies, the signature as a
-        ``[1, len]`` row, which a gather takes without a view, and its last two fields as one view). A
-        call's buffers are free again once its round was read (a call is begun only after the previous one
-        completed, and the read waits for the round), so a staging copy still in flight is never overwritten."""
+        ``[1, len]`` row, which a gather takes without a view, its last two fields as one view, and its flag
+        field). A call's buffers are free again once its round was read (a call is begun only after the previous
+        one completed, and the read waits for the round), so a staging copy still in flight is never overwritten."""
         bufs = self._sig_bufs
         if bufs is None or bufs[2].device != dev:
             on_cpu = dev.type == "cpu"
@@ -138,7 +143,7 @@ class AgreementRound:
             allsig = torch.empty(self.world_size, length, dtype=torch.int64, device=dev)
             host = torch.empty(self.world_size, length, dtype=torch.int64, pin_memory=not on_cpu)
             bufs = self._sig_bufs = (stage, stage.numpy(), mine, allsig, host, mine[-2:-1], mine[-1:],
-                                     torch.empty_like(allsig), mine.view(1, -1), mine[-2:])
+                                     torch.empty_like(allsig), mine.view(1, -1), mine[-2:], mine[-3:-2])
         return bufs
 
     def _agree_finish(self, started: Agreement) -> None:
