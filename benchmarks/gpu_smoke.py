@@ -41,8 +41,8 @@ Checks, each a row of the table it prints:
   ``OnebitAdam(fused=True)`` over ``AdamW(fused=True)``'s on the same MLP, at 17M and 100M parameters
   (the CPU's ``benchmarks/optimizer_step.py`` on the device), each against its target (3x at 17M, 2x
   from 100M: reported, not failed);
-* the compression-phase ``OnebitAdam`` and ``OnebitLamb`` steps at world size 1 under
-  ``torch.cuda.set_sync_debug_mode("error")``: where it first waits for the device, if it does (the
+* the compression-phase ``OnebitAdam`` and ``OnebitLamb`` steps and a ``ZeroOneAdam`` synchronisation at world
+  size 1 under ``torch.cuda.set_sync_debug_mode("error")``: where it first waits for the device, if it does (the
   target is nowhere, as the step is decided on the device; reported, not failed);
 * a compression-phase ``OnebitAdam`` step captured with ``torch.cuda.graph`` and replayed 3 times
   against the same steps run eagerly on a copy, bit for bit (reported, not failed: the step is not
@@ -568,11 +568,26 @@ def _compressing_adam(device: torch.device, n: int = 1 << 20, seed: int = 0, cls
     return params, opt
 
 
+def _zero_one_before_a_sync(device: torch.device, n: int = 1 << 20) -> ZeroOneAdam:
+    """``ZeroOneAdam`` at world size 1 with fixed gradients on ``device``, its next step a synchronisation that
+    follows two others (its collectives bound and verified)."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, generator=g).to(device)),
+              torch.nn.Parameter(torch.randn(n // 4, 3, generator=g).to(device))]
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(device)
+    opt = ZeroOneAdam(params, lr=1e-3, var_freeze_step=2, var_update_scaler=1, local_step_scaler=1,
+                      local_step_clipper=2)
+    while opt.step_counts["sync"] < 2 or _kind(opt) != "sync":
+        opt.step()
+    return opt
+
+
 def check_step_sync_free(device: torch.device) -> None:
-    """The compression-phase steps of 1-bit Adam and 1-bit LAMB under ``set_sync_debug_mode("error")``: the first
-    host wait raises."""
-    for cls in (OnebitAdam, OnebitLamb):
-        params, opt = _compressing_adam(device, cls=cls)
+    """The compression-phase steps of 1-bit Adam and 1-bit LAMB, and 0/1 Adam's synchronisation, under
+    ``set_sync_debug_mode("error")``: the first host wait raises."""
+    for cls in (OnebitAdam, OnebitLamb, ZeroOneAdam):
+        opt = _zero_one_before_a_sync(device) if cls is ZeroOneAdam else _compressing_adam(device, cls=cls)[1]
         torch.cuda.synchronize(device)
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -583,7 +598,8 @@ def check_step_sync_free(device: torch.device) -> None:
             detail, ok = f"waits for the device{at}: {str(e).splitlines()[0]}", False
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        row(f"{cls.__name__} step under sync debug 'error'", None, detail + ("" if ok else " (target: no wait)"))
+        what = "synchronisation" if cls is ZeroOneAdam else "step"
+        row(f"{cls.__name__} {what} under sync debug 'error'", None, detail + ("" if ok else " (target: no wait)"))
 
 
 def check_graph_replay(device: torch.device, replays: int = 3) -> None:

@@ -10,17 +10,18 @@ simulated cluster keeps a replica, a momentum and ``u`` per worker.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..comm import all_finite, nonfinite_flags_, rank
+from ..comm import Verdict, all_finite, nonfinite_flags_, rank
 from ..compress import Source, flat_buffer
 from ..compress.source import Sink
 from .buckets import Bucket
 from .functional import decoupled_update_, local_adam_step_, local_fusable
-from .nonfinite import NonFiniteGradientError
+from .nonfinite import DeviceStep, NonFiniteGradientError
 from .sync import nonfinite_is_gradient_error, sync_together
 
 log = logging.getLogger(__name__)
@@ -193,18 +194,32 @@ class LocalSteps:
     def _synchronise_local(self, buckets: list[Bucket]) -> None:
         """The 1-bit synchronisation that ends a local interval: every rank gets the same momentum and
         rebuilds the same model from the anchor. The buckets' calls run together (:func:`~.sync.sync_together`):
-        their agreements read once, their round trips overlapped (about 3 a synchronisation, not 3 a bucket)."""
-        counts = self._bad.tolist()  # the one host read of the dropped-gradient counts per interval
-        self.dropped_gradients += sum(counts)
-        bad = [c > 0 for c in counts]
+        their agreements read once, their round trips overlapped (about 3 a synchronisation, not 3 a bucket).
+
+        Where a read would wait for the device (a GPU) nothing is read: the calls are decided there (the cuda
+        backend: the rebuild's decode predicated on every rank's input being finite), the dropped-gradient counts
+        and the agreements reach the host by copies that do not wait, and :meth:`_settle_sync` reads them at the
+        next step, as the other algorithms' device-decided steps are read."""
+        on_device = self.simulate_workers is None and bool(buckets) and flags_stay_on_device(buckets[0].device)
+        if on_device:
+            counts = self._dropped_counts()
+            # with several ranks the count rides in the first agreement as it is, gathered with the signatures
+            dropped = self._bad if self.world_size > 1 else None
+        else:
+            counts = self._bad.tolist()  # the one host read of the dropped-gradient counts per interval
+            self.dropped_gradients += sum(counts)
+            dropped = counts[0] > 0
         for b in buckets:
             mask = self._mask(b)
             if mask is not None and "mask_idx" not in b.cache:
                 b.cache["mask_idx"] = mask.nonzero().view(-1)
         if self.simulate_workers is None:
             # the flag rides in the first bucket's agreement: every rank learns there that one dropped a gradient
-            sync_together(_Interval(self, bad[0], buckets[0] if buckets else None), [(b.sync, None, None)
-                                                                                     for b in buckets])
+            verdict = sync_together(_Interval(self, dropped, buckets[0] if buckets else None, on_device),
+                                    [(b.sync, None, None) for b in buckets])
+            if on_device:
+                self._device_steps.append(DeviceStep([] if verdict is None else [(verdict, [])], self._step,
+                                                     settle=functools.partial(self._settle_sync, counts=counts)))
         for i, b in enumerate(buckets):
             if self.simulate_workers is not None:
                 comm = b.sync.collective()
@@ -214,9 +229,9 @@ class LocalSteps:
                 payloads = [self._interval_payload(b, w, out) for w, out in enumerate(outs)]
                 defer = {"defer": True} if hasattr(comm, "decode_pending") else {}
                 with nonfinite_is_gradient_error(type(self).__name__):
-                    comm.allreduce_into(payloads, b.synced, flags=bad, **defer)
+                    comm.allreduce_into(payloads, b.synced, flags=[c > 0 for c in counts], **defer)
                 if i == 0 and comm.any_flag:
-                    self._report_dropped()  # a raise leaves the deferred result undecoded: nothing changed yet
+                    self._report_dropped(self._step)  # a raise leaves the result undecoded: nothing changed yet
             self._rebuild(b)
         for b in buckets:
             b.cache.pop("synced", None)
@@ -266,13 +281,44 @@ class LocalSteps:
         b.cache["synced"] = True
         self._acc[b.index] = [[0.0] * len(b.params), 1.0]
 
-    def _report_dropped(self) -> None:
-        msg = (f"ZeroOneAdam: a rank dropped a NaN/inf gradient in a local step before optimizer step {self._step} "
+    def _report_dropped(self, step: int, late: bool = False) -> None:
+        msg = (f"ZeroOneAdam: a rank dropped a NaN/inf gradient in a local step before optimizer step {step} "
                f"({self.dropped_gradients} dropped on this rank so far)")
         if self.on_nonfinite == "raise":
-            raise NonFiniteGradientError(msg + "; every rank stops here, before this synchronisation changes the "
-                                         "model (set_nonfinite_policy('skip') goes on without those gradients)")
+            where = ("the synchronisation, decided on the device, left it out and the host learned it at the next "
+                     "step" if late else "every rank stops here, before this synchronisation changes the model")
+            raise NonFiniteGradientError(f"{msg}; {where} (set_nonfinite_policy('skip') goes on without those "
+                                         "gradients)")
         log.warning(msg + "; the step went on without it")
+
+    def _dropped_counts(self) -> Verdict:
+        """The interval's dropped-gradient counts on their way to the host, by a copy into pinned memory that does
+        not wait (buffers made once, reused in turn as :class:`~lightning_onebit.comm.Verdict`'s are)."""
+        ring = self._count_ring
+        if ring is None or ring[0].shape != self._bad.shape:
+            ring = self._count_ring = Verdict.buffers(self._bad)
+        return Verdict(self._bad, [], ring)
+
+    def _settle_sync(self, done: DeviceStep, counts: Verdict) -> None:
+        """What the host learns a step after a synchronisation decided on the device: the counts of dropped
+        gradients (reported on every rank when some rank dropped one), and whether the calls went through. One that
+        did not (an interval's payload past fp32 on some rank) left the anchor and the momentum as they were, and
+        every rank's model at the anchor: it raises, as the host's check raises at once where it reads."""
+        dropped = counts.values().tolist()
+        self.dropped_gradients += sum(dropped)
+        flagged = any(dropped) if self.world_size == 1 else False
+        for verdict, _ in done.verdicts:
+            finite, overflowed = verdict.read()
+            if overflowed:
+                overflowed[0]._server_overflowed()  # resets its error state and raises
+            if not finite:
+                raise NonFiniteGradientError(
+                    f"{type(self).__name__}: the synchronisation at optimizer step {done.step} had a NaN/inf "
+                    "payload on some rank; the device skipped its update, every rank went back to the model of the "
+                    "synchronisation before, and the host learned it at the next step")
+            flagged = flagged or verdict.flagged()
+        if flagged:  # with several ranks and no verdict the agreement was read, and reported it there
+            self._report_dropped(done.step, late=True)
 
     # -- replicas --------------------------------------------------------------------------
     def sync_replicas(self) -> bool:
@@ -315,20 +361,22 @@ class _Interval:
     carries whether this rank dropped a gradient, and the result is left for :meth:`LocalSteps._rebuild`, which
     decodes it into the anchor: nothing is absorbed before every call has completed."""
 
-    skips_on_device = False  # the flag is read with the agreement
-
-    def __init__(self, opt: LocalSteps, dropped: bool, first: Bucket | None) -> None:
+    def __init__(self, opt: LocalSteps, dropped: bool | torch.Tensor | None, first: Bucket | None,
+                 on_device: bool) -> None:
         self.opt, self.dropped, self.first = opt, dropped, first
+        # the rebuild's writes are the deferred decode's, predicated on the calls' flags, and the parameters' copy
+        # of the anchor, which is where they go either way; the flag is read with the agreement elsewhere
+        self.skips_on_device = on_device
 
     def _payload(self, b: Bucket, grad, out: torch.Tensor) -> Source:
         return self.opt._interval_payload(b, 0, out)
 
-    def _flag(self, b: Bucket, grad) -> bool | None:
+    def _flag(self, b: Bucket, grad) -> bool | torch.Tensor | None:
         return self.dropped if b is self.first else None
 
     def _on_flag(self, b: Bucket, grads, simulated: bool) -> None:
         # the first bucket's call was decoded (not deferred) and nothing else was: a raise changes no model
-        self.opt._report_dropped()
+        self.opt._report_dropped(self.opt._step)
 
     def _sync_target(self, b: Bucket) -> torch.Tensor:
         return b.synced

@@ -17,13 +17,15 @@ rounds once each collective was verified on the host; in DDP's hook bucket by bu
 write of the step (codes, error state, momentum, parameters) is predicated on the result, and the host reads it
 a step later (:meth:`NonFinitePolicy.settle_device_skips`), so nothing on the step's path waits for the device.
 The skip count, the ``max_consecutive`` check and "raise" then act at the next ``step()`` (or
-``state_dict()``), and a skipped step's step counts are taken back then.
+``state_dict()``), and a skipped step's step counts are taken back then. 0/1 Adam's synchronisation is decided
+there alike, and settles itself (``DeviceStep.settle``: its dropped-gradient counts, and a raise where its payload
+was not finite).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +67,8 @@ class DeviceStep:
 
     verdicts: list[tuple[Verdict, list[torch.Tensor]]]
     step: int
+    #: what reads this step's verdicts instead of the rules below (0/1 Adam's synchronisation, whose step stands)
+    settle: Callable[[DeviceStep], None] | None = None
 
     def ready(self) -> bool:
         return all(verdict.ready() for verdict, _ in self.verdicts)
@@ -108,6 +112,13 @@ class NonFinitePolicy:
             return  # a graph capture: querying the device is not allowed, the host learns after it
         while pending and (wait or len(pending) > 1 or pending[0].ready()):
             done = pending.pop(0)
+            if done.settle is not None:
+                try:
+                    done.settle(done)
+                except BaseException:
+                    pending.clear()
+                    raise
+                continue
             read = [(verdict.read(), params) for verdict, params in done.verdicts]
             bad = [params for (finite, over), params in read if not finite or over]
             if not bad:

@@ -80,7 +80,13 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
     optimizer here. A local step has no collective to agree in, so a rank whose gradient holds
     NaN/inf drops it (takes zero for this step), counts it (``dropped_gradients``) and tells the
     others at the next synchronisation (the agreement's flag): with the policy "raise" every rank
-    raises there, before the synchronisation changes anything; with "skip" every rank logs it.
+    raises there, before the synchronisation changes anything; with "skip" every rank logs it. On a
+    GPU (the cuda backend) nothing of a synchronisation is read on its step: its calls are decided on
+    the device (their decode into the anchor predicated on every rank's payload being finite), the
+    counts and the flags reach the host by copies that do not wait, and the report (or "raise", after
+    the synchronisation left the dropped gradients out) comes at the next step; a synchronisation
+    whose payload was not finite on some rank leaves every rank at the model of the one before and
+    raises then.
 
     Memory per parameter: m, v (fp32) + worker error + 1/n server error, as 1-bit Adam, and from
     the freeze on the anchor and the accumulated update u (8 bytes more; a simulated cluster keeps
@@ -135,6 +141,7 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
         self._since_sync = 0  # local steps since the last synchronisation (the same on every rank)
         self._acc: dict[int, list] = {}  # bucket index -> [per-parameter sum of step sizes, weight-decay product]
         self._bad: torch.Tensor | None = None  # per (simulated) worker: gradients dropped since the last sync
+        self._count_ring: list[torch.Tensor] | None = None  # pinned buffers the counts reach the host in (a GPU)
         self._flag_buffers: tuple[torch.Tensor, ...] | None = None  # a local step's finiteness flags and scratch
         self._replicas: list[dict[int, dict[str, torch.Tensor]]] = []  # simulation: workers 1.. (0 is the model)
 
@@ -241,6 +248,7 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
 
     # -- the step --------------------------------------------------------------------------
     def _run_step(self, worker_grads) -> None:
+        self.settle_device_skips(wait=False)  # a synchronisation the device decided, a step ago
         buckets = self._build_buckets()
         self._update_phase()
         t, kind = self._step + 1, self._kind

@@ -363,31 +363,107 @@ def test_raise_and_consecutive_skips_act_a_step_late(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(params, before, strict=True))
 
 
+def _zero_one_opt(params, policy: str = "skip"):
+    opt = lo.ZeroOneAdam(params, lr=1e-2, weight_decay=0.01, var_freeze_step=2, var_update_scaler=1,
+                         local_step_scaler=1, local_step_clipper=2, bucket_cap_mb=0.002)
+    opt.set_nonfinite_policy(policy)
+    return opt
+
+
 def _zero_one_run(backend: str, monkeypatch) -> tuple:
+    """2 variance refreshes, synchronisations at steps 3, 4 and 6, a NaN in a gradient of step 5 (a local step,
+    reported at the next synchronisation). The cuda backend as on a GPU: its flags stay on the device."""
+    from lightning_onebit.optim import local_steps
+
     monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", backend)
+    monkeypatch.setattr(local_steps, "flags_stay_on_device", lambda device: backend == "cuda")
     torch.manual_seed(0)
     net = Tiny()
     params = list(net.parameters())
-    opt = lo.ZeroOneAdam(params, lr=1e-2, weight_decay=0.01, var_freeze_step=2, var_update_scaler=1,
-                         local_step_scaler=1, local_step_clipper=2, bucket_cap_mb=0.002)
+    opt = _zero_one_opt(params)
     g = torch.Generator().manual_seed(1)
-    for _ in range(5):  # 2 variance refreshes, then synchronisations at steps 3 and 5
+    seen = []  # (kind of step, dropped gradients the host knows of after it)
+    for t in range(7):
         for p in params:
             p.grad = torch.randn(p.shape, generator=g)
+        if t == 4:
+            params[3].grad[1] = float("nan")
+        kind = opt.schedule().kind(opt.optimizer_steps + 1)
         opt.step()
-    return params, opt
+        seen.append((kind, opt.dropped_gradients))
+    return params, opt, seen
 
 
-@pytest.mark.budget(30)  # two 5-step runs, one under the simulator's kernels
+@pytest.mark.budget(30)  # two 7-step runs, one under the simulator's kernels
 def test_zero_one_adams_synchronisations_on_the_cuda_backend_have_the_cpus_bits(monkeypatch):
     """0/1 Adam's interval synchronisations (``u / sums``, new sums each time, read in place by the kernels
-    from an expression kept in the bucket's cache) give the numba CPU backend's bits."""
-    params, opt = _zero_one_run("cuda", monkeypatch)
-    assert opt.step_counts["sync"] >= 2 and len(opt._buckets) > 1, opt.step_counts
-    assert all("kernel_expression" in b.cache for b in opt._buckets)
-    cpu_params, cpu = _zero_one_run("numba", monkeypatch)
+    from an expression kept in the bucket's cache) give the numba CPU backend's bits, decided on the device as a
+    GPU decides them (the anchor's update predicated on the calls' flags), a dropped gradient learnt a step later
+    than the CPU, which reads it."""
+    params, opt, seen = _zero_one_run("cuda", monkeypatch)
+    assert [k for k, _ in seen] == ["refresh", "refresh", "sync", "sync", "local", "sync", "local"], seen
+    assert all("kernel_expression" in b.cache and b.sync.comm.skip_on_device for b in opt._buckets)
+    assert len(opt._buckets) > 1
+    cpu_params, cpu, cpu_seen = _zero_one_run("numba", monkeypatch)
+    assert [d for _, d in cpu_seen] == [0, 0, 0, 0, 0, 1, 1], cpu_seen  # read at the synchronisation
+    assert [d for _, d in seen] == [0, 0, 0, 0, 0, 0, 1], seen  # a step later
     assert all(torch.equal(a, b) for a, b in zip(params, cpu_params, strict=True))
     assert _same(opt.state_dict()["state"], cpu.state_dict()["state"])
+
+
+def _zero_one_rank(rank: int, world: int) -> tuple:
+    """A rank of the two-rank 0/1 Adam test (the policy "raise"): rank 1 drops a NaN gradient in step 5 (local),
+    then, once that was raised, sends a synchronisation whose payload overflowed (its u made inf)."""
+    from lightning_onebit.optim import local_steps
+
+    local_steps.flags_stay_on_device = lambda device: True
+    torch.manual_seed(0)
+    net = Tiny()
+    params = list(net.parameters())
+    opt = _zero_one_opt(params, policy="raise")
+    g = torch.Generator().manual_seed(1 + rank)
+    raised, left = [], None
+    for t in range(14):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        if t == 4 and rank == 1:
+            params[3].grad[1] = float("nan")
+        kind = opt.schedule().kind(opt.optimizer_steps + 1)
+        if kind == "sync" and left is not None and rank == 1:  # the second synchronisation after the raise
+            opt._buckets[0].flat["update_sum"].fill_(float("inf"))
+        try:
+            opt.step()
+        except NonFiniteGradientError as exc:
+            raised.append((t, opt.optimizer_steps, str(exc)))
+            if len(raised) == 2:
+                break
+            continue
+        if kind == "sync" and raised and left is None:  # the first after it: the model every rank has
+            left = [p.detach().clone() for p in params]
+    comms = [b.sync.comm.skip_on_device for b in opt._buckets]
+    anchors = [p.detach().clone() for p in params]
+    return raised, comms, left, anchors, opt.dropped_gradients
+
+
+@pytest.mark.budget(60)  # two ranks of one run of 14 steps at most under the simulator (about 25 s)
+def test_two_ranks_learn_a_dropped_gradient_and_an_overflowed_synchronisation_a_step_later(monkeypatch):
+    """With several ranks a synchronisation decided on the device carries each rank's dropped-gradient count in
+    its first call's gathered signatures: "raise" comes at the next step on every rank alike, though only rank 1
+    dropped one. A synchronisation whose payload overflowed on rank 1 is skipped on the device on both ranks
+    (the anchor and the momentum kept), leaves every rank at the model of the synchronisation before, and raises
+    at the next step on both."""
+    monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", "cuda")
+    ranks = values(run_ranks(_zero_one_rank, 2, timeout_s=120))
+    for rank, (raised, comms, left, anchors, dropped) in enumerate(ranks):
+        assert all(comms), comms
+        assert dropped == (1 if rank == 1 else 0), dropped
+        assert len(raised) == 2, raised
+        (t0, _, first), (t1, _, second) = raised
+        assert t0 == 6 and "dropped a NaN/inf gradient" in first and "decided on the device" in first, raised
+        assert "had a NaN/inf payload" in second and "the host learned it at the next step" in second, raised
+        assert all(torch.equal(a, b) for a, b in zip(anchors, left, strict=True))  # back at the last synchronisation
+    assert [r[:2] for r in ranks[0][0]] == [r[:2] for r in ranks[1][0]]  # at the same steps
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0][3], ranks[1][3], strict=True))
 
 
 def _overflow_rank(rank: int, world: int) -> tuple:
