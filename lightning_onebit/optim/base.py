@@ -369,11 +369,9 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
             else:
                 counted += mine
             group = self.param_groups[b.group_index]
-            if refused:
-                pass
-            elif b.compressing:
+            if b.compressing and not refused:
                 self._update_compressed(b, group, has)
-            else:
+            elif not b.compressing:
                 self._update_warmup(b, grad, group, has)
             self._restore(saved)
         self._finish_updates()
