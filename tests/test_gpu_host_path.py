@@ -145,16 +145,17 @@ def test_counter_tells_host_from_device_data():
 
 
 # 0/1 Adam's local steps, as a GPU takes them (its flags kept on the device, the torch ops of its updates):
-# per bucket the gradients' copy and the flag's zeroing, the moments' two ops and the parameters' two foreach ops,
-# whatever its tensors; per step the workers' finiteness check, written into buffers made once, and their flags
-# added to the interval's counts
-LOCAL_PER_BUCKET, LOCAL_PER_STEP, LOCAL_ALLOCATIONS = 6, 6, 0
-# and what a synchronising step adds to them: per bucket the new factors' copy, the parameters rebuilt from the
-# anchor (one foreach copy), u zeroed (the anchor's update is the decode kernel's, predicated on the calls' flags)
-# and, with several ranks, the gathered server scales' flag, which rides in the next call's agreement; per step the
-# interval's dropped-gradient counts sent to the host without a wait and zeroed, and the agreements' flags stacked,
-# ANDed and sent to the host without a wait: nothing is read
-SYNC_PER_BUCKET, SYNC_PER_STEP = 4, 5
+# per bucket the flag's zeroing of its gradients, whatever its tensors; per step, for all buckets at once, the
+# gradients' foreach copy, the moments' two foreach ops and the parameters' two, and the workers' finiteness check,
+# written into buffers made once, and their flags added to the interval's counts
+LOCAL_PER_BUCKET, LOCAL_PER_STEP, LOCAL_ALLOCATIONS = 1, 11, 0
+# and what a synchronising step adds to them (its parameters are not moved: -2 a step): per bucket the new factors,
+# made on the host and copied without a wait (the anchor's update is the decode kernel's, predicated on the calls'
+# flags) and, with several ranks, the gathered server scales' flag, which rides in the next call's agreement; per
+# step the parameters rebuilt from the anchors and u zeroed (one foreach op each), the interval's dropped-gradient
+# counts sent to the host without a wait and zeroed, and the agreements' flags stacked, ANDed and sent to the host
+# without a wait: nothing is read
+SYNC_PER_BUCKET, SYNC_PER_STEP = 2, 5
 
 
 @pytest.fixture(scope="module")

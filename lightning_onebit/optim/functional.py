@@ -171,7 +171,8 @@ def local_adam_step_(params: Sequence[torch.Tensor] | None, grads: Sequence[torc
     :func:`decoupled_update_`, in that order. ``move_params=False`` leaves the parameters alone
     (a synchronising step rebuilds them from the anchor right after; ``params`` may then be None, and
     the other lists may be flat buffers holding many parameters' values). The caller checks
-    :func:`local_fusable`; other tensors take the torch ops.
+    :func:`local_fusable`; other tensors take the torch ops, each as one foreach op for all of them
+    (one launch on a GPU, whatever the number of buckets or tensors), the masks' fill one a masked tensor.
     """
     decay, w = 1 - lr * weight_decay, 1 - beta1
     f32 = np.float32
@@ -180,11 +181,16 @@ def local_adam_step_(params: Sequence[torch.Tensor] | None, grads: Sequence[torc
             raise ValueError("local_adam_step_: params=None needs move_params=False")
         params = exp_avgs  # their sizes only: the kernel does not touch params without move_params
     if not local_fusable(params, grads):
-        for j, (m, u, g, s) in enumerate(zip(exp_avgs, update_sums, grads, step_sizes, strict=True)):
-            m.lerp_(torch.zeros_like(m) if g is None else g, w)
-            if masks is not None and masks[j] is not None:
-                m.masked_fill_(masks[j], 0.0)
-            u.add_(m, alpha=s)
+        # each op once for every tensor (foreach: one launch on a GPU), in that order for each tensor
+        exp_avgs, update_sums = list(exp_avgs), list(update_sums)
+        torch._foreach_lerp_(exp_avgs, [torch.zeros_like(m) if g is None else g
+                                        for m, g in zip(exp_avgs, grads, strict=True)], w)
+        for m, mask in zip(exp_avgs, masks or (), strict=False):
+            if mask is not None:
+                m.masked_fill_(mask, 0.0)
+        for s in dict.fromkeys(step_sizes):
+            at = [j for j, t in enumerate(step_sizes) if t == s]
+            torch._foreach_add_([update_sums[j] for j in at], [exp_avgs[j] for j in at], alpha=s)
         if move_params:
             decoupled_update_(params, exp_avgs, denoms, step_sizes, lr=lr, weight_decay=weight_decay)
         return

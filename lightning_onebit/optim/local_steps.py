@@ -111,6 +111,9 @@ class LocalSteps:
         self._bad += bad
         self._step += 1
         sync = self._kind == "sync"
+        # the flat buffers of buckets with one step size, by their hyperparameters: their updates go as one op each
+        # for the whole step (a launch each on a GPU), not one a bucket
+        batched: dict[tuple[float, float, float], list[tuple]] = {}
         for i, (b, ws) in enumerate(zip(buckets, grads, strict=True)):
             group = self.param_groups[b.group_index]
             for p in b.params:  # every parameter steps (a missing gradient is zero): counts stay equal on all ranks
@@ -125,14 +128,10 @@ class LocalSteps:
             for w, gs in enumerate(ws):
                 params, m, u = self._worker_state(b, w)
                 if flats is not None and len(set(sizes)) == 1:
-                    # the bucket's moments in one op each, whatever its number of tensors; then the parameters
-                    # (foreach), unless a synchronising step rebuilds them from the anchor right after
-                    local_adam_step_(None, [flats[i][w]], [m], [u], [d], None if mask is None else [mask],
-                                     sizes[:1], **hp, move_params=False)
-                    if not sync:
-                        decoupled_update_(params, b.kept_views("exp_avg", m) if w == 0 else b.views(m),
-                                          b.kept_views("denom", d), sizes, lr=hp["lr"],
-                                          weight_decay=hp["weight_decay"])
+                    # a synchronising step rebuilds the parameters from the anchor right after: not moved then
+                    moved = () if sync else (params, b.kept_views("exp_avg", m) if w == 0 else b.views(m),
+                                             b.kept_views("denom", d), sizes)
+                    batched.setdefault(tuple(hp.values()), []).append((flats[i][w], m, u, d, mask, sizes[0], moved))
                     continue
                 if flats is not None:
                     gs = b.views(flats[i][w])
@@ -140,6 +139,13 @@ class LocalSteps:
                 local_adam_step_(params, gs, b.views(m), b.views(u), b.views(d),
                                  None if mask is None else b.views(mask), sizes, **hp, move_params=not sync)
             b.reset_step()
+        for (beta1, lr, wd), rows in batched.items():
+            g, m, u, d, mask, s, moved = zip(*rows, strict=True)
+            local_adam_step_(None, g, m, u, d, None if all(k is None for k in mask) else mask, s, beta1=beta1, lr=lr,
+                             weight_decay=wd, move_params=False)
+            if not sync:
+                params, ms, ds, sizes = ([x for r in moved for x in r[k]] for k in range(4))
+                decoupled_update_(params, ms, ds, sizes, lr=lr, weight_decay=wd)
         self._since_sync += 1
         if sync:
             try:
@@ -154,18 +160,24 @@ class LocalSteps:
         """Where a read of a flag would wait for the device: each worker's gradients of each bucket copied
         into one fp32 buffer of the bucket's (zeros for a missing gradient; one foreach copy), and the
         workers' flags (a NaN/inf anywhere in a worker's gradients), decided in one check per worker; a
-        flagged worker's buffers are then zeroed on the device, by the flag, with no read."""
-        flats = []
+        flagged worker's buffers are then zeroed on the device, by the flag, with no read. The copies and zeros
+        are one foreach op each for all buckets."""
+        flats, zeros, targets, sources = [], [], [], []
         for b, ws in zip(buckets, grads, strict=True):
             bufs = [b.grad] if len(ws) == 1 else b.worker_buffers("local gradient", len(ws))
             for w, (flat, gs) in enumerate(zip(bufs, ws, strict=True)):
                 views = b.kept_views("grad" if flat is b.grad else f"local gradient {w}", flat)
-                have = [j for j, g in enumerate(gs) if g is not None]
-                if len(have) < len(gs):
-                    torch._foreach_zero_([views[j] for j in range(len(gs)) if gs[j] is None])
-                if have:
-                    torch._foreach_copy_([views[j] for j in have], [gs[j] for j in have])
+                for view, g in zip(views, gs, strict=True):
+                    if g is None:
+                        zeros.append(view)
+                    else:
+                        targets.append(view)
+                        sources.append(g)
             flats.append(bufs)
+        if zeros:
+            torch._foreach_zero_(zeros)
+        if targets:
+            torch._foreach_copy_(targets, sources)
         n, dev = len(grads[0]), flats[0][0].device
         fb = self._flag_buffers
         if fb is None or fb[0].device != dev or fb[0].numel() != n:  # made once: no allocation a local step
@@ -220,24 +232,33 @@ class LocalSteps:
             if on_device:
                 self._device_steps.append(DeviceStep([] if verdict is None else [(verdict, [])], self._step,
                                                      settle=functools.partial(self._settle_sync, counts=counts)))
-        for i, b in enumerate(buckets):
-            if self.simulate_workers is not None:
-                comm = b.sync.collective()
-                if b.sync.payload is None:
-                    b.sync.payload = flat_buffer(b.numel, device=b.device, zero=False)
-                outs = [b.sync.payload, *b.worker_buffers("payload", self.simulate_workers)[1:]]
-                payloads = [self._interval_payload(b, w, out) for w, out in enumerate(outs)]
-                defer = {"defer": True} if hasattr(comm, "decode_pending") else {}
-                with nonfinite_is_gradient_error(type(self).__name__):
-                    comm.allreduce_into(payloads, b.synced, flags=[c > 0 for c in counts], **defer)
-                if i == 0 and comm.any_flag:
-                    self._report_dropped(self._step)  # a raise leaves the result undecoded: nothing changed yet
-            self._rebuild(b)
+        rebuilt: list[tuple] = []
+        try:
+            for i, b in enumerate(buckets):
+                self._sync_bucket(i, b, counts, rebuilt)
+        finally:  # the buckets rebuilt so far take their parameters (a raise leaves the others to _move_unsynced)
+            self._copy_from_anchor(rebuilt)
         for b in buckets:
             b.cache.pop("synced", None)
             b.reset_step()  # sync_together marked its calls done: the next step's sync is its own
         self._bad.zero_()
         self._since_sync = 0
+
+    def _sync_bucket(self, i: int, b: Bucket, counts, rebuilt: list[tuple]) -> None:
+        """Bucket ``b``'s part of a synchronisation: a simulated cluster's call (the real calls ran together
+        already), then its rebuild."""
+        if self.simulate_workers is not None:
+            comm = b.sync.collective()
+            if b.sync.payload is None:
+                b.sync.payload = flat_buffer(b.numel, device=b.device, zero=False)
+            outs = [b.sync.payload, *b.worker_buffers("payload", self.simulate_workers)[1:]]
+            payloads = [self._interval_payload(b, w, out) for w, out in enumerate(outs)]
+            defer = {"defer": True} if hasattr(comm, "decode_pending") else {}
+            with nonfinite_is_gradient_error(type(self).__name__):
+                comm.allreduce_into(payloads, b.synced, flags=[c > 0 for c in counts], **defer)
+            if i == 0 and comm.any_flag:
+                self._report_dropped(self._step)  # a raise leaves the result undecoded: nothing changed yet
+        self._rebuild(b, rebuilt)
 
     def _interval_payload(self, b: Bucket, w: int, out: torch.Tensor) -> Source:
         """Worker ``w``'s lr-weighted mean momentum of the interval, ``u / sum(s)``, read by the codec where it
@@ -247,9 +268,10 @@ class LocalSteps:
         return Source.quotient(u, self._acc[b.index][0], groups=b.offsets, mask=idx, masked="zero", out=out,
                                cache=b.cache if w == 0 else None)
 
-    def _rebuild(self, b: Bucket) -> None:
+    def _rebuild(self, b: Bucket, rebuilt: list[tuple]) -> None:
         """After bucket ``b``'s call: m <- the synced momentum, the anchor moved by the interval, and every
-        worker's parameters, momentum and u rebuilt from them."""
+        worker's momentum rebuilt from it; its parameters and u (copied from the anchor, zeroed) go into
+        ``rebuilt`` for :meth:`_copy_from_anchor`."""
         group = self.param_groups[b.group_index]
         sums, decay = self._acc[b.index]
         comm, mask = b.sync.collective(), self._mask(b)
@@ -271,15 +293,22 @@ class LocalSteps:
             else:
                 for av, mv, dv, s in zip(b.views(anchor), b.views(m), b.views(d), sums, strict=True):
                     av.addcdiv_(mv, dv, value=-s)
-        with torch.no_grad():
-            for w in range(self.simulate_workers or 1):
-                params, wm, u = self._worker_state(b, w)
-                torch._foreach_copy_(list(params), b.kept_views("anchor", anchor))
-                if wm is not m:
-                    wm.copy_(m)
-                u.zero_()
+        for w in range(self.simulate_workers or 1):
+            params, wm, u = self._worker_state(b, w)
+            if wm is not m:
+                wm.copy_(m)
+            rebuilt.append((params, b.kept_views("anchor", anchor), u))
         b.cache["synced"] = True
         self._acc[b.index] = [[0.0] * len(b.params), 1.0]
+
+    @staticmethod
+    @torch.no_grad()
+    def _copy_from_anchor(rebuilt: list[tuple]) -> None:
+        """The rebuilt buckets' parameters copied from their anchors and their u zeroed, one foreach op each for
+        all of them."""
+        if rebuilt:
+            torch._foreach_copy_([p for r in rebuilt for p in r[0]], [a for r in rebuilt for a in r[1]])
+            torch._foreach_zero_([r[2] for r in rebuilt])
 
     def _report_dropped(self, step: int, late: bool = False) -> None:
         msg = (f"ZeroOneAdam: a rank dropped a NaN/inf gradient in a local step before optimizer step {step} "
