@@ -21,7 +21,7 @@ XDIST = ["-n", "2"] if importlib.util.find_spec("xdist") else []
 
 
 @pytest.mark.cudasim
-@pytest.mark.budget(240)  # the whole simulator suite in a child process (two-rank runs among them), 185-255 s here
+@pytest.mark.budget(120)  # the whole simulator suite in a child process (two-rank runs among them), 110-130 s here
 def test_cuda_kernels_under_simulator():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", LIGHTNING_ONEBIT_BACKEND="")
     proc = proc_run(

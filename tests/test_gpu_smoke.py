@@ -14,7 +14,7 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_smoke.py"
 
 @pytest.mark.slow
 @pytest.mark.cudasim
-@pytest.mark.budget(90)
+@pytest.mark.budget(45)  # a child process running every kernel under the simulator: 29 s on a machine 2.27x as slow
 def test_gpu_smoke_checks_pass_under_the_simulator():
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1"}
     # sizes past one simulated block (8 threads); the simulator pays per launch, not per value

@@ -34,9 +34,23 @@ _OP = {"lerp": LERP, "gradient": GRADIENT, "quotient": QUOTIENT}
 # so ``lerp * factor + state`` would round once where torch rounds the payload first. fmul_rn
 # (PTX ``mul.rn``) is never contracted; cuda.fma is the fused one that torch's lerp is.
 if SIMULATED:
+    import threading
+    import time
+
     from numba import njit
+    from numba.cuda.simulator import kernel as _simulator
 
     from .numba_intrinsics import fma32 as _fma_llvm
+
+    def _is_alive_yielding(thread: threading.Thread) -> bool:
+        # The simulator runs a block's CUDA threads as Python threads and polls their is_alive() in a loop that
+        # never gives the GIL up by itself, so they run only when the interpreter takes it from the poller (its
+        # 5 ms switch interval); a yield per poll lets them run: the simulator's tests take 2-5x less time.
+        time.sleep(0)
+        return threading.Thread.is_alive(thread)
+
+    if hasattr(_simulator, "BlockThread"):
+        _simulator.BlockThread.is_alive = _is_alive_yielding
 
     @njit(cache=True)
     def _fma_host(a, b, c):
