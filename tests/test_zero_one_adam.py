@@ -411,8 +411,9 @@ def _counting_reads(reads: list | None):
 def test_a_local_step_on_a_device_reads_nothing_and_takes_the_cpus_bits(monkeypatch):
     """The local step a GPU takes, on the CPU: finiteness flags kept on the device (a flagged worker's
     gradients zeroed by its flag: a product by it would keep the NaN), each bucket's gradients in one flat
-    buffer and its moments in one torch op each, the torch ops instead of the CPU's kernels. No host read in
-    a local step, and bit for bit the CPU's path through a NaN, a missing gradient and the synchronisation."""
+    buffer and every bucket's moments and parameters in one foreach op each (per param group: two here, with
+    their own lr and weight decay), the torch ops instead of the CPU's kernels. No host read in a local step,
+    and bit for bit the CPU's path through a NaN, a missing gradient and the synchronisation."""
     import lightning_onebit.optim.functional as functional
     import lightning_onebit.optim.local_steps as local_steps
 
@@ -422,7 +423,10 @@ def test_a_local_step_on_a_device_reads_nothing_and_takes_the_cpus_bits(monkeypa
             monkeypatch.setattr(local_steps, "flags_stay_on_device", lambda device: True)
             monkeypatch.setattr(functional, "_fusable", lambda *tensors: False)  # a GPU runs the torch ops
         model = _model()
-        opt = ZeroOneAdam(model.parameters(), lr=3e-3, weight_decay=0.01, simulate_workers=2, **SMALL)
+        params = list(model.parameters())
+        groups = [{"params": params[:len(params) // 2]}, {"params": params[len(params) // 2:], "lr": 1e-3,
+                                                          "weight_decay": 0.0}]
+        opt = ZeroOneAdam(groups, lr=3e-3, weight_decay=0.01, simulate_workers=2, bucket_cap_mb=0.002, **SMALL)
         opt.set_nonfinite_policy("skip")
         reads: list[str] = []
         _run_with_a_nan_and_a_missing_gradient(opt, model, 26, reads)
