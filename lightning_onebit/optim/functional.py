@@ -185,7 +185,7 @@ def local_adam_step_(params: Sequence[torch.Tensor] | None, grads: Sequence[torc
         exp_avgs, update_sums = list(exp_avgs), list(update_sums)
         torch._foreach_lerp_(exp_avgs, [torch.zeros_like(m) if g is None else g
                                         for m, g in zip(exp_avgs, grads, strict=True)], w)
-        for m, mask in zip(exp_avgs, masks or (), strict=False):
+        for m, mask in zip(exp_avgs, masks if masks is not None else [None] * len(exp_avgs), strict=True):
             if mask is not None:
                 m.masked_fill_(mask, 0.0)
         for s in dict.fromkeys(step_sizes):

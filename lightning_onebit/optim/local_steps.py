@@ -113,7 +113,7 @@ class LocalSteps:
         sync = self._kind == "sync"
         # the flat buffers of buckets with one step size, by their hyperparameters: their updates go as one op each
         # for the whole step (a launch each on a GPU), not one a bucket
-        batched: dict[tuple[float, float, float], list[tuple]] = {}
+        batched: dict[tuple[float, ...], tuple[dict, list[tuple]]] = {}
         for i, (b, ws) in enumerate(zip(buckets, grads, strict=True)):
             group = self.param_groups[b.group_index]
             for p in b.params:  # every parameter steps (a missing gradient is zero): counts stay equal on all ranks
@@ -131,7 +131,8 @@ class LocalSteps:
                     # a synchronising step rebuilds the parameters from the anchor right after: not moved then
                     moved = () if sync else (params, b.kept_views("exp_avg", m) if w == 0 else b.views(m),
                                              b.kept_views("denom", d), sizes)
-                    batched.setdefault(tuple(hp.values()), []).append((flats[i][w], m, u, d, mask, sizes[0], moved))
+                    row = (flats[i][w], m, u, d, mask, sizes[0], moved)
+                    batched.setdefault(tuple(hp.values()), (hp, []))[1].append(row)
                     continue
                 if flats is not None:
                     gs = b.views(flats[i][w])
@@ -139,13 +140,13 @@ class LocalSteps:
                 local_adam_step_(params, gs, b.views(m), b.views(u), b.views(d),
                                  None if mask is None else b.views(mask), sizes, **hp, move_params=not sync)
             b.reset_step()
-        for (beta1, lr, wd), rows in batched.items():
+        for hp, rows in batched.values():
             g, m, u, d, mask, s, moved = zip(*rows, strict=True)
-            local_adam_step_(None, g, m, u, d, None if all(k is None for k in mask) else mask, s, beta1=beta1, lr=lr,
-                             weight_decay=wd, move_params=False)
+            local_adam_step_(None, g, m, u, d, None if all(k is None for k in mask) else mask, s, **hp,
+                             move_params=False)
             if not sync:
                 params, ms, ds, sizes = ([x for r in moved for x in r[k]] for k in range(4))
-                decoupled_update_(params, ms, ds, sizes, lr=lr, weight_decay=wd)
+                decoupled_update_(params, ms, ds, sizes, lr=hp["lr"], weight_decay=hp["weight_decay"])
         self._since_sync += 1
         if sync:
             try:
