@@ -331,6 +331,28 @@ def test_a_verdict_of_gathered_signatures_ands_each_call_over_the_ranks():
     assert finite and overflowed == [b]
 
 
+
+def test_verdicts_sent_together_read_each_its_own_row():
+    """DDP's hook's verdicts, one a bucket, made unsent and sent by ``step()`` in one copy: each reads its own
+    bucket's flags as they were when sent (the collectives' buffers are rewritten by their next calls), the
+    buffers are made once for a count and shape, and an unsent verdict cannot be read."""
+    owners = [object() for _ in range(3)]
+    sigs = [torch.ones(2, 10, dtype=torch.int64) for _ in owners]
+    keep: dict = {}
+    for step in range(3):
+        sigs[step][0, -1] = 0  # this step, bucket `step` had a NaN on rank 0
+        verdicts = [Verdict(s, [(o, "server"), (o, "input")], None, gathered=True)
+                    for o, s in zip(owners, sigs, strict=True)]
+        with pytest.raises(RuntimeError, match="never sent"):
+            verdicts[0].ready()
+        Verdict.send_together(verdicts, keep)
+        sigs[step][0, -1] = 1  # the next calls' gathers reuse the buffers
+        assert [v.read()[0] for v in verdicts] == [i != step for i in range(3)]
+        assert len(keep) == 1
+    lone = Verdict(torch.ones(1, dtype=torch.bool), [(owners[0], "input")], None)  # one rank's flags
+    Verdict.send_together([lone], keep)
+    assert lone.read() == (True, []) and len(keep) == 2
+
 def test_object_is_bound_to_one_size():
     car = CompressedAllreduce(SignCodec(), "plain")
     car(torch.randn(10))

@@ -70,21 +70,65 @@ class Verdict:
         memory would wait for the device)."""
         return [torch.empty(flags.shape, dtype=flags.dtype, pin_memory=flags.is_cuda) for _ in range(cls.RING)]
 
-    def __init__(self, flags: torch.Tensor, calls: list[tuple[Any, str]], ring: list[torch.Tensor], *,
+    def __init__(self, flags: torch.Tensor, calls: list[tuple[Any, str]], ring: list[torch.Tensor] | None, *,
                  gathered: bool = False) -> None:
         self.calls = calls
         self.gathered = gathered
+        self.flags: torch.Tensor | None = flags  # on the device until sent
+        self.host: torch.Tensor | None = None
+        self.event = None
+        if ring is not None:
+            self._send(flags, ring)
+
+    def _send(self, flags: torch.Tensor, ring: list[torch.Tensor]) -> None:
         ring.append(ring.pop(0))  # the oldest buffer, now the newest
         self.host = ring[-1]
         self.host.copy_(flags, non_blocking=True)  # waits for nothing on a GPU
-        self.event = None
         if flags.is_cuda:
             self.event = torch.cuda.Event()
             self.event.record()
+        self.flags = None
+
+    @classmethod
+    def send_together(cls, verdicts: Sequence[Verdict], keep: dict) -> None:
+        """Verdicts made unsent (``ring=None``: a DDP hook's, one a bucket) on their way to the host in one
+        copy: their flags stacked on the device into a buffer kept in ``keep`` (the caller's, one per count and
+        shape, so that nothing is allocated a step), that copied into pinned memory once, and each verdict
+        reading its row of it. The flags' buffers are the collectives' own, which their next call rewrites:
+        send them before it begins (the stream orders the copy first)."""
+        unsent: dict[tuple, list[Verdict]] = {}
+        for v in verdicts:
+            if v.host is None:
+                unsent.setdefault((v.flags.shape, v.flags.dtype, v.flags.device), []).append(v)
+        for (shape, dtype, device), group in unsent.items():
+            key = (len(group), shape, dtype, device)
+            bufs = keep.get(key)
+            if bufs is None:  # the host buffers with their rows' views, made once
+                stacked = torch.empty((len(group), *shape), dtype=dtype, device=device)
+                bufs = keep[key] = (stacked, [(h, list(h)) for h in cls.buffers(stacked)])
+            stacked, ring = bufs
+            ring.append(ring.pop(0))  # the oldest buffers, now the newest
+            host, rows = ring[-1]
+            if len(group) == 1:  # nothing to stack: its flags go as they are
+                rows[0].copy_(group[0].flags, non_blocking=True)
+            else:
+                torch.stack([v.flags for v in group], out=stacked)
+                host.copy_(stacked, non_blocking=True)
+            event = None
+            if device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+            for v, row in zip(group, rows, strict=True):
+                v.host, v.event, v.flags = row, event, None
 
     def ready(self) -> bool:
         """The flags have reached the host (no wait)."""
+        self._check_sent()
         return self.event is None or self.event.query()
+
+    def _check_sent(self) -> None:
+        if self.host is None:
+            raise RuntimeError("Verdict: its flags were never sent to the host (Verdict.send_together)")
 
     def read(self) -> tuple[bool, list]:
         """(every call's input finite, the collectives whose previous server scales were not); waits for
@@ -105,12 +149,13 @@ class Verdict:
     def values(self) -> np.ndarray:
         """The copied flags (or any small tensor given as ``flags``) as they reached the host; waits for the
         copy if it has not arrived yet."""
+        self._check_sent()
         if self.event is not None:
             self.event.synchronize()
         return self.host.numpy()
 
 
-def check_together(calls: Sequence[CompressedAllreduce]) -> Verdict | None:
+def check_together(calls: Sequence[CompressedAllreduce], *, send: bool = True) -> Verdict | None:
     """The agreements of begun calls read from the device once for all of them, where
     :meth:`~.allreduce.CompressedAllreduce.send` reads them one call at a time, a wait for the device
     each: the gathered signatures of the calls with a round (several ranks), in one read; the local flags of those
@@ -123,13 +168,14 @@ def check_together(calls: Sequence[CompressedAllreduce]) -> Verdict | None:
     ``skip_on_device``, with several ranks a collective verified once), nothing is read: the flags (with
     several ranks every rank's, from the gathered signatures) are ANDed on the device into ``go``, which
     every call's encodes and its decode are predicated on, and the returned :class:`Verdict` brings them
-    to the host a step later."""
+    to the host a step later; ``send=False``: not yet, the caller sends it with others
+    (:meth:`Verdict.send_together`)."""
     owners = {id(c.in_flight): c for c in calls if c.in_flight is not None and c.in_flight.phase == "begun"}
     begun = [c.in_flight for c in calls if id(c.in_flight) in owners]
     rounds = [call for call in begun if call.agreement.work is not None and call.agreement.host is None]
     alike = len({(c.agreement.allsig.device, c.agreement.allsig.shape) for c in rounds}) == 1  # stack as one
     if rounds and alike and len(rounds) == len(begun) and all(call.on_device for call in begun):
-        return _decide_gathered_on_device(calls[0], [(owners[id(call)], call) for call in rounds])
+        return _decide_gathered_on_device(calls[0], [(owners[id(call)], call) for call in rounds], send)
     if len(rounds) > 1 and alike:
         for call in rounds:
             call.agreement.work.wait()
@@ -148,7 +194,7 @@ def check_together(calls: Sequence[CompressedAllreduce]) -> Verdict | None:
     if len({t.shape for t in tensors}) > 1:  # flags of one element, some 0-d
         tensors = [t.reshape(()) for t in tensors]
     if device_side:
-        return _decide_on_device(calls[0], [(owners[id(call)], call) for call in local], tensors)
+        return _decide_on_device(calls[0], [(owners[id(call)], call) for call in local], tensors, send)
     stacked, every = _kept(calls[0], "_read_flags", tensors[0], len(tensors))
     torch.stack(tensors, out=stacked)
     if bool(torch.all(stacked, out=every)):  # one read
@@ -172,7 +218,7 @@ def _kept(owner: CompressedAllreduce, name: str, like: torch.Tensor, n: int,
 
 
 def _decide_on_device(owner: CompressedAllreduce, local: list[tuple[CompressedAllreduce, Call]],
-                      tensors: list[torch.Tensor]) -> Verdict:
+                      tensors: list[torch.Tensor], send: bool = True) -> Verdict:
     """The calls' flags ANDed into ``go`` on the device, every call predicated on it, and their way to the
     host begun. The buffers are ``owner``'s (the first call's collective), reused every step: the stream
     orders a step's writes after the last step's reads."""
@@ -191,10 +237,11 @@ def _decide_on_device(owner: CompressedAllreduce, local: list[tuple[CompressedAl
             if isinstance(f, torch.Tensor)]
     for _, call in local:
         call.agreement, call.go = Agreement(None, True), go
-    return Verdict(flat, what, ring)
+    return Verdict(flat, what, ring if send else None)
 
 
-def _decide_gathered_on_device(owner: CompressedAllreduce, rounds: list[tuple[CompressedAllreduce, Call]]) -> Verdict:
+def _decide_gathered_on_device(owner: CompressedAllreduce, rounds: list[tuple[CompressedAllreduce, Call]],
+                               send: bool = True) -> Verdict:
     """:func:`_decide_on_device` with several ranks: ``go`` from the gathered signatures' last two fields
     (every rank's previous server scales finite, its input finite), the same on every rank. Waiting for a
     gather makes the stream wait for it on NCCL, the host for its bytes on gloo: neither reads the device."""
@@ -228,4 +275,4 @@ def _decide_gathered_on_device(owner: CompressedAllreduce, rounds: list[tuple[Co
     for collective, call in rounds:
         call.agreement, call.go = Agreement(None, True), go
         collective.any_flag, collective.flag_values = False, [0] * collective.world_size
-    return Verdict(shown, what, ring, gathered=True)
+    return Verdict(shown, what, ring if send else None, gathered=True)

@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from ..comm import Topology, Wire
+from ..comm import Topology, Verdict, Wire
 from ..comm.sharding import sharded_kind
 from ..compress.kernels import apply_thread_budget
 from .buckets import Bucket, BucketState
@@ -177,6 +177,7 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
         self.skipped_steps = 0  #: steps skipped for a non-finite gradient (policy "skip")
         self._device_steps: list = []  # steps decided on the device whose verdict the host has not read
         self._verdict = None  # the last sync's, if it was decided on the device
+        self._verdict_bufs: dict = {}  # what the hook's verdicts go to the host through (Verdict.send_together)
         self._skip_run: list[int] = []  # optimizer steps of the current run of skips
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -377,6 +378,7 @@ class CompressedOptimizer(SyncPlumbing, BucketState, NonFinitePolicy, DDPHookPat
         self._finish_updates()
         if self._verdict is not None:
             decided.append((self._verdict, counted))
+        Verdict.send_together([v for v, _ in decided], self._verdict_bufs)  # DDP's hook's, one copy for all
         if decided:  # settle_device_skips learns a step later what the device decided
             self._device_steps.append(DeviceStep(decided, self._step))
         else:

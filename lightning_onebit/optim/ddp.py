@@ -126,8 +126,9 @@ class DDPHookPath:
                 if self._ddp_find_unused and not bool(g.any()):
                     s.pending += self._snapshot(ob, [i])
                 s.ready += 1
-                if s.ready == len(ob.params):  # decided on the device where it can be: step() reads the verdict
-                    s.verdict = sync_together(self, [(s, None, None)])
+                if s.ready == len(ob.params):  # decided on the device where it can be: step() sends the
+                    # buckets' verdicts to the host in one copy, and reads them a step later
+                    s.verdict = sync_together(self, [(s, None, None)], send_verdict=False)
         return ready_future(buf)
 
     def _warmup_future(self, bucket: GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -263,7 +263,7 @@ class BucketSync:
 
 
 def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequence | None, torch.Tensor | None]],
-                  *, carry_finite: bool = False) -> Verdict | None:
+                  *, carry_finite: bool = False, send_verdict: bool = True) -> Verdict | None:
     """The compressed syncs of several buckets on this rank's gradients, ``(sync, grad, finite)`` each, their
     calls' phases interleaved (:meth:`CompressedAllreduce.begin <lightning_onebit.comm.CompressedAllreduce.begin>`):
     every call's agreement goes on the wire, then each call is encoded and sent, relayed by its server, and
@@ -280,7 +280,8 @@ def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequen
     Returns the :class:`~lightning_onebit.comm.Verdict` of calls decided on the device (``skips_on_device``,
     the cuda backend, with several ranks once each collective was verified: nothing was read, every write
     predicated on their flags), else None; the caller keeps it for ``settle_device_skips``, which reads it a
-    step later."""
+    step later. ``send_verdict=False``: its flags are not sent to the host yet (DDP's hook: ``step()`` sends its
+    buckets' in one copy, :meth:`Verdict.send_together <lightning_onebit.comm.Verdict.send_together>`)."""
     begun: list[tuple[BucketSync, Sequence]] = []
     # until the first call's agreement is past, a NaN it found (with ``finite`` or ``carry_finite``: on any
     # rank, in any gradient) has changed no state: the step is skipped everywhere
@@ -304,7 +305,7 @@ def sync_together(algorithm: Algorithm, calls: Sequence[tuple[BucketSync, Sequen
                 agreed = True
         if begun:  # the calls' agreements read from the device once, not once (twice at world size 1) a call
             with begun[0][0].failure():
-                verdict = check_together([s.comm for s, _ in begun])
+                verdict = check_together([s.comm for s, _ in begun], send=send_verdict)
         for phase in ("send", "relay"):
             for s, _ in begun:
                 with nonfinite_is_gradient_error(owner), s.failure():
