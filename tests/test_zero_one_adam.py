@@ -446,6 +446,49 @@ def test_a_local_step_on_a_device_reads_nothing_and_takes_the_cpus_bits(monkeypa
         assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
+
+def test_one_ranks_local_step_on_a_device_drops_a_nan_over_its_buckets_with_the_cpus_bits(monkeypatch):
+    """The same with one rank's own gradients (no simulated workers): its buckets' gradients are slices of one
+    buffer, which the flag zeroes in one op where a NaN came (all the slices, none of the memory around them), with
+    the CPU's bits through the NaN, a missing gradient and the synchronisations."""
+    import lightning_onebit.optim.functional as functional
+    import lightning_onebit.optim.local_steps as local_steps
+
+    runs = {}
+    for path in ("cpu", "device"):
+        if path == "device":
+            monkeypatch.setattr(local_steps, "flags_stay_on_device", lambda device: True)
+            monkeypatch.setattr(functional, "_fusable", lambda *tensors: False)
+        model = _model()
+        opt = ZeroOneAdam(model.parameters(), lr=3e-3, weight_decay=0.01, bucket_cap_mb=0.002, **SMALL)
+        opt.set_nonfinite_policy("skip")
+        for t in range(1, 27):
+            x, y = _batch(t, 0)
+            model.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(x), y)
+            (loss * float("nan") if t == 21 else loss).backward()
+            if t == 15:
+                list(model.parameters())[-1].grad = None
+            opt.step()
+        assert len(opt._buckets) > 2 and opt._buckets[0].grad._base is opt._buckets[-1].grad._base
+        runs[path] = ([p.detach().clone() for p in model.parameters()], opt.dropped_gradients,
+                      [{k: v.clone() for k, v in b.flat.items()} for b in opt._buckets])
+    (cpu, cpu_dropped, cpu_flat), (dev, dev_dropped, dev_flat) = runs["cpu"], runs["device"]
+    assert cpu_dropped == dev_dropped == 1 and all(torch.isfinite(p).all() for p in dev)
+    assert all(torch.equal(p, q) for p, q in zip(cpu, dev, strict=True))
+    for a, b in zip(cpu_flat, dev_flat, strict=True):
+        assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_spans_cover_their_buffers_and_nothing_between():
+    from lightning_onebit.optim.buckets import spans
+
+    arena, other = torch.zeros(10), torch.zeros(2)
+    a, b, c = arena[0:3], arena[3:5], arena[6:9]  # a and b adjacent, a gap before c
+    views = spans([a, b, c, other])
+    assert [(v.data_ptr(), v.numel()) for v in views] == [(a.data_ptr(), 5), (c.data_ptr(), 3), (other.data_ptr(), 2)]
+    assert [(v.data_ptr(), v.numel()) for v in spans([b, a])] == [(b.data_ptr(), 2), (a.data_ptr(), 3)]
+
 def test_bf16_parameters_take_the_local_steps_of_their_fp32_values():
     """bf16 parameters (``bf16-true``): their gradients reach the fp32 moments through the bucket's fp32
     buffers, so m and u are bit for bit those of fp32 parameters fed the same gradients, through local steps

@@ -66,7 +66,7 @@ class Bucket:
     """A fixed group of parameters that is synchronised and updated as one flat vector."""
 
     def __init__(self, index: int, group_index: int, params: list[torch.Tensor], ids: list[int],
-                 via_ddp: bool) -> None:
+                 via_ddp: bool, grad: torch.Tensor | None = None) -> None:
         self.index = index
         self.group_index = group_index
         self.params = params
@@ -80,7 +80,8 @@ class Bucket:
         self.device = dev
         self.via_ddp = via_ddp  # DDP's comm hook delivers this bucket's gradients
         self.flat: dict[str, torch.Tensor] = {}
-        self.grad = flat_buffer(self.numel, device=dev)  # local gradient
+        # local gradient (``grad``: a slice of a buffer the optimizer made for several buckets)
+        self.grad = flat_buffer(self.numel, device=dev) if grad is None else grad
         self._synced: torch.Tensor | None = None
         self._worker_bufs: dict[str, list[torch.Tensor]] = {}  # kept across steps: fresh buffers cost page faults
         self.cache: dict = {}  # per-bucket values that only change at the switch (see subclasses)
@@ -224,8 +225,9 @@ class BucketState:
                 size += n
             if cur:
                 runs.append((gi, cur))
-        new = [Bucket(len(self._buckets) + k, gi, ps, [ids[id(q)] for q in ps], via_ddp=id(ps[0]) in self._ddp_params)
-               for k, (gi, ps) in enumerate(runs)]
+        grads = _slices([(ps[0].device, sum(p.numel() for p in ps)) for _, ps in runs])
+        new = [Bucket(len(self._buckets) + k, gi, ps, [ids[id(q)] for q in ps], via_ddp=id(ps[0]) in self._ddp_params,
+                      grad=grad) for k, ((gi, ps), grad) in enumerate(zip(runs, grads, strict=True))]
         late = self._nbucketed > 0 and self._compressing and self.has_warmup
         for b in new:
             b.sync = self._bucket_sync(b)
@@ -301,3 +303,38 @@ class BucketState:
     def _restore(saved: Iterable[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
         for _, view, value in saved:
             view.copy_(value)
+
+
+def _slices(sizes: list[tuple[torch.device, int]]) -> list[torch.Tensor]:
+    """Consecutive slices of one zeroed fp32 buffer per device, one ``(device, numel)`` each: the buckets' local
+    gradients, so that an op over several buckets' gradients is one op over the slice spanning them
+    (:func:`spans`). The same memory as a buffer each."""
+    total: dict[torch.device, int] = {}
+    for dev, n in sizes:
+        total[dev] = total.get(dev, 0) + n
+    arena = {dev: flat_buffer(n, device=dev) for dev, n in total.items()}
+    at = dict.fromkeys(total, 0)
+    out = []
+    for dev, n in sizes:
+        out.append(arena[dev][at[dev]:at[dev] + n])
+        at[dev] += n
+    return out
+
+
+def spans(bufs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Flat views that cover ``bufs`` (flat, in order) with one view per run of them lying one right after
+    another in one buffer (the buckets' gradients, :func:`_slices`): an elementwise op on the views is the op on
+    every buffer, in fewer launches."""
+    out: list[torch.Tensor] = []
+    start, end = None, None
+    for t in list(bufs) + [None]:
+        if (t is not None and start is not None and t.untyped_storage().data_ptr() == start.untyped_storage().data_ptr()
+                and t.dtype == start.dtype and t.storage_offset() == end):
+            end += t.numel()
+            continue
+        if start is not None:
+            base = start if start._base is None else start._base
+            out.append(base.view(-1)[start.storage_offset() - base.storage_offset():end - base.storage_offset()])
+        if t is not None:
+            start, end = t, t.storage_offset() + t.numel()
+    return out

@@ -19,7 +19,7 @@ import torch
 from ..comm import Verdict, all_finite, nonfinite_flags_, rank
 from ..compress import Source, flat_buffer
 from ..compress.source import Sink
-from .buckets import Bucket
+from .buckets import Bucket, spans
 from .functional import decoupled_update_, local_adam_step_, local_fusable
 from .nonfinite import DeviceStep, NonFiniteGradientError
 from .sync import nonfinite_is_gradient_error, sync_together
@@ -185,11 +185,15 @@ class LocalSteps:
             fb = self._flag_buffers = (torch.empty(n, dtype=torch.bool, device=dev),
                                        torch.empty(n, dtype=torch.float32, device=dev),
                                        torch.ones((), dtype=torch.float32, device=dev))
-        bad = nonfinite_flags_(fb[0], [[f[w] for f in flats] for w in range(n)], fb[1], fb[2])
-        flags = bad.unbind()
-        for bufs in flats:
-            for flag, flat in zip(flags, bufs, strict=True):
-                flat.masked_fill_(flag, 0.0)  # NaN * 0 is NaN: a product by the flag would keep them
+        per_worker = [[f[w] for f in flats] for w in range(n)]
+        bad = nonfinite_flags_(fb[0], per_worker, fb[1], fb[2])
+        key = (bad.data_ptr(), *((t.data_ptr(), t.numel()) for bufs in per_worker for t in bufs))
+        kept = self.__dict__.get("_fill_spans")
+        if kept is None or kept[0] != key:  # the buckets' gradients are slices of one buffer: one span a worker
+            kept = self._fill_spans = (key, bad.unbind(), [spans(bufs) for bufs in per_worker])
+        for flag, views in zip(kept[1], kept[2], strict=True):
+            for view in views:
+                view.masked_fill_(flag, 0.0)  # NaN * 0 is NaN: a product by the flag would keep them
         return flats, bad
 
     def _move_unsynced(self, buckets: list[Bucket]) -> None:
