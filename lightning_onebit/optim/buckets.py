@@ -332,9 +332,9 @@ def spans(bufs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
                 and t.dtype == start.dtype and t.storage_offset() == end):
             end += t.numel()
             continue
-        if start is not None:
-            base = start if start._base is None else start._base
-            out.append(base.view(-1)[start.storage_offset() - base.storage_offset():end - base.storage_offset()])
+        if start is not None:  # the run's memory as one flat view of the storage
+            out.append(start.new_empty(0).set_(start.untyped_storage(), start.storage_offset(),
+                                               (end - start.storage_offset(),), (1,)))
         if t is not None:
             start, end = t, t.storage_offset() + t.numel()
     return out
