@@ -81,12 +81,8 @@ class Verdict:
             self._send(flags, ring)
 
     def _send(self, flags: torch.Tensor, ring: list[torch.Tensor]) -> None:
-        ring.append(ring.pop(0))  # the oldest buffer, now the newest
-        self.host = ring[-1]
-        self.host.copy_(flags, non_blocking=True)  # waits for nothing on a GPU
-        if flags.is_cuda:
-            self.event = torch.cuda.Event()
-            self.event.record()
+        self.host = _rotate(ring)
+        self.event = _to_host(self.host, flags)
         self.flags = None
 
     @classmethod
@@ -107,17 +103,12 @@ class Verdict:
                 stacked = torch.empty((len(group), *shape), dtype=dtype, device=device)
                 bufs = keep[key] = (stacked, [(h, list(h)) for h in cls.buffers(stacked)])
             stacked, ring = bufs
-            ring.append(ring.pop(0))  # the oldest buffers, now the newest
-            host, rows = ring[-1]
+            host, rows = _rotate(ring)
             if len(group) == 1:  # nothing to stack: its flags go as they are
-                rows[0].copy_(group[0].flags, non_blocking=True)
+                event = _to_host(rows[0], group[0].flags)
             else:
                 torch.stack([v.flags for v in group], out=stacked)
-                host.copy_(stacked, non_blocking=True)
-            event = None
-            if device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record()
+                event = _to_host(host, stacked)
             for v, row in zip(group, rows, strict=True):
                 v.host, v.event, v.flags = row, event, None
 
@@ -153,6 +144,23 @@ class Verdict:
         if self.event is not None:
             self.event.synchronize()
         return self.host.numpy()
+
+
+def _rotate(ring: list) -> Any:
+    """The oldest of a ring's buffers, made the newest."""
+    ring.append(ring.pop(0))
+    return ring[-1]
+
+
+def _to_host(dst: torch.Tensor, src: torch.Tensor) -> torch.cuda.Event | None:
+    """``src`` copied into host memory ``dst`` without waiting for the device (pinned on a GPU), and the event
+    recorded after the copy on a GPU (None elsewhere: the copy has happened)."""
+    dst.copy_(src, non_blocking=True)
+    if not src.is_cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
 
 
 def check_together(calls: Sequence[CompressedAllreduce], *, send: bool = True) -> Verdict | None:
