@@ -16,10 +16,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from ..comm import Verdict, all_finite, nonfinite_flags_, rank
+from ..comm import Verdict, all_finite, rank
 from ..compress import Source, flat_buffer
 from ..compress.source import Sink
-from .buckets import Bucket, spans
+from .buckets import Bucket
 from .functional import decoupled_update_, local_adam_step_, local_fusable
 from .nonfinite import DeviceStep, NonFiniteGradientError
 from .sync import nonfinite_is_gradient_error, sync_together
@@ -38,7 +38,7 @@ def flags_stay_on_device(device: torch.device) -> bool:
 
 class LocalSteps:
     """Mixin: the local steps, synchronisations and replicas of phase B (see the module docstring).
-    Expects :class:`~lightning_onebit.optim.ZeroOneAdam`'s state (``_acc``, ``_bad``, ``_flag_buffers``, ``_local``,
+    Expects :class:`~lightning_onebit.optim.ZeroOneAdam`'s state (``_acc``, ``_bad``, ``_local_grads``, ``_local``,
     ``_replicas``, ``_since_sync``, ``_kind``, ``local_state``) and its ``_mask``/``_denominator``."""
 
     # -- phase B: local steps and synchronisations -------------------------------------------
@@ -97,7 +97,7 @@ class LocalSteps:
         # fp32 buffers also where the CPU's kernels do not take the tensors (bf16 parameters and gradients)
         if flags_stay_on_device(dev) or not all(local_fusable(b.params, [g for gs in ws for g in gs])
                                                 for b, ws in zip(buckets, grads, strict=True)):
-            flats, bad = self._flat_gradients(buckets, grads)
+            flats, bad = self._local_grads.gather(buckets, grads)
         else:  # reading the flags is free and spares a pass over the gradients
             finite = [[all_finite(g) for ws in grads for g in ws[w] if g is not None] for w in range(n)]
             bad = torch.stack([~torch.stack(f).all() if f else torch.zeros((), dtype=torch.bool, device=dev)
@@ -156,45 +156,6 @@ class LocalSteps:
                 raise
         self.comm_counter.end_step()
         self.intra_node_counter.end_step()
-
-    def _flat_gradients(self, buckets: list[Bucket], grads) -> tuple[list[list[torch.Tensor]], torch.Tensor]:
-        """Where a read of a flag would wait for the device: each worker's gradients of each bucket copied
-        into one fp32 buffer of the bucket's (zeros for a missing gradient; one foreach copy), and the
-        workers' flags (a NaN/inf anywhere in a worker's gradients), decided in one check per worker; a
-        flagged worker's buffers are then zeroed on the device, by the flag, with no read. The copies and zeros
-        are one foreach op each for all buckets."""
-        flats, zeros, targets, sources = [], [], [], []
-        for b, ws in zip(buckets, grads, strict=True):
-            bufs = [b.grad] if len(ws) == 1 else b.worker_buffers("local gradient", len(ws))
-            for w, (flat, gs) in enumerate(zip(bufs, ws, strict=True)):
-                views = b.kept_views("grad" if flat is b.grad else f"local gradient {w}", flat)
-                for view, g in zip(views, gs, strict=True):
-                    if g is None:
-                        zeros.append(view)
-                    else:
-                        targets.append(view)
-                        sources.append(g)
-            flats.append(bufs)
-        if zeros:
-            torch._foreach_zero_(zeros)
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        n, dev = len(grads[0]), flats[0][0].device
-        fb = self._flag_buffers
-        if fb is None or fb[0].device != dev or fb[0].numel() != n:  # made once: no allocation a local step
-            fb = self._flag_buffers = (torch.empty(n, dtype=torch.bool, device=dev),
-                                       torch.empty(n, dtype=torch.float32, device=dev),
-                                       torch.ones((), dtype=torch.float32, device=dev))
-        per_worker = [[f[w] for f in flats] for w in range(n)]
-        bad = nonfinite_flags_(fb[0], per_worker, fb[1], fb[2])
-        key = (bad.data_ptr(), *((t.data_ptr(), t.numel()) for bufs in per_worker for t in bufs))
-        kept = self.__dict__.get("_fill_spans")
-        if kept is None or kept[0] != key:  # the buckets' gradients are slices of one buffer: one span a worker
-            kept = self._fill_spans = (key, bad.unbind(), [spans(bufs) for bufs in per_worker])
-        for flag, views in zip(kept[1], kept[2], strict=True):
-            for view in views:
-                view.masked_fill_(flag, 0.0)  # NaN * 0 is NaN: a product by the flag would keep them
-        return flats, bad
 
     def _move_unsynced(self, buckets: list[Bucket]) -> None:
         """The parameter half of this step's local update, for the buckets that were not synchronised."""

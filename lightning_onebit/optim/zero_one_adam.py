@@ -13,6 +13,7 @@ from ..compress import flat_buffer
 from .base import CompressedOptimizer, check_hyperparameters
 from .buckets import Bucket
 from .fractions import check_steps, steps_of_run
+from .local_gradients import LocalGradients
 from .local_steps import LocalSteps
 from .onebit_adam import _bias_correction
 from .zero_one_schedule import STEP_KINDS, ZeroOneSchedule
@@ -142,7 +143,7 @@ class ZeroOneAdam(LocalSteps, CompressedOptimizer):
         self._acc: dict[int, list] = {}  # bucket index -> [per-parameter sum of step sizes, weight-decay product]
         self._bad: torch.Tensor | None = None  # per (simulated) worker: gradients dropped since the last sync
         self._count_ring: list[torch.Tensor] | None = None  # pinned buffers the counts reach the host in (a GPU)
-        self._flag_buffers: tuple[torch.Tensor, ...] | None = None  # a local step's finiteness flags and scratch
+        self._local_grads = LocalGradients()  # a GPU's local step: the gradients' buffers and finiteness flags
         self._replicas: list[dict[int, dict[str, torch.Tensor]]] = []  # simulation: workers 1.. (0 is the model)
 
     @property
