@@ -151,7 +151,7 @@ def test_counter_tells_host_from_device_data():
 # workers' finiteness check, written into buffers made once, a flagged worker's gradients zeroed (the buckets'
 # gradients are slices of one buffer: one op), the moments' two foreach ops and the parameters' two, and the flags
 # added to the interval's counts
-LOCAL_PER_BUCKET, LOCAL_PER_STEP, LOCAL_ALLOCATIONS = 0, 11, 0
+LOCAL_PER_BUCKET, LOCAL_PER_STEP, LOCAL_ALLOCATIONS = 0, 10, 0
 # and what a synchronising step adds to them (its parameters are not moved: -2 a step): per bucket the new factors,
 # made on the host and copied without a wait (the anchor's update is the decode kernel's, predicated on the calls'
 # flags) and, with several ranks, the gathered server scales' flag, which rides in the next call's agreement; per

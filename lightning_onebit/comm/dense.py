@@ -131,14 +131,16 @@ def all_finite_many(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def nonfinite_flags_(flags: torch.Tensor, groups: Sequence[Sequence[torch.Tensor]], found: torch.Tensor,
-                     one: torch.Tensor) -> torch.Tensor:
+                     one: torch.Tensor, found_rows: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """``flags[i]`` (bool) <- some element of ``groups[i]`` (fp32 tensors on ``flags``' device) is NaN or inf,
     with no allocation: :func:`all_finite_many`'s foreach check per group, into ``found[i]`` (fp32 scratch, one
-    per group) with ``one`` (an fp32 1) as its scale, buffers the caller keeps. Returns ``flags``."""
+    per group) with ``one`` (an fp32 1) as its scale, buffers the caller keeps; ``found_rows``: ``found``'s
+    elements as views the caller keeps too (else made here, an op each). Returns ``flags``."""
     found.zero_()
-    for i, ts in enumerate(groups):
+    rows = found.unbind() if found_rows is None else found_rows
+    for row, ts in zip(rows, groups, strict=True):
         if ts:
-            torch._amp_foreach_non_finite_check_and_unscale_(list(ts), found[i], one)
+            torch._amp_foreach_non_finite_check_and_unscale_(list(ts), row, one)
     return torch.gt(found, 0, out=flags)
 
 

@@ -21,7 +21,7 @@ class LocalGradients:
     buckets, the number of workers or the flags' device change."""
 
     def __init__(self) -> None:
-        self._flags: tuple[torch.Tensor, ...] | None = None  # flags, and the check's scratch
+        self._flags: tuple | None = None  # flags, the check's scratch and its views
         self._buckets: list[Bucket] = []  # the buckets the zeroing's views below were made for
         self._fill: tuple[tuple[torch.Tensor, ...], list[list[torch.Tensor]]] | None = None  # per worker: flag, spans
 
@@ -48,12 +48,12 @@ class LocalGradients:
         n, dev = len(grads[0]), flats[0][0].device
         fb = self._flags
         if fb is None or fb[0].device != dev or fb[0].numel() != n:  # made once: no allocation a local step
-            fb = self._flags = (torch.empty(n, dtype=torch.bool, device=dev),
-                                torch.empty(n, dtype=torch.float32, device=dev),
-                                torch.ones((), dtype=torch.float32, device=dev))
+            found = torch.empty(n, dtype=torch.float32, device=dev)
+            fb = self._flags = (torch.empty(n, dtype=torch.bool, device=dev), found,
+                                torch.ones((), dtype=torch.float32, device=dev), found.unbind())
             self._fill = None
         per_worker = [[f[w] for f in flats] for w in range(n)]
-        bad = nonfinite_flags_(fb[0], per_worker, fb[1], fb[2])
+        bad = nonfinite_flags_(fb[0], per_worker, fb[1], fb[2], fb[3])
         # a bucket's buffers change only with the bucket and the number of workers (checked above)
         if (self._fill is None or len(self._buckets) != len(buckets)
                 or any(a is not b for a, b in zip(self._buckets, buckets, strict=True))):
