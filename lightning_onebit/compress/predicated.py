@@ -57,6 +57,12 @@ class Predicated:
         backend = self._backend(sink.denom.device)
         return bool(getattr(backend, "PREDICATES", False)) and backend.accepts_sink(sink)
 
+    def gathers_ends(self, device: torch.device) -> bool:
+        """Whether a :class:`~.source.Source`'s per-tensor ends are copied into one flat buffer before this codec's
+        kernels on ``device`` read them (every backend but the CPU's numba kernels, which read each where it is):
+        a caller that holds them in one buffer already spares each call that copy."""
+        return not getattr(self._backend(device), "READS_ENDS_IN_PLACE", False)
+
     def predicates(self, device: torch.device) -> bool:
         """Whether this codec's kernels on ``device`` take ``go=`` (the cuda backend)."""
         return bool(getattr(self._backend(device), "PREDICATES", False))

@@ -267,6 +267,24 @@ class BucketState:
                     raise ValueError(f"{type(self).__name__} does not support sparse gradients")
                 view.copy_(p.grad)
 
+    def _gather_grads_together(self, buckets: Sequence[Bucket]) -> None:
+        """:meth:`_gather_grads` of several buckets as one foreach copy (and one zeroing) for all of them, into
+        views each bucket keeps: on a GPU one launch, not one a bucket."""
+        zeros, targets, sources = [], [], []
+        for b in buckets:
+            for p, view in zip(b.params, b.grad_views(), strict=True):
+                if p.grad is None:
+                    zeros.append(view)
+                elif p.grad.is_sparse:
+                    raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+                else:
+                    targets.append(view)
+                    sources.append(p.grad)
+        if zeros:
+            torch._foreach_zero_(zeros)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+
     def _own_grads(self, b: Bucket) -> list[torch.Tensor | None]:
         """The parameters' gradients where they are (a payload :class:`~..compress.source.Source` reads
         them in place: no copy into the bucket)."""

@@ -174,24 +174,33 @@ class SyncPlumbing:
         compressed call's agreement, which raises :class:`SkippedEverywhere` on every rank if not;
         ``carry_finite``: the calls' own scale reductions check it instead (:func:`.sync.sync_together`)."""
         has_all = self._has_grad(buckets, worker_grads)
+
+        def in_place(b: Bucket) -> bool:  # a compressed sync whose payload reads the gradients where they are
+            return b.compressing and self.payload_reads_grads and not b.sync.done and not (b.via_ddp and b.sync.ready)
+
+        # the CPU's kernels read each gradient where it is; a GPU's read one flat buffer, which each bucket's call
+        # would fill with a copy of its own: all buckets' gradients go into their buffers in one copy instead
+        flat = [b for b, has in zip(buckets, has_all, strict=True) if worker_grads is None and in_place(b)
+                and any(has) and _gathers_ends(b)]
+        if flat:
+            self._gather_grads_together(flat)
+        flat_ids = {id(b) for b in flat}
         plan, calls = [], []
         for b, has in zip(buckets, has_all, strict=True):
-            # a compressed sync whose payload reads the gradients where they are copies none of them
             s = b.sync
-            in_place = (b.compressing and self.payload_reads_grads and not s.done
-                        and not (b.via_ddp and s.ready))
             wflat = None
             if worker_grads is not None:
-                wflat = ([[wg[i] for i in b.ids] for wg in worker_grads] if in_place
+                wflat = ([[wg[i] for i in b.ids] for wg in worker_grads] if in_place(b)
                          else self._worker_flat(b, worker_grads))
-            own = self._own_grads(b) if in_place and wflat is None else None
+            gathered = id(b) in flat_ids
+            own = self._own_grads(b) if in_place(b) and wflat is None and not gathered else None
             # a warm-up whose gradient is averaged already (one rank, or DDP's allreduce) may run on
             # the parameters' own gradients: no copy into the bucket
             direct = None
             averaged = self.world_size == 1 or b.via_ddp  # DDP's hook averaged it (dense, or as codes)
             if wflat is None and not b.compressing and averaged and any(has):
                 direct = self._warmup_on_own_grads(b, has)
-            if (wflat is None and direct is None and own is None and not s.done
+            if (wflat is None and direct is None and own is None and not s.done and not gathered
                     and not (b.via_ddp and b.compressing and s.ready)):
                 self._gather_grads(b)
             skipped = [i for i, h in enumerate(has) if not h]
@@ -222,3 +231,10 @@ class SyncPlumbing:
             plan.append((b, has, grad, saved))
         self._verdict = sync_together(self, calls, carry_finite=carry_finite)
         return plan
+
+
+def _gathers_ends(b: Bucket) -> bool:
+    """Bucket ``b``'s compressed call would copy its payload's gradients into one flat buffer (its codec's kernels
+    read that, not each gradient where it is)."""
+    codec = getattr(b.sync.collective(), "codec", None)
+    return codec is not None and codec.gathers_ends(b.device)

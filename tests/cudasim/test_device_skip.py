@@ -177,8 +177,8 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _run(algorithm: str, *, nan_at: int = -1, omit: int = -1, steps: int = 5, policy: str = "skip",
-         backend: str = "cuda", monkeypatch=None, rank: int = 0, after_step=None):
+def _run(algorithm: str, *, nan_at: int = -1, omit: int = -1, no_grad_at: int = -1, steps: int = 5,
+         policy: str = "skip", backend: str = "cuda", monkeypatch=None, rank: int = 0, after_step=None):
     if monkeypatch is not None:
         monkeypatch.setenv("LIGHTNING_ONEBIT_BACKEND", backend)
     torch.manual_seed(0)
@@ -196,6 +196,8 @@ def _run(algorithm: str, *, nan_at: int = -1, omit: int = -1, steps: int = 5, po
             continue
         for p, gr in zip(params, grads, strict=True):
             p.grad = gr
+        if t == no_grad_at:
+            params[3].grad = None  # the LayerNorm's bias, which had a gradient the step before
         opt.step()
         seen.append((t, opt.skipped_steps, opt.optimizer_steps))
         if after_step is not None:
@@ -239,6 +241,18 @@ def test_a_nan_step_decided_on_the_device_changes_nothing(algorithm, monkeypatch
         assert cpu_seen[3] == (3, 1, 3), cpu_seen  # at once
         assert all(torch.equal(a, b) for a, b in zip(params, cpu_params, strict=True))
         assert cpu.skipped_steps == opt.skipped_steps == 1
+
+
+@pytest.mark.budget(30)  # two 5-step runs under the simulator
+def test_a_parameter_without_a_gradient_on_the_cuda_backend_has_the_cpus_bits(monkeypatch):
+    """A compressed step in which a parameter got no gradient, after a step skipped for its NaN: the cuda backend,
+    whose buckets' gradients are copied into their flat buffers first (zeros for it, not the last step's NaN), takes
+    the step the numba CPU backend takes reading each gradient where it is, bit for bit."""
+    cuda_params, cuda, _ = _run("OnebitAdam", nan_at=3, no_grad_at=4, monkeypatch=monkeypatch)
+    cpu_params, cpu, _ = _run("OnebitAdam", nan_at=3, no_grad_at=4, backend="numba", monkeypatch=monkeypatch)
+    assert cuda.optimizer_steps == cpu.optimizer_steps == 4 and cuda.skipped_steps == cpu.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(cuda_params, cpu_params, strict=True))
+    assert _same(cuda.state_dict()["state"], cpu.state_dict()["state"])
 
 
 def _rank_run(rank: int, world: int, nan_rank: int) -> tuple:

@@ -39,6 +39,8 @@ from .threads import parallel_and_serial, parallel_kernel
 
 #: ``reduce``/``encode`` evaluate a :class:`~..source.Source` and the rows' mean (``rows=``) in place
 FUSES_SOURCES = True
+#: a Source's per-tensor ends are read where they are, through their addresses (numba_source.pack)
+READS_ENDS_IN_PLACE = True
 
 
 # --- decode -------------------------------------------------------------------------------------
@@ -208,4 +210,5 @@ def mean_rows(x: torch.Tensor, out: torch.Tensor) -> None:
     _mean_rows(x.numel(), x.numpy(), out.numpy())
 
 
-__all__ = ["FUSES_SOURCES", "RowsMean", "accepts", "accepts_sink", "decode", "encode", "mean_rows", "reduce"]
+__all__ = ["FUSES_SOURCES", "READS_ENDS_IN_PLACE", "RowsMean", "accepts", "accepts_sink", "decode", "encode",
+           "mean_rows", "reduce"]
