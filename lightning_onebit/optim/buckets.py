@@ -17,7 +17,7 @@ import torch
 
 from ..compress import flat_buffer
 
-__all__ = ["Bucket", "BucketState", "drop_positions", "max_dropped_runs"]
+__all__ = ["Bucket", "BucketState", "copy_or_zero_", "drop_positions", "max_dropped_runs"]
 
 MAX_DROPPED_RUNS = 256  # the fewest runs a bucket of any size may drop as slices before it searches again
 # A slice costs as much as a search of ``v == 0`` over this many coordinates of the bucket (one CPU thread; the
@@ -270,20 +270,10 @@ class BucketState:
     def _gather_grads_together(self, buckets: Sequence[Bucket]) -> None:
         """:meth:`_gather_grads` of several buckets as one foreach copy (and one zeroing) for all of them, into
         views each bucket keeps: on a GPU one launch, not one a bucket."""
-        zeros, targets, sources = [], [], []
-        for b in buckets:
-            for p, view in zip(b.params, b.grad_views(), strict=True):
-                if p.grad is None:
-                    zeros.append(view)
-                elif p.grad.is_sparse:
-                    raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-                else:
-                    targets.append(view)
-                    sources.append(p.grad)
-        if zeros:
-            torch._foreach_zero_(zeros)
-        if targets:
-            torch._foreach_copy_(targets, sources)
+        grads = [p.grad for b in buckets for p in b.params]
+        if any(g is not None and g.is_sparse for g in grads):
+            raise ValueError(f"{type(self).__name__} does not support sparse gradients")
+        copy_or_zero_([v for b in buckets for v in b.grad_views()], grads)
 
     def _own_grads(self, b: Bucket) -> list[torch.Tensor | None]:
         """The parameters' gradients where they are (a payload :class:`~..compress.source.Source` reads
@@ -356,3 +346,14 @@ def spans(bufs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         if t is not None:
             start, end = t, t.storage_offset() + t.numel()
     return out
+
+
+def copy_or_zero_(views: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """``views[i] <- grads[i]``, zeros where a gradient is None: one foreach copy and one zeroing for all of them
+    (a launch each on a GPU, not one a tensor)."""
+    zeros = [v for v, g in zip(views, grads, strict=True) if g is None]
+    pairs = [(v, g) for v, g in zip(views, grads, strict=True) if g is not None]
+    if zeros:
+        torch._foreach_zero_(zeros)
+    if pairs:
+        torch._foreach_copy_([v for v, _ in pairs], [g for _, g in pairs])

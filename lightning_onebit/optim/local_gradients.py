@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import nonfinite_flags_
-from .buckets import Bucket, spans
+from .buckets import Bucket, copy_or_zero_, spans
 
 __all__ = ["LocalGradients"]
 
@@ -29,22 +29,14 @@ class LocalGradients:
         """``grads[bucket][worker]`` (a tensor or None each of the bucket's parameters) copied into each bucket's
         buffer of each worker (zeros for a missing gradient; one foreach copy for all buckets), with a flagged
         worker's buffers zeroed. Returns the buffers (``[bucket][worker]``) and the flags (bool, one a worker)."""
-        flats, zeros, targets, sources = [], [], [], []
+        flats, views, sources = [], [], []
         for b, ws in zip(buckets, grads, strict=True):
             bufs = [b.grad] if len(ws) == 1 else b.worker_buffers("local gradient", len(ws))
             for w, (flat, gs) in enumerate(zip(bufs, ws, strict=True)):
-                views = b.kept_views("grad" if flat is b.grad else f"local gradient {w}", flat)
-                for view, g in zip(views, gs, strict=True):
-                    if g is None:
-                        zeros.append(view)
-                    else:
-                        targets.append(view)
-                        sources.append(g)
+                views += b.kept_views("grad" if flat is b.grad else f"local gradient {w}", flat)
+                sources += gs
             flats.append(bufs)
-        if zeros:
-            torch._foreach_zero_(zeros)
-        if targets:
-            torch._foreach_copy_(targets, sources)
+        copy_or_zero_(views, sources)
         n, dev = len(grads[0]), flats[0][0].device
         fb = self._flags
         if fb is None or fb[0].device != dev or fb[0].numel() != n:  # made once: no allocation a local step
