@@ -257,19 +257,10 @@ class BucketState:
     def _steps(self, b: Bucket, key: str = "step") -> list[int]:
         return [self.state[p].get(key, 0) for p in b.params]
 
-    def _gather_grads(self, b: Bucket) -> None:
-        """Copy local gradients into ``b.grad`` (zeros for parameters without one)."""
-        for p, view in zip(b.params, b.views(b.grad), strict=True):
-            if p.grad is None:
-                view.zero_()
-            else:
-                if p.grad.is_sparse:
-                    raise ValueError(f"{type(self).__name__} does not support sparse gradients")
-                view.copy_(p.grad)
-
-    def _gather_grads_together(self, buckets: Sequence[Bucket]) -> None:
-        """:meth:`_gather_grads` of several buckets as one foreach copy (and one zeroing) for all of them, into
-        views each bucket keeps: on a GPU one launch, not one a bucket."""
+    def _gather_grads(self, buckets: Sequence[Bucket]) -> None:
+        """The local gradients of ``buckets`` copied into their ``b.grad`` (zeros for parameters without one), as
+        one foreach copy (and one zeroing) for all of them, into views each bucket keeps: on a GPU one launch, not
+        one a tensor."""
         grads = [p.grad for b in buckets for p in b.params]
         if any(g is not None and g.is_sparse for g in grads):
             raise ValueError(f"{type(self).__name__} does not support sparse gradients")

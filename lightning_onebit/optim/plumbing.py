@@ -166,6 +166,30 @@ class SyncPlumbing:
                 has[i], agreed = agreed[: len(has[i])], agreed[len(has[i]) :]
         return has
 
+    def _grad_route(self, b: Bucket, has: list[bool], worker_grads) -> tuple:
+        """How bucket ``b``'s gradients reach this step: (the simulated workers', or None; this rank's where they
+        are, or None; a warm-up's averaged ones where they are, or None; whether they are copied into ``b.grad``
+        first)."""
+        s = b.sync
+        # a compressed sync whose payload reads the gradients where they are copies none of them, unless its
+        # codec's kernels read one flat buffer (a GPU's): then the copy is this step's one for all buckets
+        in_place = b.compressing and self.payload_reads_grads and not s.done and not (b.via_ddp and s.ready)
+        wflat = None
+        if worker_grads is not None:
+            wflat = ([[wg[i] for i in b.ids] for wg in worker_grads] if in_place
+                     else self._worker_flat(b, worker_grads))
+        own = (self._own_grads(b) if in_place and wflat is None and not (any(has) and _gathers_ends(b))
+               else None)
+        # a warm-up whose gradient is averaged already (one rank, or DDP's allreduce) may run on
+        # the parameters' own gradients: no copy into the bucket
+        direct = None
+        averaged = self.world_size == 1 or b.via_ddp  # DDP's hook averaged it (dense, or as codes)
+        if wflat is None and not b.compressing and averaged and any(has):
+            direct = self._warmup_on_own_grads(b, has)
+        copy = (wflat is None and direct is None and own is None and not s.done
+                and not (b.via_ddp and b.compressing and s.ready))
+        return wflat, own, direct, copy
+
     def _synchronise(self, buckets: list[Bucket], worker_grads, finite: torch.Tensor | None = None, *,
                      carry_finite: bool = False) -> list[tuple]:
         """Pass 1 of a step: every bucket's gradient synchronised (a NaN anywhere raises before any
@@ -174,35 +198,14 @@ class SyncPlumbing:
         compressed call's agreement, which raises :class:`SkippedEverywhere` on every rank if not;
         ``carry_finite``: the calls' own scale reductions check it instead (:func:`.sync.sync_together`)."""
         has_all = self._has_grad(buckets, worker_grads)
-
-        def in_place(b: Bucket) -> bool:  # a compressed sync whose payload reads the gradients where they are
-            return b.compressing and self.payload_reads_grads and not b.sync.done and not (b.via_ddp and b.sync.ready)
-
-        # the CPU's kernels read each gradient where it is; a GPU's read one flat buffer, which each bucket's call
-        # would fill with a copy of its own: all buckets' gradients go into their buffers in one copy instead
-        flat = [b for b, has in zip(buckets, has_all, strict=True) if worker_grads is None and in_place(b)
-                and any(has) and _gathers_ends(b)]
-        if flat:
-            self._gather_grads_together(flat)
-        flat_ids = {id(b) for b in flat}
+        routes = [self._grad_route(b, has, worker_grads) for b, has in zip(buckets, has_all, strict=True)]
+        # the buckets that read their gradients from their own buffer: every one of them filled by one foreach copy
+        gather = [b for b, route in zip(buckets, routes, strict=True) if route[3]]
+        if gather:
+            self._gather_grads(gather)
         plan, calls = [], []
-        for b, has in zip(buckets, has_all, strict=True):
+        for b, has, (wflat, own, direct, _) in zip(buckets, has_all, routes, strict=True):
             s = b.sync
-            wflat = None
-            if worker_grads is not None:
-                wflat = ([[wg[i] for i in b.ids] for wg in worker_grads] if in_place(b)
-                         else self._worker_flat(b, worker_grads))
-            gathered = id(b) in flat_ids
-            own = self._own_grads(b) if in_place(b) and wflat is None and not gathered else None
-            # a warm-up whose gradient is averaged already (one rank, or DDP's allreduce) may run on
-            # the parameters' own gradients: no copy into the bucket
-            direct = None
-            averaged = self.world_size == 1 or b.via_ddp  # DDP's hook averaged it (dense, or as codes)
-            if wflat is None and not b.compressing and averaged and any(has):
-                direct = self._warmup_on_own_grads(b, has)
-            if (wflat is None and direct is None and own is None and not s.done and not gathered
-                    and not (b.via_ddp and b.compressing and s.ready)):
-                self._gather_grads(b)
             skipped = [i for i, h in enumerate(has) if not h]
             grad, saved = None, []
             if not any(has):
